@@ -1,0 +1,278 @@
+#!/usr/bin/env node
+'use strict';
+// splitspec drafter in Node.js: prompt-lookup n-gram drafts served over gRPC.
+//
+//   node index.js --port 50052
+//   node index.js --port 0 --port-file /tmp/port   # pick a free port
+//
+// The contract is loaded at runtime from the same .proto files the verifier
+// uses (../../protos by default); see protos/PROTOCOL.md for the semantics.
+
+const crypto = require('crypto');
+const fs = require('fs');
+const path = require('path');
+const { parseArgs } = require('util');
+
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const { HealthImplementation } = require('grpc-health-check');
+
+const { SequenceStore, StatusError } = require('./store');
+
+const NAME = 'node-ngram-drafter';
+const VERSION = require('./package.json').version;
+const SERVICE = 'splitspec.v1.DrafterService';
+
+const USAGE = `usage: node index.js [options]
+  --host HOST               interface to bind (default 0.0.0.0)
+  --port PORT               port to bind; 0 picks a free one (default 50052)
+  --port-file PATH          write the bound port to PATH once listening
+  --max-ngram N             longest suffix n-gram looked up (default 3)
+  --max-draft-len N         most draft tokens per sequence, 0 = no cap (default 8)
+  --vocab-size N            reject token ids >= N, 0 = any (default 0)
+  --max-sequences N         sequences held before LRU eviction (default 100000)
+  --idle-timeout-s S        drop sequences idle this long (default 300)
+  --grace-s S               graceful shutdown period on SIGTERM (default 5)
+  --max-message-mb N        largest request accepted (default 64)
+  --auth-token-file PATH    require "authorization: Bearer <token>" (also
+                            env SPLITSPEC_DRAFTER_AUTH_TOKEN)
+  --tls-cert-file PATH      serve TLS with this certificate chain ...
+  --tls-key-file PATH       ... and this private key
+  --tls-ca-file PATH        require client certificates signed by this CA (mTLS)
+  --proto-dir DIR           root of the splitspec .proto files (default ../../protos)
+  --quiet                   log only errors
+  -h, --help                show this help`;
+
+function parseCli(argv) {
+  const { values } = parseArgs({
+    args: argv,
+    options: {
+      host: { type: 'string', default: '0.0.0.0' },
+      port: { type: 'string', default: '50052' },
+      'port-file': { type: 'string' },
+      'max-ngram': { type: 'string', default: '3' },
+      'max-draft-len': { type: 'string', default: '8' },
+      'vocab-size': { type: 'string', default: '0' },
+      'max-sequences': { type: 'string', default: '100000' },
+      'idle-timeout-s': { type: 'string', default: '300' },
+      'grace-s': { type: 'string', default: '5' },
+      'max-message-mb': { type: 'string', default: '64' },
+      'auth-token-file': { type: 'string' },
+      'tls-cert-file': { type: 'string' },
+      'tls-key-file': { type: 'string' },
+      'tls-ca-file': { type: 'string' },
+      'proto-dir': { type: 'string', default: path.resolve(__dirname, '..', '..', 'protos') },
+      quiet: { type: 'boolean', default: false },
+      help: { type: 'boolean', short: 'h', default: false },
+    },
+    strict: true,
+  });
+  const int = (name, min) => {
+    const v = Number(values[name]);
+    if (!Number.isInteger(v) || v < min) throw new Error(`--${name} must be an integer >= ${min}, got ${values[name]}`);
+    return v;
+  };
+  const num = (name, min) => {
+    const v = Number(values[name]);
+    if (!Number.isFinite(v) || v < min) throw new Error(`--${name} must be a number >= ${min}, got ${values[name]}`);
+    return v;
+  };
+  return {
+    help: values.help,
+    host: values.host,
+    port: int('port', 0),
+    portFile: values['port-file'],
+    maxNgram: int('max-ngram', 1),
+    maxDraftLen: int('max-draft-len', 0),
+    vocabSize: int('vocab-size', 0),
+    maxSequences: int('max-sequences', 1),
+    idleTimeoutS: num('idle-timeout-s', 0.01),
+    graceS: num('grace-s', 0),
+    maxMessageMb: num('max-message-mb', 1),
+    authTokenFile: values['auth-token-file'],
+    tlsCertFile: values['tls-cert-file'],
+    tlsKeyFile: values['tls-key-file'],
+    tlsCaFile: values['tls-ca-file'],
+    protoDir: values['proto-dir'],
+    quiet: values.quiet,
+  };
+}
+
+function loadDrafterService(protoDir) {
+  const definition = protoLoader.loadSync('splitspec/v1/drafter.proto', {
+    includeDirs: [protoDir],
+    keepCase: true, // request_id, not requestId
+    longs: Number, // context_len is uint64; lengths stay far below 2^53
+    enums: String,
+    defaults: true,
+    oneofs: true,
+  });
+  return grpc.loadPackageDefinition(definition).splitspec.v1.DrafterService.service;
+}
+
+function serverCredentials(opts) {
+  if (!opts.tlsCertFile && !opts.tlsKeyFile && !opts.tlsCaFile) return grpc.ServerCredentials.createInsecure();
+  if (!opts.tlsCertFile || !opts.tlsKeyFile) throw new Error('TLS needs both --tls-cert-file and --tls-key-file');
+  const ca = opts.tlsCaFile ? fs.readFileSync(opts.tlsCaFile) : null;
+  return grpc.ServerCredentials.createSsl(
+    ca,
+    [{ cert_chain: fs.readFileSync(opts.tlsCertFile), private_key: fs.readFileSync(opts.tlsKeyFile) }],
+    Boolean(ca), // a CA means mutual TLS: client certificates are required
+  );
+}
+
+function readAuthToken(opts) {
+  if (opts.authTokenFile) return fs.readFileSync(opts.authTokenFile, 'utf8').trim() || null;
+  return (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim() || null;
+}
+
+// Wraps a unary handler: bearer auth, and StatusError / bugs -> gRPC status.
+function unary(handler, { token, log }) {
+  const expected = token ? Buffer.from(`Bearer ${token}`) : null;
+  return (call, callback) => {
+    if (expected) {
+      const got = Buffer.from(String(call.metadata.get('authorization')[0] || ''));
+      if (got.length !== expected.length || !crypto.timingSafeEqual(got, expected)) {
+        callback({ code: grpc.status.UNAUTHENTICATED, details: 'missing or wrong bearer token' });
+        return;
+      }
+    }
+    let response;
+    try {
+      response = handler(call.request);
+    } catch (err) {
+      if (err instanceof StatusError) {
+        callback({ code: err.code, details: err.message });
+      } else {
+        log.error(`internal error: ${err && err.stack ? err.stack : err}`);
+        callback({ code: grpc.status.INTERNAL, details: String(err && err.message ? err.message : err) });
+      }
+      return;
+    }
+    callback(null, response);
+  };
+}
+
+function makeLogger(quiet) {
+  const line = (level, msg) => process.stderr.write(`${new Date().toISOString()} ${level} ${NAME}: ${msg}\n`);
+  return { info: (msg) => { if (!quiet) line('INFO', msg); }, error: (msg) => line('ERROR', msg) };
+}
+
+function writePortFile(file, port) {
+  // Write then rename, so a reader never sees a half-written file.
+  const tmp = `${file}.${process.pid}.tmp`;
+  fs.writeFileSync(tmp, `${port}\n`);
+  fs.renameSync(tmp, file);
+}
+
+function main(argv) {
+  let opts;
+  try {
+    opts = parseCli(argv);
+  } catch (err) {
+    process.stderr.write(`${err.message}\n${USAGE}\n`);
+    return 2;
+  }
+  if (opts.help) {
+    process.stdout.write(`${USAGE}\n`);
+    return 0;
+  }
+  const log = makeLogger(opts.quiet);
+  const token = readAuthToken(opts);
+  const store = new SequenceStore({
+    maxNgram: opts.maxNgram,
+    maxDraftLen: opts.maxDraftLen,
+    vocabSize: opts.vocabSize,
+    maxSequences: opts.maxSequences,
+    idleTimeoutMs: opts.idleTimeoutS * 1000,
+  });
+
+  const maxBytes = Math.floor(opts.maxMessageMb * 1024 * 1024);
+  const server = new grpc.Server({
+    'grpc.max_receive_message_length': maxBytes,
+    'grpc.max_send_message_length': maxBytes,
+  });
+
+  // Health: NOT_SERVING until the port is bound, SERVING after, NOT_SERVING
+  // again while shutting down. Probes and the verifier read it.
+  const health = new HealthImplementation({ '': 'NOT_SERVING', [SERVICE]: 'NOT_SERVING' });
+  health.addToServer(server);
+  const setHealth = (status) => {
+    health.setStatus('', status);
+    health.setStatus(SERVICE, status);
+  };
+
+  const ctx = { token, log };
+  server.addService(loadDrafterService(opts.protoDir), {
+    GetDrafterInfo: unary(() => ({
+      name: NAME,
+      version: VERSION,
+      max_draft_len: opts.maxDraftLen,
+      vocab_size: opts.vocabSize,
+      tokenizer: '',
+      capabilities: ['ngram', 'prompt-lookup'],
+    }), ctx),
+    PrepareDraftTokens: unary((request) => {
+      store.validate(request, grpc.status.INVALID_ARGUMENT);
+      return { results: store.prepare(request) };
+    }, ctx),
+    ReleaseRequests: unary((request) => ({
+      released: store.release(request.verifier_id, request.request_ids),
+    }), ctx),
+  });
+
+  // Idle eviction: a verifier that died without ReleaseRequests leaks nothing.
+  const sweepMs = Math.max(50, Math.min(opts.idleTimeoutS * 1000 / 2, 30000));
+  const sweeper = setInterval(() => {
+    const n = store.evictIdle();
+    if (n > 0) log.info(`evicted ${n} idle sequence(s); ${store.size} held`);
+  }, sweepMs);
+  sweeper.unref();
+
+  let shuttingDown = false;
+  const shutdown = (signal) => {
+    if (shuttingDown) {
+      log.info(`${signal} again: forcing shutdown`);
+      server.forceShutdown();
+      process.exit(0);
+    }
+    shuttingDown = true;
+    log.info(`${signal}: shutting down (grace ${opts.graceS}s)`);
+    setHealth('NOT_SERVING');
+    clearInterval(sweeper);
+    const timer = setTimeout(() => {
+      log.info('grace period over: forcing shutdown');
+      server.forceShutdown();
+      process.exit(0);
+    }, opts.graceS * 1000);
+    server.tryShutdown(() => {
+      clearTimeout(timer);
+      log.info('stopped');
+      process.exit(0);
+    });
+  };
+  process.on('SIGTERM', () => shutdown('SIGTERM'));
+  process.on('SIGINT', () => shutdown('SIGINT'));
+
+  const address = opts.host.includes(':') ? `[${opts.host}]:${opts.port}` : `${opts.host}:${opts.port}`;
+  server.bindAsync(address, serverCredentials(opts), (err, port) => {
+    if (err) {
+      log.error(`cannot bind ${address}: ${err.message}`);
+      process.exit(1);
+    }
+    if (opts.portFile) writePortFile(opts.portFile, port);
+    setHealth('SERVING');
+    // Always logged (even with --quiet): callers parse it to find the port.
+    process.stderr.write(`${NAME} ${VERSION} listening on ${opts.host}:${port} ` +
+      `(max_ngram=${opts.maxNgram}, max_draft_len=${opts.maxDraftLen}, ` +
+      `auth=${token ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
+  });
+  return null; // keep running
+}
+
+if (require.main === module) {
+  const code = main(process.argv.slice(2));
+  if (code !== null) process.exitCode = code;
+}
+
+module.exports = { main, parseCli };

@@ -1,0 +1,119 @@
+'use strict';
+// Per-sequence drafter state and the delta/resync protocol of
+// splitspec.v1.DrafterService (see protos/PROTOCOL.md).
+//
+// State is keyed by (verifier_id, request_id): request ids are unique only
+// within one verifier. Map iteration order doubles as an LRU list (entries
+// are re-inserted when used), which makes both the capacity bound and idle
+// eviction cheap.
+
+const { NgramSequence } = require('./ngram');
+
+const OK = 'DRAFT_STATUS_OK';
+const RESYNC_REQUIRED = 'DRAFT_STATUS_RESYNC_REQUIRED';
+
+// Error carrying a gRPC status code, thrown for malformed requests.
+class StatusError extends Error {
+  constructor(code, message) {
+    super(message);
+    this.code = code;
+  }
+}
+
+function stateKey(verifierId, requestId) {
+  // Length-prefixed, so no (verifier_id, request_id) pair can collide.
+  return `${verifierId.length}:${verifierId}/${requestId}`;
+}
+
+class SequenceStore {
+  constructor({ maxNgram = 3, maxDraftLen = 8, maxSequences = 100000, idleTimeoutMs = 300000, vocabSize = 0 } = {}) {
+    this.maxNgram = maxNgram;
+    this.maxDraftLen = maxDraftLen; // 0: no limit
+    this.maxSequences = maxSequences;
+    this.idleTimeoutMs = idleTimeoutMs;
+    this.vocabSize = vocabSize; // 0: any
+    this.entries = new Map(); // key -> { seq: NgramSequence, lastUsed: ms }
+  }
+
+  get size() {
+    return this.entries.size;
+  }
+
+  // Throws StatusError(INVALID_ARGUMENT) before touching any state, so a
+  // malformed call changes nothing.
+  validate(request, invalidArgument) {
+    const seen = new Set();
+    for (const [i, s] of request.sequences.entries()) {
+      if (!s.request_id) throw new StatusError(invalidArgument, `sequences[${i}]: empty request_id`);
+      if (seen.has(s.request_id)) {
+        throw new StatusError(invalidArgument, `sequences[${i}]: duplicate request_id ${JSON.stringify(s.request_id)}`);
+      }
+      seen.add(s.request_id);
+      const ctx = Number(s.context_len);
+      if (!Number.isSafeInteger(ctx) || ctx < 0) {
+        throw new StatusError(invalidArgument, `sequences[${i}]: context_len ${s.context_len} out of range`);
+      }
+      for (const t of s.new_tokens) {
+        if (t < 0 || (this.vocabSize > 0 && t >= this.vocabSize)) {
+          throw new StatusError(invalidArgument, `sequences[${i}]: token id ${t} outside the vocabulary`);
+        }
+      }
+    }
+  }
+
+  // One DraftResult per DraftSequence, in order.
+  prepare(request, now = Date.now()) {
+    const verifierId = request.verifier_id || '';
+    return request.sequences.map((s) => this.prepareOne(verifierId, s, now));
+  }
+
+  prepareOne(verifierId, s, now) {
+    const key = stateKey(verifierId, s.request_id);
+    const contextLen = Number(s.context_len);
+    let entry = this.entries.get(key);
+    if (contextLen === 0) {
+      // Full context: start over, whatever was held before.
+      entry = { seq: new NgramSequence(this.maxNgram), lastUsed: now };
+    } else if (!entry || entry.seq.length !== contextLen) {
+      // Never had it, lost it (restart, eviction, another replica), or it
+      // disagrees: drop stale state and ask for the whole context.
+      this.entries.delete(key);
+      return { request_id: s.request_id, status: RESYNC_REQUIRED, draft_tokens: [] };
+    }
+    entry.seq.append(s.new_tokens);
+    entry.lastUsed = now;
+    this.entries.delete(key); // re-insert: most recently used goes last
+    this.entries.set(key, entry);
+    this.enforceCapacity();
+    let k = s.draft_len;
+    if (this.maxDraftLen > 0) k = Math.min(k, this.maxDraftLen);
+    return { request_id: s.request_id, status: OK, draft_tokens: entry.seq.draft(k) };
+  }
+
+  release(verifierId, requestIds) {
+    let released = 0;
+    for (const id of requestIds) {
+      if (this.entries.delete(stateKey(verifierId || '', id))) released++;
+    }
+    return released;
+  }
+
+  enforceCapacity() {
+    while (this.entries.size > this.maxSequences) {
+      // Least recently used first; it will simply resync if it comes back.
+      this.entries.delete(this.entries.keys().next().value);
+    }
+  }
+
+  evictIdle(now = Date.now()) {
+    let evicted = 0;
+    for (const [key, entry] of this.entries) {
+      if (now - entry.lastUsed < this.idleTimeoutMs) break; // LRU order: the rest are newer
+      this.entries.delete(key);
+      evicted++;
+    }
+    return evicted;
+  }
+}
+
+module.exports = { SequenceStore, StatusError, stateKey, OK, RESYNC_REQUIRED };
