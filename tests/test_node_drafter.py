@@ -1,0 +1,281 @@
+"""The Node.js example drafter, run as a real process and driven over gRPC.
+
+Checks the protocol of protos/PROTOCOL.md from the outside: deltas, resync,
+namespacing, draft lengths, release, errors, auth, health and shutdown. The
+worked example of PROTOCOL.md section 12 is replayed verbatim.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
+from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
+
+pytestmark = [
+    pytest.mark.skipif(not node_available(), reason="node is not on PATH"),
+    pytest.mark.timeout(120),
+]
+
+OK = pb.DRAFT_STATUS_OK
+RESYNC = pb.DRAFT_STATUS_RESYNC_REQUIRED
+
+
+def seq(request_id: str, context_len: int, new_tokens: list[int], draft_len: int = 4, **kw) -> pb.DraftSequence:
+    return pb.DraftSequence(request_id=request_id, context_len=context_len, new_tokens=new_tokens,
+                            draft_len=draft_len, **kw)
+
+
+def call(stub, verifier_id: str, *sequences: pb.DraftSequence, metadata=None) -> list[tuple[int, list[int]]]:
+    """One PrepareDraftTokens call; checks one result per sequence, in order, ids echoed."""
+    reply = stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(verifier_id=verifier_id, sequences=sequences),
+                                    timeout=5, metadata=metadata)
+    assert [r.request_id for r in reply.results] == [s.request_id for s in sequences]
+    for r in reply.results:
+        if r.status == RESYNC:
+            assert list(r.draft_tokens) == []
+    return [(r.status, list(r.draft_tokens)) for r in reply.results]
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    with NodeDrafter(max_ngram=3, max_draft_len=8) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def stub(drafter):
+    with grpc.insecure_channel(drafter.address) as channel:
+        yield pb_grpc.DrafterServiceStub(channel)
+
+
+def test_health_serving_and_drafter_info(drafter, stub):
+    with grpc.insecure_channel(drafter.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitspec.v1.DrafterService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    info = stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5)
+    assert info.name == "node-ngram-drafter"
+    assert info.version
+    assert info.max_draft_len == 8
+    assert info.vocab_size == 0
+    assert "ngram" in info.capabilities
+
+
+def test_worked_example_of_protocol_md(stub):
+    v = "v-7f3a"
+    # Step 1: full context.
+    assert call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6)) == [(OK, [8, 5, 6, 7])]
+    # Step 2: req-1 accepted 8, 5 plus bonus 9; req-2 joins with its full context.
+    assert call(stub, v,
+                seq("req-1", 7, [8, 5, 9], prompt_len=6, last_num_drafted=4, last_num_accepted=2),
+                seq("req-2", 0, [1, 2, 3, 1, 2, 3], prompt_len=5)) == [(OK, []), (OK, [1, 2, 3])]
+    # Step 3: deltas only.
+    assert call(stub, v,
+                seq("req-1", 10, [5], prompt_len=6),
+                seq("req-2", 6, [1, 2, 3, 4], prompt_len=5, last_num_drafted=3, last_num_accepted=3),
+                ) == [(OK, [9, 5]), (OK, [])]
+
+
+def test_worked_example_restart_variant_resyncs_then_recovers(stub):
+    """Steps 1-2 on one drafter, step 3 on a fresh process (a restart, or another replica)."""
+    v = "v-7f3a"
+    call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6))
+    call(stub, v, seq("req-1", 7, [8, 5, 9]), seq("req-2", 0, [1, 2, 3, 1, 2, 3]))
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        fresh = pb_grpc.DrafterServiceStub(channel)
+        assert call(fresh, v, seq("req-1", 10, [5]), seq("req-2", 6, [1, 2, 3, 4])) == [(RESYNC, []), (RESYNC, [])]
+        assert call(fresh, v,
+                    seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7, 8, 5, 9, 5, 6], prompt_len=6),
+                    seq("req-2", 0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1], prompt_len=5),
+                    ) == [(OK, [7, 8, 5, 9]), (OK, [2, 3, 4, 1])]
+
+
+def test_delta_for_unknown_request_resyncs_then_recovers(stub):
+    v = "v-unknown"
+    assert call(stub, v, seq("never-seen", 5, [1, 2])) == [(RESYNC, [])]
+    assert call(stub, v, seq("never-seen", 7, [])) == [(RESYNC, [])]
+    assert call(stub, v, seq("never-seen", 0, [3, 1, 4, 1, 5, 9, 3, 1])) == [(OK, [4, 1, 5, 9])]
+    assert call(stub, v, seq("never-seen", 8, [4, 1])) == [(OK, [5, 9, 3, 1])]
+
+
+def test_mismatched_context_len_resyncs_and_drops_stale_state(stub):
+    v = "v-mismatch"
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # The drafter holds 6 tokens; a delta claiming 5 (or 7) does not fit.
+    assert call(stub, v, seq("r", 5, [3])) == [(RESYNC, [])]
+    # The stale state was dropped: even the right length resyncs now.
+    assert call(stub, v, seq("r", 6, [3])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    assert call(stub, v, seq("r", 9, [])) == [(RESYNC, [])]  # too long
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    # A resync of one sequence leaves the others of the call alone.
+    assert call(stub, v, seq("r", 7, [4]), seq("other", 3, [1])) == [(OK, [1, 2, 3, 4]), (RESYNC, [])]
+
+
+def test_full_context_replaces_held_state(stub):
+    v = "v-replace"
+    assert call(stub, v, seq("r", 0, [1, 2, 1, 2])) == [(OK, [1, 2])]
+    assert call(stub, v, seq("r", 0, [7, 8, 9, 7])) == [(OK, [8, 9, 7])]
+    assert call(stub, v, seq("r", 4, [8])) == [(OK, [9, 7, 8])]
+
+
+def test_namespacing_by_verifier_id(stub):
+    a, b = "verifier-a", "verifier-b"
+    assert call(stub, a, seq("req-1", 0, [10, 11, 12, 10, 11])) == [(OK, [12, 10, 11])]
+    assert call(stub, b, seq("req-1", 0, [4, 4, 1, 4, 4])) == [(OK, [1, 4, 4])]
+    # Deltas go to the right namespace ...
+    assert call(stub, a, seq("req-1", 5, [12])) == [(OK, [10, 11, 12])]
+    assert call(stub, b, seq("req-1", 5, [1])) == [(OK, [4, 4, 1])]
+    # ... a length valid in one namespace means nothing in the other ...
+    assert call(stub, "verifier-c", seq("req-1", 6, [])) == [(RESYNC, [])]
+    # ... and releasing in one namespace leaves the other alone.
+    released = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=b, request_ids=["req-1"]), timeout=5)
+    assert released.released == 1
+    assert call(stub, b, seq("req-1", 6, [4])) == [(RESYNC, [])]
+    assert call(stub, a, seq("req-1", 6, [10])) == [(OK, [11, 12, 10])]
+
+
+def test_draft_len_respected_and_sync_only_calls(stub):
+    v = "v-draft-len"
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
+    assert call(stub, v, seq("r", 0, ctx, draft_len=0)) == [(OK, [])]
+    # draft_len 0 still applied the delta: the next delta fits.
+    assert call(stub, v, seq("r", 14, [3], draft_len=0)) == [(OK, [])]
+    assert call(stub, v, seq("r", 15, [], draft_len=1)) == [(OK, [4])]
+    assert call(stub, v, seq("r", 15, [], draft_len=3)) == [(OK, [4, 5, 6])]
+    # The drafter's own max_draft_len (8) caps larger requests.
+    assert call(stub, v, seq("r", 15, [], draft_len=100)) == [(OK, [4, 5, 6, 7, 8, 9, 10, 11])]
+    # Drafts never run past the end of the context.
+    assert call(stub, v, seq("r2", 0, [5, 6, 5], draft_len=8)) == [(OK, [6, 5])]
+    # Nothing to propose: a single token, or no repeated suffix.
+    assert call(stub, v, seq("r3", 0, [42])) == [(OK, [])]
+    assert call(stub, v, seq("r4", 0, [1, 2, 3, 4])) == [(OK, [])]
+
+
+def test_big_batch_results_in_request_order(stub):
+    v = "v-batch"
+    sequences = [seq(f"s{i:03d}", 0, [i, i + 1, i + 2, i, i + 1], prompt_len=3) for i in reversed(range(64))]
+    results = call(stub, v, *sequences)
+    assert results == [(OK, [i + 2, i, i + 1]) for i in reversed(range(64))]
+    deltas = [seq(f"s{i:03d}", 5, [i + 2]) if i % 2 else seq(f"s{i:03d}", 4, [i + 2]) for i in range(64)]
+    results = call(stub, v, *deltas)
+    assert results == [(OK, [i, i + 1, i + 2]) if i % 2 else (RESYNC, []) for i in range(64)]
+
+
+def test_release_requests(stub):
+    v = "v-release"
+    call(stub, v, seq("x", 0, [1, 2, 1]), seq("y", 0, [3, 4, 3]))
+    reply = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["x", "y", "unknown"]), timeout=5)
+    assert reply.released == 2
+    reply = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["x"]), timeout=5)
+    assert reply.released == 0
+    assert call(stub, v, seq("x", 3, [2]), seq("y", 3, [4])) == [(RESYNC, []), (RESYNC, [])]
+
+
+@pytest.mark.parametrize("sequences, message", [
+    ([seq("", 0, [1, 2])], "empty request_id"),
+    ([seq("dup", 0, [1]), seq("dup", 0, [2])], "duplicate"),
+    ([seq("neg", 0, [1, -5])], "-5"),
+])
+def test_malformed_requests_are_invalid_argument_and_change_nothing(stub, sequences, message):
+    v = "v-invalid-" + message
+    call(stub, v, seq("held", 0, [1, 2, 1]))
+    with pytest.raises(grpc.RpcError) as err:
+        call(stub, v, seq("held", 3, [2]), *sequences)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    # The valid sequence in the rejected call was not applied either.
+    assert call(stub, v, seq("held", 3, [2])) == [(OK, [1, 2])]
+
+
+def test_empty_call_and_empty_verifier_id(stub):
+    assert call(stub, "v-empty") == []
+    assert call(stub, "", seq("r", 0, [8, 9, 8])) == [(OK, [9, 8])]
+    assert call(stub, "", seq("r", 3, [9])) == [(OK, [8, 9])]
+
+
+def test_full_context_over_default_4mib_message_limit(stub):
+    # ~1.1M four-byte varints: more than gRPC's default 4 MiB receive limit.
+    ctx = [3_000_000] * 1_100_000
+    start = time.monotonic()
+    # The most recent earlier "t t t" is one token back: a one-token draft.
+    assert call(stub, "v-big", seq("big", 0, ctx, draft_len=2)) == [(OK, [3_000_000])]
+    assert time.monotonic() - start < 10
+    stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v-big", request_ids=["big"]), timeout=5)
+
+
+def test_cli_flags_max_ngram_and_max_draft_len():
+    ctx = [1, 2, 5, 3, 2, 6, 1, 2]
+    with run_node_drafter(max_ngram=1, max_draft_len=2) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5).max_draft_len == 2
+        # n = 1 only: the last "2" before the end was followed by 6, 1.
+        assert call(stub, "v", seq("r", 0, ctx, draft_len=8)) == [(OK, [6, 1])]
+    with run_node_drafter(max_ngram=3, max_draft_len=2) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        # n = 2 wins: "1 2" occurred at the start, followed by 5, 3.
+        assert call(stub, "v", seq("r", 0, ctx, draft_len=8)) == [(OK, [5, 3])]
+
+
+def test_idle_eviction():
+    with run_node_drafter(idle_timeout_s=0.3) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        assert call(stub, "v", seq("r", 3, [2])) == [(OK, [1, 2])]
+        time.sleep(1.0)
+        assert call(stub, "v", seq("r", 4, [1])) == [(RESYNC, [])]
+
+
+def test_bearer_token_auth(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with run_node_drafter(auth_token_file=token_file) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret-token")]):
+            with pytest.raises(grpc.RpcError) as err:
+                call(stub, "v", seq("r", 0, [1, 2, 1]), metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = [("authorization", "Bearer s3cret-token")]
+        assert call(stub, "v", seq("r", 0, [1, 2, 1]), metadata=good) == [(OK, [2, 1])]
+        # Health stays open: Kubernetes probes cannot send tokens.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_exits_cleanly():
+    drafter = NodeDrafter().start()
+    try:
+        with grpc.insecure_channel(drafter.address) as channel:
+            stub = pb_grpc.DrafterServiceStub(channel)
+            assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        start = time.monotonic()
+        drafter.terminate()
+        assert drafter.process.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5
+        log = drafter.log()
+        assert "SIGTERM" in log and "stopped" in log, log
+    finally:
+        drafter.stop()
+
+
+def test_bad_cli_flag_exits_with_usage():
+    proc = subprocess.run(["node", str(NODE_DRAFTER_DIR / "index.js"), "--max-ngram", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "--max-ngram" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH")
+def test_node_unit_tests():
+    proc = subprocess.run(["node", "--test", "test/unit.test.js"], cwd=NODE_DRAFTER_DIR,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
