@@ -1,0 +1,60 @@
+"""`splitspec-verifier`: serve a model with speculative decoding over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from verifier_service import config
+from verifier_service.server import run
+from verifier_service.settings import ServerSettings
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec-verifier", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="[::]")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (see --port-file)")
+    p.add_argument("--port-file", help="write the bound port to this file once listening")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="Hugging Face model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    c = p.add_argument_group("capacity")
+    c.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation")
+    c.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    c.add_argument("--max-queue-len", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+    c.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV cache budget; bounds running sequences")
+    c.add_argument("--default-max-new-tokens", type=int, default=256)
+    c.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024)
+    c.add_argument("--max-concurrent-rpcs", type=int, default=1024)
+    config.add_flags(p)
+    o = p.add_argument_group("operations")
+    o.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGTERM")
+    o.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        speculative = config.from_args(args)
+    except config.ConfigError as exc:
+        print(f"splitspec-verifier: {exc}", file=sys.stderr)
+        return 2
+    settings = ServerSettings(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_queue_len=args.max_queue_len,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, default_max_new_tokens=args.default_max_new_tokens,
+        speculative=speculative, host=args.host, port=args.port, grace_period_s=args.grace_period_s,
+        max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs)
+    asyncio.run(run(settings, port_file=args.port_file))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The speculative config: a file (SpeculativeConfig in protobuf's JSON mapping, as
+JSON or YAML) and/or flags, validated once at start-up, defaults filled in."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+from google.protobuf import json_format
+
+from drafter_sdk.proto import speculative_pb2
+
+Mode = speculative_pb2.SpeculativeDecodingMode
+MODE_PREFIX = "SPECULATIVE_DECODING_MODE_"
+SERVED_MODES = ("NONE", "NGRAM", "USER_PROVIDED")
+MODE_CONFIG_FIELD = {"USER_PROVIDED": "user_provided", "NGRAM": "ngram", "DRAFT_TARGET": "draft_model",
+                     "EAGLE3": "draft_model", "MEDUSA": "draft_model", "MTP": "draft_model",
+                     "LOOKAHEAD": "lookahead"}
+DEFAULT_MAX_DRAFT_LEN = 8
+MAX_DRAFT_LEN_LIMIT = 64
+DEFAULT_DEADLINE_S = 0.05
+DEFAULT_NGRAM_SIZE = 3
+
+
+class ConfigError(ValueError):
+    """The speculative configuration cannot be served; the message says why."""
+
+
+def mode_name(mode: int) -> str:
+    return Mode.Name(mode).removeprefix(MODE_PREFIX)
+
+
+def parse_mode(text: str) -> int:
+    name = text.strip().upper().replace("-", "_")
+    name = name if name.startswith(MODE_PREFIX) else MODE_PREFIX + name
+    try:
+        return Mode.Value(name)
+    except ValueError:
+        known = ", ".join(mode_name(v) for v in Mode.values() if v)
+        raise ConfigError(f"unknown speculation mode {text!r}; known modes: {known}") from None
+
+
+def load_file(path: str | Path) -> speculative_pb2.SpeculativeConfig:
+    path = Path(path)
+    try:
+        data: Any = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    except OSError as exc:
+        raise ConfigError(f"cannot read speculative config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is neither valid YAML nor JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a SpeculativeConfig object, found {type(data).__name__}")
+    if isinstance(data.get("mode"), str):  # accept "NGRAM" as well as the full enum name
+        data["mode"] = Mode.Name(parse_mode(data["mode"]))
+    try:
+        return json_format.ParseDict(data, speculative_pb2.SpeculativeConfig())
+    except json_format.ParseError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding (flags override --speculative-config)")
+    g.add_argument("--speculative-config", metavar="FILE",
+                   help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml")
+    g.add_argument("--speculative-mode", metavar="MODE",
+                   help="none, ngram or user_provided (other known modes are refused)")
+    g.add_argument("--max-draft-len", type=int, help=f"draft tokens per step (default {DEFAULT_MAX_DRAFT_LEN})")
+    g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
+    g.add_argument("--drafter-deadline-ms", type=float, help="deadline of one drafter call (default 50)")
+    g.add_argument("--max-matching-ngram-size", type=int, help="NGRAM: longest suffix looked up (default 3)")
+
+
+def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
+    config = (load_file(args.speculative_config) if args.speculative_config
+              else speculative_pb2.SpeculativeConfig())
+    if args.speculative_mode:
+        config.mode = parse_mode(args.speculative_mode)
+    if args.max_draft_len is not None:
+        config.max_draft_len = args.max_draft_len
+    if args.drafter_target is not None:
+        config.user_provided.drafter_target = args.drafter_target
+    if args.drafter_deadline_ms is not None:
+        config.user_provided.call_deadline.FromMilliseconds(int(args.drafter_deadline_ms))
+    if args.max_matching_ngram_size is not None:
+        config.ngram.max_matching_ngram_size = args.max_matching_ngram_size
+    return validate(config)
+
+
+def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.SpeculativeConfig:
+    """Refuse what cannot be served; return a copy with defaults filled in."""
+    config = speculative_pb2.SpeculativeConfig.FromString(config.SerializeToString())
+    if config.mode == Mode.SPECULATIVE_DECODING_MODE_UNSPECIFIED:
+        config.mode = Mode.SPECULATIVE_DECODING_MODE_NONE
+    name = mode_name(config.mode)
+    if name not in SERVED_MODES:
+        raise ConfigError(f"speculation mode {name} is not supported by this verifier; "
+                          f"it serves {', '.join(SERVED_MODES)} (use USER_PROVIDED with a drafter service "
+                          f"to bring any other drafting technique)")
+    which = config.WhichOneof("mode_config")
+    if which is not None and which != MODE_CONFIG_FIELD.get(name):
+        raise ConfigError(f"mode {name} does not take a `{which}` section")
+    if name == "NONE":
+        config.max_draft_len = 0
+        return config
+    if config.max_draft_len == 0:
+        config.max_draft_len = DEFAULT_MAX_DRAFT_LEN
+    if config.max_draft_len > MAX_DRAFT_LEN_LIMIT:
+        raise ConfigError(f"max_draft_len {config.max_draft_len} is above the limit {MAX_DRAFT_LEN_LIMIT}")
+    if name == "NGRAM":
+        ng = config.ngram
+        if ng.max_matching_ngram_size == 0:
+            ng.max_matching_ngram_size = DEFAULT_NGRAM_SIZE
+        for knob, default in (("is_keep_all", True), ("is_use_oldest", True), ("is_public_pool", False)):
+            if not ng.HasField(knob):
+                setattr(ng, knob, default)
+    if name == "USER_PROVIDED":
+        up = config.user_provided
+        if not up.drafter_target:
+            raise ConfigError("mode USER_PROVIDED needs user_provided.drafter_target (or --drafter-target)")
+        if up.call_deadline.ToNanoseconds() <= 0:
+            up.call_deadline.FromNanoseconds(int(DEFAULT_DEADLINE_S * 1e9))
+        if not up.load_balancing_policy:
+            up.load_balancing_policy = "round_robin"
+        if up.load_balancing_policy not in ("round_robin", "pick_first"):
+            raise ConfigError(f"load_balancing_policy must be round_robin or pick_first, "
+                              f"not {up.load_balancing_policy!r}")
+        if up.HasField("tls") and bool(up.tls.cert_file) != bool(up.tls.key_file):
+            raise ConfigError("user_provided.tls needs both cert_file and key_file for mutual TLS, or neither")
+    policy = config.policy
+    for rule in policy.draft_len_schedule:
+        if rule.max_batch_size == 0:
+            raise ConfigError("every draft_len_schedule rule needs max_batch_size >= 1")
+    auto = policy.auto_disable
+    if not 0.0 <= auto.min_acceptance_rate <= 1.0:
+        raise ConfigError(f"auto_disable.min_acceptance_rate must be within [0, 1], not {auto.min_acceptance_rate}")
+    return config

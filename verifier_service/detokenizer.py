@@ -1,0 +1,78 @@
+"""Incremental detokenization with stop strings, safe for streaming.
+
+Text is released only when it ends on a whole character (a multi-byte
+character split over tokens decodes to U+FFFD until complete), and text that
+could be the start of a stop string is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._ids: list[int] = []
+        self._prefix = 0  # decode from here for context (merging spaces)
+        self._read = 0  # ids before this are already in _text
+        self._text = ""  # decided text, stop strings removed
+        self._released = 0  # chars of _text handed out
+        self._searched = 0  # stop strings cannot start before this index
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> None:
+        """Append one token; sets `stopped_by` when a stop string completes."""
+        self._ids.append(token)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+            self._find_stop()
+
+    def flush(self) -> None:
+        """At the end: release whatever is left, even an incomplete character."""
+        if self._read < len(self._ids) and self.stopped_by is None:
+            before = self._decode(self._ids[self._prefix:self._read])
+            self._text += self._decode(self._ids[self._prefix:])[len(before):]
+            self._read = len(self._ids)
+            self._find_stop()
+
+    def _find_stop(self) -> None:
+        if not self._stop or self.stopped_by is not None:
+            return
+        hits = [(i, s) for s in self._stop if (i := self._text.find(s, self._searched)) >= 0]
+        if hits:
+            index, stop = min(hits)
+            self._text = self._text[:index]
+            self.stopped_by = stop
+            return
+        self._searched = max(0, len(self._text) - max(len(s) for s in self._stop) + 1)
+
+    def _held_back(self) -> int:
+        """Length of the text's tail that is a proper prefix of some stop string."""
+        if self.stopped_by is not None:
+            return 0
+        for n in range(min(len(self._text), max((len(s) for s in self._stop), default=0)), 0, -1):
+            tail = self._text[-n:]
+            if any(s.startswith(tail) and s != tail for s in self._stop):
+                return n
+        return 0
+
+    def take(self, final: bool = False) -> str:
+        """Text decided since the last call (everything left when final)."""
+        end = len(self._text) if final else len(self._text) - self._held_back()
+        if end <= self._released:
+            return ""
+        out = self._text[self._released:end]
+        self._released = end
+        return out
+
+    @property
+    def text(self) -> str:
+        return self._text

@@ -1,0 +1,96 @@
+"""A loaded verifier: model, KV cache, scheduler, policy and drafter wired into an engine."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_sdk.client import DrafterClient
+from verifier_service.config import validate
+from verifier_service.detokenizer import Detokenizer
+from verifier_service.drafting import build_drafter_client
+from verifier_service.engine import Engine
+from verifier_service.kv_cache import KVCache, KVCacheShape
+from verifier_service.model_runner import ModelRunner
+from verifier_service.request_parsing import Limits, ParsedRequest
+from verifier_service.scheduler import Scheduler
+from verifier_service.sequence import Sequence
+from verifier_service.settings import ServerSettings
+from verifier_service.spec_policy import SpeculationPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    model_name: str
+    tokenizer: PreTrainedTokenizerBase
+    engine: Engine
+    limits: Limits
+    settings: ServerSettings
+    verifier_id: str
+    drafter_name: str = ""
+    drafter_version: str = ""
+
+    @property
+    def drafter(self) -> DrafterClient | None:
+        return self.engine.drafter
+
+    def new_sequence(self, parsed: ParsedRequest) -> Sequence:
+        generator = None
+        if not parsed.sampling.greedy:
+            generator = torch.Generator(device=self.engine.runner.device)
+            if parsed.sampling.seed is not None:
+                generator.manual_seed(parsed.sampling.seed)
+            else:
+                generator.seed()
+        return Sequence(
+            request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
+            stopping=parsed.stopping, speculation=parsed.speculation,
+            detokenizer=Detokenizer(self.tokenizer, parsed.stopping.stop), generator=generator)
+
+
+def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len: int,
+                 max_draft_len: int) -> KVCache:
+    """Size the cache: each slot holds a full context plus a draft; the memory
+    budget decides how many slots (sequences) run at once."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    shape = KVCacheShape(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        num_slots=1, capacity=max_model_len + max_draft_len + 1)
+    per_slot = shape.bytes_per_slot(model.dtype)
+    budget = int(settings.kv_cache_memory_gb * 2**30)
+    slots = min(settings.max_num_seqs, budget // per_slot)
+    if slots < 1:
+        raise ValueError(f"--kv-cache-memory-gb {settings.kv_cache_memory_gb} is too small: one sequence of "
+                         f"{max_model_len} tokens needs {per_slot / 2**30:.2f} GiB; raise it or lower --max-model-len")
+    shape = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots, shape.capacity)
+    log.info("KV cache: %d slots x %d tokens, %.2f GiB", slots, shape.capacity, slots * per_slot / 2**30)
+    return KVCache(shape, model.dtype, model.device)
+
+
+def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
+                  model_name: str) -> Runtime:
+    """Must run inside the event loop that will drive the engine."""
+    spec = validate(settings.speculative)
+    settings.speculative = spec
+    cfg = model.config.get_text_config()
+    max_model_len = min(settings.max_model_len, getattr(cfg, "max_position_embeddings", settings.max_model_len))
+    runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len, spec.max_draft_len))
+    verifier_id = uuid.uuid4().hex
+    drafter = build_drafter_client(spec, verifier_id, runner.vocab_size)
+    scheduler = Scheduler(runner.kv_cache, runner.kv_cache.shape.num_slots, settings.max_queue_len)
+    engine = Engine(runner, scheduler, SpeculationPolicy.from_config(spec), drafter, max_model_len)
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    limits = Limits(vocab_size=runner.vocab_size, max_model_len=max_model_len,
+                    default_max_new_tokens=settings.default_max_new_tokens, eos_token_ids=eos_ids)
+    return Runtime(model_name, tokenizer, engine, limits, settings, verifier_id)

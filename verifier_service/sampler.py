@@ -1,0 +1,89 @@
+"""Greedy and lossless rejection sampling for verifying draft tokens.
+
+Drafts are token ids only, so each draft token is a point mass q(x) = 1.
+Greedy requests accept while the draft equals the target's argmax. Sampled
+requests accept draft token x with probability p(x); on rejection they sample
+from p with x removed and renormalised, which is exactly p conditioned on not
+x. Either way the output distribution is the target's, whatever was drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class VerifyRow:
+    """One sequence of a step: its draft and how to sample it."""
+
+    draft: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (in that order, as transformers does)."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:
+        top = torch.topk(probs, params.top_k, dim=-1)
+        probs = torch.zeros_like(probs).scatter_(-1, top.indices, top.values)
+    if 0.0 < params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token once the mass ranked before it already reaches top_p.
+        sorted_p[(sorted_p.cumsum(-1) - sorted_p) >= params.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_sampled(logits: torch.Tensor, row: VerifyRow) -> list[int]:
+    """logits [len(draft)+1, V] -> accepted draft tokens plus one corrected or bonus token."""
+    probs = target_probs(logits, row.params)
+    accepted: list[int] = []
+    for j, token in enumerate(row.draft):
+        p = probs[j]
+        if float(torch.rand((), generator=row.generator, device=p.device)) < float(p[token]):
+            accepted.append(token)
+            continue
+        residual = p.clone()
+        residual[token] = 0.0
+        accepted.append(_sample(residual / residual.sum(), row.generator))
+        return accepted
+    accepted.append(_sample(probs[len(row.draft)], row.generator))
+    return accepted
+
+
+def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
+    """logits [sum(len(draft)+1), V], rows laid out one after another -> new tokens per row."""
+    argmax = logits.argmax(dim=-1).tolist()
+    out: list[list[int]] = []
+    offset = 0
+    for row in rows:
+        n = len(row.draft) + 1
+        if row.params.greedy:
+            target = argmax[offset:offset + n]
+            accepted = 0
+            while accepted < len(row.draft) and row.draft[accepted] == target[accepted]:
+                accepted += 1
+            out.append(row.draft[:accepted] + [target[accepted]])
+        else:
+            out.append(verify_sampled(logits[offset:offset + n], row))
+        offset += n
+    return out

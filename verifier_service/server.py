@@ -1,0 +1,228 @@
+"""The verifier's gRPC server: VerifierService, health, reflection, graceful shutdown.
+
+The server starts first with health NOT_SERVING, then loads the model, so
+Kubernetes probes see a live process during a long model load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_sdk.proto import drafter_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_service import model_loader
+from verifier_service.config import mode_name
+from verifier_service.request_parsing import GenerateLike, RequestError, parse
+from verifier_service.runtime import Runtime, build_runtime
+from verifier_service.scheduler import QueueFullError
+from verifier_service.sequence import FinishReason, Output, Sequence
+from verifier_service.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+VERSION = "0.1.0"
+FINISH = {FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH}
+
+
+def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
+    s = seq.stats
+    return verifier_pb2.SpeculationStats(
+        num_steps=s.num_steps, num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+        num_accepted_tokens=s.num_accepted_tokens, num_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
+        mean_acceptance_length=s.mean_acceptance_length, acceptance_rate=s.acceptance_rate,
+        num_drafter_failures=s.num_drafter_failures, auto_disabled=s.auto_disabled)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.runtime: Runtime | None = None
+
+    async def _start(self, request: GenerateLike, context: grpc.aio.ServicerContext) -> tuple[Runtime, Sequence]:
+        rt = self.runtime
+        if rt is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        try:
+            seq = rt.new_sequence(parse(request, rt.tokenizer, rt.limits))
+            rt.engine.submit(seq)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return rt, seq
+
+    async def _outputs(self, rt: Runtime, seq: Sequence, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[Output]:
+        try:
+            while True:
+                out = await seq.outputs.get()
+                if out.error:
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            # Client cancelled or disconnected: free the sequence at the next step.
+            rt.engine.cancel(seq)
+
+    async def Generate(self, request: verifier_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> verifier_pb2.GenerateResponse:
+        rt, seq = await self._start(request, context)
+        text: list[str] = []
+        async for out in self._outputs(rt, seq, context):
+            text.append(out.text)
+        return verifier_pb2.GenerateResponse(
+            request_id=request.request_id or seq.request_id, text="".join(text), token_ids=seq.output_ids,
+            finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
+            prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq))
+
+    async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
+        rt, seq = await self._start(request, context)
+        request_id = request.request_id or seq.request_id
+        async for out in self._outputs(rt, seq, context):
+            msg = verifier_pb2.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
+            if out.finish_reason is not None:
+                msg.finish_reason = FINISH[out.finish_reason]
+                msg.stop_reason = out.stop_reason
+                msg.prompt_tokens = len(seq.prompt_ids)
+                msg.stats.CopyFrom(stats_message(seq))
+            elif not out.text and not out.token_ids:
+                continue
+            yield msg
+
+    async def GetServerInfo(self, request: verifier_pb2.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> verifier_pb2.GetServerInfoResponse:
+        rt = self.runtime
+        if rt is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        runner = rt.engine.runner
+        return verifier_pb2.GetServerInfoResponse(
+            model=rt.model_name, tokenizer=getattr(rt.tokenizer, "name_or_path", "") or rt.model_name,
+            vocab_size=rt.limits.vocab_size, max_model_len=rt.limits.max_model_len,
+            max_num_seqs=rt.engine.scheduler.max_num_seqs, max_queue_len=rt.engine.scheduler.max_queue_len,
+            default_max_new_tokens=rt.limits.default_max_new_tokens, speculative_config=rt.settings.speculative,
+            drafter=self._drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))
+
+    @staticmethod
+    def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:
+        client = rt.drafter
+        if client is None:
+            return verifier_pb2.DrafterHealth(state=verifier_pb2.DRAFTER_STATE_NOT_CONFIGURED)
+        return verifier_pb2.DrafterHealth(
+            state=verifier_pb2.DRAFTER_STATE_HEALTHY if client.healthy else verifier_pb2.DRAFTER_STATE_UNAVAILABLE,
+            target=client.transport.target, name=rt.drafter_name, version=rt.drafter_version,
+            calls=client.stats.calls, failures=client.stats.failures, last_error=client.stats.last_error)
+
+
+@dataclass
+class RunningVerifier:
+    server: grpc.aio.Server
+    servicer: VerifierServicer
+    health: health.HealthServicer
+    port: int
+    grace_period_s: float
+
+    @property
+    def runtime(self) -> Runtime | None:
+        return self.servicer.runtime
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Health NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
+        await self.set_serving(False)
+        await self.server.stop(self.grace_period_s if grace_s is None else grace_s)
+        if self.runtime is not None:
+            await self.runtime.engine.stop()
+
+
+async def start_server(settings: ServerSettings,
+                       server_credentials: grpc.ServerCredentials | None = None,
+                       interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> RunningVerifier:
+    """Bind and start the gRPC server (health NOT_SERVING, no model yet)."""
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ], maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+    servicer = VerifierServicer(settings)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    address = f"{settings.host}:{settings.port}"
+    port = (server.add_secure_port(address, server_credentials) if server_credentials
+            else server.add_insecure_port(address))
+    await server.start()
+    running = RunningVerifier(server, servicer, health_servicer, port, settings.grace_period_s)
+    await running.set_serving(False)
+    log.info("verifier listening on %s:%d (loading model)", settings.host, port)
+    return running
+
+
+async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                       model_name: str) -> Runtime:
+    """Wire a loaded model into the running server and report SERVING."""
+    rt = build_runtime(model, tokenizer, running.servicer.settings, model_name)
+    rt.engine.start()
+    if rt.drafter is not None:
+        await _probe_drafter(rt)
+    running.servicer.runtime = rt
+    await running.set_serving(True)
+    log.info("serving %s, speculation %s", model_name, mode_name(rt.settings.speculative.mode))
+    return rt
+
+
+async def _probe_drafter(rt: Runtime) -> None:
+    """Learn the drafter's identity; a missing drafter is not fatal (the breaker retries)."""
+    try:
+        info: drafter_pb2.GetDrafterInfoResponse = await rt.drafter.info(timeout_s=2.0)
+    except Exception as exc:  # noqa: BLE001 - absent drafter: serve without speculation until it appears
+        log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
+                    rt.drafter.transport.target, exc)
+        return
+    rt.drafter_name, rt.drafter_version = info.name, info.version
+    if info.vocab_size and info.vocab_size != rt.limits.vocab_size:
+        log.warning("drafter %s expects vocab size %d, the model has %d; its drafts will mostly be rejected",
+                    info.name, info.vocab_size, rt.limits.vocab_size)
+    log.info("drafter %s %s at %s", info.name, info.version, rt.drafter.transport.target)
+
+
+async def run(settings: ServerSettings, port_file: str | None = None,
+              server_credentials: grpc.ServerCredentials | None = None,
+              interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> None:
+    """Serve until SIGTERM/SIGINT: load the model, then drain gracefully on a signal."""
+    running = await start_server(settings, server_credentials, interceptors)
+    if port_file:
+        Path(port_file).write_text(str(running.port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    source = model_loader.resolve_source(settings.model)
+    device = model_loader.pick_device(settings.device)
+    dtype = model_loader.pick_dtype(settings.dtype, device)
+    loading = asyncio.ensure_future(asyncio.to_thread(model_loader.load, source, dtype, device))
+    done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if loading in done:
+        model, tokenizer = loading.result()
+        await attach_model(running, model, tokenizer, source.name)
+        await stop.wait()
+    log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
+    await running.stop()
+    log.info("stopped")
