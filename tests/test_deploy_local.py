@@ -1,0 +1,321 @@
+"""Run the rendered cpu overlay's verifier and drafter as local processes.
+
+Everything comes from `kubectl kustomize deploy/k8s/overlays/cpu` and from the
+Dockerfiles that build its images: the executable is the image ENTRYPOINT
+(unless the container sets `command`), the arguments are the container's
+`args` (or the image CMD), the environment is the image ENV overlaid with the
+container `env`, the working directory is the image WORKDIR (or `workingDir`).
+Only these rewrites are made, because a laptop is not a pod:
+
+1. Executables: the image's /opt/venv/bin/<script> becomes .venv/bin/<script>
+   (the image puts /opt/venv/bin first on PATH; PATH itself is not copied).
+2. Volumes: every emptyDir becomes a fresh temporary directory; every
+   ConfigMap volume becomes a temporary directory holding the ConfigMap's
+   data, one file per key (or per `items` entry). Any arg, env value or
+   working directory at or under a mountPath is remapped to that directory.
+3. Ports: each containerPort (gRPC and metrics) becomes a free local port;
+   the values of `--port` and `--metrics-port` are remapped accordingly, and
+   probes and scrapes go to the remapped port.
+4. Drafter target: in the written speculative config, the host:port of
+   userProvided.drafterTarget (the headless Service's DNS name) becomes
+   127.0.0.1:<drafter's local gRPC port>; the `dns:///` scheme, the
+   load-balancing policy and every other field stay as rendered.
+5. The process environment is only the image ENV + container env (plus PATH
+   = .venv/bin:/usr/bin:/bin), as in a container; nothing from the host.
+
+Health is checked the way the kubelet's gRPC probes do (grpc.health.v1
+Check with the probe's service, "" by default), then a Generate call must
+come back with text and drafted tokens, and SIGTERM must end both processes
+within terminationGracePeriodSeconds minus the preStop sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deploy_support import (  # noqa: E402
+    DRAFTER,
+    REPO,
+    VENV_BIN,
+    VERIFIER,
+    dockerfile_key_for_image,
+    flag_value,
+    image_of,
+    main_container,
+    one,
+    prestop_seconds,
+    render,
+    speculative_config_of,
+)
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+
+STARTUP_BUDGET_S = 240  # of the 300 s test timeout; the probe itself allows 600 s
+PORT_FLAGS = ("--port", "--metrics-port")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    deployment: dict
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    ports: dict[int, int]  # containerPort -> local port
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def probe(self, kind: str) -> dict:
+        return main_container(self.deployment)[kind]
+
+
+def remap_path(value: str, mounts: dict[str, Path]) -> str:
+    """Rewrite 2: a path at or under a mountPath moves to its local directory."""
+    for mount in sorted(mounts, key=len, reverse=True):
+        m = mount.rstrip("/")
+        if value == m or value.startswith(m + "/"):
+            return str(mounts[mount]) + value[len(m) :]
+    return value
+
+
+def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int | None = None) -> Proc:
+    name = deploy["metadata"]["name"]
+    pod = deploy["spec"]["template"]["spec"]
+    c = main_container(deploy)
+    img = image_of(dockerfile_key_for_image(c["image"]))
+
+    # Rewrite 2: volumes.
+    local_vols: dict[str, Path] = {}
+    for vol in pod.get("volumes") or []:
+        d = root / name / "volumes" / vol["name"]
+        d.mkdir(parents=True)
+        if "emptyDir" in vol:
+            pass
+        elif "configMap" in vol:
+            cm = one(objs, "ConfigMap", vol["configMap"]["name"])
+            items = vol["configMap"].get("items") or [{"key": k, "path": k} for k in cm["data"]]
+            for item in items:
+                (d / item["path"]).write_text(cm["data"][item["key"]])
+        else:
+            raise AssertionError(f"{name}: volume {vol['name']} of a kind this test cannot map locally")
+        local_vols[vol["name"]] = d
+    mounts = {m["mountPath"]: local_vols[m["name"]] for m in c.get("volumeMounts") or []}
+
+    # Rewrite 3: ports.
+    ports = {p["containerPort"]: free_port() for p in c["ports"]}
+
+    # Rewrite 1: the executable.
+    command = c.get("command") or img.entrypoint
+    args = list(c["args"] if "args" in c else img.cmd)
+    exe = command[0]
+    if "/" in exe:
+        exe = Path(exe).name
+    local_exe = VENV_BIN / exe
+    assert local_exe.exists(), f"{local_exe} not installed: the image entrypoint {command[0]!r} must be a console script"
+    out_args = []
+    for i, a in enumerate(args):
+        if i > 0 and args[i - 1] in PORT_FLAGS:
+            assert int(a) in ports, f"{name}: {args[i - 1]} {a} is not a declared containerPort"
+            a = str(ports[int(a)])
+        out_args.append(remap_path(a, mounts))
+    argv = [str(local_exe), *[remap_path(a, mounts) for a in command[1:]], *out_args]
+
+    # Rewrite 5: environment = image ENV + container env, paths remapped.
+    env = {k: v for k, v in img.env.items() if k != "PATH"}
+    for e in c.get("env") or []:
+        assert "valueFrom" not in e, f"{name}: env {e['name']} uses valueFrom; not mappable locally"
+        env[e["name"]] = e.get("value", "")
+    env = {k: remap_path(v, mounts) for k, v in env.items()}
+    env["PATH"] = f"{VENV_BIN}:/usr/bin:/bin"
+    cwd = remap_path(c.get("workingDir") or img.workdir or "/", mounts)
+
+    # Rewrite 4: the drafter target in the mounted speculative config.
+    if drafter_local_port is not None:
+        key, cfg, raw = speculative_config_of(objs)
+        target = cfg["userProvided"]["drafterTarget"]
+        assert target.startswith("dns:///")
+        local_target = f"dns:///127.0.0.1:{drafter_local_port}"
+        path = Path(remap_path(flag_value(c["args"], "--speculative-config"), mounts))
+        assert path.read_text() == raw and raw.count(target) == 1
+        path.write_text(raw.replace(target, local_target))
+
+    return Proc(name, deploy, argv, env, cwd, ports, root / f"{name}.log")
+
+
+def health_check(port: int, service: str = "", timeout: float = 3.0) -> str:
+    """What the kubelet's gRPC probe does: grpc.health.v1.Health/Check."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            return f"rpc error: {e.code().name}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(proc: Proc, deadline: float) -> None:
+    probe = proc.probe("readinessProbe")["grpc"]
+    port = proc.ports[probe["port"]]
+    status = "not tried"
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        status = health_check(port, probe.get("service", ""))
+        if status == "SERVING":
+            return
+        time.sleep(1.0)
+    pytest.fail(f"{proc.name} not SERVING after startup budget (last: {status}):\n{proc.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    objs = render("overlays/cpu")
+    root = tmp_path_factory.mktemp("deploy-local")
+    drafter_dep = one(objs, "Deployment", DRAFTER)
+    verifier_dep = one(objs, "Deployment", VERIFIER)
+    drafter = prepare(drafter_dep, objs, root)
+    drafter_grpc = int(flag_value(main_container(drafter_dep)["args"], "--port"))
+    verifier = prepare(verifier_dep, objs, root, drafter_local_port=drafter.ports[drafter_grpc])
+    procs = [drafter, verifier]
+    try:
+        # Like pods, both start at once: the verifier must cope with a drafter
+        # that is not up yet.
+        for p in procs:
+            with open(p.log, "wb") as log:
+                p.popen = subprocess.Popen(
+                    p.argv, env=p.env, cwd=p.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        deadline = time.monotonic() + STARTUP_BUDGET_S
+        for p in procs:
+            wait_serving(p, deadline)
+        yield {"drafter": drafter, "verifier": verifier, "objs": objs}
+    finally:
+        for p in procs:
+            if p.popen and p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait(10)
+
+
+def test_probes_report_serving(stack):
+    for name in ("drafter", "verifier"):
+        p = stack[name]
+        c = main_container(p.deployment)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if kind in c:
+                g = c[kind]["grpc"]
+                assert health_check(p.ports[g["port"]], g.get("service", "")) == "SERVING", (
+                    f"{p.name} {kind}:\n{p.log_tail()}"
+                )
+
+
+def test_generate_through_the_remote_drafter(stack):
+    import grpc
+
+    from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+
+    v = stack["verifier"]
+    port = v.ports[int(flag_value(main_container(v.deployment)["args"], "--port"))]
+    req = verifier_pb2.GenerateRequest(
+        prompt=(
+            "Copy the list exactly.\n"
+            "List: red, green, blue, red, green, blue, red, green, blue\n"
+            "Copy: red, green, blue, red, green,"
+        ),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=32),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            resp = verifier_pb2_grpc.VerifierServiceStub(ch).Generate(req, timeout=120)
+        except grpc.RpcError as e:
+            pytest.fail(f"Generate failed: {e.code().name} {e.details()}\n{v.log_tail()}")
+    assert resp.text.strip(), f"empty text:\n{v.log_tail()}"
+    assert resp.stats.num_draft_tokens > 0, (
+        f"no tokens drafted by the remote drafter: {resp.stats}\n{v.log_tail()}\n{stack['drafter'].log_tail()}"
+    )
+
+
+def test_server_info_reflects_the_rendered_flags(stack):
+    import grpc
+
+    from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+
+    v = stack["verifier"]
+    args = main_container(v.deployment)["args"]
+    port = v.ports[int(flag_value(args, "--port"))]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        info = verifier_pb2_grpc.VerifierServiceStub(ch).GetServerInfo(
+            verifier_pb2.GetServerInfoRequest(), timeout=30
+        )
+    up = info.speculative_config.user_provided
+    d = stack["drafter"]
+    drafter_port = d.ports[int(flag_value(main_container(d.deployment)["args"], "--port"))]
+    assert up.drafter_target == f"dns:///127.0.0.1:{drafter_port}"
+    assert up.load_balancing_policy == "round_robin"
+    assert info.max_model_len == int(flag_value(args, "--max-model-len"))
+    assert info.max_num_seqs == int(flag_value(args, "--max-num-seqs"))
+    assert info.max_queue_len == int(flag_value(args, "--max-queue-len"))
+    assert flag_value(args, "--device") in info.device
+    assert info.drafter.state == verifier_pb2.DRAFTER_STATE_HEALTHY, f"{info.drafter}"
+
+
+def test_metrics_served_where_prometheus_annotations_point(stack):
+    for name in ("drafter", "verifier"):
+        p = stack[name]
+        ann = p.deployment["spec"]["template"]["metadata"]["annotations"]
+        port = p.ports[int(ann["prometheus.io/port"])]
+        url = f"http://127.0.0.1:{port}{ann['prometheus.io/path']}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = r.read().decode()
+                assert r.status == 200
+        except OSError as e:
+            pytest.fail(f"{name}: GET {url} failed: {e}\n{p.log_tail()}")
+        assert "# TYPE" in body, f"{name}: {url} is not Prometheus text format"
+
+
+def test_sigterm_ends_both_within_the_termination_grace_period(stack):
+    """After the preStop sleep the kubelet sends SIGTERM, then SIGKILL at
+    terminationGracePeriodSeconds. The servers' own drain (--grace-period-s)
+    must end the process in the remaining time, with a clean exit: a process
+    that only dies from the default SIGTERM action would, as PID 1 in a
+    container, ignore SIGTERM and be SIGKILLed."""
+    for name in ("verifier", "drafter"):
+        p = stack[name]
+        c = main_container(p.deployment)
+        budget = p.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] - prestop_seconds(c)
+        p.popen.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            rc = p.popen.wait(budget)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} still running {budget}s after SIGTERM:\n{p.log_tail()}")
+        assert rc in (0, 128 + signal.SIGTERM), f"{name} exited {rc} after SIGTERM:\n{p.log_tail()}"
+        assert time.monotonic() - t0 <= budget
