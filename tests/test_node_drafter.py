@@ -185,6 +185,7 @@ def test_release_requests(stub):
     ([seq("", 0, [1, 2])], "empty request_id"),
     ([seq("dup", 0, [1]), seq("dup", 0, [2])], "duplicate"),
     ([seq("neg", 0, [1, -5])], "-5"),
+    ([seq("prompt", 2, [1], prompt_len=4)], "prompt_len"),
 ])
 def test_malformed_requests_are_invalid_argument_and_change_nothing(stub, sequences, message):
     v = "v-invalid-" + message
@@ -199,8 +200,12 @@ def test_malformed_requests_are_invalid_argument_and_change_nothing(stub, sequen
 
 def test_empty_call_and_empty_verifier_id(stub):
     assert call(stub, "v-empty") == []
-    assert call(stub, "", seq("r", 0, [8, 9, 8])) == [(OK, [9, 8])]
-    assert call(stub, "", seq("r", 3, [9])) == [(OK, [8, 9])]
+    with pytest.raises(grpc.RpcError) as err:
+        call(stub, "", seq("r", 0, [8, 9, 8]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="", request_ids=["r"]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_full_context_over_default_4mib_message_limit(stub):

@@ -31,7 +31,7 @@ const USAGE = `usage: node index.js [options]
   --max-draft-len N         most draft tokens per sequence, 0 = no cap (default 8)
   --vocab-size N            reject token ids >= N, 0 = any (default 0)
   --max-sequences N         sequences held before LRU eviction (default 100000)
-  --idle-timeout-s S        drop sequences idle this long (default 300)
+  --idle-timeout-s S        drop sequences idle this long (default 600)
   --grace-s S               graceful shutdown period on SIGTERM (default 5)
   --max-message-mb N        largest request accepted (default 64)
   --auth-token-file PATH    require "authorization: Bearer <token>" (also
@@ -54,7 +54,7 @@ function parseCli(argv) {
       'max-draft-len': { type: 'string', default: '8' },
       'vocab-size': { type: 'string', default: '0' },
       'max-sequences': { type: 'string', default: '100000' },
-      'idle-timeout-s': { type: 'string', default: '300' },
+      'idle-timeout-s': { type: 'string', default: '600' },
       'grace-s': { type: 'string', default: '5' },
       'max-message-mb': { type: 'string', default: '64' },
       'auth-token-file': { type: 'string' },
@@ -216,9 +216,10 @@ function main(argv) {
       store.validate(request, grpc.status.INVALID_ARGUMENT);
       return { results: store.prepare(request) };
     }, ctx),
-    ReleaseRequests: unary((request) => ({
-      released: store.release(request.verifier_id, request.request_ids),
-    }), ctx),
+    ReleaseRequests: unary((request) => {
+      if (!request.verifier_id) throw new StatusError(grpc.status.INVALID_ARGUMENT, 'verifier_id must not be empty');
+      return { released: store.release(request.verifier_id, request.request_ids) };
+    }, ctx),
   });
 
   // Idle eviction: a verifier that died without ReleaseRequests leaks nothing.

@@ -26,7 +26,7 @@ function stateKey(verifierId, requestId) {
 }
 
 class SequenceStore {
-  constructor({ maxNgram = 3, maxDraftLen = 8, maxSequences = 100000, idleTimeoutMs = 300000, vocabSize = 0 } = {}) {
+  constructor({ maxNgram = 3, maxDraftLen = 8, maxSequences = 100000, idleTimeoutMs = 600000, vocabSize = 0 } = {}) {
     this.maxNgram = maxNgram;
     this.maxDraftLen = maxDraftLen; // 0: no limit
     this.maxSequences = maxSequences;
@@ -42,6 +42,7 @@ class SequenceStore {
   // Throws StatusError(INVALID_ARGUMENT) before touching any state, so a
   // malformed call changes nothing.
   validate(request, invalidArgument) {
+    if (!request.verifier_id) throw new StatusError(invalidArgument, 'verifier_id must not be empty');
     const seen = new Set();
     for (const [i, s] of request.sequences.entries()) {
       if (!s.request_id) throw new StatusError(invalidArgument, `sequences[${i}]: empty request_id`);
@@ -57,6 +58,10 @@ class SequenceStore {
         if (t < 0 || (this.vocabSize > 0 && t >= this.vocabSize)) {
           throw new StatusError(invalidArgument, `sequences[${i}]: token id ${t} outside the vocabulary`);
         }
+      }
+      if (s.prompt_len > ctx + s.new_tokens.length) {
+        throw new StatusError(invalidArgument,
+          `sequences[${i}]: prompt_len ${s.prompt_len} exceeds the context length ${ctx + s.new_tokens.length}`);
       }
     }
   }
