@@ -1,0 +1,84 @@
+"""`splitspec-drafter`: serve a built-in drafter or a user's Drafter class."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+from drafter_sdk.drafter import Drafter
+from drafter_sdk.ngram import NgramDrafter
+from drafter_sdk.server import MIB, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__)
+    parser.add_argument("drafter", help="'ngram', or a Drafter subclass as module:Class or path/to/file.py:Class "
+                                        "(constructed without arguments)")
+    parser.add_argument("--host", default="[::]")
+    parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    parser.add_argument("--port-file", help="write the bound port to this file once listening")
+    parser.add_argument("--idle-timeout-s", type=float, default=600.0,
+                        help="forget sequences not seen for this long")
+    parser.add_argument("--grace-period-s", type=float, default=10.0,
+                        help="on SIGTERM, how long in-flight calls may finish")
+    parser.add_argument("--max-message-bytes", type=int, default=16 * MIB)
+    parser.add_argument("--log-level", default="INFO")
+    ngram = parser.add_argument_group("ngram drafter")
+    ngram.add_argument("--max-draft-len", type=int, default=8)
+    ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
+    ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
+    ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
+    ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
+    return parser
+
+
+def load_drafter_class(spec: str) -> type[Drafter]:
+    """Import `module:Class` or `path/to/file.py:Class`."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"expected 'ngram', module:Class or path/to/file.py:Class, got {spec!r}")
+    if target.endswith(".py") or os.sep in target:
+        path = Path(target)
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None or not path.is_file():
+            raise ValueError(f"no Python file at {target}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module  # dataclasses and pickling look their module up there
+        module_spec.loader.exec_module(module)
+    else:
+        # Console scripts do not put the working directory on sys.path; `python -m` would.
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(target)
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+        raise ValueError(f"{spec} is not a Drafter subclass")
+    return cls
+
+
+def make_drafter(args: argparse.Namespace) -> Drafter:
+    if args.drafter == "ngram":
+        return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
+                            is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
+                            is_public_pool=args.is_public_pool)
+    return load_drafter_class(args.drafter)()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        drafter = make_drafter(args)
+    except (ValueError, ImportError) as exc:
+        parser.error(str(exc))
+    serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
+          grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""DrafterService: deltas in, drafts out.
+
+The protocol logic lives in synchronous methods (`load`, `info`, `prepare`,
+`release`, `evict_idle`) so a verifier can run an SDK drafter in-process through
+exactly the code a remote one runs. Those methods are not thread-safe: call
+them from one thread at a time. The gRPC methods do so by running them on a
+single dedicated worker thread, which also keeps slow user code off the event
+loop that answers health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import operator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from drafter_sdk.drafter import Drafter, DraftRequest, Key, SamplingHints
+from drafter_sdk.errors import DrafterError
+from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.sequence_store import SequenceStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+_INT32_LIMIT = 2**31  # draft ids travel as int32
+_OK = drafter_pb2.DRAFT_STATUS_OK
+_RESYNC = drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED
+
+T = TypeVar("T")
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, drafter: Drafter, store: SequenceStore | None = None) -> None:
+        self.drafter = drafter
+        self.store = store if store is not None else SequenceStore()
+        self.loaded = False
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+
+    # --- synchronous core (also the in-process API) ---
+
+    def load(self) -> None:
+        """Run the drafter's `load()`; calls are refused with UNAVAILABLE until it returned."""
+        self.drafter.load()
+        self.loaded = True
+
+    def info(self) -> drafter_pb2.GetDrafterInfoResponse:
+        d = self.drafter
+        return drafter_pb2.GetDrafterInfoResponse(
+            name=d.name, version=d.version, max_draft_len=d.max_draft_len,
+            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=list(d.capabilities))
+
+    def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest) -> drafter_pb2.PrepareDraftTokensResponse:
+        """Apply every sequence's delta and draft for those whose context is in sync.
+
+        Raises DrafterError: INVALID_ARGUMENT for a malformed request (no state
+        is touched then), INTERNAL when the drafter's code fails or answers
+        nonsense, UNAVAILABLE before `load()` finished.
+        """
+        self._require_loaded()
+        self._validate(request)
+        results: list[drafter_pb2.DraftResult | None] = []
+        batch: list[DraftRequest] = []
+        slots: list[int] = []
+        for seq in request.sequences:
+            key = (request.verifier_id, seq.request_id)
+            synced = self.store.sync(key, seq.context_len, seq.new_tokens)
+            if synced.discarded:
+                self._forget(key)
+            if synced.tokens is None:
+                results.append(drafter_pb2.DraftResult(request_id=seq.request_id, status=_RESYNC))
+                continue
+            slots.append(len(results))
+            results.append(None)
+            hints = seq.sampling
+            batch.append(DraftRequest(
+                verifier_id=request.verifier_id, request_id=seq.request_id, tokens=synced.tokens,
+                prompt_len=seq.prompt_len, draft_len=seq.draft_len,
+                last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
+                # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
+                sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k)))
+        for slot, req, draft in zip(slots, batch, self._draft(batch)):
+            results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft)
+        return drafter_pb2.PrepareDraftTokensResponse(results=results)
+
+    def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse:
+        self._require_loaded()
+        if not request.verifier_id:
+            raise DrafterError(grpc.StatusCode.INVALID_ARGUMENT, "verifier_id must not be empty")
+        released = 0
+        for request_id in request.request_ids:
+            key = (request.verifier_id, request_id)
+            if self.store.release(key):
+                released += 1
+                self._forget(key)
+        return drafter_pb2.ReleaseRequestsResponse(released=released)
+
+    def evict_idle(self) -> int:
+        """Forget the sequences idle for the store's timeout; how many there were."""
+        evicted = self.store.evict_idle()
+        for key in evicted:
+            self._forget(key)
+        if evicted:
+            log.info("evicted %d idle sequence(s)", len(evicted))
+        return len(evicted)
+
+    # --- gRPC ---
+
+    async def GetDrafterInfo(self, request: drafter_pb2.GetDrafterInfoRequest,
+                             context: grpc.aio.ServicerContext) -> drafter_pb2.GetDrafterInfoResponse:
+        return self.info()
+
+    async def PrepareDraftTokens(self, request: drafter_pb2.PrepareDraftTokensRequest,
+                                 context: grpc.aio.ServicerContext) -> drafter_pb2.PrepareDraftTokensResponse:
+        return await self._handle(self.prepare, request, context)
+
+    async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
+                              context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
+        return await self._handle(self.release, request, context)
+
+    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the drafter's worker thread, after whatever is queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def close(self) -> None:
+        """Stop the worker thread once its current job ends; queued jobs are dropped."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # --- helpers ---
+
+    async def _handle(self, method: Callable[[Any], T], request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            # Checked here too so calls during a long load() fail fast instead of queueing behind it.
+            self._require_loaded()
+            return await self.run_in_worker(method, request)
+        except DrafterError as err:
+            await context.abort(err.code, err.details)
+
+    def _require_loaded(self) -> None:
+        if not self.loaded:
+            raise DrafterError(grpc.StatusCode.UNAVAILABLE, f"drafter {self.drafter.name} is still loading")
+
+    def _validate(self, request: drafter_pb2.PrepareDraftTokensRequest) -> None:
+        def invalid(details: str) -> DrafterError:
+            log.warning("refused PrepareDraftTokens from %r: %s", request.verifier_id, details)
+            return DrafterError(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+        if not request.verifier_id:
+            raise invalid("verifier_id must not be empty")
+        vocab_size = self.drafter.vocab_size
+        seen: set[str] = set()
+        for seq in request.sequences:
+            rid = seq.request_id
+            if not rid:
+                raise invalid("request_id must not be empty")
+            if rid in seen:
+                raise invalid(f"duplicate request_id {rid!r} in one call")
+            seen.add(rid)
+            if seq.new_tokens:
+                if min(seq.new_tokens) < 0:
+                    raise invalid(f"request {rid!r}: negative token id {min(seq.new_tokens)}")
+                if vocab_size and max(seq.new_tokens) >= vocab_size:
+                    raise invalid(f"request {rid!r}: token id {max(seq.new_tokens)} is outside "
+                                  f"the drafter's vocabulary (vocab_size {vocab_size})")
+            if seq.prompt_len > seq.context_len + len(seq.new_tokens):
+                raise invalid(f"request {rid!r}: prompt_len {seq.prompt_len} exceeds the context length "
+                              f"{seq.context_len + len(seq.new_tokens)}")
+
+    def _draft(self, batch: list[DraftRequest]) -> list[list[int]]:
+        """Call the user's drafter and return its drafts trimmed and checked."""
+        if not batch:
+            return []
+        try:
+            drafts = self.drafter.prepare_draft_tokens(batch)
+        except Exception as exc:
+            log.exception("%s.prepare_draft_tokens failed", type(self.drafter).__name__)
+            raise DrafterError(grpc.StatusCode.INTERNAL,
+                               f"prepare_draft_tokens raised {type(exc).__name__}: {exc}") from exc
+        count = len(drafts) if hasattr(drafts, "__len__") else f"a {type(drafts).__name__}, not a list of"
+        if count != len(batch):
+            details = f"prepare_draft_tokens returned {count} drafts for {len(batch)} requests"
+            log.error(details)
+            raise DrafterError(grpc.StatusCode.INTERNAL, details)
+        cap = self.drafter.max_draft_len
+        return [self._checked(req, draft, min(req.draft_len, cap) if cap else req.draft_len)
+                for req, draft in zip(batch, drafts)]
+
+    def _checked(self, req: DraftRequest, draft: Any, limit: int) -> list[int]:
+        bound = self.drafter.vocab_size or _INT32_LIMIT
+        try:
+            tokens = [operator.index(t) for t in itertools.islice(draft, limit)]
+        except TypeError as exc:
+            details = f"draft for request {req.request_id!r} is not a sequence of int token ids ({exc})"
+            log.error(details)
+            raise DrafterError(grpc.StatusCode.INTERNAL, details) from exc
+        bad = [t for t in tokens if not 0 <= t < bound]
+        if bad:
+            details = f"draft for request {req.request_id!r} holds token id {bad[0]} outside [0, {bound})"
+            log.error(details)
+            raise DrafterError(grpc.StatusCode.INTERNAL, details)
+        return tokens
+
+    def _forget(self, key: Key) -> None:
+        try:
+            self.drafter.on_release(key)
+        except Exception:
+            # The SDK's state is gone either way; a failing cleanup must not fail the call.
+            log.exception("%s.on_release(%r) failed", type(self.drafter).__name__, key)
