@@ -284,3 +284,66 @@ def test_node_unit_tests():
     proc = subprocess.run(["node", "--test", "test/unit.test.js"], cwd=NODE_DRAFTER_DIR,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _make_pki(directory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject, key, issuer, issuer_key, *, ca=False, server=False):
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        if not ca:
+            usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    files = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("test-ca", ca_key, "test-ca", ca_key, ca=True)
+    for role, server in (("server", True), ("client", False)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        crt = cert(f"test-{role}", key, "test-ca", ca_key, server=server)
+        files[f"{role}.crt"] = crt.public_bytes(serialization.Encoding.PEM)
+        files[f"{role}.key"] = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption())
+    files["ca.crt"] = ca.public_bytes(serialization.Encoding.PEM)
+    for file_name, data in files.items():
+        (directory / file_name).write_bytes(data)
+    return files
+
+
+def test_tls_and_mutual_tls(tmp_path):
+    pki = _make_pki(tmp_path)
+    tls = dict(tls_cert_file=tmp_path / "server.crt", tls_key_file=tmp_path / "server.key")
+    server_only = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"])
+    with_client_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"], private_key=pki["client.key"],
+                                                    certificate_chain=pki["client.crt"])
+    with run_node_drafter(**tls) as address, grpc.secure_channel(address, server_only) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+    with run_node_drafter(**tls, tls_ca_file=tmp_path / "ca.crt") as address:
+        with grpc.secure_channel(address, with_client_cert) as channel:
+            stub = pb_grpc.DrafterServiceStub(channel)
+            assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        with grpc.secure_channel(address, server_only) as channel:  # no client certificate: refused
+            with pytest.raises(grpc.RpcError) as err:
+                call(pb_grpc.DrafterServiceStub(channel), "v", seq("r", 0, [1, 2, 1]))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
