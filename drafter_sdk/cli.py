@@ -12,6 +12,7 @@ from pathlib import Path
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.ngram import NgramDrafter
+from drafter_sdk.security import TOKEN_ENV_VAR, read_token, server_credentials
 from drafter_sdk.server import MIB, serve
 
 
@@ -28,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM, how long in-flight calls may finish")
     parser.add_argument("--max-message-bytes", type=int, default=16 * MIB)
     parser.add_argument("--log-level", default="INFO")
+    security = parser.add_argument_group("security")
+    security.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    security.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    security.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mTLS)")
+    security.add_argument("--auth-token-file",
+                          help=f"file holding the bearer token every call must carry (default: ${TOKEN_ENV_VAR}, "
+                               "if set)")
     ngram = parser.add_argument_group("ngram drafter")
     ngram.add_argument("--max-draft-len", type=int, default=8)
     ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
@@ -72,12 +80,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     try:
         drafter = make_drafter(args)
-    except (ValueError, ImportError) as exc:
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        token = read_token(args.auth_token_file)
+    except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
-          grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes)
+          grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
+          server_credentials=credentials, auth_token=token)
 
 
 if __name__ == "__main__":

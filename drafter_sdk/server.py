@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.security import BearerTokenServerInterceptor
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
 
@@ -101,10 +102,18 @@ async def start_server(
     max_message_bytes: int = 16 * MIB,
     max_concurrent_rpcs: int | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
+    auth_token: str | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningDrafter:
-    """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done)."""
+    """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
+
+    `server_credentials` (see drafter_sdk.security) switches to TLS; with
+    `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
+    (health and reflection stay open for probes).
+    """
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s))
+    if auth_token is not None:
+        interceptors = [BearerTokenServerInterceptor(auth_token), *interceptors]
     server = grpc.aio.server(
         interceptors=list(interceptors),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
@@ -128,7 +137,8 @@ async def start_server(
     else:
         bound = server.add_secure_port(address, server_credentials)
     await server.start()
-    log.info("serving %s on %s:%d", drafter.name, host, bound)
+    log.info("serving %s on %s:%d (%s%s)", drafter.name, host, bound,
+             "plaintext" if server_credentials is None else "TLS", ", bearer auth" if auth_token else "")
     return RunningDrafter(server, bound, servicer, health_servicer, grace_period_s, idle_timeout_s)
 
 

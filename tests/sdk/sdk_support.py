@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from drafter_sdk import Drafter, DraftRequest, RunningDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
+
+DRAFTER_SCRIPT = Path(sys.executable).with_name("splitspec-drafter")
 
 
 @dataclass
@@ -57,18 +61,25 @@ class Client:
     def __post_init__(self) -> None:
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
 
-    async def prepare(self, verifier_id: str, *sequences: pb.DraftSequence) -> pb.PrepareDraftTokensResponse:
+    async def prepare(self, verifier_id: str, *sequences: pb.DraftSequence,
+                      metadata: tuple[tuple[str, str], ...] | None = None) -> pb.PrepareDraftTokensResponse:
         return await self.stub.PrepareDraftTokens(
-            pb.PrepareDraftTokensRequest(verifier_id=verifier_id, sequences=sequences), timeout=10)
+            pb.PrepareDraftTokensRequest(verifier_id=verifier_id, sequences=sequences), timeout=10,
+            metadata=metadata)
 
 
 @contextlib.asynccontextmanager
-async def serving(drafter: Drafter, *, wait_loaded: bool = True, **options: object) -> AsyncIterator[Client]:
+async def serving(drafter: Drafter, *, wait_loaded: bool = True,
+                  channel_credentials: grpc.ChannelCredentials | None = None,
+                  **options: object) -> AsyncIterator[Client]:
+    """A drafter server on a free port of 127.0.0.1 and a client channel to it (TLS with credentials)."""
     running = await start_server(drafter, host="127.0.0.1", port=0, **options)  # type: ignore[arg-type]
+    target = f"127.0.0.1:{running.port}"
     try:
         if wait_loaded:
             await running.wait_loaded()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        async with (grpc.aio.insecure_channel(target) if channel_credentials is None
+                    else grpc.aio.secure_channel(target, channel_credentials)) as channel:
             yield Client(running, channel)
     finally:
         await running.stop(0)

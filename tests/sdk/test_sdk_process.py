@@ -16,9 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_sdk import cli
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from sdk_support import seq
-
-SCRIPT = Path(sys.executable).with_name("splitspec-drafter")
+from sdk_support import DRAFTER_SCRIPT, seq
 
 # What a drafter author writes (the __main__ part is the ten-line promise; the tests use the CLI).
 USER_FILE = textwrap.dedent("""
@@ -50,7 +48,7 @@ class DrafterProcess:
         self.mark = tmp_path / "in-flight"
         env = dict(os.environ, MARK_FILE=str(self.mark), DRAFT_DELAY_S=str(delay_s))
         self.proc = subprocess.Popen(
-            [str(SCRIPT), drafter, "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
+            [str(DRAFTER_SCRIPT), drafter, "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
              "--grace-period-s", "5", "--log-level", "WARNING"],
             cwd=cwd or tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,0 +1,122 @@
+"""TLS, mutual TLS and bearer-token auth, shared by drafter servers, the verifier server and its drafter client.
+
+Tokens are only ever read from a file or the environment, never taken from a
+command line (where `ps` and shell histories would show them).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+TOKEN_ENV_VAR = "SPLITSPEC_AUTH_TOKEN"
+AUTH_METADATA_KEY = "authorization"
+# Probes (Kubernetes gRPC probes, grpcurl) cannot send a token.
+OPEN_SERVICES = frozenset({
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+})
+
+PathLike = str | os.PathLike[str]
+
+
+def server_credentials(cert_file: PathLike, key_file: PathLike,
+                       client_ca_file: PathLike | None = None) -> grpc.ServerCredentials:
+    """Serve TLS with this certificate chain and key; with `client_ca_file`, require client certificates
+    signed by that CA bundle (mutual TLS)."""
+    client_ca = _read(client_ca_file) if client_ca_file else None
+    return grpc.ssl_server_credentials([(_read(key_file), _read(cert_file))], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def channel_credentials(ca_file: PathLike | None = None, cert_file: PathLike | None = None,
+                        key_file: PathLike | None = None) -> grpc.ChannelCredentials:
+    """Client TLS: verify the server with `ca_file` (default: the system roots); present
+    `cert_file`/`key_file` for mutual TLS."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file) if ca_file else None,
+        private_key=_read(key_file) if key_file else None,
+        certificate_chain=_read(cert_file) if cert_file else None)
+
+
+def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR) -> str | None:
+    """The bearer token from `token_file`, else from the environment variable; None when neither is set.
+
+    Surrounding whitespace (a trailing newline, typically) is not part of the token.
+    """
+    if token_file is not None:
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"auth token file {token_file} is empty")
+        return token
+    return os.environ.get(env_var, "").strip() or None
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Per-call metadata carrying the token; works over plaintext and TLS channels alike."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),)
+
+
+def call_credentials(token: str) -> grpc.CallCredentials:
+    """The token as call credentials, to compose with TLS channel credentials
+    (gRPC refuses to send call credentials over plaintext)."""
+    return grpc.access_token_call_credentials(token)
+
+
+class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without `authorization: Bearer <token>` with UNAUTHENTICATED.
+
+    Services in `open_services` (health, reflection) stay reachable without a token.
+    """
+
+    def __init__(self, token: str, open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        if not token:
+            raise ValueError("the bearer token must not be empty")
+        self._token = token.encode()
+        self._open_services = frozenset(open_services)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service = handler_call_details.method.lstrip("/").partition("/")[0]
+        if handler is None or service in self._open_services or self._authorized(handler_call_details):
+            return handler
+        return _unauthenticated_like(handler)
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                scheme, _, supplied = value.partition(" ")
+                # The scheme is case-insensitive (RFC 6750); the token is compared in constant time.
+                return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), self._token)
+        return False
+
+
+async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming shape as `handler` that refuses the call."""
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return factory(_deny, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+def _read(path: PathLike) -> bytes:
+    return Path(path).read_bytes()

@@ -1,0 +1,193 @@
+"""TLS, mutual TLS and bearer-token auth of drafter servers (drafter_sdk.security)."""
+
+import asyncio
+import os
+import signal
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from certs import make_pki
+from drafter_sdk import cli
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.security import (BearerTokenServerInterceptor, auth_metadata, call_credentials, channel_credentials,
+                                  read_token, server_credentials)
+from sdk_support import DRAFTER_SCRIPT, RecordingDrafter, seq, serving
+
+TOKEN = "s3cret-token"
+
+
+async def assert_ok(c, metadata=None) -> None:
+    response = await c.prepare("v", seq("r", 0, [1, 2, 3], draft_len=1), metadata=metadata)
+    assert list(response.results[0].draft_tokens) == [3]
+
+
+async def assert_refused(c, code: grpc.StatusCode, metadata=None) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await c.prepare("v", seq("r", 0, [1, 2, 3]), metadata=metadata)
+    assert info.value.code() == code, info.value.details()
+
+
+def test_tls_serves_clients_that_trust_the_ca_only(tmp_path):
+    pki = make_pki(tmp_path)
+    other = make_pki(tmp_path, prefix="other-")
+
+    async def body():
+        creds = server_credentials(pki.server_cert, pki.server_key)
+        async with serving(RecordingDrafter(), server_credentials=creds,
+                           channel_credentials=channel_credentials(pki.ca_cert)) as c:
+            await assert_ok(c)
+        async with serving(RecordingDrafter(), server_credentials=creds,
+                           channel_credentials=channel_credentials(other.ca_cert)) as c:
+            await assert_refused(c, grpc.StatusCode.UNAVAILABLE)  # the server's certificate is not trusted
+        async with serving(RecordingDrafter(), server_credentials=creds) as c:  # a plaintext client
+            await assert_refused(c, grpc.StatusCode.UNAVAILABLE)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("client", ["valid", "none", "foreign"])
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path, client):
+    pki = make_pki(tmp_path)
+    foreign = make_pki(tmp_path, prefix="foreign-")
+    client_creds = {
+        "valid": channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key),
+        "none": channel_credentials(pki.ca_cert),
+        "foreign": channel_credentials(pki.ca_cert, foreign.client_cert, foreign.client_key),
+    }[client]
+
+    async def body():
+        creds = server_credentials(pki.server_cert, pki.server_key, client_ca_file=pki.ca_cert)
+        async with serving(RecordingDrafter(), server_credentials=creds, channel_credentials=client_creds) as c:
+            if client == "valid":
+                await assert_ok(c)
+            else:
+                await assert_refused(c, grpc.StatusCode.UNAVAILABLE)
+
+    asyncio.run(body())
+
+
+def test_bearer_token_is_required_on_the_drafter_service_only():
+    async def body():
+        async with serving(RecordingDrafter(), auth_token=TOKEN) as c:
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED)
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED, metadata=auth_metadata("wrong"))
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED, metadata=(("authorization", TOKEN),))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.stub.GetDrafterInfo(pb.GetDrafterInfoRequest())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            await assert_ok(c, metadata=auth_metadata(TOKEN))
+            await assert_ok(c, metadata=(("authorization", f"bearer {TOKEN}"),))  # the scheme is case-insensitive
+
+            health = await health_pb2_grpc.HealthStub(c.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(c.channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            assert [r async for r in reflection][0].list_services_response.service
+
+    asyncio.run(body())
+
+
+def test_token_as_call_credentials_over_mutual_tls(tmp_path):
+    pki = make_pki(tmp_path)
+
+    async def body():
+        creds = grpc.composite_channel_credentials(
+            channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key), call_credentials(TOKEN))
+        async with serving(RecordingDrafter(), auth_token=TOKEN, channel_credentials=creds,
+                           server_credentials=server_credentials(pki.server_cert, pki.server_key, pki.ca_cert)) as c:
+            await assert_ok(c)
+
+    asyncio.run(body())
+
+
+def test_the_interceptor_refuses_streaming_calls_too():
+    async def count(request: bytes, context):
+        for i in range(3):
+            yield bytes([i])
+
+    async def body():
+        server = grpc.aio.server(interceptors=[BearerTokenServerInterceptor(TOKEN)])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "test.Counter", {"Count": grpc.unary_stream_rpc_method_handler(count)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                method = channel.unary_stream("/test.Counter/Count")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    [r async for r in method(b"", timeout=5)]
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert [r async for r in method(b"", timeout=5, metadata=auth_metadata(TOKEN))] == [b"\0", b"\1", b"\2"]
+        finally:
+            await server.stop(0)
+
+    asyncio.run(body())
+
+
+def test_read_token_prefers_the_file_and_strips_whitespace(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text(f"  {TOKEN}\n")
+    monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", "from-env")
+    assert read_token(token_file) == TOKEN
+    assert read_token() == "from-env"
+    monkeypatch.delenv("SPLITSPEC_AUTH_TOKEN")
+    assert read_token() is None
+    token_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_token(token_file)
+    with pytest.raises(ValueError):
+        BearerTokenServerInterceptor("")
+    with pytest.raises(ValueError):
+        channel_credentials(cert_file=tmp_path / "only-a-cert.pem")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
+    (["--auth-token-file", "/nonexistent/token"], "No such file"),
+])
+def test_cli_refuses_incomplete_security_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["ngram", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_serves_mutual_tls_with_a_token_from_the_environment(tmp_path):
+    pki = make_pki(tmp_path)
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [str(DRAFTER_SCRIPT), "ngram", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+         "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca_cert),
+         "--log-level", "WARNING"],
+        env=dict(os.environ, SPLITSPEC_AUTH_TOKEN=TOKEN), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        async def body():
+            while not port_file.exists():
+                assert proc.poll() is None, proc.communicate()[0]
+                await asyncio.sleep(0.05)
+            creds = channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
+            async with grpc.aio.secure_channel(f"127.0.0.1:{int(port_file.read_text())}", creds) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                while (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status != \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    await asyncio.sleep(0.05)
+                stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                info = await stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5, metadata=auth_metadata(TOKEN))
+                assert info.name == "ngram"
+
+        asyncio.run(asyncio.wait_for(body(), 30))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
