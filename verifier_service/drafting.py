@@ -5,6 +5,7 @@ from __future__ import annotations
 from drafter_sdk.client import DrafterClient, GrpcTransport, InProcessTransport
 from drafter_sdk.ngram import NgramDrafter
 from drafter_sdk.proto import speculative_pb2
+from drafter_sdk.security import channel_credentials, read_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
 from verifier_service.config import mode_name
@@ -24,8 +25,6 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
             SequenceStore())
         servicer.load()
         return DrafterClient(InProcessTransport(servicer), verifier_id, vocab_size)
-    from drafter_sdk.security import channel_credentials, read_token  # TODO(security helper): top-level
-
     up = config.user_provided
     credentials = None
     if up.HasField("tls"):

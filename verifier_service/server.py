@@ -214,15 +214,18 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    source = model_loader.resolve_source(settings.model)
-    device = model_loader.pick_device(settings.device)
-    dtype = model_loader.pick_dtype(settings.dtype, device)
-    loading = asyncio.ensure_future(asyncio.to_thread(model_loader.load, source, dtype, device))
-    done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    if loading in done:
-        model, tokenizer = loading.result()
-        await attach_model(running, model, tokenizer, source.name)
-        await stop.wait()
-    log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
-    await running.stop()
+    try:
+        source = model_loader.resolve_source(settings.model)
+        device = model_loader.pick_device(settings.device)
+        dtype = model_loader.pick_dtype(settings.dtype, device)
+        loading = asyncio.ensure_future(asyncio.to_thread(model_loader.load, source, dtype, device))
+        waiting = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            model, tokenizer = loading.result()
+            await attach_model(running, model, tokenizer, source.name)
+            await stop.wait()
+        log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
+    finally:
+        await running.stop()
     log.info("stopped")
