@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-period-s", type=float, default=10.0,
                         help="on SIGTERM, how long in-flight calls may finish")
     parser.add_argument("--max-message-bytes", type=int, default=16 * MIB)
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security")
     security.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
           grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
-          server_credentials=credentials, auth_token=token)
+          server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from drafter_sdk.drafter import Drafter
+from drafter_sdk.metrics import DrafterMetrics, MetricsServer, start_metrics_server
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import BearerTokenServerInterceptor
 from drafter_sdk.sequence_store import SequenceStore
@@ -26,19 +27,26 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class RunningDrafter:
-    """A started drafter server. `port` is the bound port (useful with port 0)."""
+    """A started drafter server. `port` is the bound port (useful with port 0); `metrics_port` the
+    bound port of /metrics, None without metrics."""
 
     def __init__(self, server: grpc.aio.Server, port: int, servicer: DrafterServicer,
-                 health_servicer: health.aio.HealthServicer, grace_period_s: float, idle_timeout_s: float) -> None:
+                 health_servicer: health.aio.HealthServicer, grace_period_s: float, idle_timeout_s: float,
+                 metrics_server: MetricsServer | None) -> None:
         self.server = server
         self.port = port
         self.servicer = servicer
         self.health = health_servicer
         self.grace_period_s = grace_period_s
+        self.metrics_server = metrics_server
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._load_task = asyncio.create_task(self._load())
         self._evict_task = asyncio.create_task(self._evict_idle(idle_timeout_s))
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server is not None else None
 
     async def wait_loaded(self) -> None:
         """Return once the drafter serves; raise what `load()` raised if it failed."""
@@ -69,6 +77,9 @@ class RunningDrafter:
         self._load_task.cancel()
         self._evict_task.cancel()
         self.servicer.close()
+        if self.metrics_server is not None:
+            # shutdown() blocks until the serving thread notices; keep the event loop free meanwhile.
+            await asyncio.to_thread(self.metrics_server.close)
 
     async def _load(self) -> None:
         name = self.servicer.drafter.name
@@ -89,7 +100,9 @@ class RunningDrafter:
         interval = min(max(idle_timeout_s / 4, 0.05), 30.0)
         while True:
             await asyncio.sleep(interval)
-            await self.servicer.run_in_worker(self.servicer.evict_idle)
+            evicted = await self.servicer.run_in_worker(self.servicer.evict_idle)
+            if self.servicer.metrics is not None:
+                self.servicer.metrics.evictions.inc(evicted)
 
 
 async def start_server(
@@ -104,14 +117,17 @@ async def start_server(
     server_credentials: grpc.ServerCredentials | None = None,
     auth_token: str | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    metrics_port: int | None = None,
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
     `server_credentials` (see drafter_sdk.security) switches to TLS; with
     `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
-    (health and reflection stay open for probes).
+    (health and reflection stay open for probes). With `metrics_port` (0: any
+    free port), Prometheus metrics are served over HTTP at /metrics on `host`.
     """
-    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s))
+    metrics = DrafterMetrics() if metrics_port is not None else None
+    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s), metrics)
     if auth_token is not None:
         interceptors = [BearerTokenServerInterceptor(auth_token), *interceptors]
     server = grpc.aio.server(
@@ -136,10 +152,14 @@ async def start_server(
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, server_credentials)
+    metrics_server = None
+    if metrics is not None:
+        metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
+        log.info("metrics on http://%s:%d/metrics", host, metrics_server.port)
     await server.start()
     log.info("serving %s on %s:%d (%s%s)", drafter.name, host, bound,
              "plaintext" if server_credentials is None else "TLS", ", bearer auth" if auth_token else "")
-    return RunningDrafter(server, bound, servicer, health_servicer, grace_period_s, idle_timeout_s)
+    return RunningDrafter(server, bound, servicer, health_servicer, grace_period_s, idle_timeout_s, metrics_server)
 
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,

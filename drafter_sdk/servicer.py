@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import operator
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ import grpc
 
 from drafter_sdk.drafter import Drafter, DraftRequest, Key, SamplingHints
 from drafter_sdk.errors import DrafterError
+from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.sequence_store import SequenceStore
 
@@ -36,9 +38,14 @@ T = TypeVar("T")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, drafter: Drafter, store: SequenceStore | None = None) -> None:
+    def __init__(self, drafter: Drafter, store: SequenceStore | None = None,
+                 metrics: DrafterMetrics | None = None) -> None:
         self.drafter = drafter
         self.store = store if store is not None else SequenceStore()
+        # Recorded by the gRPC methods only: in-process callers measure for themselves.
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.track_held(lambda: len(self.store))
         self.loaded = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
@@ -117,11 +124,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def PrepareDraftTokens(self, request: drafter_pb2.PrepareDraftTokensRequest,
                                  context: grpc.aio.ServicerContext) -> drafter_pb2.PrepareDraftTokensResponse:
-        return await self._handle(self.prepare, request, context)
+        response = await self._handle("PrepareDraftTokens", self.prepare, request, context)
+        if self.metrics is not None:
+            self.metrics.record_drafts(response)
+        return response
 
     async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
-        return await self._handle(self.release, request, context)
+        return await self._handle("ReleaseRequests", self.release, request, context)
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the drafter's worker thread, after whatever is queued there."""
@@ -133,13 +143,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # --- helpers ---
 
-    async def _handle(self, method: Callable[[Any], T], request: Any, context: grpc.aio.ServicerContext) -> T:
+    async def _handle(self, name: str, method: Callable[[Any], T], request: Any,
+                      context: grpc.aio.ServicerContext) -> T:
+        start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
         try:
             # Checked here too so calls during a long load() fail fast instead of queueing behind it.
             self._require_loaded()
-            return await self.run_in_worker(method, request)
+            response = await self.run_in_worker(method, request)
+            code = grpc.StatusCode.OK
+            return response
         except DrafterError as err:
+            code = err.code
             await context.abort(err.code, err.details)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the client gave up (deadline) or the server stops
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.record_call(name, code, time.perf_counter() - start)
 
     def _require_loaded(self) -> None:
         if not self.loaded:

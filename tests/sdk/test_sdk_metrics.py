@@ -1,0 +1,82 @@
+"""Prometheus /metrics of drafter servers, scraped over HTTP."""
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from drafter_sdk.proto import drafter_pb2 as pb
+from sdk_support import RecordingDrafter, seq, serving
+
+
+async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200
+            return response.read().decode()
+
+    text = await asyncio.to_thread(get)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples.get((f"splitspec_drafter_{name}", tuple(sorted(labels.items()))), 0.0)
+
+
+def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
+    async def body():
+        async with serving(RecordingDrafter(), metrics_port=0, idle_timeout_s=0.5) as c:
+            port = c.running.metrics_port
+            await c.prepare("v", seq("a", 0, [1, 2, 3], draft_len=2), seq("b", 5, [1]))
+            await c.prepare("v", seq("a", 3, [4], draft_len=1))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await c.prepare("", seq("a", 4, [5]))
+            samples = await scrape(port)
+            assert value(samples, "calls_total", method="PrepareDraftTokens", code="OK") == 2
+            assert value(samples, "calls_total", method="PrepareDraftTokens", code="INVALID_ARGUMENT") == 1
+            assert value(samples, "errors_total", method="PrepareDraftTokens", code="INVALID_ARGUMENT") == 1
+            assert value(samples, "errors_total", method="PrepareDraftTokens", code="OK") == 0
+            assert value(samples, "call_latency_seconds_count", method="PrepareDraftTokens") == 3
+            assert value(samples, "sequences_total") == 3
+            assert value(samples, "resyncs_total") == 1
+            assert value(samples, "draft_tokens_total") == 3  # [3, 2], then [4]
+            assert value(samples, "held_sequences") == 1
+
+            await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a"]))
+            await c.prepare("v", seq("c", 0, [1], draft_len=0))
+            samples = await scrape(port)
+            assert value(samples, "calls_total", method="ReleaseRequests", code="OK") == 1
+            assert value(samples, "held_sequences") == 1  # "a" released, "c" new
+
+            for _ in range(100):  # "c" idles out after 0.5 s
+                samples = await scrape(port)
+                if value(samples, "evictions_total") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert value(samples, "evictions_total") == 1
+            assert value(samples, "held_sequences") == 0
+
+    asyncio.run(body())
+
+
+def test_each_server_has_its_own_registry():
+    async def body():
+        async with serving(RecordingDrafter(), metrics_port=0) as one, \
+                serving(RecordingDrafter(), metrics_port=0) as two:
+            await one.prepare("v", seq("a", 0, [1]))
+            assert value(await scrape(one.running.metrics_port), "sequences_total") == 1
+            assert value(await scrape(two.running.metrics_port), "sequences_total") == 0
+        assert one.running.metrics_port != two.running.metrics_port
+
+    asyncio.run(body())
+
+
+def test_no_metrics_endpoint_unless_asked():
+    async def body():
+        async with serving(RecordingDrafter()) as c:
+            assert c.running.metrics_port is None and c.running.servicer.metrics is None
+
+    asyncio.run(body())
