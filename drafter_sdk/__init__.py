@@ -1,4 +1,17 @@
-"""splitspec drafter SDK: serve a speculative-decoding drafter over gRPC (no torch needed)."""
+"""splitspec drafter SDK: serve a speculative-decoding drafter over gRPC (no torch needed).
+
+    from drafter_sdk import Drafter, serve
+
+    class Repeat(Drafter):
+        def prepare_draft_tokens(self, requests):
+            # Each request carries its full history; propose its last token again.
+            return [r.tokens[-1:] * r.draft_len for r in requests]
+
+    serve(Repeat(), port=50052)
+
+Or without a script: `splitspec-drafter my_module:Repeat --port 50052`, or the
+built-in `splitspec-drafter ngram`.
+"""
 
 from drafter_sdk.drafter import Drafter, DraftRequest, SamplingHints
 from drafter_sdk.errors import DrafterError
