@@ -112,8 +112,7 @@ class Engine:
         rows = [VerifyRow([], s.sampling, s.generator) for s in seqs]
         new_tokens, _ = await self._forward(batch, rows)
         self.stats.prefills += 1
-        for seq, tokens in zip(seqs, new_tokens):
-            self._commit(seq, tokens)
+        self._commit_all(seqs, new_tokens)
 
     async def _decode(self, seqs: list[Sequence]) -> None:
         started = time.perf_counter()
@@ -147,7 +146,7 @@ class Engine:
             seq.stats.record(len(draft), accepted)
             self.policy.observe(seq, len(draft), accepted)
             seq.last_num_drafted, seq.last_num_accepted = len(draft), accepted
-            self._commit(seq, tokens)
+        self._commit_all(seqs, new_tokens)
 
     def _batch(self, first: int, ids: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> ForwardBatch:
         device = self.runner.device
@@ -160,16 +159,26 @@ class Engine:
             return verify_batch(logits, rows), time.perf_counter() - started
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
-    def _commit(self, seq: Sequence, tokens: list[int]) -> None:
+    def _commit_all(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> None:
+        # Every row's KV length is committed before any finished sequence frees its
+        # slot: freeing moves the last slot into the hole and copies only its
+        # committed positions, so a row still at its old length would lose the
+        # positions this step wrote (and decode on garbage afterwards).
+        finished = [seq for seq, tokens in zip(seqs, new_tokens) if self._commit(seq, tokens)]
+        for seq in finished:
+            self._finish(seq)
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Append and emit the tokens; True when the sequence finished (its slot is not freed yet)."""
         if seq.cancelled:  # cancelled mid-step: drop at the next boundary
-            return
+            return False
         kept = seq.append_tokens(tokens, self.max_model_len)
         seq.emit(kept)
         if seq.finished:
-            self._finish(seq)
-        else:
-            # Positions past the accepted tokens hold rejected drafts: roll back.
-            self.kv_cache.set_length(self.kv_cache.slot_of(seq.request_id), seq.num_tokens - 1)
+            return True
+        # Positions past the accepted tokens hold rejected drafts: roll back.
+        self.kv_cache.set_length(self.kv_cache.slot_of(seq.request_id), seq.num_tokens - 1)
+        return False
 
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason is None:
