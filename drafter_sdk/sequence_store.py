@@ -1,4 +1,14 @@
-"""Per-request committed history, rebuilt from the deltas a verifier sends each step."""
+"""Per-request committed history, rebuilt from the overlapping deltas a verifier sends each step.
+
+A delta is `(context_len, new_tokens)`: `new_tokens[0]` sits at offset
+`context_len` of the sequence's committed context, which never changes once
+committed. So a store holding H tokens can apply any delta that starts at or
+before H and does not end before it, `context_len <= H <= context_len +
+len(new_tokens)`: the overlapping part repeats what it holds and is skipped,
+the rest is appended. That lets a verifier re-send the last few steps' tokens
+in every call, and lets replicas behind a round-robin balancer that missed a
+few steps catch up without a resync (protos/PROTOCOL.md, section 4).
+"""
 
 from __future__ import annotations
 
@@ -42,17 +52,41 @@ class SequenceStore:
         return key in self._entries
 
     def sync(self, key: Key, context_len: int, new_tokens: Iterable[int]) -> SyncResult:
-        """Apply one delta: context_len 0 replaces the history, otherwise it must equal the held length."""
+        """Apply one overlapping delta.
+
+        - context_len 0: new_tokens is the whole context and replaces what is held
+          (when what is held is a prefix of it, that is an append: nothing is discarded);
+        - held H tokens with context_len <= H <= context_len + len(new_tokens): the first
+          H - context_len new tokens repeat held ones and are skipped, the rest appended;
+        - nothing held, or a gap (H < context_len): resync (what is held is kept: it is still
+          a true prefix, so the full context that follows extends it);
+        - H > context_len + len(new_tokens), or overlapping tokens that differ from the
+          held ones: inconsistent, so the held state is dropped and the sender must resync.
+        """
+        tokens = new_tokens if isinstance(new_tokens, list) else list(new_tokens)
         # Popping and re-inserting keeps the dict ordered by last use.
         entry = self._entries.pop(key, None)
         if context_len == 0:
-            fresh = _Entry(list(new_tokens), self._clock())
+            if entry is not None and _starts_with(tokens, entry.tokens, 0):
+                # The same context again, possibly longer: keep what was derived from it.
+                return self._append(key, entry, tokens[len(entry.tokens):])
+            fresh = _Entry(list(tokens), self._clock())
             self._entries[key] = fresh
             return SyncResult(fresh.tokens, discarded=entry is not None)
-        if entry is None or len(entry.tokens) != context_len:
-            # Appending to a history of the wrong length would silently corrupt it.
-            return SyncResult(None, discarded=entry is not None)
-        entry.tokens.extend(new_tokens)
+        if entry is None:
+            return SyncResult(None, discarded=False)
+        held = len(entry.tokens)
+        if held < context_len:  # a gap: the tokens between held and context_len are missing
+            entry.last_used = self._clock()
+            self._entries[key] = entry
+            return SyncResult(None, discarded=False)
+        if held > context_len + len(tokens) or not _starts_with(tokens, entry.tokens, context_len):
+            # Committed context never changes: this cannot be the same sequence's history.
+            return SyncResult(None, discarded=True)
+        return self._append(key, entry, tokens[held - context_len:])
+
+    def _append(self, key: Key, entry: _Entry, tokens: list[int]) -> SyncResult:
+        entry.tokens.extend(tokens)
         entry.last_used = self._clock()
         self._entries[key] = entry
         return SyncResult(entry.tokens, discarded=False)
@@ -72,3 +106,9 @@ class SequenceStore:
             del self._entries[key]
             evicted.append(key)
         return evicted
+
+
+def _starts_with(tokens: list[int], held: list[int], offset: int) -> bool:
+    """Whether `tokens` begins with held[offset:] (the part of `held` it overlaps)."""
+    overlap = len(held) - offset
+    return overlap <= len(tokens) and tokens[:overlap] == held[offset:]

@@ -46,7 +46,7 @@ def test_prompt_and_generated_token_views():
     asyncio.run(body())
 
 
-def test_unknown_key_and_length_mismatch_require_resync_then_full_context_recovers():
+def test_unknown_key_gap_and_inconsistent_delta_require_resync_then_full_context_recovers():
     async def body():
         drafter = RecordingDrafter()
         async with serving(drafter) as c:
@@ -55,11 +55,20 @@ def test_unknown_key_and_length_mismatch_require_resync_then_full_context_recove
             assert drafter.calls == []  # nothing in sync: the user's code is not called
 
             await c.prepare("v", seq("r", 0, [1, 2, 3]))
-            mismatch = await c.prepare("v", seq("r", 5, [6]))
-            assert mismatch.results[0].status == RESYNC
+            gap = await c.prepare("v", seq("r", 5, [6]))  # positions 3 and 4 are missing
+            assert gap.results[0].status == RESYNC
+            assert drafter.released == []  # a gap leaves the held prefix alone
+
+            # An overlapping delta: [2, 3] are held already, [4, 5] are appended.
+            overlap = await c.prepare("v", seq("r", 1, [2, 3, 4, 5], draft_len=2))
+            assert overlap.results[0].status == OK and list(overlap.results[0].draft_tokens) == [5, 4]
+            assert drafter.calls[-1][0].tokens == [1, 2, 3, 4, 5]
+
+            inconsistent = await c.prepare("v", seq("r", 1, [2, 3]))  # ends before the 5 held tokens
+            assert inconsistent.results[0].status == RESYNC
             assert drafter.released == [("v", "r")]  # the drafter is told to drop what it derived
-            # The stale state is gone: even the once-right length needs the full context now.
-            assert (await c.prepare("v", seq("r", 3, [4]))).results[0].status == RESYNC
+            # The stale state is gone: even a delta that fitted before needs the full context now.
+            assert (await c.prepare("v", seq("r", 5, [6]))).results[0].status == RESYNC
 
             recovered = await c.prepare("v", seq("r", 0, [1, 2, 3, 4], draft_len=2))
             assert recovered.results[0].status == OK and list(recovered.results[0].draft_tokens) == [4, 3]
