@@ -1,10 +1,15 @@
 """The verifier's side of the drafter protocol: deltas, validation, deadlines, breaker.
 
 `DrafterClient` turns a step's sequences into one PrepareDraftTokens call that
-carries only the tokens each drafter has not seen, and turns the answer into
-drafts the verifier can trust: anything late, failing or malformed becomes "no
-draft" for that step. The same client drives a remote drafter over gRPC and an
-SDK drafter in-process, so the two differ only by the network hop.
+carries, per sequence, an overlapping delta: the tokens committed since its
+`overlap_steps`-th most recent successful call. A drafter replica that missed
+fewer than that many steps (round_robin over N <= overlap_steps replicas sends
+each replica every N-th step) skips what it holds and appends the rest, so it
+stays in sync without a resync, and the bytes per call are bounded by the
+tokens of the last few steps, not by the context length. The client turns the
+answer into drafts the verifier can trust: anything late, failing or malformed
+becomes "no draft" for that step. The same client drives a remote drafter over
+gRPC and an SDK drafter in-process, so the two differ only by the network hop.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -144,11 +150,26 @@ class DrafterClient:
     verifier_id: str
     vocab_size: int
     deadline_s: float = 0.05
+    # Every call re-sends the tokens committed since the request's overlap_steps-th most
+    # recent successful call (the whole context until it had that many), so drafter
+    # replicas that missed up to overlap_steps - 1 steps catch up without a resync.
+    # 1 = plain deltas (one drafter, e.g. in-process).
+    overlap_steps: int = 8
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     stats: DrafterClientStats = field(default_factory=DrafterClientStats)
-    # request id -> committed tokens the drafter is believed to hold
-    _sent: dict[str, int] = field(default_factory=dict)
+    # request id -> committed length after each of its last overlap_steps successful calls
+    _sent: dict[str, deque[int]] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.overlap_steps < 1:
+            raise ValueError(f"overlap_steps must be at least 1, not {self.overlap_steps}")
+
+    def context_len(self, request_id: str) -> int:
+        """Offset of the first token the next call sends for the request (0: the whole context)."""
+        history = self._sent.get(request_id)
+        # Fewer successful calls than overlap_steps: some replica may hold nothing yet.
+        return history[0] if history is not None and len(history) == self.overlap_steps else 0
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         none = DraftReply([[] for _ in queries], [False] * len(queries))
@@ -166,8 +187,8 @@ class DrafterClient:
         try:
             response = await self.transport.prepare(request, self.deadline_s)
         except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
-            # The drafter may or may not have applied the deltas: keep what we
-            # believed; a mismatch comes back as a resync.
+            # The drafter may or may not have applied the deltas: keep the history
+            # unchanged; the next call's overlap covers this call's tokens anyway.
             return self._fail(queries, _describe(exc), time.perf_counter() - started)
         latency = time.perf_counter() - started
         problem = _check_shape(response, request)
@@ -189,11 +210,12 @@ class DrafterClient:
     def _build_request(self, queries: list[DraftQuery]) -> drafter_pb2.PrepareDraftTokensRequest:
         request = drafter_pb2.PrepareDraftTokensRequest(verifier_id=self.verifier_id)
         for q in queries:
-            held = self._sent.get(q.request_id, 0)
-            if held > len(q.tokens):  # cannot happen for committed context; be safe
-                held = 0
+            start = self.context_len(q.request_id)
+            if start > len(q.tokens):  # cannot happen for committed context; be safe
+                self._sent.pop(q.request_id, None)
+                start = 0
             request.sequences.append(drafter_pb2.DraftSequence(
-                request_id=q.request_id, context_len=held, new_tokens=q.tokens[held:],
+                request_id=q.request_id, context_len=start, new_tokens=q.tokens[start:],
                 prompt_len=q.prompt_len, draft_len=q.draft_len,
                 sampling=drafter_pb2.SamplingHints(temperature=q.temperature, top_p=q.top_p, top_k=q.top_k),
                 last_num_drafted=q.last_num_drafted, last_num_accepted=q.last_num_accepted))
@@ -207,7 +229,10 @@ class DrafterClient:
         if result.status != drafter_pb2.DRAFT_STATUS_OK:
             self._sent.pop(query.request_id, None)
             return [], True
-        self._sent[query.request_id] = len(query.tokens)
+        history = self._sent.get(query.request_id)
+        if history is None:
+            history = self._sent[query.request_id] = deque(maxlen=self.overlap_steps)
+        history.append(len(query.tokens))
         tokens = list(result.draft_tokens)
         if len(tokens) > query.draft_len or any(t < 0 or t >= self.vocab_size for t in tokens):
             return [], True

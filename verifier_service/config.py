@@ -21,6 +21,8 @@ MODE_CONFIG_FIELD = {"USER_PROVIDED": "user_provided", "NGRAM": "ngram", "DRAFT_
 DEFAULT_MAX_DRAFT_LEN = 8
 MAX_DRAFT_LEN_LIMIT = 64
 DEFAULT_DEADLINE_S = 0.05
+DEFAULT_DELTA_OVERLAP_STEPS = 8
+MAX_DELTA_OVERLAP_STEPS = 1024
 DEFAULT_NGRAM_SIZE = 3
 
 
@@ -123,6 +125,11 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
             up.call_deadline.FromNanoseconds(int(DEFAULT_DEADLINE_S * 1e9))
         if not up.load_balancing_policy:
             up.load_balancing_policy = "round_robin"
+        if up.delta_overlap_steps == 0:
+            up.delta_overlap_steps = DEFAULT_DELTA_OVERLAP_STEPS
+        if up.delta_overlap_steps > MAX_DELTA_OVERLAP_STEPS:
+            raise ConfigError(f"delta_overlap_steps {up.delta_overlap_steps} is above the limit "
+                              f"{MAX_DELTA_OVERLAP_STEPS}")
         if up.load_balancing_policy not in ("round_robin", "pick_first"):
             raise ConfigError(f"load_balancing_policy must be round_robin or pick_first, "
                               f"not {up.load_balancing_policy!r}")

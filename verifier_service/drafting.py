@@ -8,7 +8,7 @@ from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.security import channel_credentials, read_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.config import mode_name
+from verifier_service.config import DEFAULT_DELTA_OVERLAP_STEPS, mode_name
 
 
 def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id: str,
@@ -24,7 +24,8 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
             is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool),
             SequenceStore())
         servicer.load()
-        return DrafterClient(InProcessTransport(servicer), verifier_id, vocab_size)
+        # One in-process drafter sees every call: plain deltas, no overlap needed.
+        return DrafterClient(InProcessTransport(servicer), verifier_id, vocab_size, overlap_steps=1)
     up = config.user_provided
     credentials = None
     if up.HasField("tls"):
@@ -34,4 +35,5 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
         up.drafter_target, credentials=credentials,
         auth_token=read_token(up.auth_token_file or None) if up.auth_token_file else None,
         load_balancing_policy=up.load_balancing_policy, server_name_override=up.tls.server_name_override)
-    return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9)
+    return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9,
+                         overlap_steps=up.delta_overlap_steps or DEFAULT_DELTA_OVERLAP_STEPS)
