@@ -1,12 +1,14 @@
 """The Node.js example drafter, run as a real process and driven over gRPC.
 
-Checks the protocol of protos/PROTOCOL.md from the outside: deltas, resync,
+Checks the protocol of protos/PROTOCOL.md from the outside: overlapping deltas, resync,
 namespacing, draft lengths, release, errors, auth, health and shutdown. The
 worked example of PROTOCOL.md section 12 is replayed verbatim.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import shutil
 import subprocess
 import time
@@ -15,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from drafter_sdk.client import DrafterClient, DraftQuery, GrpcTransport
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
 from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
@@ -107,15 +110,30 @@ def test_delta_for_unknown_request_resyncs_then_recovers(stub):
     assert call(stub, v, seq("never-seen", 8, [4, 1])) == [(OK, [5, 9, 3, 1])]
 
 
+def test_overlapping_deltas_skip_what_is_held(stub):
+    v = "v-overlap"
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4])) == [(OK, [])]
+    # new_tokens[0] is at offset 2: [3, 4] are held and skipped, [1, 2] appended.
+    assert call(stub, v, seq("r", 2, [3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # The same tokens again (a replica that saw the previous call): nothing new, same draft.
+    assert call(stub, v, seq("r", 2, [3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # A gap (position 6 missing) resyncs but keeps the held prefix ...
+    assert call(stub, v, seq("r", 7, [3])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 4, [1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    # ... a delta ending before the 7 held tokens is inconsistent and drops it.
+    assert call(stub, v, seq("r", 4, [1, 2])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 7, [4])) == [(RESYNC, [])]
+
+
 def test_mismatched_context_len_resyncs_and_drops_stale_state(stub):
     v = "v-mismatch"
     assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
-    # The drafter holds 6 tokens; a delta claiming 5 (or 7) does not fit.
+    # The drafter holds 6 tokens: [1, 2] at offset 4 overlaps them, [3] at offset 5 contradicts them.
     assert call(stub, v, seq("r", 5, [3])) == [(RESYNC, [])]
     # The stale state was dropped: even the right length resyncs now.
     assert call(stub, v, seq("r", 6, [3])) == [(RESYNC, [])]
     assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
-    assert call(stub, v, seq("r", 9, [])) == [(RESYNC, [])]  # too long
+    assert call(stub, v, seq("r", 9, [])) == [(RESYNC, [])]  # a gap
     assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
     # A resync of one sequence leaves the others of the call alone.
     assert call(stub, v, seq("r", 7, [4]), seq("other", 3, [1])) == [(OK, [1, 2, 3, 4]), (RESYNC, [])]
@@ -169,6 +187,37 @@ def test_big_batch_results_in_request_order(stub):
     deltas = [seq(f"s{i:03d}", 5, [i + 2]) if i % 2 else seq(f"s{i:03d}", 4, [i + 2]) for i in range(64)]
     results = call(stub, v, *deltas)
     assert results == [(OK, [i, i + 1, i + 2]) if i % 2 else (RESYNC, []) for i in range(64)]
+
+
+def _drive_round_robin(target: str, policy: str, steps: int = 20,
+                       overlap_steps: int = 8) -> tuple[int, DrafterClient]:
+    """One sequence through DrafterClient, as a verifier would; returns (steps with a draft call in sync, client)."""
+    async def body() -> tuple[int, DrafterClient]:
+        client = DrafterClient(GrpcTransport(target, load_balancing_policy=policy), "v-rr", vocab_size=2**31,
+                               deadline_s=5.0, overlap_steps=overlap_steps)
+        rng = random.Random(3)
+        tokens = [rng.randrange(50) for _ in range(200)]
+        in_sync = 0
+        for _ in range(steps):
+            reply = await client.propose([DraftQuery("r", list(tokens), 10, 4)])
+            assert not reply.failed[0], client.stats.last_error
+            in_sync = client.stats.calls - client.stats.resyncs
+            tokens.extend(rng.randrange(50) for _ in range(rng.randint(1, 5)))
+        await client.close()
+        return in_sync, client
+    return asyncio.run(body())
+
+
+def test_two_replicas_behind_round_robin_stay_in_sync():
+    """Two Node drafters behind one `ipv4:a,b` target: overlapping deltas keep both in sync."""
+    with run_node_drafter() as a, run_node_drafter() as b:
+        target = f"ipv4:{a},{b}"
+        in_sync, client = _drive_round_robin(target, "round_robin")
+        assert client.stats.resyncs <= 1 and in_sync >= 19  # at most one, if a replica connected late
+        pick_in_sync, pick_client = _drive_round_robin(target, "pick_first")
+        assert pick_client.stats.resyncs == 0 and pick_in_sync == 20
+        # Both policies send the same bytes: each call carries at most the last 8 steps' tokens.
+        assert client.stats.request_bytes <= pick_client.stats.request_bytes * 1.2
 
 
 def test_release_requests(stub):

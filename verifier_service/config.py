@@ -126,7 +126,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
         if not up.load_balancing_policy:
             up.load_balancing_policy = "round_robin"
         if up.delta_overlap_steps == 0:
-            up.delta_overlap_steps = DEFAULT_DELTA_OVERLAP_STEPS
+            # pick_first sends every call to one replica: plain deltas are enough there.
+            up.delta_overlap_steps = DEFAULT_DELTA_OVERLAP_STEPS if up.load_balancing_policy == "round_robin" else 1
         if up.delta_overlap_steps > MAX_DELTA_OVERLAP_STEPS:
             raise ConfigError(f"delta_overlap_steps {up.delta_overlap_steps} is above the limit "
                               f"{MAX_DELTA_OVERLAP_STEPS}")

@@ -1,6 +1,14 @@
 'use strict';
-// Per-sequence drafter state and the delta/resync protocol of
-// splitspec.v1.DrafterService (see protos/PROTOCOL.md).
+// Per-sequence drafter state and the overlapping-delta/resync protocol of
+// splitspec.v1.DrafterService (see protos/PROTOCOL.md, section 4).
+//
+// A delta (context_len, new_tokens) places new_tokens[0] at offset
+// context_len of the committed context, which never changes. Holding H
+// tokens, a delta with context_len <= H <= context_len + new_tokens.length
+// fits: its first H - context_len tokens repeat what is held and are skipped,
+// the rest is appended. Verifiers re-send the last few steps in every call,
+// so a replica behind a round-robin balancer that missed a few steps catches
+// up without a resync.
 //
 // State is keyed by (verifier_id, request_id): request ids are unique only
 // within one verifier. Map iteration order doubles as an LRU list (entries
@@ -75,17 +83,38 @@ class SequenceStore {
   prepareOne(verifierId, s, now) {
     const key = stateKey(verifierId, s.request_id);
     const contextLen = Number(s.context_len);
+    const newTokens = s.new_tokens;
     let entry = this.entries.get(key);
+    let skip = 0; // leading new tokens already held
     if (contextLen === 0) {
-      // Full context: start over, whatever was held before.
-      entry = { seq: new NgramSequence(this.maxNgram), lastUsed: now };
-    } else if (!entry || entry.seq.length !== contextLen) {
-      // Never had it, lost it (restart, eviction, another replica), or it
-      // disagrees: drop stale state and ask for the whole context.
-      this.entries.delete(key);
-      return { request_id: s.request_id, status: RESYNC_REQUIRED, draft_tokens: [] };
+      // Full context. When it merely extends what is held, keep the index built so far;
+      // otherwise start over, whatever was held before.
+      if (entry && overlapMatches(entry.seq.tokens, 0, newTokens)) {
+        skip = entry.seq.length;
+      } else {
+        entry = { seq: new NgramSequence(this.maxNgram), lastUsed: now };
+      }
+    } else {
+      const held = entry ? entry.seq.length : -1;
+      if (!entry || held < contextLen) {
+        // Never had it, lost it (restart, eviction), or a gap (missed more steps than the
+        // overlap covers): ask for the whole context. What is held is still a true prefix.
+        if (entry) {
+          entry.lastUsed = now;
+          this.entries.delete(key); // re-insert: most recently used goes last
+          this.entries.set(key, entry);
+        }
+        return { request_id: s.request_id, status: RESYNC_REQUIRED, draft_tokens: [] };
+      }
+      if (held > contextLen + newTokens.length || !overlapMatches(entry.seq.tokens, contextLen, newTokens)) {
+        // Ends before what is held, or re-sent tokens differ: committed context never
+        // changes, so this state is inconsistent. Drop it and ask for the whole context.
+        this.entries.delete(key);
+        return { request_id: s.request_id, status: RESYNC_REQUIRED, draft_tokens: [] };
+      }
+      skip = held - contextLen;
     }
-    entry.seq.append(s.new_tokens);
+    entry.seq.append(skip > 0 ? newTokens.slice(skip) : newTokens);
     entry.lastUsed = now;
     this.entries.delete(key); // re-insert: most recently used goes last
     this.entries.set(key, entry);
@@ -119,6 +148,16 @@ class SequenceStore {
     }
     return evicted;
   }
+}
+
+// Whether newTokens begins with held.slice(offset), the part of held it overlaps.
+function overlapMatches(held, offset, newTokens) {
+  const overlap = held.length - offset;
+  if (overlap > newTokens.length) return false;
+  for (let i = 0; i < overlap; i++) {
+    if (held[offset + i] !== newTokens[i]) return false;
+  }
+  return true;
 }
 
 module.exports = { SequenceStore, StatusError, stateKey, OK, RESYNC_REQUIRED };
