@@ -166,6 +166,23 @@ def test_round_robin_replicas_stay_in_sync_without_resyncs(replicas):
     asyncio.run(body())
 
 
+def test_without_overlap_round_robin_replicas_resync_every_other_step():
+    """Why the overlap exists: plain deltas (overlap 1) over two replicas lock into a resync on
+    every other call, because the full context always lands on the replica that has it already."""
+
+    async def body():
+        transport = RoundRobin(replica(), replica())
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=1)
+        tokens = list(range(10))
+        for step in range(20):
+            await client.propose([query(tokens)])
+            tokens = tokens + [step]
+        assert client.stats.resyncs == 10
+        assert [s.drafter.in_sync for s in transport.replicas] == [10, 0]
+
+    asyncio.run(body())
+
+
 def test_more_replicas_than_overlap_steps_resync_but_stay_correct():
     async def body():
         servicers = [replica() for _ in range(3)]
