@@ -228,6 +228,11 @@ def test_speculative_config_targets_the_headless_drafter_service(objs):
     ns = svc["metadata"]["namespace"]
     assert host in (f"{DRAFTER}.{ns}.svc.cluster.local", f"{DRAFTER}.{ns}.svc"), host
     assert int(port) in [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+    # round_robin spreads a sequence's steps over the replicas: the overlap of
+    # re-sent steps must cover the most replicas the HPA can make (default 8).
+    hpa = one(objs, "HorizontalPodAutoscaler")
+    if up.load_balancing_policy == "round_robin":
+        assert (up.delta_overlap_steps or 8) >= hpa["spec"]["maxReplicas"]
     # Drafters are asked for no more than they are configured to give.
     drafter_args = main_container(one(objs, "Deployment", DRAFTER))["args"]
     assert msg.max_draft_len <= int(flag_value(drafter_args, "--max-draft-len"))
