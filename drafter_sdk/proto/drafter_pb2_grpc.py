@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class DrafterServiceStub:
     """A service that proposes draft tokens for a verifier. See PROTOCOL.md for the
-    delta/resync semantics, namespacing, deadlines and status codes.
+    overlapping-delta/resync semantics, namespacing, deadlines and status codes.
     """
 
     def __init__(self, channel):
@@ -55,7 +55,7 @@ class DrafterServiceStub:
 
 class DrafterServiceServicer:
     """A service that proposes draft tokens for a verifier. See PROTOCOL.md for the
-    delta/resync semantics, namespacing, deadlines and status codes.
+    overlapping-delta/resync semantics, namespacing, deadlines and status codes.
     """
 
     def GetDrafterInfo(self, request, context):
@@ -107,7 +107,7 @@ def add_DrafterServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DrafterService:
     """A service that proposes draft tokens for a verifier. See PROTOCOL.md for the
-    delta/resync semantics, namespacing, deadlines and status codes.
+    overlapping-delta/resync semantics, namespacing, deadlines and status codes.
     """
 
     @staticmethod
