@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
+from drafter_sdk.security import TOKEN_ENV_VAR, read_token
 from verifier_service import config
 from verifier_service.server import run
 from verifier_service.settings import ServerSettings
@@ -29,29 +31,56 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-queue-len", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     c.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV cache budget; bounds running sequences")
     c.add_argument("--default-max-new-tokens", type=int, default=256)
-    c.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024)
-    c.add_argument("--max-concurrent-rpcs", type=int, default=1024)
+    c.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024,
+                   help="largest request or response; larger ones fail with RESOURCE_EXHAUSTED")
+    c.add_argument("--max-concurrent-rpcs", type=int, default=1024,
+                   help="calls served at once, health included; more are refused with RESOURCE_EXHAUSTED")
     config.add_flags(p)
+    s = p.add_argument_group("security (of this server; the drafter connection has --drafter-tls-* flags)")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    s.add_argument("--auth-token-file",
+                   help=f"file holding the bearer token every call but health must carry "
+                        f"(default: ${TOKEN_ENV_VAR}, if set); never pass the token itself")
     o = p.add_argument_group("operations")
     o.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGTERM")
     o.add_argument("--log-level", default="INFO")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Raises config.ConfigError with a message a person can act on."""
+    speculative = config.from_args(args)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise config.ConfigError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise config.ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                       ("--tls-client-ca", args.tls_client_ca)):
+        if path and not Path(path).is_file():
+            raise config.ConfigError(f"{flag} {path}: no such file")
     try:
-        speculative = config.from_args(args)
-    except config.ConfigError as exc:
-        print(f"splitspec-verifier: {exc}", file=sys.stderr)
-        return 2
-    settings = ServerSettings(
+        token = read_token(args.auth_token_file)
+    except (OSError, ValueError) as exc:
+        raise config.ConfigError(f"--auth-token-file: {exc}") from None
+    return ServerSettings(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_queue_len=args.max_queue_len,
         kv_cache_memory_gb=args.kv_cache_memory_gb, default_max_new_tokens=args.default_max_new_tokens,
         speculative=speculative, host=args.host, port=args.port, grace_period_s=args.grace_period_s,
-        max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs)
+        max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+    except config.ConfigError as exc:
+        print(f"splitspec-verifier: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(run(settings, port_file=args.port_file))
     return 0
 

@@ -7,6 +7,7 @@ Kubernetes probes see a live process during a long model load.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import drafter_pb2, verifier_pb2, verifier_pb2_grpc
+from drafter_sdk.security import BearerTokenServerInterceptor
+from drafter_sdk.security import server_credentials as tls_server_credentials
 from verifier_service import model_loader
 from verifier_service.config import mode_name
 from verifier_service.request_parsing import GenerateLike, RequestError, parse
@@ -107,6 +110,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         if rt is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
         runner = rt.engine.runner
+        if rt.drafter is not None and not rt.drafter_name and rt.drafter.stats.calls > rt.drafter.stats.failures:
+            await _probe_drafter(rt, timeout_s=1.0)  # absent at start-up, answering now: learn who it is
         return verifier_pb2.GetServerInfoResponse(
             model=rt.model_name, tokenizer=getattr(rt.tokenizer, "name_or_path", "") or rt.model_name,
             vocab_size=rt.limits.vocab_size, max_model_len=rt.limits.max_model_len,
@@ -151,10 +156,69 @@ class RunningVerifier:
             await self.runtime.engine.stop()
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse as its message type."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers requests that do not decode (corrupt wire format, invalid UTF-8 in a string)
+    with INVALID_ARGUMENT; gRPC's own answer would be UNKNOWN, as for a server bug."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        deserialize = handler.request_deserializer
+
+        def safe_deserialize(data: bytes) -> object:
+            try:
+                return deserialize(data)
+            except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's
+                return _Undecodable(f"the request to {method} is not a valid protobuf message: {exc}")
+
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=safe_deserialize, response_serializer=handler.response_serializer)
+        inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):  # writes with context.write (health Watch): leave as is
+            return handler
+
+        async def stream(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            async for item in inner_stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=safe_deserialize, response_serializer=handler.response_serializer)
+
+
 async def start_server(settings: ServerSettings,
                        server_credentials: grpc.ServerCredentials | None = None,
                        interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> RunningVerifier:
-    """Bind and start the gRPC server (health NOT_SERVING, no model yet)."""
+    """Bind and start the gRPC server (health NOT_SERVING, no model yet).
+
+    Without explicit `server_credentials`, settings.tls_cert/tls_key serve TLS and
+    settings.tls_client_ca requires client certificates (mTLS); settings.auth_token
+    requires `authorization: Bearer <token>` on every call but health and reflection.
+    """
+    if server_credentials is None and settings.tls_cert:
+        server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    interceptors = (*((BearerTokenServerInterceptor(settings.auth_token),) if settings.auth_token else ()),
+                    MalformedRequestInterceptor(), *interceptors)
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -171,7 +235,9 @@ async def start_server(settings: ServerSettings,
     await server.start()
     running = RunningVerifier(server, servicer, health_servicer, port, settings.grace_period_s)
     await running.set_serving(False)
-    log.info("verifier listening on %s:%d (loading model)", settings.host, port)
+    log.info("verifier listening on %s:%d (%s%s; loading model)", settings.host, port,
+             "plaintext" if server_credentials is None else "mutual TLS" if settings.tls_client_ca else "TLS",
+             ", bearer auth" if settings.auth_token else "")
     return running
 
 
@@ -188,10 +254,10 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
     return rt
 
 
-async def _probe_drafter(rt: Runtime) -> None:
+async def _probe_drafter(rt: Runtime, timeout_s: float = 2.0) -> None:
     """Learn the drafter's identity; a missing drafter is not fatal (the breaker retries)."""
     try:
-        info: drafter_pb2.GetDrafterInfoResponse = await rt.drafter.info(timeout_s=2.0)
+        info: drafter_pb2.GetDrafterInfoResponse = await rt.drafter.info(timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - absent drafter: serve without speculation until it appears
         log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
                     rt.drafter.transport.target, exc)
