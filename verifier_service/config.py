@@ -72,6 +72,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
     g.add_argument("--drafter-deadline-ms", type=float, help="deadline of one drafter call (default 50)")
     g.add_argument("--max-matching-ngram-size", type=int, help="NGRAM: longest suffix looked up (default 3)")
+    t = parser.add_argument_group("drafter connection security (flags override user_provided.tls / auth_token_file)")
+    t.add_argument("--drafter-tls-ca", metavar="PEM",
+                   help="CA bundle verifying the drafter's certificate: connect over TLS")
+    t.add_argument("--drafter-tls-cert", metavar="PEM", help="client certificate for mutual TLS (needs --drafter-tls-key)")
+    t.add_argument("--drafter-tls-key", metavar="PEM", help="private key of --drafter-tls-cert")
+    t.add_argument("--drafter-tls-server-name", metavar="NAME",
+                   help="expected name in the drafter's certificate when it differs from the target host")
+    t.add_argument("--drafter-auth-token-file", metavar="FILE",
+                   help="file holding the bearer token sent to the drafter (never the token itself)")
 
 
 def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
@@ -87,6 +96,13 @@ def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
         config.user_provided.call_deadline.FromMilliseconds(int(args.drafter_deadline_ms))
     if args.max_matching_ngram_size is not None:
         config.ngram.max_matching_ngram_size = args.max_matching_ngram_size
+    for flag, field_name in (("drafter_tls_ca", "ca_cert_file"), ("drafter_tls_cert", "cert_file"),
+                             ("drafter_tls_key", "key_file"), ("drafter_tls_server_name", "server_name_override")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(config.user_provided.tls, field_name, value)
+    if getattr(args, "drafter_auth_token_file", None) is not None:
+        config.user_provided.auth_token_file = args.drafter_auth_token_file
     return validate(config)
 
 
@@ -136,6 +152,11 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
                               f"not {up.load_balancing_policy!r}")
         if up.HasField("tls") and bool(up.tls.cert_file) != bool(up.tls.key_file):
             raise ConfigError("user_provided.tls needs both cert_file and key_file for mutual TLS, or neither")
+        # Checked now, not when the drafter client is built after a long model load.
+        for what, path in (("tls.ca_cert_file", up.tls.ca_cert_file), ("tls.cert_file", up.tls.cert_file),
+                           ("tls.key_file", up.tls.key_file), ("auth_token_file", up.auth_token_file)):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"user_provided.{what} {path}: no such file")
     policy = config.policy
     for rule in policy.draft_len_schedule:
         if rule.max_batch_size == 0:
