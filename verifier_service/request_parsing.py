@@ -13,6 +13,9 @@ from verifier_service.sampler import SamplingParams
 from verifier_service.sequence import SpeculationParams, StoppingParams
 
 MAX_TEMPERATURE = 100.0
+# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_REQUEST_ID_CHARS = 256
@@ -38,6 +41,9 @@ class Limits:
     max_model_len: int
     default_max_new_tokens: int
     eos_token_ids: frozenset[int]
+    # Longer prompt text cannot fit the context whatever it tokenizes to (0: no check);
+    # refusing it before tokenizing keeps a huge prompt from stalling the server.
+    max_prompt_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,30 +69,44 @@ def _prompt_ids(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limit
     if which == "prompt":
         if not request.prompt:
             raise _invalid("prompt is empty")
+        _check_chars(len(request.prompt), limits)
         ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
     elif which == "chat":
-        ids = _chat_ids(request.chat, tokenizer)
+        ids = _chat_ids(request.chat, tokenizer, limits)
     else:
-        ids = list(request.token_ids.ids)
+        ids = request.token_ids.ids
         if not ids:
             raise _invalid("token_ids is empty")
+        _check_length(len(ids), limits)
+        ids = list(ids)
         bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             raise _invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     if not ids:
         raise _invalid("the prompt tokenizes to no tokens")
-    if len(ids) >= limits.max_model_len:
-        raise _invalid(f"the prompt has {len(ids)} tokens; the context is {limits.max_model_len} tokens "
-                       f"(prompt plus at least one new token must fit)")
+    _check_length(len(ids), limits)
     return ids
 
 
-def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def _check_length(num_tokens: int, limits: Limits) -> None:
+    if num_tokens >= limits.max_model_len:
+        raise _invalid(f"the prompt has {num_tokens} tokens; the context is {limits.max_model_len} tokens "
+                       f"(prompt plus at least one new token must fit)")
+
+
+def _check_chars(num_chars: int, limits: Limits) -> None:
+    if limits.max_prompt_chars and num_chars > limits.max_prompt_chars:
+        raise _invalid(f"the prompt has {num_chars} characters, more than the context of {limits.max_model_len} "
+                       f"tokens can hold (at most {limits.max_prompt_chars} characters); shorten it")
+
+
+def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
     if not chat.messages:
         raise _invalid("chat has no messages")
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
             raise _invalid(f"chat message {i} has role {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+    _check_chars(sum(len(m.content) for m in chat.messages), limits)
     if not tokenizer.chat_template:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                            "this model has no chat template; send a plain prompt instead")
@@ -111,6 +131,8 @@ def _sampling(s: verifier_pb2.SamplingParams) -> SamplingParams:
         raise _invalid(f"top_p must be within (0, 1] (0 = unset), not {top_p:g}")
     if s.top_k < 0:
         raise _invalid(f"top_k must be >= 0 (0 = off), not {s.top_k}")
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        temperature = 0.0
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None)
 
@@ -134,6 +156,8 @@ def _stopping(request: GenerateLike, prompt_len: int, limits: Limits) -> Stoppin
             raise _invalid("stop strings must not be empty")
         if len(s) > MAX_STOP_STRING_CHARS:
             raise _invalid(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+    if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(st.stop_token_ids)}")
     bad = next((t for t in st.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise _invalid(f"stop token id {bad} is outside the vocabulary [0, {limits.vocab_size})")

@@ -92,5 +92,17 @@ def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, se
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     limits = Limits(vocab_size=runner.vocab_size, max_model_len=max_model_len,
-                    default_max_new_tokens=settings.default_max_new_tokens, eos_token_ids=eos_ids)
+                    default_max_new_tokens=settings.default_max_new_tokens, eos_token_ids=eos_ids,
+                    max_prompt_chars=max_prompt_chars(tokenizer, max_model_len))
     return Runtime(model_name, tokenizer, engine, limits, settings, verifier_id)
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """Characters past which a prompt cannot fit the context: no token spells more characters than
+    its vocabulary entry, so more than max_model_len * longest-entry characters mean more than
+    max_model_len tokens (doubled, for normalizers that fold characters together). 0: unknown."""
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: no early check
+        return 0
+    return 2 * max_model_len * longest if longest else 0
