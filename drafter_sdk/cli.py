@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="forget sequences not seen for this long")
     parser.add_argument("--grace-period-s", type=float, default=10.0,
                         help="on SIGTERM, how long in-flight calls may finish")
-    parser.add_argument("--max-message-bytes", type=int, default=16 * MIB)
+    parser.add_argument("--max-message-bytes", type=int, default=16 * MIB,
+                        help="largest request or response; larger ones fail with RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-concurrent-rpcs", type=int,
+                        help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security")
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
           grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
+          max_concurrent_rpcs=args.max_concurrent_rpcs,
           server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port)
 
 
