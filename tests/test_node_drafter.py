@@ -102,6 +102,41 @@ def test_worked_example_restart_variant_resyncs_then_recovers(stub):
                     ) == [(OK, [7, 8, 5, 9]), (OK, [2, 3, 4, 1])]
 
 
+def test_worked_example_deltas_that_do_not_fit(stub):
+    """PROTOCOL.md section 12: after step 2 the drafter holds 10 tokens of req-1."""
+    v = "v-7f3a-fit"
+
+    def after_step_2():
+        call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6))
+        call(stub, v, seq("req-1", 7, [8, 5, 9], prompt_len=6))
+
+    after_step_2()
+    assert call(stub, v, seq("req-1", 12, [5])) == [(RESYNC, [])]  # a gap
+    assert call(stub, v, seq("req-1", 8, [5, 9, 5])) == [(OK, [9, 5])]  # fits: 5, 9 held, 5 appended
+    after_step_2()
+    assert call(stub, v, seq("req-1", 7, [8, 5])) == [(RESYNC, [])]  # ends before the 10 held
+    assert call(stub, v, seq("req-1", 10, [5])) == [(RESYNC, [])]  # dropped: even a fitting delta resyncs
+
+
+def test_worked_example_two_replicas_behind_round_robin(stub):
+    """PROTOCOL.md section 12, variant: replicas A (the module's drafter) and B, overlap of 2 steps."""
+    v = "v-7f3a-rr"
+    a = stub
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        b = pb_grpc.DrafterServiceStub(channel)
+        assert call(a, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6)) == [(OK, [8, 5, 6, 7])]
+        assert call(b, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7, 8, 5, 9], prompt_len=6,
+                              last_num_drafted=4, last_num_accepted=2)) == [(OK, [])]
+        assert call(a, v, seq("req-1", 7, [8, 5, 9, 5], prompt_len=6)) == [(OK, [9, 5])]
+        step_4 = seq("req-1", 10, [5, 9, 6], prompt_len=6, last_num_drafted=2, last_num_accepted=1)
+        assert call(b, v, step_4) == [(OK, [7, 8, 5, 9])]
+        # Had step 4 gone to A (11 tokens held): skip one token, same context, same draft.
+        assert call(a, v, step_4) == [(OK, [7, 8, 5, 9])]
+        # With plain deltas, step 2 would have been a delta to B, which knew nothing.
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        assert call(pb_grpc.DrafterServiceStub(channel), v, seq("req-1", 7, [8, 5, 9])) == [(RESYNC, [])]
+
+
 def test_delta_for_unknown_request_resyncs_then_recovers(stub):
     v = "v-unknown"
     assert call(stub, v, seq("never-seen", 5, [1, 2])) == [(RESYNC, [])]
