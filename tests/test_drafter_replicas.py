@@ -15,6 +15,8 @@ import pytest
 from drafter_sdk import DraftRequest, start_server
 from drafter_sdk.ngram import NgramDrafter
 from tiny_model import tiny_model, tiny_tokenizer
+from verifier_service.config import ConfigError, validate
+from verifier_service.drafting import build_drafter_client
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,3 +75,20 @@ def test_verifier_over_two_round_robin_replicas_drafts_every_step_and_stays_exac
                 await server.stop(0)
 
     asyncio.run(body())
+
+
+def test_delta_overlap_steps_defaults_and_limits():
+    def overlap(**user_provided: object) -> int:
+        config = spec_config("USER_PROVIDED", 4, drafter_target="127.0.0.1:1")
+        for name, value in user_provided.items():
+            setattr(config.user_provided, name, value)
+        return validate(config).user_provided.delta_overlap_steps
+
+    assert overlap() == 8  # round_robin by default
+    assert overlap(load_balancing_policy="pick_first") == 1  # one replica gets every call
+    assert overlap(delta_overlap_steps=3, load_balancing_policy="pick_first") == 3
+    with pytest.raises(ConfigError, match="delta_overlap_steps"):
+        overlap(delta_overlap_steps=5000)
+    # In-process n-gram drafting: one drafter sees every call, plain deltas.
+    ngram = build_drafter_client(validate(spec_config("NGRAM", 4)), "v", vocab_size=100)
+    assert ngram is not None and ngram.overlap_steps == 1
