@@ -41,6 +41,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_k > 0 and params.top_k < probs.shape[-1]:
         top = torch.topk(probs, params.top_k, dim=-1)
         probs = torch.zeros_like(probs).scatter_(-1, top.indices, top.values)
+        # Top-p then measures mass within the top-k tokens, as transformers and vLLM do.
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if 0.0 < params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Drop a token once the mass ranked before it already reaches top_p.
