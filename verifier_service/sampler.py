@@ -5,6 +5,13 @@ Greedy requests accept while the draft equals the target's argmax. Sampled
 requests accept draft token x with probability p(x); on rejection they sample
 from p with x removed and renormalised, which is exactly p conditioned on not
 x. Either way the output distribution is the target's, whatever was drafted.
+
+The sampled rule is run in its coupled form: draw y ~ p with the request's
+generator and accept x iff y == x (probability p(x)); otherwise emit y, which
+given y != x is distributed as p without x, renormalised. That is one draw per
+emitted token, in order, exactly as plain decoding draws, so a seeded request
+gives the same output whatever the drafter proposed, whether its drafts arrived
+in time and however the batch around it was drafted.
 """
 
 from __future__ import annotations
@@ -56,20 +63,19 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_sampled(logits: torch.Tensor, row: VerifyRow) -> list[int]:
-    """logits [len(draft)+1, V] -> accepted draft tokens plus one corrected or bonus token."""
+    """logits [len(draft)+1, V] -> accepted draft tokens plus one corrected or bonus token.
+
+    Coupled point-mass rule (see the module docstring): y ~ p at each position;
+    the draft token is accepted iff y equals it, else y is the correction.
+    """
     probs = target_probs(logits, row.params)
-    accepted: list[int] = []
-    for j, token in enumerate(row.draft):
-        p = probs[j]
-        if float(torch.rand((), generator=row.generator, device=p.device)) < float(p[token]):
-            accepted.append(token)
-            continue
-        residual = p.clone()
-        residual[token] = 0.0
-        accepted.append(_sample(residual / residual.sum(), row.generator))
-        return accepted
-    accepted.append(_sample(probs[len(row.draft)], row.generator))
-    return accepted
+    out: list[int] = []
+    for j in range(len(row.draft) + 1):
+        token = _sample(probs[j], row.generator)
+        out.append(token)
+        if j == len(row.draft) or token != row.draft[j]:
+            break
+    return out
 
 
 def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
