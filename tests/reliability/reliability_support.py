@@ -1,0 +1,307 @@
+"""Shared helpers of the reliability tests: real drafter processes (restartable on their port),
+a workload with known answers, a load generator, and waits with generous bounds.
+
+No test here asserts on durations: the machine is shared. Waits poll a condition
+with a generous timeout; assertions are on counts and outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
+from tiny_model import tiny_model
+from verifier_harness import reference_greedy, token_request
+from verifier_service.local_services import script
+
+TESTS = Path(__file__).resolve().parent.parent
+WAIT_S = 30.0  # bound on any wait for a condition (never a timing assertion)
+# The tiny model gains nothing from intra-op threads; on a shared machine spinning pools hurt.
+torch.set_num_threads(1)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A gRPC service as a child process, started with --port/--port-file; restartable on the same port."""
+
+    argv: list[str]
+    name: str = "proc"
+    env: dict[str, str] = field(default_factory=dict)
+    channel_credentials: grpc.ChannelCredentials | None = None  # for the readiness probe
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="splitspec-rel-")))
+    process: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    starts: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}-{self.starts}.log"
+
+    def spawn(self, port: int | None = None) -> "Proc":
+        """Start the process (on `port`, else the previous port, else a free one) without waiting."""
+        port = self.port if port is None else port
+        port_file = self.workdir / f"{self.name}.port"
+        port_file.unlink(missing_ok=True)
+        self.starts += 1
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([*self.argv, "--port", str(port), "--port-file", str(port_file)],
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **CHILD_ENV, **self.env})
+        deadline = time.monotonic() + WAIT_S
+        while not port_file.exists() or not port_file.read_text().strip():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} bound no port; log:\n{self.tail()}")
+            time.sleep(0.02)
+        self.port = int(port_file.read_text())
+        return self
+
+    def start(self, port: int | None = None, serving_timeout_s: float = 120.0) -> "Proc":
+        self.spawn(port)
+        self.wait_serving(serving_timeout_s)
+        return self
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with (grpc.insecure_channel(self.address) if self.channel_credentials is None
+              else grpc.secure_channel(self.address, self.channel_credentials)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive()
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not SERVING; log:\n{self.tail()}")
+                time.sleep(0.05)
+
+    def _check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, state lost."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def terminate(self, timeout_s: float = WAIT_S) -> int:
+        """SIGTERM and wait for the exit (SIGKILL past the timeout); the exit status."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "Proc":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+class SdkFaultyDrafter(Proc):
+    """tests/faulty_drafters.py:FaultyDrafter served by `splitspec-drafter` (the SDK's real CLI)."""
+
+    def __init__(self, name: str = "sdk-drafter", extra_args: tuple[str, ...] = (), **kwargs: object) -> None:
+        super().__init__([script("splitspec-drafter"), f"{TESTS}/faulty_drafters.py:FaultyDrafter",
+                          "--log-level", "WARNING", "--grace-period-s", "5", *extra_args], name=name, **kwargs)
+        self.control_path = self.workdir / "control.json"
+        self.stats_path = self.workdir / f"{name}-stats.json"
+        self.env.update({CONTROL_ENV: str(self.control_path), STATS_ENV: str(self.stats_path)})
+        self._oracle: list = []
+        self.set("ok")
+
+    def set(self, mode: str, oracle: list | None = None, **knobs: object) -> None:
+        if oracle is not None:
+            self._oracle = oracle
+        write_control(self.control_path, mode, self._oracle, **knobs)
+
+    def stats(self) -> dict:
+        return read_stats(self.stats_path)
+
+    def calls(self) -> int:
+        return int(self.stats()["calls"])
+
+
+class RawFaultyDrafter(Proc):
+    """tests/faulty_drafter_server.py: a raw gRPC DrafterService steered over faulty.Control."""
+
+    def __init__(self, vocab_size: int, name: str = "raw-drafter", **kwargs: object) -> None:
+        super().__init__([sys.executable, str(TESTS / "faulty_drafter_server.py"), "--vocab-size", str(vocab_size)],
+                         name=name, **kwargs)
+
+    def _call(self, method: str, body: dict) -> dict:
+        with grpc.insecure_channel(self.address) as channel:
+            call = channel.unary_unary(f"/faulty.Control/{method}", request_serializer=lambda d: json.dumps(d).encode(),
+                                       response_deserializer=json.loads)
+            return call(body, timeout=10)
+
+    def set(self, mode: str, oracle: list | None = None, **knobs: object) -> dict:
+        body: dict = {"mode": mode, **knobs}
+        if oracle is not None:
+            body["oracle"] = [{"ids": list(ids), "prompt_len": n} for ids, n in oracle]
+        return self._call("Set", body)
+
+    def stats(self) -> dict:
+        return self._call("Stats", {})
+
+    def calls(self) -> int:
+        return int(self.stats()["calls"])
+
+
+# --- workload -----------------------------------------------------------------------------------
+
+@functools.cache
+def reference_model() -> torch.nn.Module:
+    return tiny_model()
+
+
+@functools.cache
+def reference(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """transformers' greedy generate() on the same tiny model: plain decoding's output."""
+    return tuple(reference_greedy(reference_model(), list(prompt), max_new_tokens))
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_new_tokens: list[int]
+
+    def expected(self, i: int) -> list[int]:
+        return list(reference(tuple(self.prompts[i]), self.max_new_tokens[i]))
+
+    def oracle(self) -> list[tuple[list[int], int]]:
+        """(prompt + expected output, prompt_len) per prompt, for the oracle drafters."""
+        return [(p + self.expected(i), len(p)) for i, p in enumerate(self.prompts)]
+
+    def request(self, i: int, **fields: object) -> verifier_pb2.GenerateRequest:
+        return token_request(self.prompts[i], self.max_new_tokens[i], **fields)
+
+
+def make_workload(n: int, seed: int = 0, new_tokens: tuple[int, int] = (24, 64), vocab: int = 380) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))] for _ in range(n)]
+    return Workload(prompts, [rng.randint(*new_tokens) for _ in range(n)])
+
+
+@dataclass
+class Done:
+    index: int
+    started: float
+    finished: float
+    response: verifier_pb2.GenerateResponse
+
+
+@dataclass
+class Load:
+    """`concurrency` clients issuing the workload's requests back to back until stopped."""
+
+    stub: verifier_pb2_grpc.VerifierServiceStub
+    workload: Workload
+    concurrency: int = 6
+    done: list[Done] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Future | None = None
+
+    def start(self) -> "Load":
+        self._task = asyncio.ensure_future(asyncio.gather(*(self._client(c) for c in range(self.concurrency))))
+        return self
+
+    async def _client(self, c: int) -> None:
+        n = len(self.workload.prompts)
+        k = c
+        while not self._stop.is_set():
+            i = k % n
+            k += self.concurrency
+            started = time.monotonic()
+            try:
+                response = await self.stub.Generate(self.workload.request(i), timeout=WAIT_S * 2)
+            except grpc.aio.AioRpcError as exc:
+                self.failed.append((i, f"{exc.code().name}: {exc.details()}"))
+                continue
+            self.done.append(Done(i, started, time.monotonic(), response))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        assert self._task is not None
+        await asyncio.wait_for(self._task, WAIT_S * 2)
+
+    def since(self, t: float) -> list[Done]:
+        return [d for d in self.done if d.started >= t]
+
+    def check(self) -> None:
+        """Zero failed requests, and every output is plain decoding's."""
+        assert not self.failed, f"{len(self.failed)} requests failed, e.g. {self.failed[:3]}"
+        wrong = [d.index for d in self.done if list(d.response.token_ids) != self.workload.expected(d.index)]
+        assert not wrong, f"{len(wrong)} of {len(self.done)} outputs differ from plain decoding (prompts {wrong[:5]})"
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def until_async(predicate: Callable[[], "asyncio.Future[bool]"], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def accepted(done: list[Done]) -> int:
+    return sum(d.response.stats.num_accepted_tokens for d in done)
+
+
+# Figures of the run (fault, requests, failures, drafter calls; fuzz cases), printed by conftest.py.
+FIGURES: list[dict] = []
