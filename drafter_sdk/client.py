@@ -6,7 +6,11 @@ carries, per sequence, an overlapping delta: the tokens committed since its
 fewer than that many steps (round_robin over N <= overlap_steps replicas sends
 each replica every N-th step) skips what it holds and appends the rest, so it
 stays in sync without a resync, and the bytes per call are bounded by the
-tokens of the last few steps, not by the context length. The client turns the
+tokens of the last few steps, not by the context length. Until a request has
+had overlap_steps successful calls (and again after a resync) every call
+carries its whole context: round_robin cannot aim one full context at the
+replica that lacks it, so each of the first overlap_steps calls reaches one
+more replica. The client turns the
 answer into drafts the verifier can trust: anything late, failing or malformed
 becomes "no draft" for that step. The same client drives a remote drafter over
 gRPC and an SDK drafter in-process, so the two differ only by the network hop.
