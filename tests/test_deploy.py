@@ -460,11 +460,27 @@ def test_servicemonitor_kept_out_of_overlays_and_matches_services():
         assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in paths
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last)."""
+
+
+def _no_duplicates(loader, node, deep=False):
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+    dup = {k for k in keys if keys.count(k) > 1}
+    if dup:
+        raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {sorted(dup)}", node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
 def test_configmap_yaml_parses_and_is_mounted_read_only(objs):
     for cm in find(objs, "ConfigMap"):
         for key, text in cm["data"].items():
             if key.endswith((".yaml", ".yml")):
-                assert isinstance(yaml.safe_load(text), dict), f"{cm['metadata']['name']}/{key}"
+                parsed = yaml.load(text, Loader=_StrictLoader)
+                assert isinstance(parsed, dict), f"{cm['metadata']['name']}/{key}"
     v = main_container(one(objs, "Deployment", VERIFIER))
     path = flag_value(v["args"], "--speculative-config")
     mount = next(m for m in v["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
