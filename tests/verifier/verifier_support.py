@@ -203,12 +203,18 @@ class EngineSpy:
         self.prepare_requests: list = []
         step, forward = engine.step, engine.runner.forward
 
+        admit = engine.scheduler.admit
+
         async def spy_step() -> None:
             self.current = StepRecord()
-            waiting = engine.scheduler.num_waiting
             await step()
-            self.current.admitted = waiting - engine.scheduler.num_waiting
             self.steps.append(self.current)
+
+        def spy_admit():  # noqa: ANN202
+            admitted = admit()
+            if self.current is not None:
+                self.current.admitted += len(admitted)
+            return admitted
 
         def spy_forward(batch):  # noqa: ANN001, ANN202
             assert self.gate.wait(WAIT_S), "test gate never opened"
@@ -218,6 +224,7 @@ class EngineSpy:
             return forward(batch)
 
         engine.step = spy_step
+        engine.scheduler.admit = spy_admit
         engine.runner.forward = spy_forward
         if engine.drafter is not None:
             transport = engine.drafter.transport
@@ -232,10 +239,15 @@ class EngineSpy:
             transport.prepare = spy_prepare
 
 
-async def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+async def wait_until(predicate: Callable[[], bool], what: str, *watch: asyncio.Future,
+                     timeout_s: float = WAIT_S) -> None:
+    """Poll `predicate`; fail early when a watched call ends with an error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():
+        for fut in watch:
+            if fut.done() and fut.exception() is not None:
+                raise AssertionError(f"a call failed while waiting for {what}") from fut.exception()
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.002)
