@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
 from tiny_model import tiny_model
-from verifier_harness import reference_greedy, token_request
+from verifier_harness import VerifierHandle, reference_greedy, run_verifier, token_request
 from verifier_service.local_services import script
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -143,6 +144,14 @@ class Proc:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class VerifierProcess(Proc):
+    """`splitspec-verifier` on a model folder (the tiny model saved by the tiny_model_dir fixture)."""
+
+    def __init__(self, model_dir: Path, *extra_args: str, name: str = "verifier", **kwargs: object) -> None:
+        super().__init__([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "256",
+                          "--kv-cache-memory-gb", "0.25", "--log-level", "INFO", *extra_args], name=name, **kwargs)
 
 
 class SdkFaultyDrafter(Proc):
@@ -301,6 +310,67 @@ async def until_async(predicate: Callable[[], "asyncio.Future[bool]"], what: str
 
 def accepted(done: list[Done]) -> int:
     return sum(d.response.stats.num_accepted_tokens for d in done)
+
+
+# --- an in-process verifier on its own event loop thread ----------------------------------------
+
+class VerifierThread:
+    """The harness's in-process verifier, run on a background event loop so that sync tests (and
+    hypothesis) can share one server. `on_loop(fn)` runs `fn(handle)` (sync or async) on its loop."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._args, self._kwargs = args, kwargs
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="verifier-loop", daemon=True)
+        self._error: BaseException | None = None
+        self.handle: VerifierHandle | None = None
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with run_verifier(*self._args, **self._kwargs) as handle:
+            self.handle = handle
+            self._ready.set()
+            await self._stop.wait()
+
+    @property
+    def address(self) -> str:
+        assert self.handle is not None
+        return self.handle.address
+
+    def on_loop(self, fn: Callable[[VerifierHandle], object]) -> object:
+        async def call() -> object:
+            result = fn(self.handle)
+            return await result if asyncio.iscoroutine(result) else result
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(WAIT_S * 2)
+
+    def __enter__(self) -> "VerifierThread":
+        self._thread.start()
+        self._ready.wait(WAIT_S * 4)
+        if self._error is not None or self.handle is None:
+            raise RuntimeError("the verifier did not start") from self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(WAIT_S * 2)
+
+
+def idle(handle: VerifierHandle) -> dict:
+    """What the engine still holds: all zero once every request finished or was cancelled."""
+    engine = handle.running.runtime.engine
+    client = engine.drafter
+    return {"running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
+            "kv_slots": engine.kv_cache.num_active, "kv_tokens": engine.kv_cache.used_tokens(),
+            "policy_state": len(engine.policy._state), "drafter_sent": len(client._sent) if client else 0}
 
 
 # Figures of the run (fault, requests, failures, drafter calls; fuzz cases), printed by conftest.py.

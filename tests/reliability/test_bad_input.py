@@ -1,0 +1,204 @@
+"""Client mistakes get the right status and a message a person can act on; the server keeps serving.
+
+One verifier (in-process, real gRPC) takes every bad request, over both Generate and
+GenerateStream; afterwards it still answers health SERVING, holds no KV, and decodes a
+normal request exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import textwrap
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import PreTrainedTokenizerFast
+
+from drafter_sdk.proto import verifier_pb2 as pb
+from drafter_sdk.proto import verifier_pb2_grpc
+from reliability_support import VerifierThread, idle, reference
+from tiny_model import tiny_tokenizer
+from verifier_harness import spec_config, token_request
+from verifier_service import cli
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = len(tiny_tokenizer())
+MAX_MODEL_LEN = 256
+MAX_MESSAGE_BYTES = 1 << 20
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def req(**fields: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(**fields)
+
+
+def tokens(ids: list[int], max_new_tokens: int = 4, **fields: object) -> pb.GenerateRequest:
+    return token_request(ids, max_new_tokens, **fields)
+
+
+def sampled(**sampling: object) -> pb.GenerateRequest:
+    return tokens([5, 6, 7], sampling=pb.SamplingParams(**sampling))
+
+
+def stopping(**criteria: object) -> pb.GenerateRequest:
+    return req(token_ids=pb.TokenIds(ids=[5, 6, 7]), stopping=pb.StoppingCriteria(**criteria))
+
+
+def chat(*messages: tuple[str, str]) -> pb.GenerateRequest:
+    return req(chat=pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages]))
+
+
+# (case, request, expected status, words the message must contain)
+CASES = [
+    ("no input", req(), INVALID, "prompt, chat or token_ids"),
+    ("empty prompt", req(prompt=""), INVALID, "prompt is empty"),
+    ("empty token_ids", req(token_ids=pb.TokenIds()), INVALID, "token_ids is empty"),
+    ("empty chat", req(chat=pb.ChatMessages()), INVALID, "no messages"),
+    ("unknown chat role", chat(("wizard", "hi")), INVALID, "role 'wizard'"),
+    ("prompt beyond the context", tokens([5] * MAX_MODEL_LEN), INVALID, f"context is {MAX_MODEL_LEN} tokens"),
+    ("prompt text far beyond the context", req(prompt="lorem ipsum " * 40_000), INVALID, "characters"),
+    ("token id past the vocabulary", tokens([5, VOCAB]), INVALID, f"token id {VOCAB} is outside"),
+    ("negative token id", tokens([5, -3]), INVALID, "token id -3 is outside"),
+    ("NaN temperature", sampled(temperature=math.nan), INVALID, "temperature must be a finite number"),
+    ("infinite temperature", sampled(temperature=math.inf), INVALID, "temperature must be a finite number"),
+    ("negative temperature", sampled(temperature=-0.5), INVALID, "temperature must be within"),
+    ("absurd temperature", sampled(temperature=1e30), INVALID, "temperature must be within"),
+    ("NaN top_p", sampled(temperature=1.0, top_p=math.nan), INVALID, "top_p must be a finite number"),
+    ("negative top_p", sampled(temperature=1.0, top_p=-0.1), INVALID, "top_p must be within"),
+    ("top_p above 1", sampled(temperature=1.0, top_p=1.5), INVALID, "top_p must be within"),
+    ("negative top_k", sampled(temperature=1.0, top_k=-1), INVALID, "top_k must be >= 0"),
+    ("max_new_tokens 0", stopping(max_new_tokens=0), INVALID, "max_new_tokens must be >= 1"),
+    ("max_new_tokens enormous", stopping(max_new_tokens=2**32 - 1), INVALID, "new tokens fit"),
+    ("empty stop string", stopping(stop=["ok", ""]), INVALID, "stop strings must not be empty"),
+    ("overlong stop string", stopping(stop=["x" * 513]), INVALID, "at most 512 characters"),
+    ("too many stop strings", stopping(stop=[f"s{i}" for i in range(33)]), INVALID, "at most 32 stop strings"),
+    ("stop token id past the vocabulary", stopping(stop_token_ids=[VOCAB + 1]), INVALID, "stop token id"),
+    ("too many stop token ids", stopping(stop_token_ids=list(range(1025))), INVALID, "at most 1024 stop token ids"),
+    ("overlong request_id", tokens([5, 6], request_id="r" * 300), INVALID, "request_id is longer"),
+    ("message over the size limit", req(prompt="x" * (MAX_MESSAGE_BYTES + 10)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "larger than max"),
+]
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    # A drafter in the loop too (n-gram, in-process): bad input must never reach it.
+    with VerifierThread(spec_config("NGRAM", 4), max_model_len=MAX_MODEL_LEN,
+                        max_message_bytes=MAX_MESSAGE_BYTES) as v:
+        yield v
+
+
+def stream_request(request: pb.GenerateRequest) -> pb.GenerateStreamRequest:
+    return pb.GenerateStreamRequest.FromString(request.SerializeToString())  # same fields, same numbers
+
+
+def call(stub: verifier_pb2_grpc.VerifierServiceStub, request: pb.GenerateRequest, stream: bool) -> object:
+    if stream:
+        return list(stub.GenerateStream(stream_request(request), timeout=60))
+    return stub.Generate(request, timeout=60)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["Generate", "GenerateStream"])
+def test_bad_requests_get_the_right_status_and_an_actionable_message(verifier, stream):
+    with grpc.insecure_channel(verifier.address, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        wrong = []
+        for name, request, code, words in CASES:
+            with pytest.raises(grpc.RpcError) as info:
+                call(stub, request, stream)
+            if info.value.code() != code or words not in info.value.details():
+                wrong.append(f"{name}: {info.value.code().name}: {info.value.details()}")
+        assert not wrong, "\n".join(wrong)
+        # Still serving, nothing held, and a good request is decoded exactly.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        good = stub.Generate(tokens([5, 6, 7], 16), timeout=60)
+        assert list(good.token_ids) == list(reference((5, 6, 7), 16))
+    assert set(verifier.on_loop(idle).values()) == {0}
+
+
+def test_undecodable_bytes_are_invalid_argument_not_unknown(verifier):
+    with grpc.insecure_channel(verifier.address) as channel:
+        for method in ("Generate", "GenerateStream"):
+            path = f"/splitspec.v1.VerifierService/{method}"
+            for raw in (b"\x12\x02\xff\xfe", b"\xff\xff\xff\xff", b"\x22\x05\x0a\x09"):
+                rpc = channel.unary_stream(path) if method == "GenerateStream" else channel.unary_unary(path)
+                with pytest.raises(grpc.RpcError) as info:
+                    result = rpc(raw, timeout=30)
+                    if method == "GenerateStream":
+                        list(result)
+                assert info.value.code() == INVALID, (method, raw, info.value.details())
+                assert "not a valid protobuf message" in info.value.details()
+
+
+def test_odd_but_valid_sampling_parameters_are_served(verifier):
+    """Edge values that are legal must not be refused, nor break the step for everyone else."""
+    with grpc.insecure_channel(verifier.address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        # A temperature so small that logits / temperature would overflow: greedy, as in vLLM.
+        tiny = stub.Generate(sampled(temperature=1e-30), timeout=60)
+        assert list(tiny.token_ids) == list(reference((5, 6, 7), 4))
+        for params in ({"temperature": 100.0, "seed": 2**64 - 1}, {"temperature": 0.7, "top_k": 2**31 - 1},
+                       {"temperature": 1.0, "top_p": 1e-30, "seed": 0}):
+            reply = stub.Generate(sampled(**params), timeout=60)
+            assert len(reply.token_ids) == 4 and reply.finish_reason == pb.FINISH_REASON_LENGTH, params
+        spec = stub.Generate(tokens([5, 6, 7], 8, speculation=pb.SpeculationOverrides(max_draft_len=2**32 - 1)),
+                             timeout=60)
+        assert list(spec.token_ids) == list(reference((5, 6, 7), 8))
+
+
+def test_chat_without_a_chat_template_is_failed_precondition():
+    plain = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().backend_tokenizer, eos_token="<eos>")
+    assert not plain.chat_template
+    with VerifierThread(tokenizer=plain) as v, grpc.insecure_channel(v.address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(chat(("user", "hello")), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no chat template" in info.value.details() and "plain prompt" in info.value.details()
+        assert len(stub.Generate(req(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=3)),
+                                 timeout=30).token_ids) == 3
+
+
+def test_queue_and_concurrency_limits_answer_resource_exhausted():
+    """Past --max-queue-len and --max-concurrent-rpcs: RESOURCE_EXHAUSTED, and the others complete."""
+    long = req(token_ids=pb.TokenIds(ids=[5, 6, 7]), stopping=pb.StoppingCriteria(max_new_tokens=200, ignore_eos=True))
+    for limit in ({"max_num_seqs": 1, "max_queue_len": 1}, {"max_concurrent_rpcs": 2}):
+        with VerifierThread(**limit) as v, grpc.insecure_channel(v.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(stub.Generate, long, timeout=120) for _ in range(6)]
+                codes = []
+                for f in futures:
+                    try:
+                        codes.append(("OK", len(f.result().token_ids)))
+                    except grpc.RpcError as exc:
+                        codes.append((exc.code().name, exc.details()))
+            refused = [c for c in codes if c[0] != "OK"]
+            assert refused and all(c[0] == "RESOURCE_EXHAUSTED" for c in refused), (limit, codes)
+            assert all(c[1] == 200 for c in codes if c[0] == "OK") and len(refused) < 6, (limit, codes)
+            if "max_queue_len" in limit:
+                assert all("retry later" in c[1] for c in refused), codes
+            assert set(v.on_loop(idle).values()) == {0}
+
+
+@pytest.mark.parametrize("config, words", [
+    ("mode: TURBO\n", ["unknown speculation mode 'TURBO'", "known modes", "USER_PROVIDED"]),
+    ("mode: EAGLE3\ndraft_model: {model: heads}\n", ["EAGLE3 is not supported", "NONE, NGRAM, USER_PROVIDED"]),
+    ("mode: NGRAM\nuser_provided: {drafter_target: 'x:1'}\n", ["mode NGRAM does not take a `user_provided`"]),
+    ("mode: USER_PROVIDED\n", ["needs user_provided.drafter_target"]),
+    ("mode: NGRAM\nmax_draft_len: 1000\n", ["max_draft_len 1000 is above the limit"]),
+    ("mode: NGRAM\nbogus_field: 1\n", ["bogus_field"]),
+    ("[1, 2]\n", ["must hold a SpeculativeConfig object"]),
+    ("mode: USER_PROVIDED\nuser_provided: {drafter_target: 'x:1', auth_token_file: /nonexistent/token}\n",
+     ["auth_token_file /nonexistent/token: no such file"]),
+])
+def test_bad_config_file_is_refused_at_start_up(tmp_path, capsys, config, words):
+    path = tmp_path / "speculative.yaml"
+    path.write_text(textwrap.dedent(config))
+    assert cli.main(["--speculative-config", str(path), "--model", str(tmp_path / "never-loaded")]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err

@@ -1,0 +1,116 @@
+"""SIGTERM: health turns NOT_SERVING, in-flight calls finish within the grace period, new calls get
+UNAVAILABLE, the process exits 0 - for the verifier (`splitspec-verifier`) and for the drafter SDK
+server (`splitspec-drafter`), both as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.proto import verifier_pb2 as pb
+from drafter_sdk.proto import verifier_pb2_grpc
+from reliability_support import WAIT_S, SdkFaultyDrafter, VerifierProcess, idle, until
+from verifier_harness import run_verifier, token_request
+
+pytestmark = pytest.mark.timeout(120)
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+PROMPT = [5, 6, 7]
+NEW_TOKENS = 200
+
+
+def long_request() -> pb.GenerateStreamRequest:
+    return pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                    stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+
+
+def watch_until_not_serving(channel: grpc.Channel) -> list[int]:
+    """Statuses a health Watch opened now reports, up to NOT_SERVING."""
+    statuses = []
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+    try:
+        for reply in watch:
+            statuses.append(reply.status)
+            if reply.status == NOT_SERVING:
+                break
+    finally:
+        watch.cancel()  # an open Watch is an in-flight call too: it would hold the drain
+    return statuses
+
+
+def test_verifier_sigterm_drains_in_flight_requests(tiny_model_dir):
+    # One sequence at a time: at SIGTERM most requests are still queued or mid-generation.
+    with VerifierProcess(tiny_model_dir, "--max-num-seqs", "1", "--grace-period-s", "60") as verifier:
+        verifier.start()
+        with grpc.insecure_channel(verifier.address) as channel, \
+                concurrent.futures.ThreadPoolExecutor(8) as pool:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            streams = [stub.GenerateStream(long_request(), timeout=WAIT_S * 3) for _ in range(5)]
+            first = [next(s) for s in streams[:1]]  # the first one is running
+            watching = pool.submit(watch_until_not_serving, channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
+            rest = [pool.submit(list, s) for s in streams]
+            verifier.process.send_signal(signal.SIGTERM)
+            assert watching.result(WAIT_S) == [SERVING, NOT_SERVING]
+            # New calls are refused, on this connection and on a new one.
+            for target_channel in (channel, grpc.insecure_channel(verifier.address)):
+                with pytest.raises(grpc.RpcError) as info:
+                    verifier_pb2_grpc.VerifierServiceStub(target_channel).Generate(
+                        token_request(PROMPT, 2), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Every request that was in flight finishes, exactly.
+            outputs = [r.result(WAIT_S * 3) for r in rest]
+        ids = [[t for m in (first if i == 0 else []) + messages for t in m.token_ids] for i, messages in enumerate(outputs)]
+        assert all(messages[-1].finish_reason == pb.FINISH_REASON_LENGTH for messages in outputs)
+        assert all(len(x) == NEW_TOKENS for x in ids) and all(x == ids[0] for x in ids)  # whole and identical
+        assert verifier.process.wait(WAIT_S) == 0
+    assert "shutting down" in verifier.tail(20_000)
+
+
+def test_verifier_grace_period_bounds_the_drain():
+    """Requests still running when the grace period ends are cut off; stop() returns, nothing is held."""
+    async def body():
+        async with run_verifier(max_num_seqs=1) as v:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                         stopping=pb.StoppingCriteria(max_new_tokens=250, ignore_eos=True))
+            calls = [asyncio.ensure_future(v.stub.Generate(request, timeout=WAIT_S)) for _ in range(4)]
+            await until(lambda: v.running.runtime.engine.scheduler.num_running == 1, "a request runs")
+            await v.running.stop(0.3)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            return results, idle(v)
+
+    results, _ = asyncio.run(body())
+    cut = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert cut and all(r.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) for r in cut), results
+
+
+def test_drafter_sdk_sigterm_drains_in_flight_calls():
+    with SdkFaultyDrafter(name="draining-drafter") as drafter:
+        drafter.set("slow_some", oracle=[([1, 2, 3, 4, 5, 6, 7, 8], 3)], slow_every=1, slow_s=1.5)
+        drafter.start()
+        with grpc.insecure_channel(drafter.address) as channel, \
+                concurrent.futures.ThreadPoolExecutor(4) as pool:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            call = drafter_pb2.PrepareDraftTokensRequest(verifier_id="v", sequences=[drafter_pb2.DraftSequence(
+                request_id="r", context_len=0, new_tokens=[1, 2, 3], prompt_len=3, draft_len=4)])
+            in_flight = pool.submit(stub.PrepareDraftTokens, call, timeout=WAIT_S)
+            asyncio.run(until(lambda: drafter.calls() == 1, "the call is inside the drafter"))
+            watching = pool.submit(watch_until_not_serving, channel)
+            asyncio.run(until(lambda: watching.running(), "watching"))
+            drafter.process.send_signal(signal.SIGTERM)
+            assert watching.result(WAIT_S)[-1] == NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                with grpc.insecure_channel(drafter.address) as fresh:
+                    drafter_pb2_grpc.DrafterServiceStub(fresh).PrepareDraftTokens(call, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            reply = in_flight.result(WAIT_S)  # finished during the grace period
+            assert list(reply.results[0].draft_tokens) == [4, 5, 6, 7]
+        assert drafter.process.wait(WAIT_S) == 0
