@@ -22,7 +22,10 @@ class Scheduler:
     _running: dict[str, Sequence] = field(default_factory=dict)
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue_len:
+        # Waiting sequences that free slots will take at the next step boundary are
+        # not queued for capacity: only the rest count against the queue limit.
+        free = max(0, min(self.kv_cache.num_free_slots, self.max_num_seqs - len(self._running)))
+        if len(self.waiting) >= self.max_queue_len + free:
             raise QueueFullError(
                 f"server busy: {len(self._running)} running and {len(self.waiting)} queued "
                 f"(--max-queue-len {self.max_queue_len}); retry later")
