@@ -17,7 +17,8 @@ from drafter_sdk.server import MIB, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__)
+    # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
+    parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__, allow_abbrev=False)
     parser.add_argument("drafter", help="'ngram', or a Drafter subclass as module:Class or path/to/file.py:Class "
                                         "(constructed without arguments)")
     parser.add_argument("--host", default="[::]")

@@ -15,7 +15,8 @@ from verifier_service.settings import ServerSettings
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec-verifier", description=__doc__,
+    # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
+    p = argparse.ArgumentParser(prog="splitspec-verifier", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="[::]")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (see --port-file)")

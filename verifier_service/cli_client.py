@@ -76,7 +76,8 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="send a prompt to a verifier and print the text and speculation stats")
+    p = sub.add_parser("generate", help="send a prompt to a verifier and print the text and speculation stats",
+                       allow_abbrev=False)  # `--auth-token SECRET` must not pass for --auth-token-file
     p.add_argument("prompt")
     p.add_argument("--target", default="localhost:50051", help="verifier address")
     p.add_argument("--raw", action="store_true", help="send as raw text instead of a chat user message")
