@@ -1,0 +1,75 @@
+"""Explicit message-size and concurrency limits of the drafter SDK server (`splitspec-drafter
+--max-message-bytes / --max-concurrent-rpcs`), and what the verifier makes of a drafter that
+refuses its calls for size. (The verifier's own limits: test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import grpc
+import pytest
+
+from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.proto import verifier_pb2 as pb
+from reliability_support import WAIT_S, SdkFaultyDrafter, make_workload, until
+from verifier_harness import run_verifier, spec_config
+
+pytestmark = pytest.mark.timeout(120)
+
+MAX_MESSAGE_BYTES = 2048
+
+
+def prepare(tokens: int, request_id: str = "r") -> drafter_pb2.PrepareDraftTokensRequest:
+    return drafter_pb2.PrepareDraftTokensRequest(verifier_id="v", sequences=[drafter_pb2.DraftSequence(
+        request_id=request_id, context_len=0, new_tokens=[300] * tokens, prompt_len=1, draft_len=2)])
+
+
+@pytest.fixture(scope="module")
+def limited_drafter():
+    with SdkFaultyDrafter(name="limited-drafter", extra_args=(
+            "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-concurrent-rpcs", "2")) as d:
+        d.start()
+        yield d
+
+
+def test_drafter_refuses_oversized_requests_and_excess_concurrent_calls(limited_drafter):
+    d = limited_drafter
+    with grpc.insecure_channel(d.address) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        assert len(stub.PrepareDraftTokens(prepare(100), timeout=WAIT_S).results) == 1
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PrepareDraftTokens(prepare(MAX_MESSAGE_BYTES), timeout=WAIT_S)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Two slow calls take both slots; the third is refused, the two complete.
+        d.set("slow_some", slow_every=1, slow_s=1.0)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                slow = [pool.submit(stub.PrepareDraftTokens, prepare(10, f"s{i}"), timeout=WAIT_S) for i in range(2)]
+                calls0 = d.calls()
+                asyncio.run(until(lambda: d.calls() >= calls0 + 1, "a slow call is being served"))
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.PrepareDraftTokens(prepare(10, "third"), timeout=WAIT_S)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert all(len(f.result(WAIT_S).results) == 1 for f in slow)
+        finally:
+            d.set("ok")
+        assert len(stub.PrepareDraftTokens(prepare(10), timeout=WAIT_S).results) == 1  # serving again
+
+
+def test_verifier_copes_with_a_drafter_refusing_its_calls_for_size(limited_drafter):
+    """Calls over the drafter's limit are drafter failures (RESOURCE_EXHAUSTED), never failed requests."""
+    workload = make_workload(6, seed=3, new_tokens=(8, 16))
+    workload.prompts = [p * 30 for p in workload.prompts]  # hundreds of tokens: over 2 KiB per call
+    limited_drafter.set("ok", oracle=workload.oracle())
+
+    async def body():
+        async with run_verifier(spec_config("USER_PROVIDED", 4, limited_drafter.address, deadline_ms=2000),
+                                max_model_len=512) as v:
+            replies = await asyncio.gather(*(v.stub.Generate(workload.request(i)) for i in range(6)))
+            info = await v.stub.GetServerInfo(pb.GetServerInfoRequest())
+        return replies, info
+
+    replies, info = asyncio.run(body())
+    assert [list(r.token_ids) for r in replies] == [workload.expected(i) for i in range(6)]
+    assert info.drafter.failures >= 1 and "RESOURCE_EXHAUSTED" in info.drafter.last_error
