@@ -46,6 +46,8 @@ def test_one_drafter_call_and_one_forward_per_decode_step_with_per_sequence_draf
         assert decode_steps
         for s in spy.steps:
             assert len(s.prepares) <= 1, "more than one PrepareDraftTokens call in a step"
+            # A step that admits requests prefills them in one forward beside the decode forward.
+            assert len(s.forwards) <= (2 if s.admitted else 1)
         for s in decode_steps:
             assert len(s.forwards) == 1, f"a decode step ran {len(s.forwards)} forward passes"
             rows, _, logits = s.forwards[0]

@@ -12,8 +12,8 @@ from drafter_sdk.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
-from verifier_support import (WAIT_S, OracleDrafter, cached_reference, engine_of, LOOPING_SEEDS, repetitive_prompt, run_together,
-                              serve_drafter, shared_model)
+from verifier_support import (WAIT_S, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of, repetitive_prompt,
+                              run_together, serve_drafter, shared_model)
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:12]] + [repetitive_prompt(s) for s in (1, 2)] + [
     tiny_tokenizer()(text)["input_ids"] for text in (

@@ -70,8 +70,9 @@ def test_draft_length_schedule_by_batch_size() -> None:
                                draftLenSchedule=schedule)
             async with run_verifier(spec, model=shared_model()) as v:
                 spy = EngineSpy(engine_of(v))
-                responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n),
-                                                                     timeout=WAIT_S) for p, n in zip(prompts, lengths)], spy)
+                calls = [functools.partial(v.stub.Generate, token_request(p, n), timeout=WAIT_S)
+                         for p, n in zip(prompts, lengths)]
+                responses = await run_together(v, calls, spy)
         for r, ref in zip(responses, refs):
             assert list(r.token_ids) == ref
         by_size: dict[int, set[int]] = collections.defaultdict(set)

@@ -21,7 +21,7 @@ from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_service.sampler import SamplingParams, VerifyRow, target_probs, verify_batch, verify_sampled
-from verifier_support import (WAIT_S, LOOPING_SEEDS, EngineSpy, ScriptedDrafter, engine_of, repetitive_prompt,
+from verifier_support import (WAIT_S, LOOPING_SEEDS, ScriptedDrafter, cached_reference, engine_of, repetitive_prompt,
                               run_together, shared_model)
 
 ALPHA = 1e-3  # fixed seeds make every test deterministic; this only guards against a bad seed choice
@@ -242,14 +242,18 @@ def test_same_seed_same_output_whatever_the_batch_and_the_drafts() -> None:
         async with run_verifier(spec_config("NGRAM", 4, **schedule), model=shared_model()) as v:
             alone = [await v.stub.Generate(sampled_request(p, 7, params, 20), timeout=WAIT_S) for p in prompts]
             again = [await v.stub.Generate(sampled_request(p, 7, params, 20), timeout=WAIT_S) for p in prompts]
-            batch = await run_together(v, [functools.partial(v.stub.Generate, sampled_request(p, 7, params, 20),
-                                                             timeout=WAIT_S) for p in prompts])
+            # Greedy requests share the batch: they stay exact, the sampled ones unchanged.
+            mixed = [sampled_request(p, 7, params, 20) for p in prompts] + [token_request(p, 20) for p in prompts]
+            together = await run_together(v, [functools.partial(v.stub.Generate, r, timeout=WAIT_S) for r in mixed])
+            batch, greedy = together[:len(prompts)], together[len(prompts):]
             other = [await v.stub.Generate(sampled_request(p, 8, params, 20), timeout=WAIT_S) for p in prompts]
         for i in range(len(prompts)):
             assert list(alone[i].token_ids) == list(again[i].token_ids), f"prompt {i}: same seed, new output"
             assert list(batch[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: batch changed the output"
             assert list(plain[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: speculation changed it"
         assert sum(r.stats.num_draft_tokens for r in alone) > 0
+        for p, g in zip(prompts, greedy):
+            assert list(g.token_ids) == list(cached_reference(tuple(p), 20))
         assert any(list(o.token_ids) != list(a.token_ids) for o, a in zip(other, alone))
 
     asyncio.run(main())

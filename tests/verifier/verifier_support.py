@@ -257,7 +257,8 @@ def engine_of(v):  # noqa: ANN001, ANN201
     return v.running.runtime.engine
 
 
-async def stream_all(stub, request: verifier_pb2.GenerateStreamRequest) -> list[verifier_pb2.GenerateStreamResponse]:  # noqa: ANN001
+async def stream_all(stub, request: verifier_pb2.GenerateStreamRequest  # noqa: ANN001
+                     ) -> list[verifier_pb2.GenerateStreamResponse]:
     return [msg async for msg in stub.GenerateStream(request, timeout=WAIT_S)]
 
 
@@ -281,7 +282,8 @@ def repetitive_prompt(seed: int, vocab: int = 400) -> list[int]:
     return pattern * r.randint(2, 6)
 
 
-async def run_together(v, calls: list[Callable[[], "asyncio.Future"]], spy: EngineSpy | None = None) -> list:  # noqa: ANN001
+async def run_together(v, calls: list[Callable[[], asyncio.Future]],  # noqa: ANN001
+                       spy: EngineSpy | None = None) -> list:
     """Start every call while the engine is held at its first forward pass, so all
     of them are in the engine (queued or running) before decoding goes on: the
     batch composition no longer depends on how fast the event loop is."""
