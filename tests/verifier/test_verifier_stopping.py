@@ -8,10 +8,13 @@ import asyncio
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_service.detokenizer import Detokenizer
 from verifier_support import (WAIT_S, EngineSpy, byte_token_ids, engine_of, scripted_model, stream_all,
                               stream_request, wait_until)
 
@@ -226,3 +229,39 @@ def test_disconnected_unary_client_and_cancelled_queued_request_free_everything(
             assert len(r.token_ids) == 4
 
     asyncio.run(main())
+
+
+ALPHABET = "ab éü東京🙂\n"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30), data=st.data())
+def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(text: str, data) -> None:  # noqa: ANN001
+    """Property: fed token by token, the released chunks never hold a broken
+    character and add up to the text up to the first stop string (all of it
+    when none occurs)."""
+    tok = tiny_tokenizer()
+    stops = tuple(data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3)))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    detok = Detokenizer(tok, stops)
+    chunks = []
+    for token in ids:
+        detok.add(token)
+        if detok.stopped_by is not None:
+            break
+        chunks.append(detok.take())
+    detok.flush()
+    chunks.append(detok.take(final=True))
+    # Generation stops at the first token after which some stop string is in the
+    # (whole-character) text; the text is cut where the earliest one starts.
+    expected = text
+    for m in range(1, len(ids) + 1):
+        so_far = tok.decode(ids[:m])
+        hits = [i for s in stops if (i := so_far.find(s)) >= 0]
+        if hits and not so_far.endswith("\ufffd"):
+            expected = so_far[:min(hits)]
+            break
+    assert "".join(chunks) == expected
+    assert not any("\ufffd" in c for c in chunks)
+    assert (detok.stopped_by is not None) == (expected != text or any(s in text for s in stops))
