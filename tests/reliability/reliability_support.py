@@ -172,7 +172,11 @@ class SdkFaultyDrafter(Proc):
         write_control(self.control_path, mode, self._oracle, **knobs)
 
     def stats(self) -> dict:
-        return read_stats(self.stats_path)
+        """Counters of the current process (zero until it served a call)."""
+        stats = read_stats(self.stats_path)
+        if self.process is None or stats.get("pid") != self.process.pid:
+            return {"pid": None, "calls": 0, "sequences": 0, "released": 0, "calls_by_mode": {}}
+        return stats
 
     def calls(self) -> int:
         return int(self.stats()["calls"])

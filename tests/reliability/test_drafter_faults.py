@@ -160,8 +160,7 @@ def test_drafter_killed_mid_generation_then_restarted(sdk_drafter, workload):
 
             outcome = await run_fault(v, workload, sdk_drafter.kill, restart, lambda: client.stats.calls)
         check(outcome, "drafter SIGKILL, restarted")
-        stats = sdk_drafter.stats()
-        assert stats["pid"] == sdk_drafter.process.pid != first_pid and stats["calls"] > 0  # the new process drafts
+        assert sdk_drafter.process.pid != first_pid and sdk_drafter.calls() > 0  # the new process drafts
 
     asyncio.run(body())
 
@@ -245,8 +244,11 @@ def test_drafter_absent_when_the_verifier_starts(workload):
     asyncio.run(body())
 
 
-def test_drafter_replica_swapped_under_load(workload):
+def test_drafter_replica_swapped_under_load():
     """Two replicas behind round_robin; one is replaced by a fresh process (state lost) under load."""
+    # Long generations: sequences outlive the delta overlap, so the new replica gets deltas it cannot place.
+    workload = make_workload(8, seed=5, new_tokens=(150, 220))
+    workload.oracle()
     with SdkFaultyDrafter(name="replica-a") as a, SdkFaultyDrafter(name="replica-b") as b:
         for d in (a, b):
             d.set("ok", oracle=workload.oracle())
