@@ -12,6 +12,7 @@ from drafter_sdk.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_support import (WAIT_S, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of, repetitive_prompt,
                               run_together, serve_drafter, shared_model)
 

@@ -10,6 +10,7 @@ import functools
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_support import (WAIT_S, LOOPING_SEEDS, EngineSpy, OracleDrafter, cached_reference, engine_of,
                               repetitive_prompt, run_together, serve_drafter, shared_model)
 

@@ -13,6 +13,7 @@ import pytest
 from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.server import start_server
 from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_support import (WAIT_S, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of, repetitive_prompt,
                               run_together, shared_model)
 

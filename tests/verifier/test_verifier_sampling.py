@@ -21,6 +21,7 @@ from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_service.sampler import SamplingParams, VerifyRow, target_probs, verify_batch, verify_sampled
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_support import (WAIT_S, LOOPING_SEEDS, ScriptedDrafter, cached_reference, engine_of, repetitive_prompt,
                               run_together, shared_model)
 

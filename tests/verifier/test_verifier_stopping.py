@@ -15,6 +15,7 @@ from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_service.detokenizer import Detokenizer
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_support import (WAIT_S, EngineSpy, byte_token_ids, engine_of, scripted_model, stream_all,
                               stream_request, wait_until)
 

@@ -8,9 +8,10 @@ import contextlib
 import functools
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from drafter_sdk import Drafter, DraftRequest
@@ -21,9 +22,17 @@ from verifier_harness import reference_greedy
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
 
-# The tiny model gains nothing from intra-op threads, and on a shared machine
-# spinning thread pools make it ~20x slower: one thread for the whole process.
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model gains nothing from intra-op threads, and on a shared machine
+    spinning thread pools make it ~20x slower: one thread while our tests run
+    (imported by every test module here; other folders keep their setting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # --- models -------------------------------------------------------------------------------------
