@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
 
-from drafter_sdk.client import DrafterClient, DraftQuery
+from drafter_sdk.client import DrafterClient, DraftQuery, DraftReply
 from verifier_service.kv_cache import KVCache
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_runner import ForwardBatch, ModelRunner
 from verifier_service.sampler import VerifyRow, verify_batch
 from verifier_service.scheduler import Scheduler
@@ -38,8 +38,10 @@ class StepStats:
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, policy: SpeculationPolicy,
-                 drafter: DrafterClient | None, max_model_len: int) -> None:
+                 drafter: DrafterClient | None, max_model_len: int,
+                 metrics: VerifierMetrics | None = None) -> None:
         self.runner = runner
+        self.metrics = metrics
         self.scheduler = scheduler
         self.policy = policy
         self.drafter = drafter
@@ -92,52 +94,52 @@ class Engine:
                     self._finish(seq)
 
     async def step(self) -> None:
+        """Admit, draft for the running sequences, then ONE forward over the new
+        prompts (prefill) and every running sequence's last token plus its draft."""
         for seq in self.scheduler.drop_cancelled():
             self._forget(seq)
         admitted = self.scheduler.admit()
-        if admitted:
-            await self._prefill(admitted)
         running = [s for s in self.scheduler.running() if s not in admitted]
+        started = time.perf_counter()
+        drafts, reply = await self._draft(running)
+        draft_s = time.perf_counter() - started
+        ids: list[int] = []
+        logit_index: list[int] = []
+        for seq in admitted:  # a prompt needs logits at its last token only
+            ids += seq.prompt_ids
+            logit_index.append(len(ids) - 1)
+        for seq, draft in zip(running, drafts):  # the last committed token is not in the KV cache yet
+            first = len(ids)
+            ids += [seq.all_ids[-1], *draft]
+            logit_index += range(first, len(ids))
+        seqs = admitted + running
+        batch = ForwardBatch(
+            ids, [self.kv_cache.slot_of(s.request_id) for s in seqs],
+            [0] * len(admitted) + [s.num_tokens - 1 for s in running],
+            [len(s.prompt_ids) for s in admitted] + [len(d) + 1 for d in drafts], logit_index)
+        rows = ([VerifyRow([], s.sampling, s.generator) for s in admitted]
+                + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(running, drafts)])
+        new_tokens, forward_s = await self._forward(batch, rows)
+        self.stats.prefills += bool(admitted)
         if running:
-            await self._decode(running)
-
-    async def _prefill(self, seqs: list[Sequence]) -> None:
-        first = self.kv_cache.slot_of(seqs[0].request_id)
-        length = max(len(s.prompt_ids) for s in seqs)
-        ids = torch.zeros(len(seqs), length, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, :len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
-        last = torch.tensor([row * length + len(s.prompt_ids) - 1 for row, s in enumerate(seqs)])
-        batch = self._batch(first, ids, torch.zeros(len(seqs), dtype=torch.long), last)
-        rows = [VerifyRow([], s.sampling, s.generator) for s in seqs]
-        new_tokens, _ = await self._forward(batch, rows)
-        self.stats.prefills += 1
+            self._record_decode(running, drafts, new_tokens[len(admitted):], reply, forward_s, draft_s)
         self._commit_all(seqs, new_tokens)
 
-    async def _decode(self, seqs: list[Sequence]) -> None:
-        started = time.perf_counter()
+    async def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], DraftReply | None]:
+        """One PrepareDraftTokens call covering every running sequence (draft length 0 included)."""
         lengths = [self.policy.draft_len(s, len(seqs), self.max_model_len) for s in seqs]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        if self.drafter is not None and any(lengths):
-            reply = await self.drafter.propose([
-                DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.last_num_drafted,
-                           s.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k)
-                for s, k in zip(seqs, lengths)])
-            drafts = reply.drafts
-            for seq, failed in zip(seqs, reply.failed):
-                seq.stats.num_drafter_failures += failed
-        draft_s = time.perf_counter() - started
-        width = 1 + max(len(d) for d in drafts)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        index: list[int] = []
-        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
-            ids[row, :1 + len(draft)] = torch.tensor([seq.all_ids[-1], *draft])
-            index.extend(range(row * width, row * width + len(draft) + 1))
-        starts = torch.tensor([s.num_tokens - 1 for s in seqs])
-        first = self.kv_cache.slot_of(seqs[0].request_id)
-        batch = self._batch(first, ids, starts, torch.tensor(index))
-        rows = [VerifyRow(d, s.sampling, s.generator) for s, d in zip(seqs, drafts)]
-        new_tokens, forward_s = await self._forward(batch, rows)
+        if self.drafter is None or not any(lengths):
+            return [[] for _ in seqs], None
+        reply = await self.drafter.propose([
+            DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.last_num_drafted,
+                       s.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k)
+            for s, k in zip(seqs, lengths)])
+        for seq, failed in zip(seqs, reply.failed):
+            seq.stats.num_drafter_failures += failed
+        return reply.drafts, reply
+
+    def _record_decode(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
+                       reply: DraftReply | None, forward_s: float, draft_s: float) -> None:
         self.stats.steps += 1
         self.stats.forward_s += forward_s
         self.stats.draft_s += draft_s
@@ -146,11 +148,9 @@ class Engine:
             seq.stats.record(len(draft), accepted)
             self.policy.observe(seq, len(draft), accepted)
             seq.last_num_drafted, seq.last_num_accepted = len(draft), accepted
-        self._commit_all(seqs, new_tokens)
-
-    def _batch(self, first: int, ids: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> ForwardBatch:
-        device = self.runner.device
-        return ForwardBatch(first, ids.to(device), starts.to(device), index.to(device))
+        if self.metrics is not None:
+            self.metrics.observe_decode(seqs, [len(d) for d in drafts], [len(t) - 1 for t in new_tokens],
+                                        reply, self.drafter)
 
     async def _forward(self, batch: ForwardBatch, rows: list[VerifyRow]) -> tuple[list[list[int]], float]:
         def work() -> tuple[list[list[int]], float]:
@@ -160,10 +160,7 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     def _commit_all(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> None:
-        # Every row's KV length is committed before any finished sequence frees its
-        # slot: freeing moves the last slot into the hole and copies only its
-        # committed positions, so a row still at its old length would lose the
-        # positions this step wrote (and decode on garbage afterwards).
+        # Commit every row before freeing any finished sequence's slot.
         finished = [seq for seq, tokens in zip(seqs, new_tokens) if self._commit(seq, tokens)]
         for seq in finished:
             self._finish(seq)

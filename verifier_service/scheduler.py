@@ -44,8 +44,8 @@ class Scheduler:
         return admitted
 
     def running(self) -> list[Sequence]:
-        """Running sequences in KV slot order (the order batch rows must follow)."""
-        return [self._running[rid] for rid in self.kv_cache.order()]
+        """Running sequences, oldest first."""
+        return list(self._running.values())
 
     def finish(self, seq: Sequence) -> None:
         if self._running.pop(seq.request_id, None) is not None:

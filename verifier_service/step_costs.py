@@ -27,13 +27,11 @@ def measure(runner: ModelRunner, max_tokens: int, context_len: int = 256, repeat
     slot = cache.allocate(SCRATCH)
     try:
         device = runner.device
-        ids = torch.randint(0, runner.vocab_size, (1, context_len + max_tokens), device=device)
-        runner.forward(ForwardBatch(slot, ids[:, :context_len], torch.zeros(1, dtype=torch.long, device=device),
-                                    torch.tensor([context_len - 1], device=device)))
+        ids = torch.randint(0, runner.vocab_size, (context_len + max_tokens,)).tolist()
+        runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
         costs = [0.0]
         for t in range(1, max_tokens + 1):
-            batch = ForwardBatch(slot, ids[:, context_len:context_len + t],
-                                 torch.tensor([context_len], device=device), torch.arange(t, device=device))
+            batch = ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
             runner.forward(batch)  # warm-up for this shape
             samples = []
             for _ in range(repeats):

@@ -47,8 +47,8 @@ def test_one_drafter_call_and_one_forward_per_decode_step_with_per_sequence_draf
         assert decode_steps
         for s in spy.steps:
             assert len(s.prepares) <= 1, "more than one PrepareDraftTokens call in a step"
-            # A step that admits requests prefills them in one forward beside the decode forward.
-            assert len(s.forwards) <= (2 if s.admitted else 1)
+            # A step that admits requests prefills them in the same forward as the decode rows.
+            assert len(s.forwards) == 1
         for s in decode_steps:
             assert len(s.forwards) == 1, f"a decode step ran {len(s.forwards)} forward passes"
             rows, _, logits = s.forwards[0]
@@ -127,8 +127,8 @@ def test_new_request_joins_at_the_next_step_and_leaves_before_a_long_one() -> No
         # Admitted (prefill) in the step after the hold, then at most 4 decode steps.
         assert short_done - joined_at <= 1 + 4 + 1
         admit_step = next(i for i, s in enumerate(spy.steps) if i >= joined_at and s.admitted == 1)
-        # The joining step prefilled the newcomer and still decoded the long request.
-        assert [rows for rows, _, _ in spy.steps[admit_step].forwards][-1] == 1
+        # The joining step prefilled the newcomer and decoded the long request in ONE forward.
+        assert [rows for rows, _, _ in spy.steps[admit_step].forwards] == [2]
         assert any(s.forwards[0][0] == 2 for s in spy.steps[admit_step + 1:short_done + 1])
         assert all(s.forwards[0][0] == 1 for s in spy.steps[short_done + 1:] if s.forwards)
 
@@ -148,13 +148,12 @@ def test_rollback_is_a_length_change_not_a_copy() -> None:
     kv.set_length(0, 5)  # roll back 7 rejected positions of slot 0 only
     assert kv.length(0) == 5 and kv.length(1) == 9
     assert kv.k.data_ptr() == ptr and torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
-    # Freeing a slot moves the last sequence's committed positions into the hole.
+    # Freeing a slot copies nothing: the others keep their slots and data, the freed one is reused.
     kv.set_length(2, 6)
     kv.release("a")
-    assert kv.order() == ["c", "b"] and kv.length(0) == 6
-    assert torch.equal(kv.k[:, 0, :, :6], before_k[:, 2, :, :6])
-    assert torch.equal(kv.v[:, 0, :, :6], before_v[:, 2, :, :6])
-    assert torch.equal(kv.k[:, 1], before_k[:, 1])
+    assert kv.slot_of("b") == 1 and kv.slot_of("c") == 2 and kv.length(2) == 6 and kv.num_free_slots == 1
+    assert torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
+    assert kv.allocate("d") == 0 and kv.length(0) == 0
 
 
 def test_engine_rolls_back_rejected_drafts_in_place() -> None:

@@ -227,9 +227,8 @@ class EngineSpy:
 
         def spy_forward(batch):  # noqa: ANN001, ANN202
             assert self.gate.wait(WAIT_S), "test gate never opened"
-            rows, width = batch.input_ids.shape
             if self.current is not None:
-                self.current.forwards.append((rows, width, int(batch.logit_index.numel())))
+                self.current.forwards.append((len(batch.slots), max(batch.lengths), len(batch.logit_index)))
             return forward(batch)
 
         engine.step = spy_step

@@ -1,0 +1,199 @@
+"""Prometheus metrics of one verifier, in its own registry (no global registry state).
+
+Names follow vLLM's (`vllm:spec_decode_num_drafts`, `vllm:e2e_request_latency_seconds`,
+...) with the `splitspec:` prefix, so dashboards and PromQL written for vLLM port
+by swapping the prefix:
+
+    acceptance rate        rate(splitspec:spec_decode_num_accepted_tokens_total[5m])
+                         / rate(splitspec:spec_decode_num_draft_tokens_total[5m])
+    mean acceptance length 1 + rate(splitspec:spec_decode_num_accepted_tokens_total[5m])
+                             / rate(splitspec:spec_decode_num_drafts_total[5m])
+    per-position rate      rate(splitspec:spec_decode_num_accepted_tokens_per_pos_total[5m])
+                         / ignoring(position) group_left rate(splitspec:spec_decode_num_drafts_total[5m])
+
+The engine reports each decode step (`observe_decode`), the gRPC servicer each
+request (`RequestTimer`), and the queue / running / KV gauges are read at scrape
+time (`track`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from drafter_sdk.client import DrafterClient, DraftReply
+
+if TYPE_CHECKING:
+    from verifier_service.kv_cache import KVCache
+    from verifier_service.scheduler import Scheduler
+    from verifier_service.sequence import Sequence
+
+PREFIX = "splitspec:"
+# vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0)
+# Drafter calls last milliseconds; the default per-call deadline is 50 ms.
+DRAFTER_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class VerifierMetrics:
+    """Every verifier metric, registered in `registry` (a fresh one by default)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        p = PREFIX
+        # --- speculative decoding (per decode step, summed over the batch's sequences)
+        self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Sequence-steps that verified a non-empty draft",
+                                  registry=r)
+        self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            f"{p}spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0 = first)", ["position"], registry=r)
+        self.auto_disabled = Counter(
+            f"{p}spec_decode_auto_disabled", "Requests whose drafting the acceptance-based policy turned off",
+            registry=r)
+        # --- drafter calls
+        self.drafter_call_latency = Histogram(
+            f"{p}drafter_call_latency_seconds", "PrepareDraftTokens round trip as the verifier sees it, "
+            "failed and timed-out calls included", buckets=DRAFTER_LATENCY_BUCKETS, registry=r)
+        self.drafter_call_failures = Counter(
+            f"{p}drafter_call_failures", "Drafter calls that failed, timed out or returned invalid drafts "
+            "(each costs that step's drafts, never a request)", registry=r)
+        self.drafter_calls_skipped = Counter(
+            f"{p}drafter_calls_skipped", "Decode steps without a drafter call because the circuit breaker was open",
+            registry=r)
+        self.drafter_resyncs = Counter(
+            f"{p}drafter_resyncs", "Sequences the drafter answered RESYNC_REQUIRED (full context resent)", registry=r)
+        self.drafter_up = Gauge(f"{p}drafter_up", "1 while the drafter circuit breaker is closed, 0 while open "
+                                "(absent without a drafter)", registry=r)
+        # --- requests (observed by the gRPC servicer)
+        self.request_success = Counter(
+            f"{p}request_success", "Finished requests by reason: stop, length, abort (client cancelled or "
+            "went away), error", ["finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(reason)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", registry=r)
+        self.e2e_latency = Histogram(
+            f"{p}e2e_request_latency_seconds", "Arrival to last token of requests that finished (stop or length)",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            f"{p}time_per_output_token_seconds",
+            "Per finished request: (last token - first token) / (generated tokens - 1)", buckets=TPOT_BUCKETS,
+            registry=r)
+        self.request_prompt_tokens = Histogram(f"{p}request_prompt_tokens", "Prompt tokens per finished request",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            f"{p}request_generation_tokens", "Generated tokens per finished request", buckets=TOKEN_BUCKETS,
+            registry=r)
+        # --- scheduler and KV cache (read at scrape time once `track` is called)
+        self.num_requests_running = Gauge(f"{p}num_requests_running", "Sequences holding a KV slot", registry=r)
+        self.num_requests_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot", registry=r)
+        self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc",
+                                    "Share of the KV cache's token capacity holding live entries (0 to 1)", registry=r)
+        ProcessCollector(registry=r)
+        self._drafter_seen = (0, 0, 0, 0)  # calls, failures, skipped, resyncs at the last step
+        self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
+
+    # --- wiring -------------------------------------------------------------------------------------
+
+    def track(self, scheduler: Scheduler, kv_cache: KVCache, drafter: DrafterClient | None = None,
+              max_draft_len: int = 0) -> None:
+        """Read queue, running and KV usage (and drafter health) at scrape time; show every draft
+        position up to max_draft_len from the start (0 until accepted), as vLLM does."""
+        for pos in range(max_draft_len):
+            self.num_accepted_tokens_per_pos.labels(str(pos))
+        self.num_requests_running.set_function(lambda: scheduler.num_running)
+        self.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
+        self.kv_cache_usage.set_function(kv_cache.usage)
+        if drafter is not None:
+            self.drafter_up.set_function(lambda: 1.0 if drafter.healthy else 0.0)
+
+    # --- engine -------------------------------------------------------------------------------------
+
+    def observe_decode(self, seqs: Seq[Sequence], drafted: Seq[int], accepted: Seq[int],
+                       reply: DraftReply | None = None, drafter: DrafterClient | None = None) -> None:
+        """One decode step: per sequence, the draft length verified and how many were accepted."""
+        for n, a in zip(drafted, accepted):
+            if n == 0:
+                continue
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(n)
+            self.num_accepted_tokens.inc(a)
+            for pos in range(a):
+                self.num_accepted_tokens_per_pos.labels(str(pos)).inc()
+        disabled = {s.request_id for s in seqs if s.stats.auto_disabled}
+        self.auto_disabled.inc(len(disabled - self._disabled))
+        self._disabled = disabled  # a disabled sequence decodes every step until it ends
+        if drafter is not None:
+            s = drafter.stats
+            seen = (s.calls, s.failures, s.skipped, s.resyncs)
+            calls, failures, skipped, resyncs = (now - before for now, before in zip(seen, self._drafter_seen))
+            self._drafter_seen = seen
+            if calls and reply is not None:
+                self.drafter_call_latency.observe(reply.latency_s)
+            self.drafter_call_failures.inc(failures)
+            self.drafter_calls_skipped.inc(skipped)
+            self.drafter_resyncs.inc(resyncs)
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def timer(self, seq: Sequence) -> RequestTimer:
+        return RequestTimer(self, seq)
+
+
+class RequestTimer:
+    """Times one request from arrival (construction) through its outputs to its end."""
+
+    def __init__(self, metrics: VerifierMetrics, seq: Sequence, arrival: float | None = None) -> None:
+        self.metrics = metrics
+        self.seq = seq
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self._done = False
+
+    def tokens(self, count: int) -> None:
+        """`count` generated tokens reached the servicer."""
+        if not count:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first_token is None:
+            self.first_token = now
+            m.ttft.observe(now - self.arrival)
+            m.prompt_tokens.inc(len(self.seq.prompt_ids))
+        self.last_token = now
+        self.num_tokens += count
+        m.generation_tokens.inc(count)
+
+    def finish(self, reason: str) -> None:
+        """The request ended: reason is stop, length, abort or error. Later calls do nothing."""
+        if self._done:
+            return
+        self._done = True
+        m = self.metrics
+        m.request_success.labels(reason).inc()
+        if reason not in ("stop", "length"):
+            return
+        end = time.perf_counter()
+        m.e2e_latency.observe(end - self.arrival)
+        m.request_prompt_tokens.observe(len(self.seq.prompt_ids))
+        m.request_generation_tokens.observe(self.num_tokens)
+        if self.num_tokens > 1 and self.first_token is not None and self.last_token is not None:
+            m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
