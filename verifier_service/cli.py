@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                         f"(default: ${TOKEN_ENV_VAR}, if set); never pass the token itself")
     o = p.add_argument_group("operations")
     o.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGTERM")
+    o.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (logged); "
+                        "unset: no metrics endpoint")
     o.add_argument("--log-level", default="INFO")
     return p
 
@@ -71,7 +74,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_cache_memory_gb=args.kv_cache_memory_gb, default_max_new_tokens=args.default_max_new_tokens,
         speculative=speculative, host=args.host, port=args.port, grace_period_s=args.grace_period_s,
         max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=token)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=token,
+        metrics_port=args.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from verifier_service.detokenizer import Detokenizer
 from verifier_service.drafting import build_drafter_client
 from verifier_service.engine import Engine
 from verifier_service.kv_cache import KVCache, KVCacheShape
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_runner import ModelRunner
 from verifier_service.request_parsing import Limits, ParsedRequest
 from verifier_service.scheduler import Scheduler
@@ -77,7 +78,7 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
 
 
 def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
-                  model_name: str) -> Runtime:
+                  model_name: str, metrics: VerifierMetrics | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine."""
     spec = validate(settings.speculative)
     settings.speculative = spec
@@ -87,7 +88,10 @@ def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, se
     verifier_id = uuid.uuid4().hex
     drafter = build_drafter_client(spec, verifier_id, runner.vocab_size)
     scheduler = Scheduler(runner.kv_cache, runner.kv_cache.shape.num_slots, settings.max_queue_len)
-    engine = Engine(runner, scheduler, SpeculationPolicy.from_config(spec), drafter, max_model_len)
+    engine = Engine(runner, scheduler, SpeculationPolicy.from_config(spec), drafter, max_model_len,
+                    metrics=metrics)
+    if metrics is not None:
+        metrics.track(scheduler, runner.kv_cache, drafter, spec.max_draft_len)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from drafter_sdk.metrics import MetricsServer, start_metrics_server
 from drafter_sdk.proto import drafter_pb2, verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.security import BearerTokenServerInterceptor
 from drafter_sdk.security import server_credentials as tls_server_credentials
 from verifier_service import model_loader
 from verifier_service.config import mode_name
+from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.request_parsing import GenerateLike, RequestError, parse
 from verifier_service.runtime import Runtime, build_runtime
 from verifier_service.scheduler import QueueFullError
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 VERSION = "0.1.0"
 FINISH = {FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH}
+FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
 
 
 def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
@@ -47,8 +51,9 @@ def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, metrics: VerifierMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.runtime: Runtime | None = None
 
     async def _start(self, request: GenerateLike, context: grpc.aio.ServicerContext) -> tuple[Runtime, Sequence]:
@@ -64,25 +69,35 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return rt, seq
 
-    async def _outputs(self, rt: Runtime, seq: Sequence, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[Output]:
+    async def _outputs(self, rt: Runtime, seq: Sequence, context: grpc.aio.ServicerContext,
+                       arrival: float) -> AsyncIterator[Output]:
+        timer = RequestTimer(self.metrics, seq, arrival) if self.metrics is not None else None
+        reason = "abort"
         try:
             while True:
                 out = await seq.outputs.get()
                 if out.error:
+                    reason = "error"
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                if timer is not None:
+                    timer.tokens(len(out.token_ids))
+                if out.finish_reason is not None:
+                    reason = FINISHED_REASON.get(out.finish_reason, "abort")
                 yield out
                 if out.finish_reason is not None:
                     return
         finally:
             # Client cancelled or disconnected: free the sequence at the next step.
             rt.engine.cancel(seq)
+            if timer is not None:
+                timer.finish(reason)
 
     async def Generate(self, request: verifier_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> verifier_pb2.GenerateResponse:
+        arrival = time.perf_counter()
         rt, seq = await self._start(request, context)
         text: list[str] = []
-        async for out in self._outputs(rt, seq, context):
+        async for out in self._outputs(rt, seq, context, arrival):
             text.append(out.text)
         return verifier_pb2.GenerateResponse(
             request_id=request.request_id or seq.request_id, text="".join(text), token_ids=seq.output_ids,
@@ -91,9 +106,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
+        arrival = time.perf_counter()
         rt, seq = await self._start(request, context)
         request_id = request.request_id or seq.request_id
-        async for out in self._outputs(rt, seq, context):
+        async for out in self._outputs(rt, seq, context, arrival):
             msg = verifier_pb2.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
             if out.finish_reason is not None:
                 msg.finish_reason = FINISH[out.finish_reason]
@@ -138,10 +154,20 @@ class RunningVerifier:
     health: health.HealthServicer
     port: int
     grace_period_s: float
+    metrics_server: MetricsServer | None = None
 
     @property
     def runtime(self) -> Runtime | None:
         return self.servicer.runtime
+
+    @property
+    def metrics(self) -> VerifierMetrics | None:
+        return self.servicer.metrics
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound port of /metrics (useful with metrics_port 0); None without metrics."""
+        return self.metrics_server.port if self.metrics_server is not None else None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -154,6 +180,10 @@ class RunningVerifier:
         await self.server.stop(self.grace_period_s if grace_s is None else grace_s)
         if self.runtime is not None:
             await self.runtime.engine.stop()
+        if self.metrics_server is not None:
+            # shutdown() blocks until the serving thread notices; keep the event loop free meanwhile.
+            await asyncio.to_thread(self.metrics_server.close)
+            self.metrics_server = None
 
 
 class _Undecodable:
@@ -214,16 +244,34 @@ async def start_server(settings: ServerSettings,
     Without explicit `server_credentials`, settings.tls_cert/tls_key serve TLS and
     settings.tls_client_ca requires client certificates (mTLS); settings.auth_token
     requires `authorization: Bearer <token>` on every call but health and reflection.
+    With settings.metrics_port (0: any free port), Prometheus metrics are served over
+    HTTP at /metrics on settings.host, from before the model loads.
     """
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     interceptors = (*((BearerTokenServerInterceptor(settings.auth_token),) if settings.auth_token else ()),
                     MalformedRequestInterceptor(), *interceptors)
+    metrics = metrics_server = None
+    if settings.metrics_port is not None:  # first: a taken port fails start-up before gRPC binds
+        metrics = VerifierMetrics()
+        metrics_server = start_metrics_server(metrics.registry, settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, metrics_server.port)
+    try:
+        return await _start_grpc(settings, server_credentials, interceptors, metrics, metrics_server)
+    except BaseException:
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.close)
+        raise
+
+
+async def _start_grpc(settings: ServerSettings, server_credentials: grpc.ServerCredentials | None,
+                      interceptors: tuple[grpc.aio.ServerInterceptor, ...], metrics: VerifierMetrics | None,
+                      metrics_server: MetricsServer | None) -> RunningVerifier:
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ], maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    servicer = VerifierServicer(settings)
+    servicer = VerifierServicer(settings, metrics)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -233,7 +281,7 @@ async def start_server(settings: ServerSettings,
     port = (server.add_secure_port(address, server_credentials) if server_credentials
             else server.add_insecure_port(address))
     await server.start()
-    running = RunningVerifier(server, servicer, health_servicer, port, settings.grace_period_s)
+    running = RunningVerifier(server, servicer, health_servicer, port, settings.grace_period_s, metrics_server)
     await running.set_serving(False)
     log.info("verifier listening on %s:%d (%s%s; loading model)", settings.host, port,
              "plaintext" if server_credentials is None else "mutual TLS" if settings.tls_client_ca else "TLS",
@@ -244,7 +292,7 @@ async def start_server(settings: ServerSettings,
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        model_name: str) -> Runtime:
     """Wire a loaded model into the running server and report SERVING."""
-    rt = build_runtime(model, tokenizer, running.servicer.settings, model_name)
+    rt = build_runtime(model, tokenizer, running.servicer.settings, model_name, running.servicer.metrics)
     rt.engine.start()
     if rt.drafter is not None:
         await _probe_drafter(rt)
