@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-rpcs", type=int,
                         help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    parser.add_argument("--max-connection-age-s", type=float, default=300.0,
+                        help="close each client connection gracefully after about this long, so clients "
+                             "re-resolve DNS and reach replicas added since (0: never; default: 300)")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security")
     security.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.max_connection_age_s < 0:
+        parser.error("--max-connection-age-s must be 0 (never) or positive")
     try:
         drafter = make_drafter(args)
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
           grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
           max_concurrent_rpcs=args.max_concurrent_rpcs,
-          server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port)
+          server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
+          max_connection_age_s=args.max_connection_age_s)
 
 
 if __name__ == "__main__":

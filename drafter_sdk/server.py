@@ -23,6 +23,9 @@ from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+# In-flight calls may finish this long after a connection reached max_connection_age_s
+# (PrepareDraftTokens calls last milliseconds; this only bounds stuck ones).
+MAX_CONNECTION_AGE_GRACE_S = 10.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -118,6 +121,7 @@ async def start_server(
     auth_token: str | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics_port: int | None = None,
+    max_connection_age_s: float | None = 300.0,
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
@@ -125,6 +129,11 @@ async def start_server(
     `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
     (health and reflection stay open for probes). With `metrics_port` (0: any
     free port), Prometheus metrics are served over HTTP at /metrics on `host`.
+
+    `max_connection_age_s` (None or 0: never) closes each client connection
+    gracefully (GOAWAY, in-flight calls finish) after about that long: gRPC
+    clients re-resolve DNS only when a connection closes, so this is how
+    verifiers behind a headless Service discover drafter replicas added later.
     """
     metrics = DrafterMetrics() if metrics_port is not None else None
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s), metrics)
@@ -138,6 +147,14 @@ async def start_server(
             ("grpc.max_send_message_length", max_message_bytes),
             # Two drafters must never silently share one port.
             ("grpc.so_reuseport", 0),
+            *(
+                [
+                    ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+                    ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000)),
+                ]
+                if max_connection_age_s
+                else []
+            ),
         ],
     )
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)

@@ -186,3 +186,23 @@ def test_in_process_servicer_runs_the_same_protocol_without_grpc():
     assert info.value.code == INVALID
     assert servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"])).released == 1
     assert servicer.info().name == "ngram"
+
+
+def test_connections_close_after_max_connection_age_and_clients_reconnect():
+    """gRPC clients re-resolve DNS only when a connection closes: the server ends each
+    connection (GOAWAY) after max_connection_age_s, and the next call reconnects."""
+    async def body():
+        async with serving(RecordingDrafter(), max_connection_age_s=0.2) as c:
+            await still_serving(c)
+            assert c.channel.get_state() is grpc.ChannelConnectivity.READY
+            await asyncio.wait_for(c.channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 30)
+            await still_serving(c)
+
+    asyncio.run(body())
+
+
+def test_max_connection_age_flag():
+    from drafter_sdk.cli import build_parser
+
+    assert build_parser().parse_args(["ngram"]).max_connection_age_s == 300
+    assert build_parser().parse_args(["ngram", "--max-connection-age-s", "0"]).max_connection_age_s == 0
