@@ -299,6 +299,11 @@ def test_metrics_served_where_prometheus_annotations_point(stack):
         except OSError as e:
             pytest.fail(f"{name}: GET {url} failed: {e}\n{p.log_tail()}")
         assert "# TYPE" in body, f"{name}: {url} is not Prometheus text format"
+        expected = {"verifier": ("splitspec:spec_decode_num_draft_tokens_total", "splitspec:num_requests_running",
+                                 "splitspec:e2e_request_latency_seconds_count", "splitspec:drafter_up"),
+                    "drafter": ("splitspec_drafter_calls_total",)}[name]
+        missing = [m for m in expected if m not in body]
+        assert not missing, f"{name}: {url} lacks {missing}"
 
 
 def test_sigterm_ends_both_within_the_termination_grace_period(stack):
