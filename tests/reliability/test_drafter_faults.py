@@ -295,7 +295,7 @@ def test_breaker_backs_off_while_the_drafter_stays_down(workload):
         load.check()
         # 3 failures open the breaker; trials after 0.5, 1.5, 3.5 s: at most ~7 calls in 4 s.
         assert client.stats.calls <= 8, (client.stats.calls, engine.stats.steps)
-        assert client.stats.skipped > 10 * client.stats.calls
+        assert client.stats.skipped > 3 * client.stats.calls  # steps went on without calling
         assert client.breaker._backoff_s >= 2.0  # doubled at each failed trial
 
     asyncio.run(body())

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.timeout(240)
 VOCAB = len(tiny_tokenizer())
 CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                    grpc.StatusCode.RESOURCE_EXHAUSTED}
-MESSAGE_EXAMPLES = 400
-BYTES_EXAMPLES = 200
+MESSAGE_EXAMPLES = 1000
+BYTES_EXAMPLES = 300
 
 int32 = st.integers(-2**31, 2**31 - 1)
 uint32 = st.integers(0, 2**32 - 1)
