@@ -310,6 +310,7 @@ def test_metrics_endpoint_up_while_the_model_loads():
             samples = await asyncio.to_thread(scrape_sync, running.metrics_port)
             assert value(samples, "num_requests_running") == 0
             assert value(samples, "spec_decode_num_drafts_total") == 0
+            assert ("splitspec:drafter_up", ()) not in samples  # no drafter known yet
         finally:
             await running.stop(0)
 
@@ -331,3 +332,18 @@ def test_busy_metrics_port_fails_start_up():
 
     asyncio.run(main())
 
+
+
+def test_scrape_time_reads_survive_concurrent_changes():
+    """The KV usage is read on the HTTP thread while the event loop resizes the slot map."""
+    from verifier_service.metrics import _read_concurrently
+
+    outcomes = iter([RuntimeError("dictionary changed size during iteration")] * 2 + [0.25])
+
+    def flaky() -> float:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert _read_concurrently(flaky) == 0.25

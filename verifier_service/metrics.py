@@ -19,6 +19,7 @@ time (`track`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -76,8 +77,7 @@ class VerifierMetrics:
             registry=r)
         self.drafter_resyncs = Counter(
             f"{p}drafter_resyncs", "Sequences the drafter answered RESYNC_REQUIRED (full context resent)", registry=r)
-        self.drafter_up = Gauge(f"{p}drafter_up", "1 while the drafter circuit breaker is closed, 0 while open "
-                                "(absent without a drafter)", registry=r)
+        self.drafter_up: Gauge | None = None  # registered by `track` when there is a drafter
         # --- requests (observed by the gRPC servicer)
         self.request_success = Counter(
             f"{p}request_success", "Finished requests by reason: stop, length, abort (client cancelled or "
@@ -119,8 +119,10 @@ class VerifierMetrics:
             self.num_accepted_tokens_per_pos.labels(str(pos))
         self.num_requests_running.set_function(lambda: scheduler.num_running)
         self.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
-        self.kv_cache_usage.set_function(kv_cache.usage)
-        if drafter is not None:
+        self.kv_cache_usage.set_function(lambda: _read_concurrently(kv_cache.usage))
+        if drafter is not None and self.drafter_up is None:
+            self.drafter_up = Gauge(f"{PREFIX}drafter_up", "1 while the drafter circuit breaker is closed, "
+                                    "0 while open (absent without a drafter)", registry=self.registry)
             self.drafter_up.set_function(lambda: 1.0 if drafter.healthy else 0.0)
 
     # --- engine -------------------------------------------------------------------------------------
@@ -150,10 +152,16 @@ class VerifierMetrics:
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
 
-    # --- requests -----------------------------------------------------------------------------------
 
-    def timer(self, seq: Sequence) -> RequestTimer:
-        return RequestTimer(self, seq)
+def _read_concurrently(read: Callable[[], float], attempts: int = 5) -> float:
+    """Scrapes run on the HTTP server's thread while the event loop changes the engine's
+    state: a read that iterates a dict the loop is resizing raises; read again."""
+    for _ in range(attempts):
+        try:
+            return read()
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return float("nan")
 
 
 class RequestTimer:
