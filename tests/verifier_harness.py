@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf import json_format
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import speculative_pb2, verifier_pb2, verifier_pb2_grpc
@@ -24,8 +25,9 @@ def spec_config(mode: str = "NONE", max_draft_len: int = 0, drafter_target: str 
         config.user_provided.drafter_target = drafter_target
         if deadline_ms:
             config.user_provided.call_deadline.FromMilliseconds(deadline_ms)
+    # Tests pin draft lengths to the cap unless they ask for the adaptive planner.
+    config.policy.adaptive_draft_len = False
     if policy:
-        from google.protobuf import json_format
         json_format.ParseDict(policy, config.policy)
     return config
 

@@ -158,6 +158,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
             if path and not Path(path).is_file():
                 raise ConfigError(f"user_provided.{what} {path}: no such file")
     policy = config.policy
+    if not policy.HasField("adaptive_draft_len"):
+        policy.adaptive_draft_len = True
     for rule in policy.draft_len_schedule:
         if rule.max_batch_size == 0:
             raise ConfigError("every draft_len_schedule rule needs max_batch_size >= 1")

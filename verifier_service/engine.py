@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 
 from drafter_sdk.client import DrafterClient, DraftQuery, DraftReply
+from verifier_service import step_costs
 from verifier_service.kv_cache import KVCache
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_runner import ForwardBatch, ModelRunner
@@ -78,6 +79,15 @@ class Engine:
             self._wake.set()
 
     async def _run(self) -> None:
+        if self.policy.planner is not None:
+            # In the model thread, before the first step: the forward-cost curve
+            # the planner weighs draft lengths against (min of runs resists noise).
+            costs = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: step_costs.measure(self.runner, self.policy.max_draft_len + 1,
+                                                           repeats=3, statistic=min))
+            self.policy.planner.relative_costs = step_costs.relative(costs)
+            log.info("forward cost by tokens verified (x one token): %s",
+                     " ".join(f"{c:.2f}" for c in self.policy.planner.relative_costs[1:]))
         while True:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -127,7 +137,7 @@ class Engine:
 
     async def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], DraftReply | None]:
         """One PrepareDraftTokens call covering every running sequence (draft length 0 included)."""
-        lengths = [self.policy.draft_len(s, len(seqs), self.max_model_len) for s in seqs]
+        lengths = self.policy.plan(seqs, self.max_model_len)
         if self.drafter is None or not any(lengths):
             return [[] for _ in seqs], None
         reply = await self.drafter.propose([

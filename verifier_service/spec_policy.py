@@ -2,8 +2,9 @@
 
 The knobs TensorRT-LLM and vLLM users know: a global max_draft_len, a
 per-request cap, a draft-length schedule by batch size, acceptance-based
-auto-disable per request (with periodic probes), and optionally an adaptive
-length that grows on full acceptance and shrinks on rejection.
+auto-disable per request (with periodic probes), and an adaptive length that
+weighs each request's acceptance against the measured cost of verifying more
+tokens (draft_planner).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
+from verifier_service.draft_planner import DraftPlanner
 from verifier_service.sequence import Sequence
 
 
@@ -20,7 +22,6 @@ class _SeqPolicyState:
     window: deque[tuple[int, int]] = field(default_factory=deque)  # (drafted, accepted) per step
     disabled: bool = False
     steps_since_disabled: int = 0
-    adaptive_len: int = 0
 
 
 @dataclass
@@ -30,20 +31,29 @@ class SpeculationPolicy:
     window_tokens: int = 0
     min_acceptance_rate: float = 0.0
     probe_interval_steps: int = 0
-    adaptive: bool = False
+    planner: DraftPlanner | None = None  # adaptive draft lengths; None = always the cap
     _state: dict[str, _SeqPolicyState] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: speculative_pb2.SpeculativeConfig) -> "SpeculationPolicy":
+        """With adaptive_draft_len, the engine measures the planner's cost curve before its first step."""
         p = config.policy
+        planner = DraftPlanner(config.max_draft_len) if p.adaptive_draft_len and config.max_draft_len else None
         return cls(
             max_draft_len=config.max_draft_len,
             schedule=sorted((r.max_batch_size, r.draft_len) for r in p.draft_len_schedule),
             window_tokens=p.auto_disable.window_tokens,
             min_acceptance_rate=p.auto_disable.min_acceptance_rate,
             probe_interval_steps=p.auto_disable.probe_interval_steps,
-            adaptive=p.adaptive_draft_len,
+            planner=planner,
         )
+
+    def plan(self, seqs: list[Sequence], max_model_len: int) -> list[int]:
+        """Draft length of every sequence of a step (0 = no draft)."""
+        caps = [self.draft_len(s, len(seqs), max_model_len) for s in seqs]
+        if self.planner is None:
+            return caps
+        return self.planner.plan([s.request_id for s in seqs], caps)
 
     def draft_len(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
         if seq.speculation.disable:
@@ -58,24 +68,21 @@ class SpeculationPolicy:
                 k = min(k, self.schedule[-1][1])
         if seq.speculation.max_draft_len is not None:
             k = min(k, seq.speculation.max_draft_len)
-        state = self._state.setdefault(seq.request_id, _SeqPolicyState(adaptive_len=k))
+        state = self._state.setdefault(seq.request_id, _SeqPolicyState())
         if state.disabled:
             state.steps_since_disabled += 1
             if not self.probe_interval_steps or state.steps_since_disabled < self.probe_interval_steps:
                 return 0
-        if self.adaptive:
-            k = min(k, max(1, state.adaptive_len))
         # Drafts beyond the tokens still wanted, or past the context, are wasted work.
         room = min(seq.remaining_tokens - 1, max_model_len - seq.num_tokens - 1)
         return max(0, min(k, room))
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if self.planner is not None:
+            self.planner.observe(seq.request_id, drafted, accepted)
         state = self._state.get(seq.request_id)
         if state is None or drafted == 0:
             return
-        if self.adaptive:
-            state.adaptive_len = (min(self.max_draft_len, state.adaptive_len + 2) if accepted == drafted
-                                  else max(1, accepted + 1))
         if not self.window_tokens:
             return
         if state.disabled:  # this was a probe: resume only if it paid
@@ -97,3 +104,5 @@ class SpeculationPolicy:
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+        if self.planner is not None:
+            self.planner.forget(request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -17,8 +18,10 @@ from verifier_service.model_runner import ForwardBatch, ModelRunner
 SCRATCH = "__step-cost-probe__"
 
 
-def measure(runner: ModelRunner, max_tokens: int, context_len: int = 256, repeats: int = 5) -> list[float]:
-    """costs[t] = median seconds of one forward of t new tokens after `context_len` cached ones (costs[0] = 0).
+def measure(runner: ModelRunner, max_tokens: int, context_len: int = 256, repeats: int = 5,
+            statistic: Callable[[list[float]], float] = statistics.median) -> list[float]:
+    """costs[t] = seconds of one forward of t new tokens after `context_len` cached ones (costs[0] = 0),
+    the `statistic` of `repeats` runs (min resists a noisy machine; median is the honest typical cost).
 
     Borrows one free KV slot and gives it back.
     """
@@ -42,7 +45,7 @@ def measure(runner: ModelRunner, max_tokens: int, context_len: int = 256, repeat
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 samples.append(time.perf_counter() - started)
-            costs.append(statistics.median(samples))
+            costs.append(statistic(samples))
         return costs
     finally:
         cache.release(SCRATCH)
