@@ -110,6 +110,8 @@ class Engine:
             self._forget(seq)
         admitted = self.scheduler.admit()
         running = [s for s in self.scheduler.running() if s not in admitted]
+        if not admitted and not running:  # only cancelled requests were waiting: nothing to run
+            return
         started = time.perf_counter()
         drafts, reply = await self._draft(running)
         draft_s = time.perf_counter() - started

@@ -103,19 +103,18 @@ async def _maybe_await(x: object) -> None:
         await x
 
 
-def check(outcome: Outcome, fault: str, *, bounded_calls: bool = True) -> None:
+def check(outcome: Outcome, fault: str) -> None:
     outcome.load.check()
     figures = {"fault": fault, "requests": len(outcome.load.done), "failed": len(outcome.load.failed),
                "drafter_calls_in_fault": outcome.calls_in_window, "steps_in_fault": outcome.steps_in_window,
                "drafter_failures": outcome.info.drafter.failures}
     FIGURES.append(figures)
     assert outcome.info.drafter.state == verifier_pb2.DRAFTER_STATE_HEALTHY, outcome.info.drafter
-    if bounded_calls:
-        assert outcome.failures_in_window >= 3, figures  # the fault was seen ...
-        assert outcome.state_during == verifier_pb2.DRAFTER_STATE_UNAVAILABLE, figures  # ... and opened the breaker
-        # A breaker with backoff, not a retry per step: few calls while decoding went on.
-        assert outcome.calls_in_window <= MAX_CALLS_IN_WINDOW, figures
-        assert outcome.steps_in_window > 2 * outcome.calls_in_window, figures
+    assert outcome.failures_in_window >= 3, figures  # the fault was seen ...
+    assert outcome.state_during == verifier_pb2.DRAFTER_STATE_UNAVAILABLE, figures  # ... and opened the breaker
+    # A breaker with backoff, not a retry per step: few calls while decoding went on.
+    assert outcome.calls_in_window <= MAX_CALLS_IN_WINDOW, figures
+    assert outcome.steps_in_window > 2 * outcome.calls_in_window, figures
 
 
 # --- wire-level garbage and error statuses (raw servicer) ---------------------------------------
