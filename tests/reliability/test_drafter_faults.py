@@ -292,6 +292,8 @@ def test_breaker_backs_off_while_the_drafter_stays_down(workload):
             finally:
                 await load.stop()
         load.check()
+        FIGURES.append({"fault": "drafter down for 4 s", "requests": len(load.done), "failed": len(load.failed),
+                        "drafter_calls": client.stats.calls, "steps_without_call": client.stats.skipped})
         # 3 failures open the breaker; trials after 0.5, 1.5, 3.5 s: at most ~7 calls in 4 s.
         assert client.stats.calls <= 8, (client.stats.calls, engine.stats.steps)
         assert client.stats.skipped > 3 * client.stats.calls  # steps went on without calling
