@@ -2,13 +2,16 @@
 
 Each extra draft token costs the extra forward time of verifying one more
 token and pays off only with the probability that it and every token before it
-are accepted. The planner estimates that probability per position (the first
-position per request, later positions from every request's history, since
-once a drafter starts matching it tends to keep matching) and adds draft tokens
-across the whole batch, most promising first, while the expected tokens per
-unit of forward time still rise. The forward-time curve is measured on the
-target at start-up (step_costs), so the same rule drafts long on a GPU, where
-verifying 9 tokens costs about as much as 1, and short on a busy CPU.
+are accepted. Per request, the planner estimates the acceptance of the first
+draft position and, given an accepted predecessor, of each later one, and
+adds draft tokens across the whole batch, most promising first, while the
+expected tokens per unit of forward time still rise. The forward-time curve is
+measured on the target at start-up (step_costs), so the same rule drafts long
+on a GPU, where verifying 9 tokens costs about as much as 1, and short or not
+at all on a busy CPU. A request that is not drafting still asks the drafter
+for a "shadow" draft that is never verified: whether its first token equals
+the token the target then produced keeps the first-position estimate honest
+for free, so drafting resumes as soon as the text becomes predictable.
 """
 
 from __future__ import annotations
@@ -16,33 +19,24 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-# Weight left to old evidence after each step: recent steps weigh most, so a
-# request that moves from copying to free text backs off within a few steps,
-# and one that stopped drafting drifts back toward the prior and probes again.
-DECAY = 0.7
-# Later positions pool every request's history, so they can afford a longer memory.
-LATER_DECAY = 0.95
-# Pseudo-counts of the priors (acceptance 0.5 for a request's first position,
-# 0.8 for later positions given the previous one was accepted).
+# Weight left to old evidence after each drafting step: recent steps weigh most,
+# so a request that moves from copying to free text backs off within a few steps.
+DECAY = 0.85
+# Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
 
 
 @dataclass
 class _Rate:
-    """A decayed acceptance count: hits / trials, pulled toward its prior."""
+    """A decayed acceptance count: hits / trials."""
 
     hits: float
     trials: float
 
-    def add(self, hit: bool, decay: float = DECAY) -> None:
-        self.hits = decay * self.hits + hit
-        self.trials = decay * self.trials + 1
-
-    def drift(self, prior: tuple[float, float]) -> None:
-        """A step without evidence: move toward the prior."""
-        self.hits = DECAY * self.hits + (1 - DECAY) * prior[0]
-        self.trials = DECAY * self.trials + (1 - DECAY) * prior[1]
+    def add(self, hit: bool) -> None:
+        self.hits = DECAY * self.hits + hit
+        self.trials = DECAY * self.trials + 1
 
     @property
     def value(self) -> float:
@@ -50,15 +44,17 @@ class _Rate:
 
 
 @dataclass
+class _Request:
+    first: _Rate = field(default_factory=lambda: _Rate(*FIRST_PRIOR))
+    later: _Rate = field(default_factory=lambda: _Rate(*LATER_PRIOR))
+
+
+@dataclass
 class DraftPlanner:
     max_draft_len: int
     # [0, 1, c(2)/c(1), ...]: forward cost by tokens, one-token step = 1; empty until measured.
     relative_costs: list[float] = field(default_factory=list)
-    _first: dict[str, _Rate] = field(default_factory=dict)
-    _later: list[_Rate] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._later = [_Rate(*LATER_PRIOR) for _ in range(self.max_draft_len + 1)]
+    _requests: dict[str, _Request] = field(default_factory=dict)
 
     def cost(self, tokens: int) -> float:
         c = self.relative_costs
@@ -69,12 +65,11 @@ class DraftPlanner:
 
     def gains(self, request_id: str, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
-        p = self._first.get(request_id, _Rate(*FIRST_PRIOR)).value
-        out = []
-        for j in range(1, cap + 1):
-            if j > 1:
-                p *= self._later[j].value
+        state = self._requests.get(request_id, _Request())
+        p, out = state.first.value, []
+        for j in range(cap):
             out.append(p)
+            p *= state.later.value
         return out
 
     def plan(self, request_ids: list[str], caps: list[int]) -> list[int]:
@@ -101,13 +96,16 @@ class DraftPlanner:
         return best
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        first = self._first.setdefault(request_id, _Rate(*FIRST_PRIOR))
         if drafted == 0:
-            first.drift(FIRST_PRIOR)
             return
-        first.add(accepted >= 1)
+        state = self._requests.setdefault(request_id, _Request())
+        state.first.add(accepted >= 1)
         for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
-            self._later[j].add(accepted >= j, LATER_DECAY)
+            state.later.add(accepted >= j)
+
+    def observe_shadow(self, request_id: str, first_token_matched: bool) -> None:
+        """An unverified draft's first token against the token the target produced."""
+        self._requests.setdefault(request_id, _Request()).first.add(first_token_matched)
 
     def forget(self, request_id: str) -> None:
-        self._first.pop(request_id, None)
+        self._requests.pop(request_id, None)

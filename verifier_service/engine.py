@@ -56,7 +56,17 @@ class Engine:
     def kv_cache(self) -> KVCache:
         return self.runner.kv_cache
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Measure what the policy needs, then run the decoding loop in the background."""
+        if self.policy.planner is not None:
+            # In the model thread, before serving: the forward-cost curve the
+            # planner weighs draft lengths against (min of runs resists noise).
+            costs = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: step_costs.measure(self.runner, self.policy.max_draft_len + 1,
+                                                           repeats=3, statistic=min))
+            self.policy.planner.relative_costs = step_costs.relative(costs)
+            log.info("forward cost by tokens verified (x one token): %s",
+                     " ".join(f"{c:.2f}" for c in self.policy.planner.relative_costs[1:]))
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     async def stop(self) -> None:
@@ -79,15 +89,6 @@ class Engine:
             self._wake.set()
 
     async def _run(self) -> None:
-        if self.policy.planner is not None:
-            # In the model thread, before the first step: the forward-cost curve
-            # the planner weighs draft lengths against (min of runs resists noise).
-            costs = await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: step_costs.measure(self.runner, self.policy.max_draft_len + 1,
-                                                           repeats=3, statistic=min))
-            self.policy.planner.relative_costs = step_costs.relative(costs)
-            log.info("forward cost by tokens verified (x one token): %s",
-                     " ".join(f"{c:.2f}" for c in self.policy.planner.relative_costs[1:]))
         while True:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -113,7 +114,7 @@ class Engine:
         if not admitted and not running:  # only cancelled requests were waiting: nothing to run
             return
         started = time.perf_counter()
-        drafts, reply = await self._draft(running)
+        drafts, shadows, reply = await self._draft(running)
         draft_s = time.perf_counter() - started
         ids: list[int] = []
         logit_index: list[int] = []
@@ -135,20 +136,29 @@ class Engine:
         self.stats.prefills += bool(admitted)
         if running:
             self._record_decode(running, drafts, new_tokens[len(admitted):], reply, forward_s, draft_s)
+            for seq, shadow, tokens in zip(running, shadows, new_tokens[len(admitted):]):
+                self.policy.observe_shadow(seq, shadow, tokens[0])
         self._commit_all(seqs, new_tokens)
 
-    async def _draft(self, seqs: list[Sequence]) -> tuple[list[list[int]], DraftReply | None]:
-        """One PrepareDraftTokens call covering every running sequence (draft length 0 included)."""
-        lengths = self.policy.plan(seqs, self.max_model_len)
-        if self.drafter is None or not any(lengths):
-            return [[] for _ in seqs], None
+    async def _draft(self, seqs: list[Sequence]
+                     ) -> tuple[list[list[int]], list[list[int]], DraftReply | None]:
+        """One PrepareDraftTokens call covering every running sequence (draft length 0 included).
+
+        Returns the drafts to verify, the shadow drafts (asked for but not verified), and the reply.
+        """
+        lengths, asks = self.policy.plan(seqs, self.max_model_len)
+        none: list[list[int]] = [[] for _ in seqs]
+        if self.drafter is None or not any(asks):
+            return none, none, None
         reply = await self.drafter.propose([
             DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.last_num_drafted,
                        s.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k)
-            for s, k in zip(seqs, lengths)])
+            for s, k in zip(seqs, asks)])
         for seq, failed in zip(seqs, reply.failed):
             seq.stats.num_drafter_failures += failed
-        return reply.drafts, reply
+        drafts = [d[:k] for d, k in zip(reply.drafts, lengths)]
+        shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, lengths)]
+        return drafts, shadows, reply
 
     def _record_decode(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
                        reply: DraftReply | None, forward_s: float, draft_s: float) -> None:

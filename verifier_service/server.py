@@ -293,7 +293,7 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
                        model_name: str) -> Runtime:
     """Wire a loaded model into the running server and report SERVING."""
     rt = build_runtime(model, tokenizer, running.servicer.settings, model_name, running.servicer.metrics)
-    rt.engine.start()
+    await rt.engine.start()
     if rt.drafter is not None:
         await _probe_drafter(rt)
     running.servicer.runtime = rt

@@ -48,12 +48,21 @@ class SpeculationPolicy:
             planner=planner,
         )
 
-    def plan(self, seqs: list[Sequence], max_model_len: int) -> list[int]:
-        """Draft length of every sequence of a step (0 = no draft)."""
+    def plan(self, seqs: list[Sequence], max_model_len: int) -> tuple[list[int], list[int]]:
+        """(tokens to verify, tokens to ask the drafter for) per sequence of a step.
+
+        With the planner, a sequence it keeps from drafting still asks for a
+        shadow draft up to its cap, scored but never verified (observe_shadow).
+        """
         caps = [self.draft_len(s, len(seqs), max_model_len) for s in seqs]
         if self.planner is None:
-            return caps
-        return self.planner.plan([s.request_id for s in seqs], caps)
+            return caps, caps
+        lengths = self.planner.plan([s.request_id for s in seqs], caps)
+        return lengths, [k or cap for k, cap in zip(lengths, caps)]
+
+    def observe_shadow(self, seq: Sequence, shadow: list[int], produced: int) -> None:
+        if self.planner is not None and shadow:
+            self.planner.observe_shadow(seq.request_id, shadow[0] == produced)
 
     def draft_len(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
         if seq.speculation.disable:
