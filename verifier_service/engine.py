@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 
 from drafter_sdk.client import DrafterClient, DraftQuery, DraftReply
@@ -27,16 +25,6 @@ from verifier_service.spec_policy import SpeculationPolicy
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StepStats:
-    """Figures of the last steps, for metrics and the benchmark."""
-
-    steps: int = 0
-    prefills: int = 0
-    forward_s: float = 0.0
-    draft_s: float = 0.0
-
-
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, policy: SpeculationPolicy,
                  drafter: DrafterClient | None, max_model_len: int,
@@ -47,7 +35,7 @@ class Engine:
         self.policy = policy
         self.drafter = drafter
         self.max_model_len = max_model_len
-        self.stats = StepStats()
+        self.decode_steps = 0
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task[None] | None = None
@@ -113,9 +101,7 @@ class Engine:
         running = [s for s in self.scheduler.running() if s not in admitted]
         if not admitted and not running:  # only cancelled requests were waiting: nothing to run
             return
-        started = time.perf_counter()
         drafts, shadows, reply = await self._draft(running)
-        draft_s = time.perf_counter() - started
         ids: list[int] = []
         logit_index: list[int] = []
         for seq in admitted:  # a prompt needs logits at its last token only
@@ -132,12 +118,9 @@ class Engine:
             [len(s.prompt_ids) for s in admitted] + [len(d) + 1 for d in drafts], logit_index)
         rows = ([VerifyRow([], s.sampling, s.generator) for s in admitted]
                 + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(running, drafts)])
-        new_tokens, forward_s = await self._forward(batch, rows)
-        self.stats.prefills += bool(admitted)
+        new_tokens = await self._forward(batch, rows)
         if running:
-            self._record_decode(running, drafts, new_tokens[len(admitted):], reply, forward_s, draft_s)
-            for seq, shadow, tokens in zip(running, shadows, new_tokens[len(admitted):]):
-                self.policy.observe_shadow(seq, shadow, tokens[0])
+            self._record_decode(running, drafts, shadows, new_tokens[len(admitted):], reply)
         self._commit_all(seqs, new_tokens)
 
     async def _draft(self, seqs: list[Sequence]
@@ -160,25 +143,22 @@ class Engine:
         shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, lengths)]
         return drafts, shadows, reply
 
-    def _record_decode(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
-                       reply: DraftReply | None, forward_s: float, draft_s: float) -> None:
-        self.stats.steps += 1
-        self.stats.forward_s += forward_s
-        self.stats.draft_s += draft_s
-        for seq, draft, tokens in zip(seqs, drafts, new_tokens):
+    def _record_decode(self, seqs: list[Sequence], drafts: list[list[int]], shadows: list[list[int]],
+                       new_tokens: list[list[int]], reply: DraftReply | None) -> None:
+        self.decode_steps += 1
+        for seq, draft, shadow, tokens in zip(seqs, drafts, shadows, new_tokens):
             accepted = len(tokens) - 1
             seq.stats.record(len(draft), accepted)
             self.policy.observe(seq, len(draft), accepted)
+            self.policy.observe_shadow(seq, shadow, tokens[0])
             seq.last_num_drafted, seq.last_num_accepted = len(draft), accepted
         if self.metrics is not None:
             self.metrics.observe_decode(seqs, [len(d) for d in drafts], [len(t) - 1 for t in new_tokens],
                                         reply, self.drafter)
 
-    async def _forward(self, batch: ForwardBatch, rows: list[VerifyRow]) -> tuple[list[list[int]], float]:
-        def work() -> tuple[list[list[int]], float]:
-            started = time.perf_counter()
-            logits = self.runner.forward(batch)
-            return verify_batch(logits, rows), time.perf_counter() - started
+    async def _forward(self, batch: ForwardBatch, rows: list[VerifyRow]) -> list[list[int]]:
+        def work() -> list[list[int]]:
+            return verify_batch(self.runner.forward(batch), rows)
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     def _commit_all(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> None:

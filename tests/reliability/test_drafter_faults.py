@@ -80,11 +80,11 @@ async def run_fault(v, workload: Workload, inject: Callable[[], Awaitable[None] 
     load = Load(v.stub, workload, concurrency).start()
     try:
         await until(lambda: accepted(load.done) > 0, "speculation works before the fault")
-        calls0, steps0, failures0 = drafter_calls(), engine.stats.steps, client.stats.failures
+        calls0, steps0, failures0 = drafter_calls(), engine.decode_steps, client.stats.failures
         await _maybe_await(inject())
         await asyncio.sleep(window_s)
         state_during = (await v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())).drafter.state
-        calls1, steps1, failures1 = drafter_calls(), engine.stats.steps, client.stats.failures
+        calls1, steps1, failures1 = drafter_calls(), engine.decode_steps, client.stats.failures
         successes = client.stats.calls - client.stats.failures
         await _maybe_await(heal())
         await until(lambda: client.stats.calls - client.stats.failures > successes and client.healthy,
@@ -295,7 +295,7 @@ def test_breaker_backs_off_while_the_drafter_stays_down(workload):
         FIGURES.append({"fault": "drafter down for 4 s", "requests": len(load.done), "failed": len(load.failed),
                         "drafter_calls": client.stats.calls, "steps_without_call": client.stats.skipped})
         # 3 failures open the breaker; trials after 0.5, 1.5, 3.5 s: at most ~7 calls in 4 s.
-        assert client.stats.calls <= 8, (client.stats.calls, engine.stats.steps)
+        assert client.stats.calls <= 8, (client.stats.calls, engine.decode_steps)
         assert client.stats.skipped > 3 * client.stats.calls  # steps went on without calling
         assert client.breaker._backoff_s >= 2.0  # doubled at each failed trial
 
