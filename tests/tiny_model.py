@@ -32,12 +32,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model(seed: int = 0, layers: int = 2, init_std: float = 0.2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, layers: int = 2, init_std: float = 0.2, max_positions: int = 512) -> LlamaForCausalLM:
     """Random weights with a wide init so next-token logits are far from ties."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tiny_tokenizer()), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=init_std,
+                         max_position_embeddings=max_positions, initializer_range=init_std,
                          eos_token_id=tiny_tokenizer().eos_token_id, bos_token_id=None, pad_token_id=None,
                          attn_implementation="sdpa")
     model = LlamaForCausalLM(config).eval()

@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from verifier_service.step_costs import CostCurve
+
 # Weight left to old evidence after each drafting step: recent steps weigh most,
 # so a request that moves from copying to free text backs off within a few steps.
 DECAY = 0.85
@@ -52,16 +54,8 @@ class _Request:
 @dataclass
 class DraftPlanner:
     max_draft_len: int
-    # [0, 1, c(2)/c(1), ...]: forward cost by tokens, one-token step = 1; empty until measured.
-    relative_costs: list[float] = field(default_factory=list)
+    costs: CostCurve | None = None  # forward cost by tokens; None until measured
     _requests: dict[str, _Request] = field(default_factory=dict)
-
-    def cost(self, tokens: int) -> float:
-        c = self.relative_costs
-        if tokens < len(c):
-            return c[tokens]
-        slope = c[-1] - c[-2] if len(c) > 2 else c[-1]
-        return c[-1] + slope * (tokens - len(c) + 1)
 
     def gains(self, request_id: str, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -74,7 +68,7 @@ class DraftPlanner:
 
     def plan(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """Draft lengths (each <= its cap) maximising expected tokens per forward cost."""
-        if not self.relative_costs or not caps:
+        if self.costs is None or not caps:
             return list(caps)
         gains = [self.gains(rid, cap) for rid, cap in zip(request_ids, caps)]
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
@@ -82,13 +76,13 @@ class DraftPlanner:
         lengths = [0] * len(caps)
         tokens = len(caps)
         expected = float(len(caps))
-        best_rate, best = expected / self.cost(tokens), list(lengths)
+        best_rate, best = expected / self.costs(tokens), list(lengths)
         while heap:
             gain, i = heapq.heappop(heap)
             lengths[i] += 1
             tokens += 1
             expected -= gain
-            rate = expected / self.cost(tokens)
+            rate = expected / self.costs(tokens)
             if rate > best_rate:
                 best_rate, best = rate, list(lengths)
             if lengths[i] < len(gains[i]):

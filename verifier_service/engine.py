@@ -49,12 +49,12 @@ class Engine:
         if self.policy.planner is not None:
             # In the model thread, before serving: the forward-cost curve the
             # planner weighs draft lengths against (min of runs resists noise).
-            costs = await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: step_costs.measure(self.runner, self.policy.max_draft_len + 1,
-                                                           repeats=3, statistic=min))
-            self.policy.planner.relative_costs = step_costs.relative(costs)
-            log.info("forward cost by tokens verified (x one token): %s",
-                     " ".join(f"{c:.2f}" for c in self.policy.planner.relative_costs[1:]))
+            points = step_costs.probe_points(self.policy.max_draft_len,
+                                             self.scheduler.max_num_seqs * (self.policy.max_draft_len + 1))
+            seconds = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: step_costs.measure(self.runner, points, repeats=3, statistic=min))
+            self.policy.planner.costs = step_costs.CostCurve.from_seconds(seconds)
+            log.info("forward cost by tokens (x one token): %s", self.policy.planner.costs.describe())
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     async def stop(self) -> None:
@@ -109,7 +109,7 @@ class Engine:
             logit_index.append(len(ids) - 1)
         for seq, draft in zip(running, drafts):  # the last committed token is not in the KV cache yet
             first = len(ids)
-            ids += [seq.all_ids[-1], *draft]
+            ids += [seq.last_token, *draft]
             logit_index += range(first, len(ids))
         seqs = admitted + running
         batch = ForwardBatch(

@@ -99,6 +99,10 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

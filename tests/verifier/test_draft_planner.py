@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_service.draft_planner import DraftPlanner
+from verifier_service.step_costs import CostCurve
 from verifier_support import shared_model
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
@@ -13,7 +16,8 @@ LINEAR = [float(t) for t in range(17)]  # every verified token costs a full step
 
 
 def planner(costs: list[float], k: int = 8) -> DraftPlanner:
-    return DraftPlanner(k, relative_costs=costs)
+    """costs[t]: cost of a forward over t tokens (costs[0] unused)."""
+    return DraftPlanner(k, costs=CostCurve(tuple((t, c) for t, c in enumerate(costs) if t)))
 
 
 def train(p: DraftPlanner, rid: str, drafted: int, accepted: int, steps: int) -> None:
@@ -67,6 +71,13 @@ def test_unmeasured_costs_fall_back_to_the_caps() -> None:
     assert DraftPlanner(8).plan(["a", "b"], [3, 8]) == [3, 8]
 
 
+def test_cost_curve_interpolates_and_extends() -> None:
+    curve = CostCurve.from_seconds({1: 0.05, 2: 0.08, 3: 0.07, 16: 0.16})  # 3 is noise below 2
+    assert curve(1) == 1.0 and curve(2) == curve(3) == pytest.approx(1.6)
+    assert curve(9.5) == pytest.approx(2.4)  # halfway between 3 and 16
+    assert curve(29) == pytest.approx(4.8)  # beyond the last point, along the last segment
+
+
 def test_adaptive_engine_output_is_exact() -> None:
     """The planner only chooses lengths; outputs stay those of plain decoding."""
     model = shared_model()
@@ -76,7 +87,7 @@ def test_adaptive_engine_output_is_exact() -> None:
         async with run_verifier(spec_config("NGRAM", 6, adaptiveDraftLen=True), model=model) as v:
             engine = v.running.runtime.engine
             replies = await asyncio.gather(*(v.stub.Generate(token_request(p, 32)) for p in prompts))
-            assert engine.policy.planner is not None and engine.policy.planner.relative_costs
+            assert engine.policy.planner is not None and engine.policy.planner.costs
         for p, r in zip(prompts, replies):
             assert list(r.token_ids) == reference_greedy(model, p, 32)
 

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verifier_service.step_costs import cost_at
+from verifier_service.step_costs import CostCurve
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Report:
     model: str
     max_new_tokens: int
     max_draft_len: int
-    forward_cost_ms: list[float]
+    forward_cost_ms: dict[int, float]  # tokens in one forward -> ms
     summaries: list[SystemSummary] = field(default_factory=list)
     request_bytes: list[tuple[int, int]] = field(default_factory=list)  # (context tokens, bytes per call)
     serving: list[dict] = field(default_factory=list)
@@ -39,7 +39,7 @@ class Report:
         path.write_text(json.dumps(asdict(self), indent=2))
 
 
-def summarise(system: str, workload: str, runs: list, plain_runs: list, rel_costs: list[float]) -> SystemSummary:
+def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: CostCurve) -> SystemSummary:
     """runs / plain_runs: bench.systems.Run per prompt, same order."""
     tps = [len(r.token_ids) / r.seconds for r in runs if r.seconds > 0]
     ratios = [(p.seconds / max(1, len(p.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
@@ -58,15 +58,15 @@ def summarise(system: str, workload: str, runs: list, plain_runs: list, rel_cost
         acceptance_rate=accepted / drafted if drafted else None,
         acceptance_per_position=[n / drafts for n in per_pos] if drafts else [],
         identical=sum(r.token_ids == p.token_ids for r, p in zip(runs, plain_runs)), prompts=len(runs))
-    if drafts and rel_costs:
+    if drafts:
         ideal, measured = [], []
         for r, p in zip(runs, plain_runs):
             s = r.stats
             if not s.num_steps or len(p.token_ids) < 2 or len(r.token_ids) < 2 or r.decode_seconds <= 0:
                 continue
             mean_k = s.num_draft_tokens / s.num_drafts if s.num_drafts else 0.0
-            spec_cost = (s.num_steps - s.num_drafts) * rel_costs[1] + s.num_drafts * cost_at(rel_costs, mean_k + 1)
-            ideal.append((s.num_steps + s.num_accepted_tokens) * rel_costs[1] / spec_cost)
+            spec_cost = (s.num_steps - s.num_drafts) + s.num_drafts * costs(mean_k + 1)
+            ideal.append((s.num_steps + s.num_accepted_tokens) / spec_cost)
             measured.append((p.decode_seconds / (len(p.token_ids) - 1)) / (r.decode_seconds / (len(r.token_ids) - 1)))
         if ideal:
             summary.ideal_speedup = statistics.median(ideal)
@@ -79,10 +79,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_tables(report: Report) -> None:
-    costs = ", ".join(f"{t}:{c:.1f}" for t, c in enumerate(report.forward_cost_ms) if t)
+    costs = ", ".join(f"{t}:{c:.1f}" for t, c in report.forward_cost_ms.items())
     print(f"\nmodel {report.model}, greedy, max_new_tokens {report.max_new_tokens}, "
           f"max_draft_len {report.max_draft_len}")
-    print(f"target forward cost (ms) by tokens verified: {costs}")
+    print(f"target forward cost (ms) by tokens in one forward: {costs}")
     for workload in dict.fromkeys(s.workload for s in report.summaries):
         rows = [s for s in report.summaries if s.workload == workload]
         print(f"\n== {workload} ({rows[0].prompts} prompts) ==")

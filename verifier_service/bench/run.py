@@ -48,10 +48,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
-    costs = _forward_costs(model, args.max_draft_len + 1)
-    rel = step_costs.relative(costs)
+    seconds = _forward_costs(model, args.max_draft_len)
+    curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
-                        forward_cost_ms=[c * 1000 for c in costs])
+                        forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
     common = ["--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING"] + (
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
             plain = [runs[PLAIN][i] for i in idx]
             for system in systems:
                 report.summaries.append(rep.summarise(system.name, workload, [runs[system.name][i] for i in idx],
-                                                      plain, rel))
+                                                      plain, curve))
         report.request_bytes = asyncio.run(_request_bytes(drafter.address, model.config.vocab_size))
         if args.concurrency:
             report.serving = _serving(remote.address, prompts, args)
@@ -91,12 +91,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _forward_costs(model: torch.nn.Module, max_tokens: int) -> list[float]:
+def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, float]:
     cfg = model.config.get_text_config()
     shape = KVCacheShape(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                          getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, 1, 512)
     runner = ModelRunner(model, KVCache(shape, model.dtype, model.device))
-    return step_costs.measure(runner, max_tokens, context_len=256, repeats=7)
+    return step_costs.measure(runner, step_costs.probe_points(max_draft_len, 0), context_len=256, repeats=7)
 
 
 def _run_all(systems: list, prompts: list[workloads.Prompt], args: argparse.Namespace) -> dict[str, list[Run]]:
