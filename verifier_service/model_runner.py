@@ -50,7 +50,7 @@ class PackedStep:
     def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device) -> None:
         self.cache = cache
         self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
-        slot_idx, pos_idx = [], []
+        positions: list[int] = []
         offset = 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
             if start + n > cache.shape.capacity:
@@ -60,21 +60,18 @@ class PackedStep:
                 keys = torch.arange(start + n, device=device)
                 mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
             self.rows.append((offset, n, slot, start, mask))
-            slot_idx += [slot] * n
-            pos_idx += range(start, start + n)
+            positions += range(start, start + n)
             offset += n
-        self.slot_idx = torch.tensor(slot_idx, device=device)
-        self.pos_idx = torch.tensor(pos_idx, device=device)
-        self.positions = self.pos_idx[None, :]
+        self.positions = torch.tensor([positions], device=device)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        # key/value [1, kv_heads, N, D] -> [N, kv_heads, D], scattered to (slot, position).
-        k_cache[self.slot_idx, :, self.pos_idx] = key[0].transpose(0, 1).to(k_cache.dtype)
-        v_cache[self.slot_idx, :, self.pos_idx] = value[0].transpose(0, 1).to(v_cache.dtype)
         outputs = []
         for offset, n, slot, start, mask in self.rows:
+            # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
+            k_cache[slot, :, start:start + n] = key[0, :, offset:offset + n]
+            v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
                 v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, scale=scaling,
