@@ -12,7 +12,7 @@ from pathlib import Path
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.ngram import NgramDrafter
-from drafter_sdk.security import TOKEN_ENV_VAR, read_token, server_credentials
+from drafter_sdk.security import add_server_flags, read_token, server_credentials, server_flags_problem
 from drafter_sdk.server import MIB, serve
 
 
@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="close each client connection gracefully after about this long, so clients "
                              "re-resolve DNS and reach replicas added since (0: never; default: 300)")
     parser.add_argument("--log-level", default="INFO")
-    security = parser.add_argument_group("security")
-    security.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
-    security.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    security.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mTLS)")
-    security.add_argument("--auth-token-file",
-                          help=f"file holding the bearer token every call must carry (default: ${TOKEN_ENV_VAR}, "
-                               "if set)")
+    add_server_flags(parser)
     ngram = parser.add_argument_group("ngram drafter")
     ngram.add_argument("--max-draft-len", type=int, default=8)
     ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
@@ -88,10 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if problem := server_flags_problem(args):
+        parser.error(problem)
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be 0 (never) or positive")
     try:

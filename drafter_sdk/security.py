@@ -6,6 +6,7 @@ command line (where `ps` and shell histories would show them).
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,6 +25,30 @@ OPEN_SERVICES = frozenset({
 })
 
 PathLike = str | os.PathLike[str]
+
+
+def add_server_flags(parser: argparse.ArgumentParser, title: str = "security") -> None:
+    """The TLS and token flags of a splitspec server (drafter and verifier alike)."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    group.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    group.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    group.add_argument("--auth-token-file",
+                       help=f"file holding the bearer token every call but health must carry "
+                            f"(default: ${TOKEN_ENV_VAR}, if set); never pass the token itself")
+
+
+def server_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags of add_server_flags, or None."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if args.tls_client_ca and not args.tls_cert:
+        return "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)"
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                       ("--tls-client-ca", args.tls_client_ca)):
+        if path and not Path(path).is_file():
+            return f"{flag} {path}: no such file"
+    return None
 
 
 def server_credentials(cert_file: PathLike, key_file: PathLike,

@@ -6,9 +6,8 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
-from drafter_sdk.security import TOKEN_ENV_VAR, read_token
+from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
 from verifier_service import config
 from verifier_service.server import run
 from verifier_service.settings import ServerSettings
@@ -37,13 +36,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-concurrent-rpcs", type=int, default=1024,
                    help="calls served at once, health included; more are refused with RESOURCE_EXHAUSTED")
     config.add_flags(p)
-    s = p.add_argument_group("security (of this server; the drafter connection has --drafter-tls-* flags)")
-    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    s.add_argument("--auth-token-file",
-                   help=f"file holding the bearer token every call but health must carry "
-                        f"(default: ${TOKEN_ENV_VAR}, if set); never pass the token itself")
+    add_server_flags(p, "security (of this server; the drafter connection has --drafter-tls-* flags)")
     o = p.add_argument_group("operations")
     o.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGTERM")
     o.add_argument("--metrics-port", type=int,
@@ -56,14 +49,8 @@ def parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Raises config.ConfigError with a message a person can act on."""
     speculative = config.from_args(args)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise config.ConfigError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise config.ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                       ("--tls-client-ca", args.tls_client_ca)):
-        if path and not Path(path).is_file():
-            raise config.ConfigError(f"{flag} {path}: no such file")
+    if problem := server_flags_problem(args):
+        raise config.ConfigError(problem)
     try:
         token = read_token(args.auth_token_file)
     except (OSError, ValueError) as exc:
