@@ -31,9 +31,8 @@ def long_request() -> pb.GenerateStreamRequest:
                                     stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True))
 
 
-def watch_until_not_serving(channel: grpc.Channel) -> list[int]:
-    """Statuses a health Watch opened now reports, up to NOT_SERVING."""
-    statuses = []
+def watch_until_not_serving(channel: grpc.Channel, statuses: list[int]) -> list[int]:
+    """Statuses a health Watch opened now reports (appended to `statuses` as they come), up to NOT_SERVING."""
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
     try:
         for reply in watch:
@@ -54,7 +53,10 @@ def test_verifier_sigterm_drains_in_flight_requests(tiny_model_dir):
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             streams = [stub.GenerateStream(long_request(), timeout=WAIT_S * 3) for _ in range(5)]
             first = [next(s) for s in streams[:1]]  # the first one is running
-            watching = pool.submit(watch_until_not_serving, channel)
+            statuses: list[int] = []
+            watching = pool.submit(watch_until_not_serving, channel, statuses)
+            # The Watch must be established (its first status received) before the signal.
+            asyncio.run(until(lambda: statuses, "the health Watch to report"))
             health = health_pb2_grpc.HealthStub(channel)
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
             rest = [pool.submit(list, s) for s in streams]
@@ -103,8 +105,9 @@ def test_drafter_sdk_sigterm_drains_in_flight_calls():
                 request_id="r", context_len=0, new_tokens=[1, 2, 3], prompt_len=3, draft_len=4)])
             in_flight = pool.submit(stub.PrepareDraftTokens, call, timeout=WAIT_S)
             asyncio.run(until(lambda: drafter.calls() == 1, "the call is inside the drafter"))
-            watching = pool.submit(watch_until_not_serving, channel)
-            asyncio.run(until(lambda: watching.running(), "watching"))
+            statuses: list[int] = []
+            watching = pool.submit(watch_until_not_serving, channel, statuses)
+            asyncio.run(until(lambda: statuses, "the health Watch to report"))
             drafter.process.send_signal(signal.SIGTERM)
             assert watching.result(WAIT_S)[-1] == NOT_SERVING
             with pytest.raises(grpc.RpcError) as info:
