@@ -31,7 +31,6 @@ within terminationGracePeriodSeconds minus the preStop sleep.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -42,12 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deploy_support import (  # noqa: E402
     DRAFTER,
-    REPO,
     VENV_BIN,
     VERIFIER,
     dockerfile_key_for_image,

@@ -7,7 +7,6 @@ import asyncio
 import functools
 import re
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
 import pytest
 
 from drafter_sdk.proto import verifier_pb2

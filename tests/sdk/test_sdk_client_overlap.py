@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from drafter_sdk import Drafter, DraftRequest, start_server
-from drafter_sdk.client import DrafterClient, DraftQuery, GrpcTransport, InProcessTransport
+from drafter_sdk.client import DrafterClient, DraftQuery, GrpcTransport
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.servicer import DrafterServicer
