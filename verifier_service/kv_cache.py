@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,16 @@ class KVCacheShape:
     head_dim: int
     num_slots: int
     capacity: int  # tokens per slot
+
+    @classmethod
+    def for_model(cls, config: PretrainedConfig, num_slots: int, capacity: int) -> "KVCacheShape":
+        """The shape a transformers model's attention layers write (GQA heads, explicit head_dim)."""
+        cfg = config.get_text_config()
+        heads = cfg.num_attention_heads
+        return cls(num_layers=cfg.num_hidden_layers,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   num_slots=num_slots, capacity=capacity)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         elements = 2 * self.num_layers * self.num_kv_heads * self.capacity * self.head_dim

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -59,20 +59,14 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
                  max_draft_len: int) -> KVCache:
     """Size the cache: each slot holds a full context plus a draft; the memory
     budget decides how many slots (sequences) run at once."""
-    cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    shape = KVCacheShape(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        num_slots=1, capacity=max_model_len + max_draft_len + 1)
+    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1)
     per_slot = shape.bytes_per_slot(model.dtype)
     budget = int(settings.kv_cache_memory_gb * 2**30)
     slots = min(settings.max_num_seqs, budget // per_slot)
     if slots < 1:
         raise ValueError(f"--kv-cache-memory-gb {settings.kv_cache_memory_gb} is too small: one sequence of "
                          f"{max_model_len} tokens needs {per_slot / 2**30:.2f} GiB; raise it or lower --max-model-len")
-    shape = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots, shape.capacity)
+    shape = replace(shape, num_slots=slots)
     log.info("KV cache: %d slots x %d tokens, %.2f GiB", slots, shape.capacity, slots * per_slot / 2**30)
     return KVCache(shape, model.dtype, model.device)
 

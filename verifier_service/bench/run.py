@@ -92,9 +92,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, float]:
-    cfg = model.config.get_text_config()
-    shape = KVCacheShape(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, 1, 512)
+    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=512)
     runner = ModelRunner(model, KVCache(shape, model.dtype, model.device))
     return step_costs.measure(runner, step_costs.probe_points(max_draft_len, 0), context_len=256, repeats=7)
 
