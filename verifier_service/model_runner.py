@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verifier_service.kv_cache import KVCache
+from verifier_service.linear_layout import LinearLayouts
 
 ATTENTION = "splitspec_packed"
 STEP_KWARG = "splitspec_step"
@@ -108,6 +109,13 @@ class ModelRunner:
         self._base = model.base_model
         self._head = model.get_output_embeddings()
         self._no_mask = _NO_MASK.to(self.device, self.dtype)
+        # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
+        self.layouts = LinearLayouts(model) if self.device.type == "cpu" else None
+
+    def close(self) -> None:
+        """Give the model back with its own linear layers (it stays usable, e.g. by generate())."""
+        if self.layouts is not None:
+            self.layouts.uninstall()
 
     @property
     def vocab_size(self) -> int:

@@ -9,6 +9,7 @@ drafts cost once the forward turns compute-bound.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,7 +17,10 @@ from typing import Callable
 
 import torch
 
+from verifier_service.linear_layout import MAX_TUNED_ROWS
 from verifier_service.model_runner import ForwardBatch, ModelRunner
+
+log = logging.getLogger(__name__)
 
 SCRATCH = "__step-cost-probe__"
 MAX_PROBE_TOKENS = 256
@@ -65,6 +69,23 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256
         return costs
     finally:
         cache.release(SCRATCH)
+
+
+def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 3,
+                     statistic: Callable[[list[float]], float] = min) -> dict[int, float]:
+    """Choose the runner's linear layout per token count (where it has a choice: CPU), then return
+    `measure`'s seconds with the chosen layouts."""
+    layouts = runner.layouts
+    if layouts is None:
+        return measure(runner, token_counts, context_len, repeats, statistic)
+    tuned = [t for t in token_counts if t <= MAX_TUNED_ROWS]
+    layouts.choose({t: False for t in tuned})
+    usual = measure(runner, token_counts, context_len, repeats, statistic)
+    layouts.choose({t: True for t in tuned})
+    transposed = measure(runner, [t for t in tuned if t in usual], context_len, repeats, statistic)
+    layouts.choose({t: transposed[t] < usual[t] for t in transposed})
+    log.info("linear layout by tokens in a forward: %s", layouts.describe())
+    return {t: min(s, transposed.get(t, s)) for t, s in usual.items()}
 
 
 @dataclass(frozen=True)
