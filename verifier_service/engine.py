@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, policy: SpeculationPolicy,
-                 drafter: DrafterClient | None, max_model_len: int,
+                 drafter: DrafterClient | None, max_model_len: int, model_thread: ThreadPoolExecutor,
                  metrics: VerifierMetrics | None = None) -> None:
         self.runner = runner
         self.metrics = metrics
@@ -37,7 +37,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.decode_steps = 0
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._executor = model_thread  # all torch work: see build_runtime
         self._task: asyncio.Task[None] | None = None
 
     @property

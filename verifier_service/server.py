@@ -292,7 +292,7 @@ async def _start_grpc(settings: ServerSettings, server_credentials: grpc.ServerC
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        model_name: str) -> Runtime:
     """Wire a loaded model into the running server and report SERVING."""
-    rt = build_runtime(model, tokenizer, running.servicer.settings, model_name, running.servicer.metrics)
+    rt = await build_runtime(model, tokenizer, running.servicer.settings, model_name, running.servicer.metrics)
     await rt.engine.start()
     if rt.drafter is not None:
         await _probe_drafter(rt)
