@@ -25,6 +25,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                   help="CPU: do not keep a oneDNN-reordered copy of the linear weights (it is kept only "
+                        "if faster for some token counts, and costs as much memory as those weights)")
     c = p.add_argument_group("capacity")
     c.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + generation")
     c.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
@@ -56,7 +59,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
     return ServerSettings(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, device=args.device, prepack_weights=args.prepack_weights,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_queue_len=args.max_queue_len,
         kv_cache_memory_gb=args.kv_cache_memory_gb, default_max_new_tokens=args.default_max_new_tokens,
         speculative=speculative, host=args.host, port=args.port, grace_period_s=args.grace_period_s,

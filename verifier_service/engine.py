@@ -48,14 +48,15 @@ class Engine:
         """Measure what the runner and the policy need, then run the decoding loop in the background."""
         if self.policy.planner is not None or self.runner.layouts is not None:
             # In the model thread, before serving: each token count's linear layout and the
-            # forward-cost curve the planner weighs draft lengths against (min of runs resists noise).
+            # forward-cost curve the planner weighs draft lengths against.
             points = step_costs.probe_points(self.policy.max_draft_len,
                                              self.scheduler.max_num_seqs * (self.policy.max_draft_len + 1))
             seconds = await asyncio.get_running_loop().run_in_executor(
                 self._executor, lambda: step_costs.tune_and_measure(self.runner, points))
             if self.policy.planner is not None:
                 self.policy.planner.costs = step_costs.CostCurve.from_seconds(seconds)
-                log.info("forward cost by tokens (x one token): %s", self.policy.planner.costs.describe())
+                log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)],
+                         self.policy.planner.costs.describe())
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     async def stop(self) -> None:

@@ -1,65 +1,109 @@
-"""Per row count, the faster of two layouts for the target's linear layers on a CPU.
+"""Per row count, the fastest way to run the target's linear layers on a CPU.
 
-A decode step or a short draft multiplies every weight by a handful of rows.
-On CPU BLAS, `F.linear(x, W)` (x @ Wᵀ) with so few rows takes kernels that
-stream the weights slowly, while the same product computed as `(W @ xᵀ)ᵀ` takes
-GEMM kernels that do not: for SmolLM2 on a 2-core x86 VM, one forward of 2 to 8
-tokens took 75-110 ms the first way and 45-65 ms the second, and one token,
-computed as two identical rows, 30-40 ms instead of 55. Which layout wins at
-which row count depends on the BLAS and the CPU, so the verifier measures both
-at start-up (`step_costs.tune_and_measure`) and keeps the winner per row count.
+A decode step or a short draft multiplies every weight by a handful of rows,
+and CPU BLAS picks poor kernels for that: `F.linear(x, W)` streams the weights
+slowly. Two other layouts compute the same product faster at some row counts:
+
+- TRANSPOSED: `(W @ xᵀ)ᵀ` takes MKL GEMM kernels that do not (one row is
+  computed as two equal rows, since the matrix-vector path is slow again);
+- PACKED: oneDNN's matmul on a copy of the weight reordered for it once at
+  start-up (the copy costs as much memory as the weights, so it can be refused).
+
+For SmolLM2 on a 2-core x86 VM, one forward of 9 tokens took 80 ms with
+F.linear, 80 with TRANSPOSED and 42 with PACKED; one token 55, 30 and 38 ms.
+Which wins where depends on the CPU and the BLAS, so the verifier measures every
+layout at start-up (`step_costs.tune_and_measure`) and keeps the fastest per row count.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
-# Past this many rows the products are compute-bound and both layouts take the same GEMM path.
-MAX_TUNED_ROWS = 64
+log = logging.getLogger(__name__)
+
+# The row-count hint oneDNN reorders the weights for; measured: as good as 16 at 1-9 rows, better at 16-64.
+PACK_ROWS_HINT = 64
+
+
+class Layout(enum.Enum):
+    PLAIN = "x·Wᵀ"
+    TRANSPOSED = "W·xᵀ"
+    PACKED = "oneDNN"
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of a weight, or None where this torch build has no such path."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class LinearLayouts:
     """Installed on a model's nn.Linear modules; until `choose` is called every layer uses F.linear."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, prepack: bool = True) -> None:
         self._modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = [_pack(m.weight) for m in self._modules] if prepack else []
+        # All or nothing: a layout is chosen for the whole forward.
+        self._packed = packed if packed and all(p is not None for p in packed) else None
         self._points: list[int] = []  # ascending row counts that were measured
-        self._transposed: list[bool] = []  # the layout chosen at each of them
-        self._forwards = [functools.partial(self._forward, m) for m in self._modules]
+        self._layouts: list[Layout] = []  # the layout chosen at each of them
+        self._forwards = [functools.partial(self._forward, i) for i in range(len(self._modules))]
         for module, forward in zip(self._modules, self._forwards):
             module.forward = forward
+
+    @property
+    def available(self) -> list[Layout]:
+        return [Layout.PLAIN, Layout.TRANSPOSED] + ([Layout.PACKED] if self._packed is not None else [])
 
     def uninstall(self) -> None:
         """Back to the class's own forward (unless a later LinearLayouts took the module over)."""
         for module, forward in zip(self._modules, self._forwards):
             if module.__dict__.get("forward") is forward:
                 del module.forward
+        self._packed = None
 
-    def choose(self, transposed: dict[int, bool]) -> None:
-        """Row count -> use (W @ xᵀ)ᵀ. Other counts take the choice of the next measured count above
+    def choose(self, layouts: dict[int, Layout]) -> None:
+        """Row count -> layout. Other counts take the choice of the next measured count above
         them, and F.linear above the largest."""
-        self._points = sorted(transposed)
-        self._transposed = [transposed[p] for p in self._points]
+        self._points = sorted(layouts)
+        self._layouts = [layouts[p] for p in self._points]
+
+    def drop_unused_packing(self) -> None:
+        if Layout.PACKED not in self._layouts and self._packed is not None:
+            self._packed = None
+            log.info("oneDNN-packed weights are slower at every measured size here: freed")
 
     def describe(self) -> str:
-        return " ".join(f"{p}:{'W·xT' if t else 'x·WT'}" for p, t in zip(self._points, self._transposed))
+        return " ".join(f"{p}:{layout.value}" for p, layout in zip(self._points, self._layouts))
 
-    def _uses_transposed(self, rows: int) -> bool:
+    def layout_for(self, rows: int) -> Layout:
         i = bisect.bisect_left(self._points, rows)
-        return i < len(self._points) and self._transposed[i]
+        return self._layouts[i] if i < len(self._points) else Layout.PLAIN
 
-    def _forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        module = self._modules[index]
         rows = x.numel() // x.shape[-1]
-        if not self._uses_transposed(rows):
+        layout = self.layout_for(rows)
+        if layout is Layout.PACKED and self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed[index], module.bias, "none", [], "")
+        if layout is not Layout.TRANSPOSED:
             return F.linear(x, module.weight, module.bias)
         flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:  # a matrix-vector product would take the slow kernel again: compute two equal rows
-            flat = torch.cat([flat, flat])
-        out = torch.mm(module.weight, flat.t()).t()[:rows]
+        # Contiguous rows in and out: MKL takes the fast path only for a row-major x, and a
+        # transposed result would slow every elementwise op that follows.
+        flat = torch.cat([flat, flat]) if rows == 1 else flat.contiguous()
+        out = torch.mm(module.weight, flat.t()).t()[:rows].contiguous()
         if module.bias is not None:
             out = out + module.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])

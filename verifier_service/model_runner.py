@@ -99,7 +99,7 @@ def _register() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, prepack_weights: bool = True) -> None:
         _register()
         model.set_attn_implementation(ATTENTION)
         self.model = model
@@ -110,7 +110,7 @@ class ModelRunner:
         self._head = model.get_output_embeddings()
         self._no_mask = _NO_MASK.to(self.device, self.dtype)
         # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
-        self.layouts = LinearLayouts(model) if self.device.type == "cpu" else None
+        self.layouts = LinearLayouts(model, prepack_weights) if self.device.type == "cpu" else None
 
     def close(self) -> None:
         """Give the model back with its own linear layers (it stays usable, e.g. by generate())."""

@@ -80,13 +80,12 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     settings.speculative = spec
     cfg = model.config.get_text_config()
     max_model_len = min(settings.max_model_len, getattr(cfg, "max_position_embeddings", settings.max_model_len))
-    # Every torch op of the verifier runs on this one thread, the KV cache's allocation included:
+    # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included:
     # on CPU, one OpenMP parallel region on the event loop's (main) thread made every later forward
     # on another thread about 2x slower (SmolLM2 one-token step 30 -> 60 ms, measured).
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-    kv_cache = await asyncio.get_running_loop().run_in_executor(
-        model_thread, kv_cache_for, model, settings, max_model_len, spec.max_draft_len)
-    runner = ModelRunner(model, kv_cache)
+    runner = await asyncio.get_running_loop().run_in_executor(model_thread, lambda: ModelRunner(
+        model, kv_cache_for(model, settings, max_model_len, spec.max_draft_len), settings.prepack_weights))
     verifier_id = uuid.uuid4().hex
     drafter = build_drafter_client(spec, verifier_id, runner.vocab_size)
     scheduler = Scheduler(runner.kv_cache, runner.kv_cache.shape.num_slots, settings.max_queue_len)

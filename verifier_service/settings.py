@@ -12,6 +12,7 @@ class ServerSettings:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"
     device: str = "auto"
+    prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
     max_model_len: int = 2048
     max_num_seqs: int = 16
     max_queue_len: int = 64

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from verifier_service.linear_layout import MAX_TUNED_ROWS
+from verifier_service.linear_layout import Layout
 from verifier_service.model_runner import ForwardBatch, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -72,20 +72,22 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256
 
 
 def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 3,
-                     statistic: Callable[[list[float]], float] = min) -> dict[int, float]:
-    """Choose the runner's linear layout per token count (where it has a choice: CPU), then return
-    `measure`'s seconds with the chosen layouts."""
+                     statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """Choose the runner's fastest linear layout per token count (where it has a choice: CPU), then
+    return `measure`'s seconds with the chosen layouts. The median, not the min: a layout whose
+    best run is fast but whose typical run is not (seen with oneDNN at one token) must lose."""
     layouts = runner.layouts
     if layouts is None:
         return measure(runner, token_counts, context_len, repeats, statistic)
-    tuned = [t for t in token_counts if t <= MAX_TUNED_ROWS]
-    layouts.choose({t: False for t in tuned})
-    usual = measure(runner, token_counts, context_len, repeats, statistic)
-    layouts.choose({t: True for t in tuned})
-    transposed = measure(runner, [t for t in tuned if t in usual], context_len, repeats, statistic)
-    layouts.choose({t: transposed[t] < usual[t] for t in transposed})
+    by_layout: dict[Layout, dict[int, float]] = {}
+    for layout in layouts.available:
+        layouts.choose({t: layout for t in token_counts})
+        by_layout[layout] = measure(runner, token_counts, context_len, repeats, statistic)
+    best = {t: min(by_layout, key=lambda layout: by_layout[layout][t]) for t in by_layout[Layout.PLAIN]}
+    layouts.choose(best)
+    layouts.drop_unused_packing()
     log.info("linear layout by tokens in a forward: %s", layouts.describe())
-    return {t: min(s, transposed.get(t, s)) for t, s in usual.items()}
+    return {t: by_layout[layout][t] for t, layout in best.items()}
 
 
 @dataclass(frozen=True)
