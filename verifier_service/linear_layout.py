@@ -9,8 +9,9 @@ slowly. Two other layouts compute the same product faster at some row counts:
 - PACKED: oneDNN's matmul on a copy of the weight reordered for it once at
   start-up (the copy costs as much memory as the weights, so it can be refused).
 
-For SmolLM2 on a 2-core x86 VM, one forward of 9 tokens took 80 ms with
-F.linear, 80 with TRANSPOSED and 42 with PACKED; one token 55, 30 and 38 ms.
+For SmolLM2 on a 2-core x86 VM (medians): one forward of 1 token took 55 ms
+with F.linear, 30 with TRANSPOSED and 37-54 with PACKED; of 2 tokens 85, 31 and
+44; of 9 tokens 80, 73 and 44.
 Which wins where depends on the CPU and the BLAS, so the verifier measures every
 layout at start-up (`step_costs.tune_and_measure`) and keeps the fastest per row count.
 """
