@@ -64,6 +64,7 @@ class Engine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self.runner.close()
         if self.drafter is not None:
             await self.drafter.close()
 
