@@ -102,7 +102,8 @@ class LinearLayouts:
             return F.linear(x, module.weight, module.bias)
         flat = x.reshape(rows, x.shape[-1])
         # Contiguous rows in and out: MKL takes the fast path only for a row-major x, and a
-        # transposed result would slow every elementwise op that follows.
+        # transposed result would slow every elementwise op that follows. One row goes in
+        # twice: alone it would take the slow matrix-vector path.
         flat = torch.cat([flat, flat]) if rows == 1 else flat.contiguous()
         out = torch.mm(module.weight, flat.t()).t()[:rows].contiguous()
         if module.bias is not None:
