@@ -22,44 +22,59 @@ def script(name: str) -> str:
 
 @dataclass
 class LocalService:
-    """A child process serving gRPC on a free port, SERVING before `start` returns."""
+    """A child process serving gRPC, SERVING before `start` returns; restartable on its port."""
 
     argv: list[str]
     name: str = "service"
     startup_timeout_s: float = 300.0
     env: dict[str, str] | None = None
-    log_path: Path | None = None
     show_output: bool = False  # let the child write to our terminal (model-loading progress)
+    channel_credentials: grpc.ChannelCredentials | None = None  # for the readiness probe of a TLS service
+    workdir: Path | None = None  # default: a fresh temporary folder
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     port: int = field(default=0, init=False)
+    starts: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.workdir = self.workdir or Path(tempfile.mkdtemp(prefix=f"splitspec-{self.name}-"))
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "LocalService":
-        workdir = Path(tempfile.mkdtemp(prefix=f"splitspec-{self.name}-"))
-        port_file = workdir / "port"
-        argv = [*self.argv, "--port", "0", "--port-file", str(port_file)]
-        env = {**os.environ, **(self.env or {})}
+    @property
+    def current_log(self) -> Path | None:
+        """This start's output (one file per start, in `workdir`); None when shown on our terminal."""
         if self.show_output:
+            return None
+        return self.workdir / f"{self.name}-{self.starts}.log"
+
+    def start(self, port: int | None = None) -> "LocalService":
+        """Start on `port` (default: the previous start's port, else a free one); wait for SERVING."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        port = self.port if port is None else port
+        port_file = self.workdir / f"{self.name}.port"
+        port_file.unlink(missing_ok=True)
+        self.starts += 1
+        argv = [*self.argv, "--port", str(port), "--port-file", str(port_file)]
+        env = {**os.environ, **(self.env or {})}
+        if self.current_log is None:
             self.process = subprocess.Popen(argv, env=env)
         else:
-            self.log_path = self.log_path or workdir / "log.txt"
-            with open(self.log_path, "wb") as log_file:
+            with open(self.current_log, "wb") as log_file:
                 self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_timeout_s
         while not port_file.exists() or not port_file.read_text().strip():
             self._check_alive()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} did not bind a port; log: {self.log_path}")
-            time.sleep(0.05)
+                raise TimeoutError(f"{self.name} did not bind a port; log:\n{self.tail()}")
+            time.sleep(0.02)
         self.port = int(port_file.read_text())
-        self.wait_serving(deadline)
+        self._wait_serving(deadline)
         return self
 
-    def wait_serving(self, deadline: float) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+    def _wait_serving(self, deadline: float) -> None:
+        with (grpc.insecure_channel(self.address) if self.channel_credentials is None
+              else grpc.secure_channel(self.address, self.channel_credentials)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_alive()
@@ -70,16 +85,25 @@ class LocalService:
                 except grpc.RpcError:
                     pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not SERVING in time; log: {self.log_path}")
-                time.sleep(0.1)
+                    raise TimeoutError(f"{self.name} not SERVING in time; log:\n{self.tail()}")
+                time.sleep(0.05)
 
     def _check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path else "(see above)"
-            raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{tail}")
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        """The end of this start's output."""
+        log = self.current_log
+        if log is None:
+            return "(see above)"
+        try:
+            return log.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "(no log)"
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time; the exit status."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         self.process.send_signal(signal.SIGTERM)

@@ -10,13 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import random
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,13 +21,12 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
 from tiny_model import tiny_model
 from verifier_harness import VerifierHandle, reference_greedy, run_verifier, token_request
-from verifier_service.local_services import script
+from verifier_service.local_services import LocalService, script
 
 TESTS = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0  # bound on any wait for a condition (never a timing assertion)
@@ -49,95 +44,20 @@ def free_port() -> int:
 
 
 @dataclass
-class Proc:
-    """A gRPC service as a child process, started with --port/--port-file; restartable on the same port."""
+class Proc(LocalService):
+    """A LocalService the tests can SIGKILL and restart on its port; a `with` block only kills it at the end."""
 
-    argv: list[str]
-    name: str = "proc"
-    env: dict[str, str] = field(default_factory=dict)
-    channel_credentials: grpc.ChannelCredentials | None = None  # for the readiness probe
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="splitspec-rel-")))
-    process: subprocess.Popen[bytes] | None = None
-    port: int = 0
-    starts: int = 0
+    startup_timeout_s: float = 120.0
 
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.name}-{self.starts}.log"
-
-    def spawn(self, port: int | None = None) -> "Proc":
-        """Start the process (on `port`, else the previous port, else a free one) without waiting."""
-        port = self.port if port is None else port
-        port_file = self.workdir / f"{self.name}.port"
-        port_file.unlink(missing_ok=True)
-        self.starts += 1
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen([*self.argv, "--port", str(port), "--port-file", str(port_file)],
-                                            stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **CHILD_ENV, **self.env})
-        deadline = time.monotonic() + WAIT_S
-        while not port_file.exists() or not port_file.read_text().strip():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} bound no port; log:\n{self.tail()}")
-            time.sleep(0.02)
-        self.port = int(port_file.read_text())
-        return self
-
-    def start(self, port: int | None = None, serving_timeout_s: float = 120.0) -> "Proc":
-        self.spawn(port)
-        self.wait_serving(serving_timeout_s)
-        return self
-
-    def wait_serving(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        with (grpc.insecure_channel(self.address) if self.channel_credentials is None
-              else grpc.secure_channel(self.address, self.channel_credentials)) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                self._check_alive()
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not SERVING; log:\n{self.tail()}")
-                time.sleep(0.05)
-
-    def _check_alive(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log:\n{self.tail()}")
-
-    def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return "(no log)"
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.env = {**CHILD_ENV, **(self.env or {})}
 
     def kill(self) -> None:
         """SIGKILL: no goodbye, state lost."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-
-    def terminate(self, timeout_s: float = WAIT_S) -> int:
-        """SIGTERM and wait for the exit (SIGKILL past the timeout); the exit status."""
-        if self.process is None:
-            return 0
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
 
     def __enter__(self) -> "Proc":
         return self

@@ -261,7 +261,7 @@ def test_drafter_replica_swapped_under_load():
                     await until(lambda: a.calls() > 0 and b.calls() > 0 and accepted(load.done) > 0,
                                 "both replicas draft")
                     resyncs0 = client.stats.resyncs
-                    await asyncio.to_thread(a.terminate)  # a rolling update: graceful stop ...
+                    await asyncio.to_thread(a.stop)  # a rolling update: graceful stop ...
                     await asyncio.to_thread(a.start)  # ... and a new process on the same address
                     swapped = time.monotonic()
                     await until(lambda: a.calls() > 0, "the new replica gets calls")

@@ -207,4 +207,4 @@ def test_end_to_end_mutual_tls_and_tokens_on_every_hop(tiny_model_dir, pki, fore
                     pb.GetServerInfoRequest(), timeout=30, metadata=auth_metadata(TOKEN))
             assert info.drafter.calls > 0 and info.drafter.failures == 0, info.drafter
             assert info.drafter.state == pb.DRAFTER_STATE_HEALTHY and info.drafter.name == "ngram"
-            assert verifier.terminate() == 0
+            assert verifier.stop() == 0
