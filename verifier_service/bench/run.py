@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
                    VerifierSystem("splitspec ngram remote", remote.address, speculate=True)]
         if not args.no_transformers:
             systems += [TransformersSystem("transformers generate", model),
-                        TransformersSystem(f"transformers prompt lookup", model,
+                        TransformersSystem("transformers prompt lookup", model,
                                            prompt_lookup_num_tokens=args.max_draft_len,
                                            max_matching_ngram_size=args.ngram_size)]
         runs = _run_all(systems, prompts, args)
