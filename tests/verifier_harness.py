@@ -13,8 +13,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import speculative_pb2, verifier_pb2, verifier_pb2_grpc
 from tiny_model import tiny_model, tiny_tokenizer
-from verifier_service.config import parse_mode
-from verifier_service.server import RunningVerifier, attach_model, start_server
+from verifier_service.spec.config import parse_mode
+from verifier_service.api.server import RunningVerifier, attach_model, start_server
 from verifier_service.settings import ServerSettings
 
 

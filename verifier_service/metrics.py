@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from drafter_sdk.client import DrafterClient, DraftReply
+from verifier_service.spec.drafter_client import DrafterClient, DraftReply
 
 if TYPE_CHECKING:
-    from verifier_service.kv_cache import KVCache
-    from verifier_service.scheduler import Scheduler
-    from verifier_service.sequence import Sequence
+    from verifier_service.model.kv_cache import KVCache
+    from verifier_service.engine.scheduler import Scheduler
+    from verifier_service.engine.sequence import Sequence
 
 PREFIX = "splitspec:"
 # vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.

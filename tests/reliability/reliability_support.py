@@ -26,7 +26,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
 from tiny_model import tiny_model
 from verifier_harness import VerifierHandle, reference_greedy, run_verifier, token_request
-from verifier_service.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, script
 
 TESTS = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0  # bound on any wait for a condition (never a timing assertion)

@@ -22,7 +22,7 @@ from drafter_sdk.proto import verifier_pb2_grpc
 from reliability_support import FIGURES, WAIT_S, RawFaultyDrafter, idle, make_workload, until
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config
-from verifier_service.sequence import Sequence
+from verifier_service.engine.sequence import Sequence
 
 pytestmark = pytest.mark.timeout(180)
 

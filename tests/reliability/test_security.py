@@ -16,9 +16,10 @@ from drafter_sdk.proto import verifier_pb2_grpc
 from drafter_sdk.security import auth_metadata, channel_credentials
 from reliability_support import Proc, VerifierProcess, VerifierThread, reference
 from verifier_harness import run_verifier, spec_config, token_request
-from verifier_service import cli, cli_client
-from verifier_service.config import ConfigError
-from verifier_service.local_services import script
+from verifier_service import cli
+from verifier_service import cli_client
+from verifier_service.spec.config import ConfigError
+from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,0 +1,92 @@
+"""End to end on the embedded SmolLM2-135M-Instruct: exactness against plain decoding and
+transformers generate(), through the in-process n-gram drafter and a real drafter process."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import subprocess
+
+import pytest
+import torch
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_service.model import loader as model_loader
+from verifier_service.tools.demo import FUNCTION, PARAGRAPH
+from verifier_service.tools.local_services import LocalService, script
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+    f"Add type hints to this Python function. Reply with the full function only.\n\n{FUNCTION}",
+    "What is the capital of France? Answer in one sentence.",
+]
+NEW_TOKENS = 40
+
+
+@functools.cache
+def smollm():  # noqa: ANN201
+    return model_loader.load(model_loader.embedded_source(), torch.float32, torch.device("cpu"))
+
+
+def chat_ids(text: str) -> list[int]:
+    _, tokenizer = smollm()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+@functools.cache
+def references() -> list[list[int]]:
+    model, _ = smollm()
+    return [reference_greedy(model, chat_ids(p), NEW_TOKENS) for p in PROMPTS]
+
+
+async def generate_all(spec) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
+    model, tokenizer = smollm()
+    async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
+                            kv_cache_memory_gb=0.5) as v:
+        replies = [await v.stub.Generate(token_request(chat_ids(p), NEW_TOKENS), timeout=300) for p in PROMPTS]
+        chat = await v.stub.Generate(verifier_pb2.GenerateRequest(
+            chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPTS[0])]),
+            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS)), timeout=300)
+        assert list(chat.token_ids) == list(replies[0].token_ids), "chat input renders as the template does"
+        return replies
+
+
+def test_plain_decoding_equals_transformers_generate() -> None:
+    replies = asyncio.run(generate_all(spec_config("NONE")))
+    assert [list(r.token_ids) for r in replies] == references()
+
+
+def test_in_process_ngram_is_exact_and_accepts_drafts() -> None:
+    replies = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
+    assert [list(r.token_ids) for r in replies] == references()
+    assert replies[0].stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+
+
+def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
+    with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", "8"], name="drafter") as drafter:
+        replies = asyncio.run(generate_all(
+            spec_config("USER_PROVIDED", 8, drafter_target=drafter.address, deadline_ms=2000)))
+        assert drafter.stop() == 0
+    assert [list(r.token_ids) for r in replies] == references()
+    assert replies[0].stats.mean_acceptance_length > 2.0
+    assert all(r.stats.num_drafter_failures == 0 for r in replies)
+
+
+def test_demo_runs_end_to_end() -> None:
+    """`splitspec demo`: both services start, outputs are identical, drafts are accepted, clean shutdown."""
+    done = subprocess.run([script("splitspec"), "demo", "--max-new-tokens", "48"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines()
+            if re.match(r"^(rewrite code|repeat text|open question)\s+\d", line)]
+    assert len(rows) == 3
+    assert all(line.split()[-1] == "yes" for line in rows), done.stdout
+    acceptance = [float(line.split()[-2]) for line in rows]
+    assert max(acceptance) > 1.0, done.stdout
+    assert "shut down: verifier exit 0, drafter exit 0" in done.stdout

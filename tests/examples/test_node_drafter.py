@@ -1,0 +1,433 @@
+"""The Node.js example drafter, run as a real process and driven over gRPC.
+
+Checks the protocol of protos/PROTOCOL.md from the outside: overlapping deltas, resync,
+namespacing, draft lengths, release, errors, auth, health and shutdown. The
+worked example of PROTOCOL.md section 12 is replayed verbatim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, GrpcTransport
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
+from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
+
+pytestmark = [
+    pytest.mark.skipif(not node_available(), reason="node is not on PATH"),
+    pytest.mark.timeout(120),
+]
+
+OK = pb.DRAFT_STATUS_OK
+RESYNC = pb.DRAFT_STATUS_RESYNC_REQUIRED
+
+
+def seq(request_id: str, context_len: int, new_tokens: list[int], draft_len: int = 4, **kw) -> pb.DraftSequence:
+    return pb.DraftSequence(request_id=request_id, context_len=context_len, new_tokens=new_tokens,
+                            draft_len=draft_len, **kw)
+
+
+def call(stub, verifier_id: str, *sequences: pb.DraftSequence, metadata=None) -> list[tuple[int, list[int]]]:
+    """One PrepareDraftTokens call; checks one result per sequence, in order, ids echoed."""
+    reply = stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(verifier_id=verifier_id, sequences=sequences),
+                                    timeout=5, metadata=metadata)
+    assert [r.request_id for r in reply.results] == [s.request_id for s in sequences]
+    for r in reply.results:
+        if r.status == RESYNC:
+            assert list(r.draft_tokens) == []
+    return [(r.status, list(r.draft_tokens)) for r in reply.results]
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    with NodeDrafter(max_ngram=3, max_draft_len=8) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def stub(drafter):
+    with grpc.insecure_channel(drafter.address) as channel:
+        yield pb_grpc.DrafterServiceStub(channel)
+
+
+def test_health_serving_and_drafter_info(drafter, stub):
+    with grpc.insecure_channel(drafter.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitspec.v1.DrafterService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    info = stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5)
+    assert info.name == "node-ngram-drafter"
+    assert info.version
+    assert info.max_draft_len == 8
+    assert info.vocab_size == 0
+    assert "ngram" in info.capabilities
+
+
+def test_worked_example_of_protocol_md(stub):
+    v = "v-7f3a"
+    # Step 1: full context.
+    assert call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6)) == [(OK, [8, 5, 6, 7])]
+    # Step 2: req-1 accepted 8, 5 plus bonus 9; req-2 joins with its full context.
+    assert call(stub, v,
+                seq("req-1", 7, [8, 5, 9], prompt_len=6, last_num_drafted=4, last_num_accepted=2),
+                seq("req-2", 0, [1, 2, 3, 1, 2, 3], prompt_len=5)) == [(OK, []), (OK, [1, 2, 3])]
+    # Step 3: deltas only.
+    assert call(stub, v,
+                seq("req-1", 10, [5], prompt_len=6),
+                seq("req-2", 6, [1, 2, 3, 4], prompt_len=5, last_num_drafted=3, last_num_accepted=3),
+                ) == [(OK, [9, 5]), (OK, [])]
+
+
+def test_worked_example_restart_variant_resyncs_then_recovers(stub):
+    """Steps 1-2 on one drafter, step 3 on a fresh process (a restart, or another replica)."""
+    v = "v-7f3a"
+    call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6))
+    call(stub, v, seq("req-1", 7, [8, 5, 9]), seq("req-2", 0, [1, 2, 3, 1, 2, 3]))
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        fresh = pb_grpc.DrafterServiceStub(channel)
+        assert call(fresh, v, seq("req-1", 10, [5]), seq("req-2", 6, [1, 2, 3, 4])) == [(RESYNC, []), (RESYNC, [])]
+        assert call(fresh, v,
+                    seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7, 8, 5, 9, 5, 6], prompt_len=6),
+                    seq("req-2", 0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1], prompt_len=5),
+                    ) == [(OK, [7, 8, 5, 9]), (OK, [2, 3, 4, 1])]
+
+
+def test_worked_example_deltas_that_do_not_fit(stub):
+    """PROTOCOL.md section 12: after step 2 the drafter holds 10 tokens of req-1."""
+    v = "v-7f3a-fit"
+
+    def after_step_2():
+        call(stub, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6))
+        call(stub, v, seq("req-1", 7, [8, 5, 9], prompt_len=6))
+
+    after_step_2()
+    assert call(stub, v, seq("req-1", 12, [5])) == [(RESYNC, [])]  # a gap
+    assert call(stub, v, seq("req-1", 8, [5, 9, 5])) == [(OK, [9, 5])]  # fits: 5, 9 held, 5 appended
+    after_step_2()
+    assert call(stub, v, seq("req-1", 7, [8, 5])) == [(RESYNC, [])]  # ends before the 10 held
+    assert call(stub, v, seq("req-1", 10, [5])) == [(RESYNC, [])]  # dropped: even a fitting delta resyncs
+
+
+def test_worked_example_two_replicas_behind_round_robin(stub):
+    """PROTOCOL.md section 12, variant: replicas A (the module's drafter) and B, overlap of 2 steps."""
+    v = "v-7f3a-rr"
+    a = stub
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        b = pb_grpc.DrafterServiceStub(channel)
+        assert call(a, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7], prompt_len=6)) == [(OK, [8, 5, 6, 7])]
+        assert call(b, v, seq("req-1", 0, [5, 6, 7, 8, 5, 6, 7, 8, 5, 9], prompt_len=6,
+                              last_num_drafted=4, last_num_accepted=2)) == [(OK, [])]
+        assert call(a, v, seq("req-1", 7, [8, 5, 9, 5], prompt_len=6)) == [(OK, [9, 5])]
+        step_4 = seq("req-1", 10, [5, 9, 6], prompt_len=6, last_num_drafted=2, last_num_accepted=1)
+        assert call(b, v, step_4) == [(OK, [7, 8, 5, 9])]
+        # Had step 4 gone to A (11 tokens held): skip one token, same context, same draft.
+        assert call(a, v, step_4) == [(OK, [7, 8, 5, 9])]
+        # With plain deltas, step 2 would have been a delta to B, which knew nothing.
+    with run_node_drafter(max_ngram=3, max_draft_len=8) as address, grpc.insecure_channel(address) as channel:
+        assert call(pb_grpc.DrafterServiceStub(channel), v, seq("req-1", 7, [8, 5, 9])) == [(RESYNC, [])]
+
+
+def test_delta_for_unknown_request_resyncs_then_recovers(stub):
+    v = "v-unknown"
+    assert call(stub, v, seq("never-seen", 5, [1, 2])) == [(RESYNC, [])]
+    assert call(stub, v, seq("never-seen", 7, [])) == [(RESYNC, [])]
+    assert call(stub, v, seq("never-seen", 0, [3, 1, 4, 1, 5, 9, 3, 1])) == [(OK, [4, 1, 5, 9])]
+    assert call(stub, v, seq("never-seen", 8, [4, 1])) == [(OK, [5, 9, 3, 1])]
+
+
+def test_overlapping_deltas_skip_what_is_held(stub):
+    v = "v-overlap"
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4])) == [(OK, [])]
+    # new_tokens[0] is at offset 2: [3, 4] are held and skipped, [1, 2] appended.
+    assert call(stub, v, seq("r", 2, [3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # The same tokens again (a replica that saw the previous call): nothing new, same draft.
+    assert call(stub, v, seq("r", 2, [3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # A gap (position 6 missing) resyncs but keeps the held prefix ...
+    assert call(stub, v, seq("r", 7, [3])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 4, [1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    # ... a delta ending before the 7 held tokens is inconsistent and drops it.
+    assert call(stub, v, seq("r", 4, [1, 2])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 7, [4])) == [(RESYNC, [])]
+
+
+def test_mismatched_context_len_resyncs_and_drops_stale_state(stub):
+    v = "v-mismatch"
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2])) == [(OK, [3, 4, 1, 2])]
+    # The drafter holds 6 tokens: [1, 2] at offset 4 overlaps them, [3] at offset 5 contradicts them.
+    assert call(stub, v, seq("r", 5, [3])) == [(RESYNC, [])]
+    # The stale state was dropped: even the right length resyncs now.
+    assert call(stub, v, seq("r", 6, [3])) == [(RESYNC, [])]
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    assert call(stub, v, seq("r", 9, [])) == [(RESYNC, [])]  # a gap
+    assert call(stub, v, seq("r", 0, [1, 2, 3, 4, 1, 2, 3])) == [(OK, [4, 1, 2, 3])]
+    # A resync of one sequence leaves the others of the call alone.
+    assert call(stub, v, seq("r", 7, [4]), seq("other", 3, [1])) == [(OK, [1, 2, 3, 4]), (RESYNC, [])]
+
+
+def test_full_context_replaces_held_state(stub):
+    v = "v-replace"
+    assert call(stub, v, seq("r", 0, [1, 2, 1, 2])) == [(OK, [1, 2])]
+    assert call(stub, v, seq("r", 0, [7, 8, 9, 7])) == [(OK, [8, 9, 7])]
+    assert call(stub, v, seq("r", 4, [8])) == [(OK, [9, 7, 8])]
+
+
+def test_namespacing_by_verifier_id(stub):
+    a, b = "verifier-a", "verifier-b"
+    assert call(stub, a, seq("req-1", 0, [10, 11, 12, 10, 11])) == [(OK, [12, 10, 11])]
+    assert call(stub, b, seq("req-1", 0, [4, 4, 1, 4, 4])) == [(OK, [1, 4, 4])]
+    # Deltas go to the right namespace ...
+    assert call(stub, a, seq("req-1", 5, [12])) == [(OK, [10, 11, 12])]
+    assert call(stub, b, seq("req-1", 5, [1])) == [(OK, [4, 4, 1])]
+    # ... a length valid in one namespace means nothing in the other ...
+    assert call(stub, "verifier-c", seq("req-1", 6, [])) == [(RESYNC, [])]
+    # ... and releasing in one namespace leaves the other alone.
+    released = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=b, request_ids=["req-1"]), timeout=5)
+    assert released.released == 1
+    assert call(stub, b, seq("req-1", 6, [4])) == [(RESYNC, [])]
+    assert call(stub, a, seq("req-1", 6, [10])) == [(OK, [11, 12, 10])]
+
+
+def test_draft_len_respected_and_sync_only_calls(stub):
+    v = "v-draft-len"
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
+    assert call(stub, v, seq("r", 0, ctx, draft_len=0)) == [(OK, [])]
+    # draft_len 0 still applied the delta: the next delta fits.
+    assert call(stub, v, seq("r", 14, [3], draft_len=0)) == [(OK, [])]
+    assert call(stub, v, seq("r", 15, [], draft_len=1)) == [(OK, [4])]
+    assert call(stub, v, seq("r", 15, [], draft_len=3)) == [(OK, [4, 5, 6])]
+    # The drafter's own max_draft_len (8) caps larger requests.
+    assert call(stub, v, seq("r", 15, [], draft_len=100)) == [(OK, [4, 5, 6, 7, 8, 9, 10, 11])]
+    # Drafts never run past the end of the context.
+    assert call(stub, v, seq("r2", 0, [5, 6, 5], draft_len=8)) == [(OK, [6, 5])]
+    # Nothing to propose: a single token, or no repeated suffix.
+    assert call(stub, v, seq("r3", 0, [42])) == [(OK, [])]
+    assert call(stub, v, seq("r4", 0, [1, 2, 3, 4])) == [(OK, [])]
+
+
+def test_big_batch_results_in_request_order(stub):
+    v = "v-batch"
+    sequences = [seq(f"s{i:03d}", 0, [i, i + 1, i + 2, i, i + 1], prompt_len=3) for i in reversed(range(64))]
+    results = call(stub, v, *sequences)
+    assert results == [(OK, [i + 2, i, i + 1]) for i in reversed(range(64))]
+    deltas = [seq(f"s{i:03d}", 5, [i + 2]) if i % 2 else seq(f"s{i:03d}", 4, [i + 2]) for i in range(64)]
+    results = call(stub, v, *deltas)
+    assert results == [(OK, [i, i + 1, i + 2]) if i % 2 else (RESYNC, []) for i in range(64)]
+
+
+def _drive_round_robin(target: str, policy: str, steps: int = 20,
+                       overlap_steps: int = 8) -> tuple[int, DrafterClient]:
+    """One sequence through DrafterClient, as a verifier would; returns (steps with a draft call in sync, client)."""
+    async def body() -> tuple[int, DrafterClient]:
+        client = DrafterClient(GrpcTransport(target, load_balancing_policy=policy), "v-rr", vocab_size=2**31,
+                               deadline_s=5.0, overlap_steps=overlap_steps)
+        rng = random.Random(3)
+        tokens = [rng.randrange(50) for _ in range(200)]
+        in_sync = 0
+        for _ in range(steps):
+            reply = await client.propose([DraftQuery("r", list(tokens), 10, 4)])
+            assert not reply.failed[0], client.stats.last_error
+            in_sync = client.stats.calls - client.stats.resyncs
+            tokens.extend(rng.randrange(50) for _ in range(rng.randint(1, 5)))
+        await client.close()
+        return in_sync, client
+    return asyncio.run(body())
+
+
+def test_two_replicas_behind_round_robin_stay_in_sync():
+    """Two Node drafters behind one `ipv4:a,b` target: overlapping deltas keep both in sync."""
+    with run_node_drafter() as a, run_node_drafter() as b:
+        target = f"ipv4:{a},{b}"
+        in_sync, client = _drive_round_robin(target, "round_robin")
+        assert client.stats.resyncs <= 1 and in_sync >= 19  # at most one, if a replica connected late
+        pick_in_sync, pick_client = _drive_round_robin(target, "pick_first")
+        assert pick_client.stats.resyncs == 0 and pick_in_sync == 20
+        # Both policies send the same bytes: each call carries at most the last 8 steps' tokens.
+        assert client.stats.request_bytes <= pick_client.stats.request_bytes * 1.2
+
+
+def test_release_requests(stub):
+    v = "v-release"
+    call(stub, v, seq("x", 0, [1, 2, 1]), seq("y", 0, [3, 4, 3]))
+    reply = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["x", "y", "unknown"]), timeout=5)
+    assert reply.released == 2
+    reply = stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["x"]), timeout=5)
+    assert reply.released == 0
+    assert call(stub, v, seq("x", 3, [2]), seq("y", 3, [4])) == [(RESYNC, []), (RESYNC, [])]
+
+
+@pytest.mark.parametrize("sequences, message", [
+    ([seq("", 0, [1, 2])], "empty request_id"),
+    ([seq("dup", 0, [1]), seq("dup", 0, [2])], "duplicate"),
+    ([seq("neg", 0, [1, -5])], "-5"),
+    ([seq("prompt", 2, [1], prompt_len=4)], "prompt_len"),
+])
+def test_malformed_requests_are_invalid_argument_and_change_nothing(stub, sequences, message):
+    v = "v-invalid-" + message
+    call(stub, v, seq("held", 0, [1, 2, 1]))
+    with pytest.raises(grpc.RpcError) as err:
+        call(stub, v, seq("held", 3, [2]), *sequences)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    # The valid sequence in the rejected call was not applied either.
+    assert call(stub, v, seq("held", 3, [2])) == [(OK, [1, 2])]
+
+
+def test_empty_call_and_empty_verifier_id(stub):
+    assert call(stub, "v-empty") == []
+    with pytest.raises(grpc.RpcError) as err:
+        call(stub, "", seq("r", 0, [8, 9, 8]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="", request_ids=["r"]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_full_context_over_default_4mib_message_limit(stub):
+    # ~1.1M four-byte varints: more than gRPC's default 4 MiB receive limit.
+    ctx = [3_000_000] * 1_100_000
+    start = time.monotonic()
+    # The most recent earlier "t t t" is one token back: a one-token draft.
+    assert call(stub, "v-big", seq("big", 0, ctx, draft_len=2)) == [(OK, [3_000_000])]
+    assert time.monotonic() - start < 10
+    stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v-big", request_ids=["big"]), timeout=5)
+
+
+def test_cli_flags_max_ngram_and_max_draft_len():
+    ctx = [1, 2, 5, 3, 2, 6, 1, 2]
+    with run_node_drafter(max_ngram=1, max_draft_len=2) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=5).max_draft_len == 2
+        # n = 1 only: the last "2" before the end was followed by 6, 1.
+        assert call(stub, "v", seq("r", 0, ctx, draft_len=8)) == [(OK, [6, 1])]
+    with run_node_drafter(max_ngram=3, max_draft_len=2) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        # n = 2 wins: "1 2" occurred at the start, followed by 5, 3.
+        assert call(stub, "v", seq("r", 0, ctx, draft_len=8)) == [(OK, [5, 3])]
+
+
+def test_idle_eviction():
+    with run_node_drafter(idle_timeout_s=0.3) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        assert call(stub, "v", seq("r", 3, [2])) == [(OK, [1, 2])]
+        time.sleep(1.0)
+        assert call(stub, "v", seq("r", 4, [1])) == [(RESYNC, [])]
+
+
+def test_bearer_token_auth(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with run_node_drafter(auth_token_file=token_file) as address, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret-token")]):
+            with pytest.raises(grpc.RpcError) as err:
+                call(stub, "v", seq("r", 0, [1, 2, 1]), metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = [("authorization", "Bearer s3cret-token")]
+        assert call(stub, "v", seq("r", 0, [1, 2, 1]), metadata=good) == [(OK, [2, 1])]
+        # Health stays open: Kubernetes probes cannot send tokens.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_exits_cleanly():
+    drafter = NodeDrafter().start()
+    try:
+        with grpc.insecure_channel(drafter.address) as channel:
+            stub = pb_grpc.DrafterServiceStub(channel)
+            assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        start = time.monotonic()
+        drafter.terminate()
+        assert drafter.process.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5
+        log = drafter.log()
+        assert "SIGTERM" in log and "stopped" in log, log
+    finally:
+        drafter.stop()
+
+
+def test_bad_cli_flag_exits_with_usage():
+    proc = subprocess.run(["node", str(NODE_DRAFTER_DIR / "index.js"), "--max-ngram", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "--max-ngram" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH")
+def test_node_unit_tests():
+    proc = subprocess.run(["node", "--test", "test/unit.test.js"], cwd=NODE_DRAFTER_DIR,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _make_pki(directory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject, key, issuer, issuer_key, *, ca=False, server=False):
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        if not ca:
+            usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    files = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("test-ca", ca_key, "test-ca", ca_key, ca=True)
+    for role, server in (("server", True), ("client", False)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        crt = cert(f"test-{role}", key, "test-ca", ca_key, server=server)
+        files[f"{role}.crt"] = crt.public_bytes(serialization.Encoding.PEM)
+        files[f"{role}.key"] = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption())
+    files["ca.crt"] = ca.public_bytes(serialization.Encoding.PEM)
+    for file_name, data in files.items():
+        (directory / file_name).write_bytes(data)
+    return files
+
+
+def test_tls_and_mutual_tls(tmp_path):
+    pki = _make_pki(tmp_path)
+    tls = dict(tls_cert_file=tmp_path / "server.crt", tls_key_file=tmp_path / "server.key")
+    server_only = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"])
+    with_client_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"], private_key=pki["client.key"],
+                                                    certificate_chain=pki["client.crt"])
+    with run_node_drafter(**tls) as address, grpc.secure_channel(address, server_only) as channel:
+        stub = pb_grpc.DrafterServiceStub(channel)
+        assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+    with run_node_drafter(**tls, tls_ca_file=tmp_path / "ca.crt") as address:
+        with grpc.secure_channel(address, with_client_cert) as channel:
+            stub = pb_grpc.DrafterServiceStub(channel)
+            assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
+        with grpc.secure_channel(address, server_only) as channel:  # no client certificate: refused
+            with pytest.raises(grpc.RpcError) as err:
+                call(pb_grpc.DrafterServiceStub(channel), "v", seq("r", 0, [1, 2, 1]))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE

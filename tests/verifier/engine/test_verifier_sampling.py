@@ -1,0 +1,260 @@
+"""Sampling: temperature / top-k / top-p as transformers applies them, seeds, and the
+point-mass verification rule keeping the output distribution exactly the target's
+whatever the drafter proposes (chi-square tests at fixed seeds, with a negative
+control showing the test detects a biased rule)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
+from drafter_sdk.proto import verifier_pb2
+from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.servicer import DrafterServicer
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_service.engine.sampler import SamplingParams, VerifyRow, target_probs, verify_batch, verify_sampled
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+from verifier_support import (WAIT_S, LOOPING_SEEDS, ScriptedDrafter, cached_reference, engine_of, repetitive_prompt,
+                              run_together, shared_model)
+
+ALPHA = 1e-3  # fixed seeds make every test deterministic; this only guards against a bad seed choice
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+          SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, top_k=4, top_p=0.7)]
+
+
+def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(p.temperature)(None, logits.clone())
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(None, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+@pytest.mark.parametrize("params", PARAMS + [SamplingParams(temperature=0.5, top_k=10, top_p=0.5),
+                                             SamplingParams(temperature=2.0, top_k=2, top_p=0.9),
+                                             SamplingParams(temperature=1.0, top_k=50, top_p=0.95)])
+def test_target_probs_match_transformers_warpers(params: SamplingParams) -> None:
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 2
+    assert torch.allclose(target_probs(logits, params), hf_probs(logits, params), atol=1e-6)
+
+
+# --- vocabulary-level simulation of speculative sampling on a Markov "model" ---
+
+V = 6
+TRANS = torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 1.5  # logits of the next token
+
+
+def exact_joint(params: SamplingParams, start: int, n: int) -> dict[tuple[int, ...], float]:
+    probs = target_probs(TRANS, params).double()
+    joint: dict[tuple[int, ...], float] = {}
+    for seq in itertools.product(range(V), repeat=n):
+        p, last = 1.0, start
+        for t in seq:
+            p *= float(probs[last, t])
+            last = t
+        if p > 0:
+            joint[seq] = p
+    return joint
+
+
+def speculative_samples(params: SamplingParams, drafter, n_samples: int, n_tokens: int = 3, k: int = 3,  # noqa: ANN001
+                        start: int = 0, rule=verify_sampled) -> collections.Counter:  # noqa: ANN001
+    counts: collections.Counter = collections.Counter()
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(n_samples):
+        out: list[int] = []
+        while len(out) < n_tokens:
+            last = out[-1] if out else start
+            draft = drafter(last)[:k]
+            logits = TRANS[[last, *draft]]  # row j: the next token's logits after [last, *draft][:j+1]
+            out += rule(logits, VerifyRow(draft, params, gen))
+        counts[tuple(out[:n_tokens])] += 1
+    return counts
+
+
+def chi_square_p(counts: collections.Counter, expected: dict[tuple[int, ...], float]) -> float:
+    """Goodness of fit; cells expecting fewer than 5 draws are pooled."""
+    n = sum(counts.values())
+    assert set(counts) <= set(expected), f"impossible outputs drawn: {set(counts) - set(expected)}"
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for cell, p in expected.items():
+        if n * p >= 5:
+            obs.append(counts[cell])
+            exp.append(n * p)
+        else:
+            pool_o += counts[cell]
+            pool_e += n * p
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    total = sum(exp)
+    return float(stats.chisquare(obs, [e * n / total for e in exp]).pvalue)
+
+
+def greedy_chain(last: int) -> list[int]:
+    out = []
+    for _ in range(3):
+        last = int(TRANS[last].argmax())
+        out.append(last)
+    return out
+
+
+DRAFTERS = {
+    "none": lambda last: [],
+    "constant-0": lambda last: [0, 0, 0],  # adversarial: always the same token
+    "constant-likely": lambda last: [int(TRANS[0].argmax())] * 3,
+    "greedy-chain": greedy_chain,
+}
+
+
+COMBOS = [("constant-0", p) for p in PARAMS] + [("constant-likely", PARAMS[0]), ("constant-likely", PARAMS[3]),
+                                                ("none", PARAMS[3]), ("greedy-chain", PARAMS[3])]
+
+
+@pytest.mark.parametrize(("drafter", "params"), COMBOS,
+                         ids=[f"{d}-t{p.temperature}-k{p.top_k}-p{p.top_p}" for d, p in COMBOS])
+def test_point_mass_rule_keeps_the_target_distribution(drafter: str, params: SamplingParams) -> None:
+    counts = speculative_samples(params, DRAFTERS[drafter], 2000)
+    assert chi_square_p(counts, exact_joint(params, 0, 3)) > ALPHA
+
+
+def test_chi_square_detects_a_biased_acceptance_rule() -> None:
+    """Negative control: accepting with probability p(x) but resampling from the
+    full p (not p without x) over-produces drafted tokens; the same test catches it."""
+
+    def biased(logits: torch.Tensor, row: VerifyRow) -> list[int]:
+        probs = target_probs(logits, row.params)
+        out = []
+        for j, token in enumerate(row.draft):
+            if float(torch.rand((), generator=row.generator)) < float(probs[j, token]):
+                out.append(token)
+                continue
+            out.append(int(torch.multinomial(probs[j], 1, generator=row.generator)))
+            return out
+        return out + [int(torch.multinomial(probs[len(row.draft)], 1, generator=row.generator))]
+
+    params = PARAMS[0]
+    counts = speculative_samples(params, DRAFTERS["constant-likely"], 2000, rule=biased)
+    assert chi_square_p(counts, exact_joint(params, 0, 3)) < 1e-6
+
+
+def test_verify_batch_mixes_greedy_and_sampled_rows() -> None:
+    logits = TRANS[[0, 1, 2, 3, 4, 5]]
+    argmax = logits.argmax(-1).tolist()
+    greedy = VerifyRow([argmax[0], (argmax[argmax[0]] + 1) % V], SamplingParams(), None)
+    sampled = VerifyRow([0, 1, 2], SamplingParams(temperature=1.0, top_k=1), None)  # top_k 1 is greedy too
+    out = verify_batch(torch.cat([TRANS[[0, argmax[0], 5]], TRANS[[0, 0, 1, 2]]]), [greedy, sampled])
+    assert out[0] == [argmax[0], int(TRANS[argmax[0]].argmax())]
+    assert out[1][0] == int(TRANS[0].argmax())
+
+
+# --- through the real engine ---
+
+def model_joint(prompt: list[int], params: SamplingParams, n: int = 3) -> dict[tuple[int, ...], float]:
+    """The model's exact joint distribution of its next n sampled tokens."""
+    model = shared_model()
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(n):
+            prefixes = list(joint)
+            probs = target_probs(model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].float(),
+                                 params)
+            joint = {(*prefix, t): joint[prefix] * float(probs[i, t])
+                     for i, prefix in enumerate(prefixes) for t in probs[i].nonzero().flatten().tolist()}
+    return joint
+
+
+def sampled_request(prompt: list[int], seed: int, params: SamplingParams, n: int = 3,
+                    **fields: object) -> verifier_pb2.GenerateRequest:
+    return token_request(prompt, n, sampling=verifier_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed), **fields)
+
+
+def in_process_drafter(engine, drafter) -> None:  # noqa: ANN001
+    """Swap the engine's drafter for an SDK Drafter run in-process (no network in the loop)."""
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+    engine.drafter = DrafterClient(InProcessTransport(servicer), engine.drafter.verifier_id,
+                                   engine.drafter.vocab_size)
+
+
+def test_engine_sampling_matches_the_model_distribution_with_an_adversarial_drafter() -> None:
+    """Three sampled tokens per request through the real engine and gRPC, at fixed
+    seeds: with speculation (a drafter that always proposes the same token: the
+    second token's likeliest value, so it is accepted and rejected often) and
+    without, each matches the model's own joint distribution (chi-square), and
+    the two agree with each other."""
+    prompt = repetitive_prompt(LOOPING_SEEDS[0])
+    params = SamplingParams(temperature=2.5, top_k=3)
+    expected = model_joint(prompt, params)
+    second = collections.Counter()
+    for (_, b, _), p in expected.items():
+        second[b] += p
+    likely = max(second, key=second.get)
+    n = 600
+    drafter = ScriptedDrafter(lambda r: [likely] * r.draft_len)
+
+    async def sample(spec, seeds) -> collections.Counter:  # noqa: ANN001
+        counts: collections.Counter = collections.Counter()
+        async with run_verifier(spec, model=shared_model(), max_num_seqs=64, max_model_len=64, max_queue_len=512) as v:
+            if spec.max_draft_len:
+                in_process_drafter(engine_of(v), drafter)
+            for chunk in range(0, len(seeds), 150):
+                responses = await asyncio.gather(*[v.stub.Generate(sampled_request(prompt, s, params), timeout=WAIT_S)
+                                                   for s in seeds[chunk:chunk + 150]])
+                counts.update(tuple(r.token_ids) for r in responses)
+        return counts
+
+    async def main() -> tuple[collections.Counter, collections.Counter]:
+        with_spec = await sample(spec_config("NGRAM", 2), list(range(n)))
+        without = await sample(spec_config("NONE"), list(range(n, 2 * n)))
+        return with_spec, without
+
+    with_spec, without = asyncio.run(main())
+    assert sum(1 for c in drafter.calls for d in c.drafts if d) >= n // 2, "the drafter was not consulted"
+    assert chi_square_p(with_spec, expected) > ALPHA
+    assert chi_square_p(without, expected) > ALPHA
+    cells = sorted(set(with_spec) | set(without))
+    table = [[with_spec[c] for c in cells], [without[c] for c in cells]]
+    assert stats.chi2_contingency(table).pvalue > ALPHA
+
+
+def test_same_seed_same_output_whatever_the_batch_and_the_drafts() -> None:
+    """A seeded request gives one output: twice in a row, inside a batch whose draft
+    lengths follow a batch-size schedule, and with speculation off. Different
+    seeds give different outputs."""
+    prompts = [repetitive_prompt(s) for s in LOOPING_SEEDS[:5]]
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    schedule = {"draftLenSchedule": [{"maxBatchSize": 1, "draftLen": 4}, {"maxBatchSize": 3, "draftLen": 2},
+                                     {"maxBatchSize": 64, "draftLen": 1}]}
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            plain = [await v.stub.Generate(sampled_request(p, 7, params, 20), timeout=WAIT_S) for p in prompts]
+        async with run_verifier(spec_config("NGRAM", 4, **schedule), model=shared_model()) as v:
+            alone = [await v.stub.Generate(sampled_request(p, 7, params, 20), timeout=WAIT_S) for p in prompts]
+            again = [await v.stub.Generate(sampled_request(p, 7, params, 20), timeout=WAIT_S) for p in prompts]
+            # Greedy requests share the batch: they stay exact, the sampled ones unchanged.
+            mixed = [sampled_request(p, 7, params, 20) for p in prompts] + [token_request(p, 20) for p in prompts]
+            together = await run_together(v, [functools.partial(v.stub.Generate, r, timeout=WAIT_S) for r in mixed])
+            batch, greedy = together[:len(prompts)], together[len(prompts):]
+            other = [await v.stub.Generate(sampled_request(p, 8, params, 20), timeout=WAIT_S) for p in prompts]
+        for i in range(len(prompts)):
+            assert list(alone[i].token_ids) == list(again[i].token_ids), f"prompt {i}: same seed, new output"
+            assert list(batch[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: batch changed the output"
+            assert list(plain[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: speculation changed it"
+        assert sum(r.stats.num_draft_tokens for r in alone) > 0
+        for p, g in zip(prompts, greedy):
+            assert list(g.token_ids) == list(cached_reference(tuple(p), 20))
+        assert any(list(o.token_ids) != list(a.token_ids) for o, a in zip(other, alone))
+
+    asyncio.run(main())

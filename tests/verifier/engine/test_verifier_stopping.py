@@ -1,0 +1,268 @@
+"""Stopping and streaming: max_new_tokens, EOS, stop token ids, stop strings (no text
+past them), streams that carry several tokens per step without ever splitting a
+multi-byte character, and cancelled or disconnected clients freeing their KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafter_sdk.proto import verifier_pb2
+from tiny_model import tiny_model, tiny_tokenizer
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_service.engine.detokenizer import Detokenizer
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+from verifier_support import (WAIT_S, EngineSpy, byte_token_ids, engine_of, scripted_model, stream_all,
+                              stream_request, wait_until)
+
+# A model that writes "Hi 東京🙂é!" over and over, one UTF-8 byte per token
+# (the CJK characters and the emoji span 3 and 4 tokens, é two).
+TEXT = "Hi 東京🙂é!"
+CHAIN = byte_token_ids(TEXT)
+PROMPT = CHAIN * 2 + CHAIN[:1]  # two cycles, so the n-gram drafter proposes whole runs
+STOP = verifier_pb2.FINISH_REASON_STOP
+LENGTH = verifier_pb2.FINISH_REASON_LENGTH
+
+
+def cycle_text(n_tokens: int) -> str:
+    ids = [CHAIN[(1 + i) % len(CHAIN)] for i in range(n_tokens)]
+    return tiny_tokenizer().decode(ids)
+
+
+def stopping(**fields: object) -> verifier_pb2.StoppingCriteria:
+    return verifier_pb2.StoppingCriteria(**fields)
+
+
+def ids_request(ids: list[int], stop: verifier_pb2.StoppingCriteria) -> verifier_pb2.GenerateRequest:
+    return verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stop)
+
+
+@pytest.fixture(scope="module")
+def script_model():  # noqa: ANN201
+    return scripted_model(CHAIN)
+
+
+def check_stream(messages: list[verifier_pb2.GenerateStreamResponse]) -> tuple[str, list[int]]:
+    """Whole characters in every message; the last one alone carries the finish reason."""
+    for m in messages:
+        assert "\ufffd" not in m.text, f"a message split a character: {m.text!r}"
+    assert all(m.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert messages[-1].finish_reason != verifier_pb2.FINISH_REASON_UNSPECIFIED
+    return "".join(m.text for m in messages), [t for m in messages for t in m.token_ids]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
+def test_stream_releases_whole_characters_and_several_tokens_per_step(script_model, mode: str) -> None:  # noqa: ANN001
+    n = 3 * len(CHAIN)
+
+    async def main() -> None:
+        async with run_verifier(spec_config(mode, 8), model=script_model) as v:
+            messages = await stream_all(v.stub, stream_request(PROMPT, n))
+            unary = await v.stub.Generate(token_request(PROMPT, n), timeout=WAIT_S)
+        text, ids = check_stream(messages)
+        assert ids == list(unary.token_ids) and len(ids) == n
+        assert text == unary.text == cycle_text(n)
+        assert messages[-1].finish_reason == LENGTH and messages[-1].stats.num_steps == unary.stats.num_steps
+        if mode == "NGRAM":
+            assert max(len(m.token_ids) for m in messages) > 2, "no step streamed several tokens"
+            assert unary.stats.num_accepted_tokens > n // 2
+        else:  # one token per step: multi-byte characters arrive over several messages
+            assert len(messages) >= len(cycle_text(n)) - 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
+def test_stop_string_cuts_text_and_tokens(script_model, mode: str) -> None:  # noqa: ANN001
+    """Stop at the first "京🙂": neither the stop string nor anything after it is
+    returned, even when the whole cycle is accepted in one step."""
+
+    async def main() -> None:
+        async with run_verifier(spec_config(mode, 8), model=script_model) as v:
+            req = verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=PROMPT),
+                                               stopping=stopping(max_new_tokens=60, stop=["京🙂", "zz"]))
+            unary = await v.stub.Generate(req, timeout=WAIT_S)
+            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(
+                token_ids=req.token_ids, stopping=req.stopping))
+        text, ids = check_stream(messages)
+        assert unary.text == text == "i 東"
+        assert unary.finish_reason == messages[-1].finish_reason == STOP
+        assert unary.stop_reason == messages[-1].stop_reason == "京🙂"
+        # Tokens up to the one completing the stop string ("i", " ", 東 x3, 京 x3, 🙂 x4).
+        assert list(unary.token_ids) == ids == [CHAIN[(1 + i) % len(CHAIN)] for i in range(12)]
+
+    asyncio.run(main())
+
+
+def test_stop_string_across_steps_and_held_back_prefixes(script_model) -> None:  # noqa: ANN001
+    """A text that could start a stop string is held back until decided; a stop
+    string that never completes costs nothing at the end."""
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=script_model) as v:
+            # "é!X" never occurs ("é!" is always followed by "H"): everything comes out, in order.
+            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(
+                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["é!X"])))
+            text, _ = check_stream(messages)
+            assert text == cycle_text(40) and messages[-1].finish_reason == LENGTH
+            # While "é!" could still become "é!X", it is not released: no message ends inside it.
+            released = ""
+            for m in messages[:-1]:
+                released += m.text
+                assert not released.endswith("é") and not released.endswith("é!")
+            # A stop string reaching into the second cycle: "!Hi" stops after "…é".
+            r = await v.stub.Generate(verifier_pb2.GenerateRequest(
+                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["!Hi"])),
+                timeout=WAIT_S)
+            assert r.text == "i 東京🙂é" and r.stop_reason == "!Hi" and r.finish_reason == STOP
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
+def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
+    tok_x = CHAIN[TEXT.index("i")]  # "i" is the first generated token; stop at the space after it instead
+    space = CHAIN[2]
+    bang = CHAIN[-1]
+    model = scripted_model(CHAIN)
+    model.generation_config.eos_token_id = bang  # "!" is this model's end of sequence
+
+    async def main() -> None:
+        async with run_verifier(spec_config(mode, 8), model=model) as v:
+            gen = v.stub.Generate
+            r = await gen(token_request(PROMPT, 5), timeout=WAIT_S)
+            assert len(r.token_ids) == 5 and r.finish_reason == LENGTH and r.text == cycle_text(5)
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space, 5])), timeout=WAIT_S)
+            assert list(r.token_ids) == [tok_x, space] and r.finish_reason == STOP and r.stop_reason == str(space)
+            r = await gen(token_request(PROMPT, 30), timeout=WAIT_S)  # EOS after "é": "!" ends it
+            assert list(r.token_ids) == CHAIN[1:] and r.finish_reason == STOP and r.stop_reason == ""
+            assert list(r.token_ids) == reference_greedy(model, PROMPT, 30)  # generate() stops there too
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, ignore_eos=True)), timeout=WAIT_S)
+            assert len(r.token_ids) == 30 and r.finish_reason == LENGTH
+
+    asyncio.run(main())
+
+
+def test_eos_on_the_random_model_matches_generate() -> None:
+    prompt = [17, 42, 99, 42, 17]
+    ref = reference_greedy(tiny_model(), prompt, 24)
+    cut = next(i for i in range(4, 24) if ref[i] not in ref[:i])
+    model = tiny_model()
+    model.generation_config.eos_token_id = ref[cut]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=model) as v:
+            r = await v.stub.Generate(token_request(prompt, 24), timeout=WAIT_S)
+        assert list(r.token_ids) == ref[:cut + 1] == reference_greedy(model, prompt, 24)
+        assert r.finish_reason == STOP
+
+    asyncio.run(main())
+
+
+def test_cancelled_stream_frees_its_kv_at_the_next_step() -> None:
+    model = scripted_model(CHAIN)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=model) as v:
+            engine = engine_of(v)
+            spy = EngineSpy(engine)
+            cancelled_at: list[int] = []
+            dropped_at: list[int] = []
+            cancel, drop = engine.cancel, engine.scheduler.drop_cancelled
+
+            def spy_cancel(seq) -> None:  # noqa: ANN001
+                cancelled_at.append(len(spy.steps))
+                cancel(seq)
+
+            def spy_drop():  # noqa: ANN202
+                gone = drop()
+                if gone:
+                    dropped_at.append(len(spy.steps))
+                return gone
+
+            engine.cancel, engine.scheduler.drop_cancelled = spy_cancel, spy_drop
+            other = asyncio.ensure_future(v.stub.Generate(token_request(PROMPT, 200), timeout=WAIT_S))
+            call = v.stub.GenerateStream(stream_request(PROMPT, 200), timeout=WAIT_S)
+            first = await call.read()
+            assert first.token_ids
+            await wait_until(lambda: engine.kv_cache.num_active == 2, "both requests to run")
+            call.cancel()
+            await wait_until(lambda: engine.kv_cache.num_active == 1, "the cancelled stream's KV to be freed")
+            assert cancelled_at and dropped_at and dropped_at[0] <= cancelled_at[0] + 1
+            # The drafter forgot it too (in-process n-gram: its sequence store).
+            store = engine.drafter.transport._servicer.store
+            await wait_until(lambda: len(store) <= 1, "the drafter to release the cancelled request")
+            r = await other  # the neighbour is unaffected
+            assert len(r.token_ids) == 200 and r.text == cycle_text(200)
+            await wait_until(lambda: engine.kv_cache.num_active == 0 and len(store) == 0, "everything released")
+
+    asyncio.run(main())
+
+
+def test_disconnected_unary_client_and_cancelled_queued_request_free_everything() -> None:
+    model = scripted_model(CHAIN)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=model, max_num_seqs=1) as v:
+            engine = engine_of(v)
+            spy = EngineSpy(engine)
+            # A client that goes away: its channel closes mid-generation.
+            channel = grpc.aio.insecure_channel(v.address)
+            stub = type(v.stub)(channel)
+            running = asyncio.ensure_future(stub.Generate(token_request(PROMPT, 200), timeout=WAIT_S))
+            await wait_until(lambda: engine.scheduler.num_running == 1, "the request to run", running)
+            spy.gate.clear()
+            queued = v.stub.GenerateStream(stream_request(PROMPT, 50), timeout=WAIT_S)
+            await wait_until(lambda: engine.scheduler.num_waiting == 1, "the second request to queue")
+            queued.cancel()  # never admitted
+            await channel.close()
+            spy.gate.set()
+            with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
+                await running
+            await wait_until(lambda: engine.kv_cache.num_active == 0 and not engine.scheduler.has_work(),
+                             "the engine to be idle")
+            assert sum(s.admitted for s in spy.steps) == 1, "the cancelled queued request was admitted"
+            r = await v.stub.Generate(token_request(PROMPT, 4), timeout=WAIT_S)  # and it still serves
+            assert len(r.token_ids) == 4
+
+    asyncio.run(main())
+
+
+ALPHABET = "ab éü東京🙂\n"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30), data=st.data())
+def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(text: str, data) -> None:  # noqa: ANN001
+    """Property: fed token by token, the released chunks never hold a broken
+    character and add up to the text up to the first stop string (all of it
+    when none occurs)."""
+    tok = tiny_tokenizer()
+    stops = tuple(data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3)))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    detok = Detokenizer(tok, stops)
+    chunks = []
+    for token in ids:
+        detok.add(token)
+        if detok.stopped_by is not None:
+            break
+        chunks.append(detok.take())
+    detok.flush()
+    chunks.append(detok.take(final=True))
+    # Generation stops at the first token after which some stop string is in the
+    # (whole-character) text; the text is cut where the earliest one starts.
+    expected = text
+    for m in range(1, len(ids) + 1):
+        so_far = tok.decode(ids[:m])
+        hits = [i for s in stops if (i := so_far.find(s)) >= 0]
+        if hits and not so_far.endswith("\ufffd"):
+            expected = so_far[:min(hits)]
+            break
+    assert "".join(chunks) == expected
+    assert not any("\ufffd" in c for c in chunks)
+    assert (detok.stopped_by is not None) == (expected != text or any(s in text for s in stops))

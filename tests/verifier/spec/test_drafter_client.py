@@ -1,0 +1,268 @@
+"""DrafterClient's overlapping deltas: what it sends, how it reacts, and replicas behind round_robin.
+
+In-process replicas (SDK servicers behind a fake round-robin transport) for the
+client's rules and the byte bound; two real SDK servers behind one gRPC target
+with round_robin for the protocol end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from drafter_sdk import Drafter, DraftRequest, start_server
+from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, GrpcTransport
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.servicer import DrafterServicer
+
+OK = pb.DRAFT_STATUS_OK
+RESYNC = pb.DRAFT_STATUS_RESYNC_REQUIRED
+
+
+class Echo(Drafter):
+    """Drafts the last draft_len tokens; counts the sequences it was asked about (= in sync)."""
+
+    name = "echo"
+
+    def __init__(self) -> None:
+        self.in_sync = 0
+        self.histories: dict[tuple[str, str], list[int]] = {}
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.in_sync += len(requests)
+        for r in requests:
+            self.histories[r.key] = list(r.tokens)
+        return [list(r.tokens[len(r.tokens) - r.draft_len:]) if r.draft_len else [] for r in requests]
+
+
+def replica() -> DrafterServicer:
+    servicer = DrafterServicer(Echo())
+    servicer.load()
+    return servicer
+
+
+class RoundRobin:
+    """What gRPC round_robin does with N ready replicas: call i goes to replica i mod N."""
+
+    target = "round-robin"
+
+    def __init__(self, *servicers: DrafterServicer) -> None:
+        self.replicas = list(servicers)
+        self.sent: list[pb.PrepareDraftTokensRequest] = []
+        self.fail_next = False
+        self._next = 0
+
+    async def prepare(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> pb.PrepareDraftTokensResponse:
+        self.sent.append(request)
+        servicer = self.replicas[self._next % len(self.replicas)]
+        self._next += 1
+        response = servicer.prepare(request)  # applied, even when the caller then sees a failure
+        if self.fail_next:
+            self.fail_next = False
+            raise TimeoutError("deadline exceeded")
+        return response
+
+    async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float) -> None:
+        for servicer in self.replicas:
+            servicer.release(request)
+
+    async def info(self, timeout_s: float) -> pb.GetDrafterInfoResponse:
+        return self.replicas[0].info()
+
+    async def close(self) -> None:
+        return None
+
+
+def query(tokens: list[int], request_id: str = "r", draft_len: int = 3) -> DraftQuery:
+    return DraftQuery(request_id, tokens, prompt_len=min(3, len(tokens)), draft_len=draft_len)
+
+
+def sent_deltas(transport: RoundRobin) -> list[tuple[int, list[int]]]:
+    return [(r.sequences[0].context_len, list(r.sequences[0].new_tokens)) for r in transport.sent]
+
+
+def test_client_re_sends_the_last_overlap_steps_and_the_whole_context_until_it_has_them():
+    async def body():
+        transport = RoundRobin(replica())
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=3)
+        tokens = [1, 2, 3]
+        for step in range(6):
+            await client.propose([query(tokens)])
+            tokens = tokens + [10 + step]
+        # Lengths after the calls: 3, 4, 5, 6, 7, 8. The first three calls carry everything;
+        # then each starts where the third most recent call ended.
+        assert [ctx for ctx, _ in sent_deltas(transport)] == [0, 0, 0, 3, 4, 5]
+        assert sent_deltas(transport)[4] == (4, [11, 12, 13])  # committed: 1 2 3 10 | 11 12 13
+        assert client.context_len("r") == 6
+
+    asyncio.run(body())
+
+
+def test_overlap_steps_1_sends_plain_deltas():
+    async def body():
+        transport = RoundRobin(replica())
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=1)
+        await client.propose([query([1, 2, 3])])
+        await client.propose([query([1, 2, 3, 4, 5])])
+        assert sent_deltas(transport) == [(0, [1, 2, 3]), (3, [4, 5])]
+
+    asyncio.run(body())
+
+
+def test_overlap_steps_must_be_positive():
+    with pytest.raises(ValueError, match="overlap_steps"):
+        DrafterClient(RoundRobin(replica()), "v", vocab_size=100, overlap_steps=0)
+
+
+def test_resync_forgets_the_history_and_a_failed_call_keeps_it():
+    async def body():
+        servicer = replica()
+        transport = RoundRobin(servicer)
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=2)
+        tokens = [1, 2, 3]
+        for _ in range(3):
+            tokens = tokens + [len(tokens)]
+            await client.propose([query(tokens)])
+        assert client.context_len("r") == 5
+        transport.fail_next = True
+        tokens = tokens + [9]
+        reply = await client.propose([query(tokens)])
+        assert reply.failed == [True] and client.context_len("r") == 5  # unchanged
+        servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]))  # the replica lost it
+        tokens = tokens + [8]
+        reply = await client.propose([query(tokens)])
+        assert reply.drafts == [[]] and reply.failed == [False] and client.stats.resyncs == 1
+        assert client.context_len("r") == 0
+        for _ in range(3):
+            tokens = tokens + [7]
+            reply = await client.propose([query(tokens)])
+            assert reply.drafts == [tokens[-3:]]
+        assert [ctx for ctx, _ in sent_deltas(transport)][-4:] == [5, 0, 0, 9]
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 8])
+def test_round_robin_replicas_stay_in_sync_without_resyncs(replicas):
+    async def body():
+        servicers = [replica() for _ in range(replicas)]
+        transport = RoundRobin(*servicers)
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=8)
+        rng = random.Random(replicas)
+        contexts = {rid: [rng.randrange(100) for _ in range(20)] for rid in ("a", "b")}
+        for _ in range(40):
+            reply = await client.propose([query(contexts["a"], "a"), query(contexts["b"], "b")])
+            assert reply.drafts == [contexts["a"][-3:], contexts["b"][-3:]]
+            for tokens in contexts.values():  # 1 to 4 tokens committed per step
+                tokens.extend(rng.randrange(100) for _ in range(rng.randint(1, 4)))
+        assert client.stats.resyncs == 0
+        # Every replica drafted for both sequences on every call it got.
+        assert [s.drafter.in_sync for s in servicers] == [2 * len(range(i, 40, replicas)) for i in range(replicas)]
+
+    asyncio.run(body())
+
+
+def test_without_overlap_round_robin_replicas_resync_every_other_step():
+    """Why the overlap exists: plain deltas (overlap 1) over two replicas lock into a resync on
+    every other call, because the full context always lands on the replica that has it already."""
+
+    async def body():
+        transport = RoundRobin(replica(), replica())
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=1)
+        tokens = list(range(10))
+        for step in range(20):
+            await client.propose([query(tokens)])
+            tokens = tokens + [step]
+        assert client.stats.resyncs == 10
+        assert [s.drafter.in_sync for s in transport.replicas] == [10, 0]
+
+    asyncio.run(body())
+
+
+def test_more_replicas_than_overlap_steps_resync_but_stay_correct():
+    async def body():
+        servicers = [replica() for _ in range(3)]
+        transport = RoundRobin(*servicers)
+        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=2)
+        tokens = list(range(10))
+        for step in range(30):
+            reply = await client.propose([query(tokens)])
+            assert reply.drafts in ([[]], [tokens[-3:]])
+            tokens = tokens + [step % 7]
+        assert client.stats.resyncs > 0
+        for servicer in servicers:  # whatever a replica holds is a true prefix of the context
+            for held in servicer.drafter.histories.values():
+                assert held == tokens[:len(held)]
+
+    asyncio.run(body())
+
+
+def test_bytes_per_call_stay_flat_as_the_context_grows():
+    async def body():
+        transport = RoundRobin(replica(), replica())
+        client = DrafterClient(transport, "v", vocab_size=50_000, overlap_steps=8)
+        rng = random.Random(0)
+        tokens = [rng.randrange(50_000) for _ in range(100)]
+        sizes: dict[int, int] = {}
+        step = 0
+        while len(tokens) < 2_000:
+            await client.propose([query(tokens, draft_len=4)])
+            sizes[len(tokens)] = client.stats.last_request_bytes
+            tokens.extend(rng.randrange(50_000) for _ in range(1 + step % 5))  # 1..5 tokens per step
+            step += 1
+        steady = [size for length, size in sizes.items() if length >= 150]
+        first = sizes[100]
+        assert first > 100 * 2  # the first call carries the whole 100-token context
+        # Afterwards every call carries the tokens of its last 8 steps (at most 40), whatever the length.
+        assert max(steady) < 40 * 3 + 60
+        late = [size for length, size in sizes.items() if length >= 1_800]
+        early = [size for length, size in sizes.items() if 150 <= length < 400]
+        assert max(late) <= max(early) + 4 and min(late) >= min(early) - 4
+
+    asyncio.run(body())
+
+
+def test_two_grpc_replicas_behind_one_round_robin_target():
+    """Two SDK drafter servers, one `ipv4:a,b` target with round_robin: both serve, no resyncs,
+    a drafter call on every step; one replica losing its state costs it exactly one resync."""
+
+    async def body():
+        drafters = [Echo(), Echo()]
+        servers = [await start_server(d, host="127.0.0.1", port=0) for d in drafters]
+        try:
+            for server in servers:
+                await server.wait_loaded()
+            ports = [server.port for server in servers]
+            transport = GrpcTransport(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                                      load_balancing_policy="round_robin")
+            client = DrafterClient(transport, "v-rr", vocab_size=1000, deadline_s=5.0)
+            rng = random.Random(1)
+            tokens = [rng.randrange(1000) for _ in range(50)]
+            drafted = 0
+            for step in range(40):
+                if step == 20:  # replica 0 loses every sequence (a restart, an eviction)
+                    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
+                        await drafter_pb2_grpc.DrafterServiceStub(channel).ReleaseRequests(
+                            pb.ReleaseRequestsRequest(verifier_id="v-rr", request_ids=["r"]), timeout=5)
+                reply = await client.propose([query(tokens, draft_len=4)])
+                assert not reply.failed[0], client.stats.last_error
+                drafted += reply.drafts == [tokens[-4:]]
+                tokens.extend(rng.randrange(1000) for _ in range(rng.randint(1, 5)))
+            await client.close()
+            assert all(d.in_sync > 0 for d in drafters), [d.in_sync for d in drafters]
+            # Before the loss: none; after it: one from the replica that lost the sequence (at most
+            # one more from a replica that connected late).
+            assert 1 <= client.stats.resyncs <= 2
+            assert drafted >= 40 - client.stats.resyncs
+            for d in drafters:
+                held = d.histories[("v-rr", "r")]
+                assert held == tokens[:len(held)]
+        finally:
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(body())

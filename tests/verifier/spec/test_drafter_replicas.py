@@ -1,0 +1,94 @@
+"""A real verifier (tiny model) behind gRPC round_robin over two stateful SDK drafter replicas.
+
+The Kubernetes setup of deploy/ (headless Service + dns:/// + round_robin) sends
+each step's PrepareDraftTokens to the next replica. With overlapping deltas
+every replica stays in sync: drafts on every decode step, no resyncs in steady
+state, output exactly plain decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from drafter_sdk import DraftRequest, start_server
+from drafter_sdk.drafters.ngram import NgramDrafter
+from tiny_model import tiny_model, tiny_tokenizer
+from verifier_service.spec.config import ConfigError, validate
+from verifier_service.spec.drafters import build_drafter_client
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens and verifies them in one forward pass. Speculative",
+]
+MAX_NEW_TOKENS = 40
+
+
+class CountingNgram(NgramDrafter):
+    """The SDK's n-gram drafter; proposes the last token when the pool has nothing, so that every
+    in-sync step carries a draft, and counts the sequences it drafted for (those in sync)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_draft_len=4)
+        self.in_sync = 0
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.in_sync += len(requests)
+        drafts = super().prepare_draft_tokens(requests)
+        return [d or list(r.tokens[-1:]) for r, d in zip(requests, drafts)]
+
+
+def test_verifier_over_two_round_robin_replicas_drafts_every_step_and_stays_exact():
+    async def body():
+        drafters = [CountingNgram(), CountingNgram()]
+        servers = [await start_server(d, host="127.0.0.1", port=0) for d in drafters]
+        try:
+            for server in servers:
+                await server.wait_loaded()
+            target = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+            tokenizer, model = tiny_tokenizer(), tiny_model()
+            prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+            config = spec_config("USER_PROVIDED", 4, drafter_target=f"ipv4:{target}", deadline_ms=5000)
+            async with run_verifier(config, model=model, tokenizer=tokenizer) as verifier:
+                client = verifier.running.runtime.drafter
+                assert client.overlap_steps == 8  # the default with round_robin
+                replies = await asyncio.gather(*(verifier.stub.Generate(token_request(ids, MAX_NEW_TOKENS))
+                                                  for ids in prompts))
+                stats = client.stats
+            for ids, reply in zip(prompts, replies):
+                assert list(reply.token_ids) == reference_greedy(model, ids, MAX_NEW_TOKENS)
+            assert all(d.in_sync > 0 for d in drafters), [d.in_sync for d in drafters]
+            # At most one resync per replica per request (a replica whose connection came up late);
+            # in practice none.
+            assert stats.resyncs <= len(drafters) * len(prompts)
+            for reply in replies:
+                decode_steps = reply.stats.num_steps - 1  # the first step is the prefill
+                assert reply.stats.num_drafts >= decode_steps - len(drafters), reply.stats
+            assert stats.failures == 0, stats.last_error
+        finally:
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(body())
+
+
+def test_delta_overlap_steps_defaults_and_limits():
+    def overlap(**user_provided: object) -> int:
+        config = spec_config("USER_PROVIDED", 4, drafter_target="127.0.0.1:1")
+        for name, value in user_provided.items():
+            setattr(config.user_provided, name, value)
+        return validate(config).user_provided.delta_overlap_steps
+
+    assert overlap() == 8  # round_robin by default
+    assert overlap(load_balancing_policy="pick_first") == 1  # one replica gets every call
+    assert overlap(delta_overlap_steps=3, load_balancing_policy="pick_first") == 3
+    with pytest.raises(ConfigError, match="delta_overlap_steps"):
+        overlap(delta_overlap_steps=5000)
+    # In-process n-gram drafting: one drafter sees every call, plain deltas.
+    ngram = build_drafter_client(validate(spec_config("NGRAM", 4)), "v", vocab_size=100)
+    assert ngram is not None and ngram.overlap_steps == 1

@@ -1,0 +1,349 @@
+"""The verifier's Prometheus /metrics, scraped over HTTP around real generations.
+
+Counters are checked against what the same requests report in their own
+speculation stats (GenerateResponse.stats) and against the drafter client's
+counts, never against times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import sys
+import threading
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "verifier"))
+from verifier_harness import run_verifier, spec_config, token_request  # noqa: E402
+from verifier_support import (  # noqa: E402
+    LOOPING_SEEDS,
+    WAIT_S,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    shared_model,
+    stream_request,
+    wait_until,
+)
+
+from drafter_sdk.proto import verifier_pb2  # noqa: E402
+from verifier_service.api.cli import parser, settings_from_args  # noqa: E402
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_sync(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def scrape(v) -> Samples:  # noqa: ANN001
+    return await asyncio.to_thread(scrape_sync, v.running.metrics_port)
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (f"splitspec:{name}", tuple(sorted(labels.items())))
+    assert key in samples, f"{key} not exposed"
+    return samples[key]
+
+
+def per_pos(samples: Samples) -> dict[int, float]:
+    name = "splitspec:spec_decode_num_accepted_tokens_per_pos_total"
+    return {int(dict(labels)["position"]): v for (n, labels), v in samples.items() if n == name}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket closes
+
+
+def hold_after_prefill(engine) -> Callable[[], None]:  # noqa: ANN001
+    """Let one forward pass (a prefill) through, then hold the engine at the next one until
+    the returned function is called: scheduler, KV cache and counters stay as they are."""
+    forward, permits = engine.runner.forward, threading.Semaphore(1)
+
+    def gated(batch):  # noqa: ANN001, ANN202
+        assert permits.acquire(timeout=WAIT_S), "the test never released the engine"
+        return forward(batch)
+
+    def release() -> None:
+        engine.runner.forward = forward
+        permits.release()
+
+    engine.runner.forward = gated
+    return release
+
+
+COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total", "spec_decode_auto_disabled_total", "prompt_tokens_total",
+            "generation_tokens_total", "drafter_call_failures_total", "drafter_calls_skipped_total",
+            "drafter_resyncs_total")
+HISTOGRAMS = ("e2e_request_latency_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
+              "drafter_call_latency_seconds", "request_prompt_tokens", "request_generation_tokens")
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
+
+def test_counters_follow_speculation_requests_and_scheduler_state():
+    max_draft_len = 4
+    prompts = [repetitive_prompt(seed) for seed in LOOPING_SEEDS[:6]]
+    lengths = [24, 17, 30, 9, 24, 1]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", max_draft_len), model=shared_model(), metrics_port=0,
+                                max_num_seqs=4) as v:
+            port = v.running.metrics_port
+            assert isinstance(port, int) and port > 0
+            before = await scrape(v)
+            for name in COUNTERS:
+                assert value(before, name) == 0, name
+            for name in HISTOGRAMS:
+                assert value(before, f"{name}_count") == 0, name
+            for name in GAUGES:
+                assert value(before, name) == 0, name
+            assert per_pos(before) == {pos: 0 for pos in range(max_draft_len)}
+            for reason in ("stop", "length", "abort", "error"):
+                assert value(before, "request_success_total", finished_reason=reason) == 0
+            assert value(before, "drafter_up") == 1
+            assert ("process_cpu_seconds_total", ()) in before
+
+            # Hold the engine at the first decode forward of a streamed request, then send the
+            # rest: 1 running (its prompt in the KV cache) and 5 waiting, frozen while we scrape.
+            engine = engine_of(v)
+            release = hold_after_prefill(engine)
+            stream = v.stub.GenerateStream(stream_request(prompts[0], lengths[0]), timeout=WAIT_S)
+            first = await stream.read()
+            assert first.token_ids
+            requests = [token_request(p, n) for p, n in zip(prompts[1:], lengths[1:])]
+            requests[0].stopping.stop_token_ids.append(cached_reference(tuple(prompts[1]), lengths[1])[5])
+            tasks = [asyncio.ensure_future(v.stub.Generate(r, timeout=WAIT_S)) for r in requests]
+            try:
+                await wait_until(lambda: engine.scheduler.num_waiting == 5, "5 requests waiting", *tasks)
+                during = await scrape(v)
+            finally:
+                release()
+            assert value(during, "num_requests_running") == 1
+            assert value(during, "num_requests_waiting") == 5
+            assert value(during, "kv_cache_usage_perc") == pytest.approx(engine.kv_cache.usage())
+            assert value(during, "kv_cache_usage_perc") > 0
+            assert value(during, "time_to_first_token_seconds_count") == 1
+            assert value(during, "prompt_tokens_total") == len(prompts[0])
+            assert value(during, "generation_tokens_total") == len(first.token_ids)
+            responses = [await _rest_of_stream(stream, first), *await asyncio.gather(*tasks)]
+
+            after = await scrape(v)
+            stats = [r.stats for r in responses]
+            assert sum(s.num_accepted_tokens for s in stats) > 0, "the n-gram drafts should be accepted"
+            assert value(after, "spec_decode_num_drafts_total") == sum(s.num_drafts for s in stats)
+            assert value(after, "spec_decode_num_draft_tokens_total") == sum(s.num_draft_tokens for s in stats)
+            assert value(after, "spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
+            expected_pos = {pos: 0 for pos in range(max_draft_len)}
+            for s in stats:
+                for pos, n in enumerate(s.num_accepted_tokens_per_pos):
+                    expected_pos[pos] += n
+            assert per_pos(after) == expected_pos
+            assert value(after, "spec_decode_auto_disabled_total") == 0
+
+            # Requests: reasons, token counts, one latency sample per finished request.
+            reasons = [r.finish_reason for r in responses]
+            assert reasons.count(verifier_pb2.FINISH_REASON_STOP) == 1
+            assert value(after, "request_success_total", finished_reason="stop") == 1
+            assert value(after, "request_success_total", finished_reason="length") == 5
+            assert value(after, "request_success_total", finished_reason="abort") == 0
+            generated = [len(r.token_ids) for r in responses]
+            assert value(after, "generation_tokens_total") == sum(generated)
+            assert value(after, "prompt_tokens_total") == sum(len(p) for p in prompts)
+            assert value(after, "e2e_request_latency_seconds_count") == len(prompts)
+            assert value(after, "e2e_request_latency_seconds_sum") > 0
+            assert value(after, "time_to_first_token_seconds_count") == len(prompts)
+            assert value(after, "time_per_output_token_seconds_count") == sum(1 for n in generated if n > 1)
+            assert value(after, "request_prompt_tokens_sum") == sum(len(p) for p in prompts)
+            assert value(after, "request_generation_tokens_sum") == sum(generated)
+            assert value(after, "request_generation_tokens_count") == len(prompts)
+
+            # Drafter calls: the in-process n-gram drafter, one call per decode step that drafted.
+            client = engine.drafter
+            assert client.stats.calls > 0
+            assert value(after, "drafter_call_latency_seconds_count") == client.stats.calls
+            assert value(after, "drafter_call_failures_total") == 0
+            assert value(after, "drafter_resyncs_total") == client.stats.resyncs
+
+            # Everything finished: nothing running, waiting or held in the KV cache.
+            for name in GAUGES:
+                assert value(after, name) == 0, name
+
+    asyncio.run(main())
+
+
+async def _rest_of_stream(call, first):  # noqa: ANN001, ANN202
+    """A GenerateStream folded into one response-like object (text dropped)."""
+    ids, last = list(first.token_ids), first
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        ids.extend(msg.token_ids)
+        last = msg
+    return verifier_pb2.GenerateResponse(token_ids=ids, finish_reason=last.finish_reason, stats=last.stats)
+
+
+def test_drafter_failures_are_counted_and_requests_still_succeed():
+    async def main() -> None:
+        spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{closed_port()}", deadline_ms=200)
+        async with run_verifier(spec, model=shared_model(), metrics_port=0) as v:
+            prompts = [repetitive_prompt(seed) for seed in LOOPING_SEEDS[:3]]
+            responses = await asyncio.gather(*(v.stub.Generate(token_request(p, 12), timeout=WAIT_S)
+                                               for p in prompts))
+            assert all(len(r.token_ids) == 12 for r in responses)
+            samples = await scrape(v)
+            client = engine_of(v).drafter
+            assert client.stats.failures > 0
+            assert value(samples, "drafter_call_failures_total") == client.stats.failures
+            assert value(samples, "drafter_call_latency_seconds_count") == client.stats.calls
+            assert value(samples, "drafter_calls_skipped_total") == client.stats.skipped
+            assert value(samples, "drafter_up") == (1 if client.healthy else 0)
+            assert value(samples, "spec_decode_num_draft_tokens_total") == 0
+            assert value(samples, "request_success_total", finished_reason="length") == 3
+            assert value(samples, "request_success_total", finished_reason="error") == 0
+
+    asyncio.run(main())
+
+
+def test_auto_disabled_requests_are_counted_once():
+    """A drafter that is always wrong for one request and right for the other (an oracle
+    via the n-gram drafter would depend on the model): the wrong one is disabled."""
+    from verifier_support import OracleDrafter, serve_drafter
+
+    n = 30
+    prompts = [repetitive_prompt(seed) for seed in LOOPING_SEEDS[:2]]
+    refs = {tuple(p): list(cached_reference(tuple(p), n)) for p in prompts}
+    oracle = OracleDrafter(refs, corrupt_by_prompt={tuple(prompts[0]): 1.0, tuple(prompts[1]): 0.0})
+
+    async def main() -> None:
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000,
+                               autoDisable={"windowTokens": 8, "minAcceptanceRate": 0.5})
+            async with run_verifier(spec, model=shared_model(), metrics_port=0) as v:
+                bad, good = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n),
+                                                                     timeout=WAIT_S) for p in prompts])
+                assert bad.stats.auto_disabled and not good.stats.auto_disabled
+                samples = await scrape(v)
+                assert value(samples, "spec_decode_auto_disabled_total") == 1
+                assert value(samples, "spec_decode_num_draft_tokens_total") == (
+                    bad.stats.num_draft_tokens + good.stats.num_draft_tokens)
+                assert value(samples, "spec_decode_num_accepted_tokens_total") == good.stats.num_accepted_tokens
+
+    asyncio.run(main())
+
+
+def test_cancelled_stream_counts_as_abort():
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as v:
+            engine = engine_of(v)
+            release = hold_after_prefill(engine)  # the request cannot finish before it is cancelled
+            try:
+                call = v.stub.GenerateStream(stream_request(repetitive_prompt(LOOPING_SEEDS[0]), 200),
+                                             timeout=WAIT_S)
+                first = await call.read()
+                assert first.token_ids
+                call.cancel()
+                registry = v.running.metrics.registry
+                await wait_until(lambda: registry.get_sample_value(
+                    "splitspec:request_success_total", {"finished_reason": "abort"}) == 1, "the abort")
+            finally:
+                release()
+            samples = await scrape(v)
+            assert value(samples, "request_success_total", finished_reason="abort") == 1
+            assert value(samples, "request_success_total", finished_reason="length") == 0
+            assert value(samples, "e2e_request_latency_seconds_count") == 0  # only finished requests
+            assert value(samples, "time_to_first_token_seconds_count") == 1
+            await wait_until(lambda: engine.scheduler.num_running == 0, "the cancelled sequence to leave")
+            assert value(await scrape(v), "kv_cache_usage_perc") == 0
+
+    asyncio.run(main())
+
+
+def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as one, \
+                run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as two, \
+                run_verifier(spec_config("NGRAM", 4), model=shared_model()) as off:
+            assert one.running.metrics_port != two.running.metrics_port
+            await one.stub.Generate(token_request(repetitive_prompt(LOOPING_SEEDS[0]), 8), timeout=WAIT_S)
+            await off.stub.Generate(token_request(repetitive_prompt(LOOPING_SEEDS[0]), 8), timeout=WAIT_S)
+            assert value(await scrape(one), "generation_tokens_total") == 8
+            assert value(await scrape(two), "generation_tokens_total") == 0
+            assert off.running.metrics_port is None and off.running.metrics is None
+            assert engine_of(off).metrics is None
+            port = one.running.metrics_port
+        assert one.running.metrics_port is None
+        with pytest.raises(OSError):  # the endpoint closed with its server
+            scrape_sync(port)
+
+    asyncio.run(main())
+
+
+def test_metrics_port_flag():
+    assert settings_from_args(parser().parse_args([])).metrics_port is None
+    assert settings_from_args(parser().parse_args(["--metrics-port", "0"])).metrics_port == 0
+    assert settings_from_args(parser().parse_args(["--metrics-port", "9090"])).metrics_port == 9090
+
+
+def test_metrics_endpoint_up_while_the_model_loads():
+    """Kubernetes scrapes from pod start: /metrics answers before a model is attached."""
+    from verifier_service.api.server import start_server
+    from verifier_service.settings import ServerSettings
+
+    async def main() -> None:
+        running = await start_server(ServerSettings(host="127.0.0.1", port=0, metrics_port=0))
+        try:
+            samples = await asyncio.to_thread(scrape_sync, running.metrics_port)
+            assert value(samples, "num_requests_running") == 0
+            assert value(samples, "spec_decode_num_drafts_total") == 0
+            assert ("splitspec:drafter_up", ()) not in samples  # no drafter known yet
+        finally:
+            await running.stop(0)
+
+    asyncio.run(main())
+
+
+def test_busy_metrics_port_fails_start_up():
+    """A metrics port already taken fails start-up with the OS error, before gRPC listens."""
+    from verifier_service.api.server import start_server
+    from verifier_service.settings import ServerSettings
+
+    async def main() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError):
+                await start_server(ServerSettings(host="127.0.0.1", port=0,
+                                                  metrics_port=taken.getsockname()[1]))
+
+    asyncio.run(main())
+
+
+
+def test_scrape_time_reads_survive_concurrent_changes():
+    """The KV usage is read on the HTTP thread while the event loop resizes the slot map."""
+    from verifier_service.metrics import _read_concurrently
+
+    outcomes = iter([RuntimeError("dictionary changed size during iteration")] * 2 + [0.25])
+
+    def flaky() -> float:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert _read_concurrently(flaky) == 0.25

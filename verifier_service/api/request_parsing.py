@@ -1,0 +1,171 @@
+"""Turn a GenerateRequest into engine parameters, refusing client mistakes with clear messages."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+from transformers import PreTrainedTokenizerBase
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.engine.sampler import SamplingParams
+from verifier_service.engine.sequence import SpeculationParams, StoppingParams
+
+MAX_TEMPERATURE = 100.0
+# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_REQUEST_ID_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+GenerateLike = verifier_pb2.GenerateRequest | verifier_pb2.GenerateStreamRequest
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    default_max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    # Longer prompt text cannot fit the context whatever it tokenizes to (0: no check);
+    # refusing it before tokenizing keeps a huge prompt from stalling the server.
+    max_prompt_chars: int = 0
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    speculation: SpeculationParams
+
+
+def parse(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> ParsedRequest:
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    prompt_ids = _prompt_ids(request, tokenizer, limits)
+    return ParsedRequest(prompt_ids, _sampling(request.sampling),
+                         _stopping(request, len(prompt_ids), limits), _speculation(request.speculation))
+
+
+def _prompt_ids(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise _invalid("set one of prompt, chat or token_ids")
+    if which == "prompt":
+        if not request.prompt:
+            raise _invalid("prompt is empty")
+        _check_chars(len(request.prompt), limits)
+        ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+    elif which == "chat":
+        ids = _chat_ids(request.chat, tokenizer, limits)
+    else:
+        ids = request.token_ids.ids
+        if not ids:
+            raise _invalid("token_ids is empty")
+        _check_length(len(ids), limits)
+        ids = list(ids)
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise _invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    if not ids:
+        raise _invalid("the prompt tokenizes to no tokens")
+    _check_length(len(ids), limits)
+    return ids
+
+
+def _check_length(num_tokens: int, limits: Limits) -> None:
+    if num_tokens >= limits.max_model_len:
+        raise _invalid(f"the prompt has {num_tokens} tokens; the context is {limits.max_model_len} tokens "
+                       f"(prompt plus at least one new token must fit)")
+
+
+def _check_chars(num_chars: int, limits: Limits) -> None:
+    if limits.max_prompt_chars and num_chars > limits.max_prompt_chars:
+        raise _invalid(f"the prompt has {num_chars} characters, more than the context of {limits.max_model_len} "
+                       f"tokens can hold (at most {limits.max_prompt_chars} characters); shorten it")
+
+
+def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
+    if not chat.messages:
+        raise _invalid("chat has no messages")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise _invalid(f"chat message {i} has role {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+    _check_chars(sum(len(m.content) for m in chat.messages), limits)
+    if not tokenizer.chat_template:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "this model has no chat template; send a plain prompt instead")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already holds the special tokens (BOS and the like).
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise _invalid(f"{name} must be a finite number, not {value}")
+    return value
+
+
+def _sampling(s: verifier_pb2.SamplingParams) -> SamplingParams:
+    temperature = _finite("temperature", s.temperature)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {temperature:g}")
+    top_p = _finite("top_p", s.top_p)
+    if not 0.0 <= top_p <= 1.0:
+        raise _invalid(f"top_p must be within (0, 1] (0 = unset), not {top_p:g}")
+    if s.top_k < 0:
+        raise _invalid(f"top_k must be >= 0 (0 = off), not {s.top_k}")
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        temperature = 0.0
+    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
+                          seed=s.seed if s.HasField("seed") else None)
+
+
+def _stopping(request: GenerateLike, prompt_len: int, limits: Limits) -> StoppingParams:
+    st = request.stopping
+    room = limits.max_model_len - prompt_len
+    if st.HasField("max_new_tokens"):
+        if st.max_new_tokens == 0:
+            raise _invalid("max_new_tokens must be >= 1 (leave it unset for the server default)")
+        if st.max_new_tokens > room:
+            raise _invalid(f"prompt ({prompt_len} tokens) plus max_new_tokens ({st.max_new_tokens}) exceeds "
+                           f"the context of {limits.max_model_len} tokens; at most {room} new tokens fit")
+        max_new = st.max_new_tokens
+    else:
+        max_new = min(limits.default_max_new_tokens, room)
+    if len(st.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(st.stop)}")
+    for s in st.stop:
+        if not s:
+            raise _invalid("stop strings must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise _invalid(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+    if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(st.stop_token_ids)}")
+    bad = next((t for t in st.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"stop token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    return StoppingParams(
+        max_new_tokens=max_new, stop=tuple(st.stop), stop_token_ids=frozenset(st.stop_token_ids),
+        eos_token_ids=frozenset() if st.ignore_eos else limits.eos_token_ids)
+
+
+def _speculation(s: verifier_pb2.SpeculationOverrides) -> SpeculationParams:
+    return SpeculationParams(max_draft_len=s.max_draft_len if s.HasField("max_draft_len") else None,
+                             disable=s.disable)

@@ -1,0 +1,145 @@
+"""One request's state inside the engine: tokens, stopping, speculation stats, output queue."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.sampler import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    max_draft_len: int | None = None  # per-request cap
+    disable: bool = False
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafter_failures: int = 0
+    auto_disabled: bool = False
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_steps += 1
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.num_accepted_tokens_per_pos) < drafted:
+            self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
+        for pos in range(accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class Output:
+    """What a request receives after a step: new tokens and text, and the end when finished."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    stop_reason: str = ""
+    error: str = ""  # the engine failed this request
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    speculation: SpeculationParams
+    detokenizer: Detokenizer
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    finish_reason: FinishReason | None = None
+    stop_reason: str = ""
+    cancelled: bool = False
+    # Feedback for the drafter and the speculation policy.
+    last_num_drafted: int = 0
+    last_num_accepted: int = 0
+    policy_state: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.stopping.max_new_tokens - len(self.output_ids)
+
+    def append_tokens(self, tokens: list[int], max_model_len: int) -> list[int]:
+        """Commit tokens one by one until a stop condition; return those kept."""
+        kept: list[int] = []
+        for token in tokens:
+            self.output_ids.append(token)
+            kept.append(token)
+            self.detokenizer.add(token)
+            if self.detokenizer.stopped_by is not None:
+                self._finish(FinishReason.STOP, self.detokenizer.stopped_by)
+            elif token in self.stopping.stop_token_ids:
+                self._finish(FinishReason.STOP, str(token))
+            elif token in self.stopping.eos_token_ids:
+                self._finish(FinishReason.STOP, "")
+            elif self.remaining_tokens <= 0 or self.num_tokens >= max_model_len:
+                self._finish(FinishReason.LENGTH, "")
+            if self.finished:
+                break
+        if self.finished:
+            self.detokenizer.flush()
+        return kept
+
+    def _finish(self, reason: FinishReason, stop_reason: str) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def emit(self, tokens: list[int]) -> None:
+        final = self.finished
+        self.outputs.put_nowait(Output(tokens, self.detokenizer.take(final=final),
+                                       self.finish_reason, self.stop_reason))

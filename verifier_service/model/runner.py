@@ -1,0 +1,132 @@
+"""Runs the target model over one packed step of many sequences.
+
+Every sequence's new tokens (a prompt, or the last token plus its draft) are
+packed into one row, so the projections and MLP see exactly the tokens that
+need computing, with no padding between sequences of different draft lengths.
+Attention is the only per-sequence part: each sequence's new keys are written
+into its KV slot and its queries attend over a view of that slot.
+
+The packed attention is registered with transformers' AttentionInterface and
+falls back to SDPA when called without a splitspec step, so the same model
+object still works with transformers' own generate().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from verifier_service.model.kv_cache import KVCache
+from verifier_service.model.linear_layout import LinearLayouts
+
+ATTENTION = "splitspec_packed"
+STEP_KWARG = "splitspec_step"
+# A 4D mask makes transformers skip building its own; packed attention needs none.
+_NO_MASK = torch.empty(1, 1, 0, 0)
+
+
+@dataclass
+class ForwardBatch:
+    """Row r holds lengths[r] new tokens of the sequence in KV slot slots[r], at positions starts[r]...
+
+    `logit_index` selects the packed positions whose next-token logits are
+    needed; the vocabulary projection runs only there.
+    """
+
+    input_ids: list[int]
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    logit_index: list[int]
+
+
+class PackedStep:
+    """What the attention layers of one forward need: where to write keys and what to attend to."""
+
+    def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device) -> None:
+        self.cache = cache
+        self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
+        positions: list[int] = []
+        offset = 0
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
+            if start + n > cache.shape.capacity:
+                raise ValueError(f"slot {slot} would hold {start + n} tokens, above its capacity")
+            mask = None
+            if n > 1:  # queries see keys up to their own position (bottom-right aligned causal)
+                keys = torch.arange(start + n, device=device)
+                mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+            self.rows.append((offset, n, slot, start, mask))
+            positions += range(start, start + n)
+            offset += n
+        self.positions = torch.tensor([positions], device=device)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        outputs = []
+        for offset, n, slot, start, mask in self.rows:
+            # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
+            k_cache[slot, :, start:start + n] = key[0, :, offset:offset + n]
+            v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
+            outputs.append(F.scaled_dot_product_attention(
+                query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
+                v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1]))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return out.transpose(1, 2)  # [1, N, heads, D], as transformers expects
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: object) -> tuple[torch.Tensor, None]:
+    step = kwargs.pop(STEP_KWARG, None)
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    return step.attend(module.layer_idx, query, key, value, scaling), None
+
+
+def _register() -> None:
+    # transformers keeps attention functions in a process-wide registry; these
+    # entries are pure functions, so registering them again is harmless.
+    AttentionInterface.register(ATTENTION, _packed_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, prepack_weights: bool = True) -> None:
+        _register()
+        model.set_attn_implementation(ATTENTION)
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.dtype = model.dtype
+        self._base = model.base_model
+        self._head = model.get_output_embeddings()
+        self._no_mask = _NO_MASK.to(self.device, self.dtype)
+        # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
+        self.layouts = LinearLayouts(model, prepack_weights) if self.device.type == "cpu" else None
+
+    def close(self) -> None:
+        """Give the model back with its own linear layers (it stays usable, e.g. by generate())."""
+        if self.layouts is not None:
+            self.layouts.uninstall()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._head.out_features
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Return float32 logits [len(logit_index), vocab]."""
+        step = PackedStep(self.kv_cache, batch, self.device)
+        ids = torch.tensor([batch.input_ids], device=self.device)
+        out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
+                         use_cache=False, **{STEP_KWARG: step})
+        index = torch.tensor(batch.logit_index, device=self.device)
+        return self._head(out.last_hidden_state[0].index_select(0, index)).float()

@@ -1,0 +1,123 @@
+"""Measure the target's forward cost by the number of tokens in one forward, on this machine.
+
+Speculation pays only when verifying a draft costs less than producing the
+accepted tokens one by one; this curve is what the draft-length planner and the
+benchmark's "ideal speedup" weigh acceptance against. Points beyond one
+sequence's draft (16, 32, ... tokens) let the planner see what a whole batch's
+drafts cost once the forward turns compute-bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from verifier_service.model.linear_layout import Layout
+from verifier_service.model.runner import ForwardBatch, ModelRunner
+
+log = logging.getLogger(__name__)
+
+SCRATCH = "__step-cost-probe__"
+MAX_PROBE_TOKENS = 256
+
+
+def probe_points(max_draft_len: int, max_batch_tokens: int) -> list[int]:
+    """Every size up to one full draft (1..k+1), then powers of two up to a full batch of drafts."""
+    points = list(range(1, max_draft_len + 2))
+    size = 16
+    while size <= min(max_batch_tokens, MAX_PROBE_TOKENS):
+        if size > points[-1]:
+            points.append(size)
+        size *= 2
+    return points
+
+
+def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 5,
+            statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """Seconds of one forward of t new tokens after `context_len` cached ones, for each t:
+    the `statistic` of `repeats` runs (min resists a noisy machine; median is the typical cost).
+
+    Borrows one free KV slot and gives it back.
+    """
+    cache = runner.kv_cache
+    token_counts = [t for t in token_counts if t < cache.shape.capacity // 2] or [1]
+    context_len = min(context_len, cache.shape.capacity - max(token_counts))
+    slot = cache.allocate(SCRATCH)
+    try:
+        device = runner.device
+        ids = torch.randint(0, runner.vocab_size, (context_len + max(token_counts),)).tolist()
+        runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
+        costs: dict[int, float] = {}
+        for t in token_counts:
+            batch = ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
+            runner.forward(batch)  # warm-up for this shape
+            samples = []
+            for _ in range(repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                runner.forward(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - started)
+            costs[t] = statistic(samples)
+        return costs
+    finally:
+        cache.release(SCRATCH)
+
+
+def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 3,
+                     statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """Choose the runner's fastest linear layout per token count (where it has a choice: CPU), then
+    return `measure`'s seconds with the chosen layouts. The median, not the min: a layout whose
+    best run is fast but whose typical run is not (seen with oneDNN at one token) must lose."""
+    layouts = runner.layouts
+    if layouts is None:
+        return measure(runner, token_counts, context_len, repeats, statistic)
+    by_layout: dict[Layout, dict[int, float]] = {}
+    for layout in layouts.available:
+        layouts.choose({t: layout for t in token_counts})
+        by_layout[layout] = measure(runner, token_counts, context_len, repeats, statistic)
+    best = {t: min(by_layout, key=lambda layout: by_layout[layout][t]) for t in by_layout[Layout.PLAIN]}
+    layouts.choose(best)
+    layouts.drop_unused_packing()
+    log.info("linear layout by tokens in a forward: %s", layouts.describe())
+    return {t: by_layout[layout][t] for t, layout in best.items()}
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Forward cost by token count as a multiple of a one-token step, interpolated between
+    measured points and extended along the last segment beyond them."""
+
+    points: tuple[tuple[int, float], ...]  # ascending tokens, starting at (1, 1.0)
+
+    @classmethod
+    def from_seconds(cls, seconds: dict[int, float]) -> "CostCurve":
+        """Made non-decreasing: noise must not make a longer forward look cheaper."""
+        base = seconds[min(seconds)]
+        points, floor = [], 0.0
+        for tokens in sorted(seconds):
+            floor = max(floor, seconds[tokens] / base)
+            points.append((tokens, floor))
+        return cls(tuple(points))
+
+    def __call__(self, tokens: float) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+        if len(pts) == 1:
+            return pts[0][1] * tokens
+        (t0, c0), (t1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) / (t1 - t0) * (tokens - t1)
+
+    def describe(self) -> str:
+        return " ".join(f"{t}:{c:.2f}" for t, c in self.points)

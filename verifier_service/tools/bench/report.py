@@ -1,0 +1,131 @@
+"""Summaries, tables, JSON and a PNG chart of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from verifier_service.model.step_costs import CostCurve
+
+
+@dataclass
+class SystemSummary:
+    system: str
+    workload: str
+    tokens_per_s: float  # median over prompts
+    ratio_to_plain: float  # median over prompts of (plain time per token / this time per token)
+    mean_acceptance_length: float | None
+    acceptance_rate: float | None
+    acceptance_per_position: list[float]
+    identical: int  # prompts whose tokens equal plain decoding's
+    prompts: int
+    ideal_speedup: float | None = None
+    efficiency: float | None = None  # measured decode speedup / ideal decode speedup
+
+
+@dataclass
+class Report:
+    model: str
+    max_new_tokens: int
+    max_draft_len: int
+    forward_cost_ms: dict[int, float]  # tokens in one forward -> ms
+    summaries: list[SystemSummary] = field(default_factory=list)
+    request_bytes: list[tuple[int, int]] = field(default_factory=list)  # (context tokens, bytes per call)
+    serving: list[dict] = field(default_factory=list)
+
+    def to_json(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+
+def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: CostCurve) -> SystemSummary:
+    """runs / plain_runs: bench.systems.Run per prompt, same order."""
+    tps = [len(r.token_ids) / r.seconds for r in runs if r.seconds > 0]
+    ratios = [(p.seconds / max(1, len(p.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
+              for r, p in zip(runs, plain_runs)]
+    drafts = sum(r.stats.num_drafts for r in runs)
+    drafted = sum(r.stats.num_draft_tokens for r in runs)
+    accepted = sum(r.stats.num_accepted_tokens for r in runs)
+    per_pos: list[int] = []
+    for r in runs:
+        for i, n in enumerate(r.stats.num_accepted_tokens_per_pos):
+            per_pos.extend([0] * (i + 1 - len(per_pos)))
+            per_pos[i] += n
+    summary = SystemSummary(
+        system=system, workload=workload, tokens_per_s=statistics.median(tps), ratio_to_plain=statistics.median(ratios),
+        mean_acceptance_length=1 + accepted / drafts if drafts else None,
+        acceptance_rate=accepted / drafted if drafted else None,
+        acceptance_per_position=[n / drafts for n in per_pos] if drafts else [],
+        identical=sum(r.token_ids == p.token_ids for r, p in zip(runs, plain_runs)), prompts=len(runs))
+    if drafts:
+        ideal, measured = [], []
+        for r, p in zip(runs, plain_runs):
+            s = r.stats
+            if not s.num_steps or len(p.token_ids) < 2 or len(r.token_ids) < 2 or r.decode_seconds <= 0:
+                continue
+            mean_k = s.num_draft_tokens / s.num_drafts if s.num_drafts else 0.0
+            spec_cost = (s.num_steps - s.num_drafts) + s.num_drafts * costs(mean_k + 1)
+            ideal.append((s.num_steps + s.num_accepted_tokens) / spec_cost)
+            measured.append((p.decode_seconds / (len(p.token_ids) - 1)) / (r.decode_seconds / (len(r.token_ids) - 1)))
+        if ideal:
+            summary.ideal_speedup = statistics.median(ideal)
+            summary.efficiency = statistics.median(m / i for m, i in zip(measured, ideal))
+    return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(report: Report) -> None:
+    costs = ", ".join(f"{t}:{c:.1f}" for t, c in report.forward_cost_ms.items())
+    print(f"\nmodel {report.model}, greedy, max_new_tokens {report.max_new_tokens}, "
+          f"max_draft_len {report.max_draft_len}")
+    print(f"target forward cost (ms) by tokens in one forward: {costs}")
+    for workload in dict.fromkeys(s.workload for s in report.summaries):
+        rows = [s for s in report.summaries if s.workload == workload]
+        print(f"\n== {workload} ({rows[0].prompts} prompts) ==")
+        header = (f"{'system':<28} {'tok/s':>7} {'vs plain':>8} {'mean acc len':>12} {'acc rate':>8} "
+                  f"{'ideal':>6} {'effic.':>6} {'identical':>9}  acceptance by position")
+        print(header)
+        print("-" * len(header))
+        for s in rows:
+            per_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_position[:10])
+            print(f"{s.system:<28} {s.tokens_per_s:>7.1f} {s.ratio_to_plain:>7.2f}x "
+                  f"{_fmt(s.mean_acceptance_length, '.2f'):>12} {_fmt(s.acceptance_rate, '.2f'):>8} "
+                  f"{_fmt(s.ideal_speedup, '.2f'):>6} {_fmt(s.efficiency, '.2f'):>6} "
+                  f"{s.identical:>4}/{s.prompts:<4}  {per_pos}")
+    if report.request_bytes:
+        print("\nPrepareDraftTokens request size as one sequence's context grows:")
+        print("  " + ", ".join(f"{n} tokens: {b} B" for n, b in report.request_bytes))
+    if report.serving:
+        print("\n== serving: aggregate output tokens/s (remote n-gram drafter) ==")
+        print(f"{'concurrency':>11} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'identical':>9}")
+        for row in report.serving:
+            print(f"{row['concurrency']:>11} {row['plain_tps']:>11.1f} {row['spec_tps']:>10.1f} "
+                  f"{row['spec_tps'] / row['plain_tps']:>5.2f}x {row['identical']:>4}/{row['requests']:<4}")
+
+
+def save_chart(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(s.workload for s in report.summaries))
+    systems = list(dict.fromkeys(s.system for s in report.summaries))
+    fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(workloads), 4.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        values = [next((s.ratio_to_plain for s in report.summaries if s.system == system and s.workload == w), 0)
+                  for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=system)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("speed vs our plain decoding (x)")
+    ax.set_title(f"{report.model}: output tokens/s relative to plain decoding (median)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

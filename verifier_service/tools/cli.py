@@ -1,0 +1,118 @@
+"""`splitspec`: talk to a verifier (generate), or try the whole system locally (demo, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+from drafter_sdk.security import TOKEN_ENV_VAR, auth_metadata, channel_credentials, read_token
+
+
+def build_request(args: argparse.Namespace) -> verifier_pb2.GenerateRequest:
+    request = verifier_pb2.GenerateRequest(
+        sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or []),
+        speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    if args.raw:
+        request.prompt = args.prompt
+    else:
+        request.chat.messages.append(verifier_pb2.ChatMessage(role="user", content=args.prompt))
+    return request
+
+
+def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
+    return (f"steps={stats.num_steps} drafts={stats.num_drafts} draft_tokens={stats.num_draft_tokens} "
+            f"accepted={stats.num_accepted_tokens} mean_acceptance_length={stats.mean_acceptance_length:.2f} "
+            f"acceptance_rate={stats.acceptance_rate:.2f} per_position={list(stats.num_accepted_tokens_per_pos)}")
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """Plaintext, or TLS when any --tls-* flag is given (mutual TLS with --tls-cert/--tls-key)."""
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return grpc.insecure_channel(args.target)
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else None
+    return grpc.secure_channel(args.target, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
+                               options=options)
+
+
+def generate(args: argparse.Namespace) -> int:
+    request = build_request(args)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("splitspec: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    try:
+        token = read_token(args.auth_token_file)
+        channel = open_channel(args)
+    except (OSError, ValueError) as exc:
+        print(f"splitspec: {exc}", file=sys.stderr)
+        return 2
+    metadata = auth_metadata(token) if token else None
+    with channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        try:
+            if args.stream:
+                stream_request = verifier_pb2.GenerateStreamRequest()
+                stream_request.ParseFromString(request.SerializeToString())  # same fields, same numbers
+                last = None
+                for last in stub.GenerateStream(stream_request, timeout=args.timeout, metadata=metadata):
+                    sys.stdout.write(last.text)
+                    sys.stdout.flush()
+                print()
+                stats = last.stats if last else verifier_pb2.SpeculationStats()
+            else:
+                reply = stub.Generate(request, timeout=args.timeout, metadata=metadata)
+                print(reply.text)
+                stats = reply.stats
+        except grpc.RpcError as exc:
+            print(f"splitspec: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"[{format_stats(stats)}]", file=sys.stderr)
+    return 0
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="send a prompt to a verifier and print the text and speculation stats",
+                       allow_abbrev=False)  # `--auth-token SECRET` must not pass for --auth-token-file
+    p.add_argument("prompt")
+    p.add_argument("--target", default="localhost:50051", help="verifier address")
+    p.add_argument("--raw", action="store_true", help="send as raw text instead of a chat user message")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    p.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
+    p.add_argument("--timeout", type=float, default=600.0)
+    s = p.add_argument_group("security")
+    s.add_argument("--tls", action="store_true", help="connect over TLS, verifying with the system's CA roots")
+    s.add_argument("--tls-ca", help="PEM CA bundle verifying the verifier's certificate (implies --tls)")
+    s.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (needs --tls-key; implies --tls)")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-server-name", help="expected name in the server certificate, when not the target host")
+    s.add_argument("--auth-token-file",
+                   help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
+    p.set_defaults(func=generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from verifier_service import demo  # heavy imports only for the commands that need them
+    from verifier_service.tools.bench import run as bench
+
+    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="command")
+    add_generate(sub)
+    demo.add_parser(sub)
+    bench.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
