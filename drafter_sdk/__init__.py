@@ -14,8 +14,8 @@ built-in `splitspec-drafter ngram`.
 """
 
 from drafter_sdk.drafter import Drafter, DraftRequest, SamplingHints
-from drafter_sdk.errors import DrafterError
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.errors import DrafterError
 from drafter_sdk.server import RunningDrafter, serve, start_server
 from drafter_sdk.servicer import DrafterServicer
 

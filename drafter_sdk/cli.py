@@ -12,8 +12,14 @@ from pathlib import Path
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.security import add_server_flags, read_token, server_credentials, server_flags_problem
-from drafter_sdk.server import MIB, serve
+from drafter_sdk.security import (
+    add_server_flags,
+    read_token,
+    server_credentials,
+    server_flags_problem,
+)
+from drafter_sdk.server import serve
+from drafter_sdk.service import MIB
 
 
 def build_parser() -> argparse.ArgumentParser:

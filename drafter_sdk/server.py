@@ -1,4 +1,5 @@
-"""Run a Drafter as a gRPC DrafterService with health, reflection, idle eviction and graceful shutdown."""
+"""Run a Drafter as a gRPC DrafterService: the shared server lifecycle (service.py), plus the
+drafter's own `load()` in the background and the idle-state sweep."""
 
 from __future__ import annotations
 
@@ -7,49 +8,44 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from drafter_sdk.drafter import Drafter
-from drafter_sdk.metrics import DrafterMetrics, MetricsServer, start_metrics_server
+from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.security import BearerTokenServerInterceptor
 from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.service import MIB, GrpcService, stop_on_signals
 from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
 
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
 # In-flight calls may finish this long after a connection reached max_connection_age_s
 # (PrepareDraftTokens calls last milliseconds; this only bounds stuck ones).
 MAX_CONNECTION_AGE_GRACE_S = 10.0
-_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class RunningDrafter:
     """A started drafter server. `port` is the bound port (useful with port 0); `metrics_port` the
     bound port of /metrics, None without metrics."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, servicer: DrafterServicer,
-                 health_servicer: health.aio.HealthServicer, grace_period_s: float, idle_timeout_s: float,
-                 metrics_server: MetricsServer | None) -> None:
-        self.server = server
-        self.port = port
+    def __init__(self, service: GrpcService, servicer: DrafterServicer, grace_period_s: float,
+                 idle_timeout_s: float) -> None:
+        self.service = service
         self.servicer = servicer
-        self.health = health_servicer
         self.grace_period_s = grace_period_s
-        self.metrics_server = metrics_server
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._load_task = asyncio.create_task(self._load())
         self._evict_task = asyncio.create_task(self._evict_idle(idle_timeout_s))
 
     @property
+    def port(self) -> int:
+        return self.service.port
+
+    @property
     def metrics_port(self) -> int | None:
-        return self.metrics_server.port if self.metrics_server is not None else None
+        return self.service.metrics_port
 
     async def wait_loaded(self) -> None:
         """Return once the drafter serves; raise what `load()` raised if it failed."""
@@ -69,20 +65,16 @@ class RunningDrafter:
         return self._stopping
 
     async def wait_for_termination(self) -> None:
-        await self.server.wait_for_termination()
+        await self.service.wait_for_termination()
         if self._stopping is not None:
             await asyncio.shield(self._stopping)
 
     async def _stop(self, grace: float) -> None:
         log.info("stopping (grace %.1fs)", grace)
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await self.service.stop(grace)
         self._load_task.cancel()
         self._evict_task.cancel()
         self.servicer.close()
-        if self.metrics_server is not None:
-            # shutdown() blocks until the serving thread notices; keep the event loop free meanwhile.
-            await asyncio.to_thread(self.metrics_server.close)
 
     async def _load(self) -> None:
         name = self.servicer.drafter.name
@@ -94,8 +86,7 @@ class RunningDrafter:
             self.load_error = exc
             self.request_stop(0)
             return
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, _SERVING)
+        await self.service.set_serving(True)
         log.info("%s loaded, SERVING", name)
 
     async def _evict_idle(self, idle_timeout_s: float) -> None:
@@ -137,46 +128,16 @@ async def start_server(
     """
     metrics = DrafterMetrics() if metrics_port is not None else None
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s), metrics)
-    if auth_token is not None:
-        interceptors = [BearerTokenServerInterceptor(auth_token), *interceptors]
-    server = grpc.aio.server(
-        interceptors=list(interceptors),
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            # Two drafters must never silently share one port.
-            ("grpc.so_reuseport", 0),
-            *(
-                [
-                    ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
-                    ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000)),
-                ]
-                if max_connection_age_s
-                else []
-            ),
-        ],
-    )
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    if server_credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, server_credentials)
-    metrics_server = None
-    if metrics is not None:
-        metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
-        log.info("metrics on http://%s:%d/metrics", host, metrics_server.port)
-    await server.start()
-    log.info("serving %s on %s:%d (%s%s)", drafter.name, host, bound,
-             "plaintext" if server_credentials is None else "TLS", ", bearer auth" if auth_token else "")
-    return RunningDrafter(server, bound, servicer, health_servicer, grace_period_s, idle_timeout_s, metrics_server)
+    connection_age = [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+                      ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000))
+                      ] if max_connection_age_s else []
+    service = await GrpcService.start(
+        SERVICE_NAME, lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server),
+        host=host, port=port, server_credentials=server_credentials, auth_token=auth_token,
+        max_message_bytes=max_message_bytes, max_concurrent_rpcs=max_concurrent_rpcs, options=connection_age,
+        interceptors=interceptors, metrics_registry=metrics.registry if metrics else None, metrics_port=metrics_port)
+    log.info("serving %s", drafter.name)
+    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s)
 
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,
@@ -192,24 +153,15 @@ def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file:
 
 async def _serve(drafter: Drafter, *, port_file: str | os.PathLike[str] | None, **options: object) -> None:
     running = await start_server(drafter, **options)  # type: ignore[arg-type]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, running, sig)
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s", sig.name)
+        running.request_stop()
+
+    stop_on_signals(on_signal)
     if port_file is not None:
-        _write_atomically(Path(port_file), f"{running.port}\n")
+        running.service.write_port_file(port_file)
     await running.wait_for_termination()
     if running.load_error is not None:
         raise SystemExit(1)
     log.info("stopped")
-
-
-def _on_signal(running: RunningDrafter, sig: signal.Signals) -> None:
-    log.info("received %s", sig.name)
-    running.request_stop()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    # Readers polling for the file must never see it half written.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

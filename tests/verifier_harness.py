@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 from google.protobuf import json_format
+from tiny_model import tiny_model, tiny_tokenizer
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import speculative_pb2, verifier_pb2, verifier_pb2_grpc
-from tiny_model import tiny_model, tiny_tokenizer
-from verifier_service.spec.config import parse_mode
 from verifier_service.api.server import RunningVerifier, attach_model, start_server
 from verifier_service.settings import ServerSettings
+from verifier_service.spec.config import parse_mode
 
 
 def spec_config(mode: str = "NONE", max_draft_len: int = 0, drafter_target: str = "",
@@ -65,6 +65,6 @@ def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_toke
 
 
 def token_request(ids: list[int], max_new_tokens: int, **fields: object) -> verifier_pb2.GenerateRequest:
-    return verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=ids),
+    return verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids),
                                         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
-                                        **fields)
+                                        **fields))

@@ -19,18 +19,17 @@ time (`track`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from verifier_service.spec.drafter_client import DrafterClient, DraftReply
+from drafter_sdk.metrics import LATENCY_BUCKETS  # drafter calls, timed with the same buckets at either end
 
 if TYPE_CHECKING:
-    from verifier_service.model.kv_cache import KVCache
     from verifier_service.engine.scheduler import Scheduler
     from verifier_service.engine.sequence import Sequence
+    from verifier_service.spec.drafter_client import DrafterClient, DraftReply
 
 PREFIX = "splitspec:"
 # vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.
@@ -40,8 +39,6 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0)
-# Drafter calls last milliseconds; the default per-call deadline is 50 ms.
-DRAFTER_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -68,7 +65,7 @@ class VerifierMetrics:
         # --- drafter calls
         self.drafter_call_latency = Histogram(
             f"{p}drafter_call_latency_seconds", "PrepareDraftTokens round trip as the verifier sees it, "
-            "failed and timed-out calls included", buckets=DRAFTER_LATENCY_BUCKETS, registry=r)
+            "failed and timed-out calls included", buckets=LATENCY_BUCKETS, registry=r)
         self.drafter_call_failures = Counter(
             f"{p}drafter_call_failures", "Drafter calls that failed, timed out or returned invalid drafts "
             "(each costs that step's drafts, never a request)", registry=r)
@@ -111,15 +108,15 @@ class VerifierMetrics:
 
     # --- wiring -------------------------------------------------------------------------------------
 
-    def track(self, scheduler: Scheduler, kv_cache: KVCache, drafter: DrafterClient | None = None,
-              max_draft_len: int = 0) -> None:
+    def track(self, scheduler: Scheduler, drafter: DrafterClient | None = None, max_draft_len: int = 0) -> None:
         """Read queue, running and KV usage (and drafter health) at scrape time; show every draft
         position up to max_draft_len from the start (0 until accepted), as vLLM does."""
         for pos in range(max_draft_len):
             self.num_accepted_tokens_per_pos.labels(str(pos))
         self.num_requests_running.set_function(lambda: scheduler.num_running)
         self.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
-        self.kv_cache_usage.set_function(lambda: _read_concurrently(kv_cache.usage))
+        # Read on the scrape thread: a list the event loop changes meanwhile is read, at worst, a step stale.
+        self.kv_cache_usage.set_function(scheduler.kv_usage)
         if drafter is not None and self.drafter_up is None:
             self.drafter_up = Gauge(f"{PREFIX}drafter_up", "1 while the drafter circuit breaker is closed, "
                                     "0 while open (absent without a drafter)", registry=self.registry)
@@ -138,7 +135,7 @@ class VerifierMetrics:
             self.num_accepted_tokens.inc(a)
             for pos in range(a):
                 self.num_accepted_tokens_per_pos.labels(str(pos)).inc()
-        disabled = {s.request_id for s in seqs if s.stats.auto_disabled}
+        disabled = {s.request_id for s in seqs if s.spec.auto_disabled}
         self.auto_disabled.inc(len(disabled - self._disabled))
         self._disabled = disabled  # a disabled sequence decodes every step until it ends
         if drafter is not None:
@@ -151,17 +148,6 @@ class VerifierMetrics:
             self.drafter_call_failures.inc(failures)
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
-
-
-def _read_concurrently(read: Callable[[], float], attempts: int = 5) -> float:
-    """Scrapes run on the HTTP server's thread while the event loop changes the engine's
-    state: a read that iterates a dict the loop is resizing raises; read again."""
-    for _ in range(attempts):
-        try:
-            return read()
-        except RuntimeError:  # "dictionary changed size during iteration"
-            continue
-    return float("nan")
 
 
 class RequestTimer:

@@ -1,32 +1,68 @@
-"""Everything the verifier server is started with (from flags or code)."""
+"""Everything the verifier is started with: the one place its defaults live, validated once.
+
+`splitspec-verifier`'s flags (api/cli.py) set no defaults of their own: a flag
+left out is a field left at its default here, and the flags' help text reads
+its defaults from here. Construction validates the whole tree, the speculative
+config included, and keeps a filled-in copy of that config: the caller's
+message is never changed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
+from verifier_service.spec.config import ConfigError, validate
+
+EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerSettings:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"
+    # --- model
+    model: str | None = None  # Hugging Face folder or .gguf file; None: EMBEDDED_MODEL
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
-    max_model_len: int = 2048
+    # --- capacity
+    max_model_len: int = 2048  # longest prompt + generation
     max_num_seqs: int = 16
     max_queue_len: int = 64
     kv_cache_memory_gb: float = 4.0
     default_max_new_tokens: int = 256
-    speculative: speculative_pb2.SpeculativeConfig = field(default_factory=speculative_pb2.SpeculativeConfig)
-    host: str = "[::]"
-    port: int = 50051
-    grace_period_s: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     max_concurrent_rpcs: int = 1024
+    # --- speculation (filled in by validation: mode NONE when unset)
+    speculative: speculative_pb2.SpeculativeConfig = field(default_factory=speculative_pb2.SpeculativeConfig)
+    # --- serving
+    host: str = "[::]"
+    port: int = 50051  # 0: a free port
+    grace_period_s: float = 30.0
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
     # TLS: cert + key serve TLS; adding client_ca requires client certificates (mTLS).
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
     auth_token: str | None = None
-    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("max_model_len", "max_num_seqs", "default_max_new_tokens", "max_message_bytes",
+                    "max_concurrent_rpcs")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_queue_len < 0:
+            raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv_cache_memory_gb must be positive, not {self.kv_cache_memory_gb}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca needs tls_cert and tls_key (mutual TLS)")
+        # Frozen: the validated copy replaces the field once, at construction.
+        object.__setattr__(self, "speculative", validate(self.speculative))
+
+
+DEFAULTS = ServerSettings()

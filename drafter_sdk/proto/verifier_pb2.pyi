@@ -80,7 +80,7 @@ class SpeculationOverrides(_message.Message):
     disable: bool
     def __init__(self, max_draft_len: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
 
-class GenerateRequest(_message.Message):
+class GenerationParams(_message.Message):
     __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -98,23 +98,17 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationOverrides
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ...) -> None: ...
 
+class GenerateRequest(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: GenerationParams
+    def __init__(self, params: _Optional[_Union[GenerationParams, _Mapping]] = ...) -> None: ...
+
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
-    CHAT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    STOPPING_FIELD_NUMBER: _ClassVar[int]
-    SPECULATION_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt: str
-    chat: ChatMessages
-    token_ids: TokenIds
-    sampling: SamplingParams
-    stopping: StoppingCriteria
-    speculation: SpeculationOverrides
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ...) -> None: ...
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: GenerationParams
+    def __init__(self, params: _Optional[_Union[GenerationParams, _Mapping]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_rate", "num_drafter_failures", "auto_disabled")
@@ -138,7 +132,7 @@ class SpeculationStats(_message.Message):
     auto_disabled: bool
     def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., num_drafter_failures: _Optional[int] = ..., auto_disabled: _Optional[bool] = ...) -> None: ...
 
-class GenerateResponse(_message.Message):
+class GenerationOutput(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "prompt_tokens", "stats")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -156,23 +150,17 @@ class GenerateResponse(_message.Message):
     stats: SpeculationStats
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
 
+class GenerateResponse(_message.Message):
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: GenerationOutput
+    def __init__(self, output: _Optional[_Union[GenerationOutput, _Mapping]] = ...) -> None: ...
+
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "prompt_tokens", "stats")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    text: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    finish_reason: FinishReason
-    stop_reason: str
-    prompt_tokens: int
-    stats: SpeculationStats
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: GenerationOutput
+    def __init__(self, output: _Optional[_Union[GenerationOutput, _Mapping]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -13,13 +13,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomllib
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DOCKER_DIR = DEPLOY / "docker"
 K8S_DIR = DEPLOY / "k8s"

@@ -7,14 +7,11 @@ venv; no cluster, no Docker engine, no network.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deploy_support import (  # noqa: E402
+from deploy_support import (
     DOCKERFILES,
     DRAFTER,
     OVERLAYS,

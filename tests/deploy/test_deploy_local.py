@@ -34,16 +34,13 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deploy_support import (  # noqa: E402
+from deploy_support import (
     DRAFTER,
     VENV_BIN,
     VERIFIER,
@@ -240,22 +237,22 @@ def test_generate_through_the_remote_drafter(stack):
 
     v = stack["verifier"]
     port = v.ports[int(flag_value(main_container(v.deployment)["args"], "--port"))]
-    req = verifier_pb2.GenerateRequest(
+    req = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
         prompt=(
             "Copy the list exactly.\n"
             "List: red, green, blue, red, green, blue, red, green, blue\n"
             "Copy: red, green, blue, red, green,"
         ),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=32),
-    )
+    ))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         try:
             resp = verifier_pb2_grpc.VerifierServiceStub(ch).Generate(req, timeout=120)
         except grpc.RpcError as e:
             pytest.fail(f"Generate failed: {e.code().name} {e.details()}\n{v.log_tail()}")
-    assert resp.text.strip(), f"empty text:\n{v.log_tail()}"
-    assert resp.stats.num_draft_tokens > 0, (
-        f"no tokens drafted by the remote drafter: {resp.stats}\n{v.log_tail()}\n{stack['drafter'].log_tail()}"
+    assert resp.output.text.strip(), f"empty text:\n{v.log_tail()}"
+    assert resp.output.stats.num_draft_tokens > 0, (
+        f"no tokens drafted by the remote drafter: {resp.output.stats}\n{v.log_tail()}\n{stack['drafter'].log_tail()}"
     )
 
 

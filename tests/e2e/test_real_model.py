@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 import torch
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_service.model import loader as model_loader
 from verifier_service.tools.demo import FUNCTION, PARAGRAPH
 from verifier_service.tools.local_services import LocalService, script
@@ -50,22 +50,22 @@ async def generate_all(spec) -> list[verifier_pb2.GenerateResponse]:  # noqa: AN
     async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
                             kv_cache_memory_gb=0.5) as v:
         replies = [await v.stub.Generate(token_request(chat_ids(p), NEW_TOKENS), timeout=300) for p in PROMPTS]
-        chat = await v.stub.Generate(verifier_pb2.GenerateRequest(
+        chat = await v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
             chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPTS[0])]),
-            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS)), timeout=300)
-        assert list(chat.token_ids) == list(replies[0].token_ids), "chat input renders as the template does"
+            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS))), timeout=300)
+        assert list(chat.output.token_ids) == list(replies[0].output.token_ids), "chat input renders as the template does"
         return replies
 
 
 def test_plain_decoding_equals_transformers_generate() -> None:
     replies = asyncio.run(generate_all(spec_config("NONE")))
-    assert [list(r.token_ids) for r in replies] == references()
+    assert [list(r.output.token_ids) for r in replies] == references()
 
 
 def test_in_process_ngram_is_exact_and_accepts_drafts() -> None:
     replies = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
-    assert [list(r.token_ids) for r in replies] == references()
-    assert replies[0].stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+    assert [list(r.output.token_ids) for r in replies] == references()
+    assert replies[0].output.stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
 
 
 def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
@@ -73,9 +73,9 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
         replies = asyncio.run(generate_all(
             spec_config("USER_PROVIDED", 8, drafter_target=drafter.address, deadline_ms=2000)))
         assert drafter.stop() == 0
-    assert [list(r.token_ids) for r in replies] == references()
-    assert replies[0].stats.mean_acceptance_length > 2.0
-    assert all(r.stats.num_drafter_failures == 0 for r in replies)
+    assert [list(r.output.token_ids) for r in replies] == references()
+    assert replies[0].output.stats.mean_acceptance_length > 2.0
+    assert all(r.output.stats.num_drafter_failures == 0 for r in replies)
 
 
 def test_demo_runs_end_to_end() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-NODE_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "examples" / "node-drafter"
+NODE_DRAFTER_DIR = Path(__file__).resolve().parents[2] / "examples" / "node-drafter"
 DRAFTER_SERVICE = "splitspec.v1.DrafterService"
 _REQUIRED_PACKAGES = ("@grpc/grpc-js", "@grpc/proto-loader", "grpc-health-check")
 

@@ -16,11 +16,16 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
 
-from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, GrpcTransport
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
-from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
+from verifier_service.spec.drafter_client import (
+    DeltaHistory,
+    DrafterClient,
+    DraftQuery,
+    GrpcTransport,
+)
 
 pytestmark = [
     pytest.mark.skipif(not node_available(), reason="node is not on PATH"),
@@ -233,8 +238,9 @@ def _drive_round_robin(target: str, policy: str, steps: int = 20,
         rng = random.Random(3)
         tokens = [rng.randrange(50) for _ in range(200)]
         in_sync = 0
+        history = DeltaHistory()
         for _ in range(steps):
-            reply = await client.propose([DraftQuery("r", list(tokens), 10, 4)])
+            reply = await client.propose([DraftQuery("r", list(tokens), 10, 4, history)])
             assert not reply.failed[0], client.stats.last_error
             in_sync = client.stats.calls - client.stats.resyncs
             tokens.extend(rng.randrange(50) for _ in range(rng.randint(1, 5)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from node_drafter import node_available, run_node_drafter
 from tiny_model import tiny_model
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
@@ -28,8 +27,8 @@ def test_node_drafter_serves_a_verifier_exactly_with_acceptance() -> None:
                                                    for p in PROMPTS)))
 
         replies = asyncio.run(main())
-    assert [list(r.token_ids) for r in replies] == expected
-    assert all(r.stats.num_drafter_failures == 0 for r in replies)
-    drafts = sum(r.stats.num_drafts for r in replies)
-    accepted = sum(r.stats.num_accepted_tokens for r in replies)
+    assert [list(r.output.token_ids) for r in replies] == expected
+    assert all(r.output.stats.num_drafter_failures == 0 for r in replies)
+    drafts = sum(r.output.stats.num_drafts for r in replies)
+    accepted = sum(r.output.stats.num_accepted_tokens for r in replies)
     assert drafts > 0 and 1 + accepted / drafts > 1.0, "mean acceptance length above 1"

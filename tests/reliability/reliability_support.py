@@ -21,11 +21,16 @@ from pathlib import Path
 
 import grpc
 import torch
-
-from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
 from tiny_model import tiny_model
-from verifier_harness import VerifierHandle, reference_greedy, run_verifier, token_request
+from verifier_harness import (
+    VerifierHandle,
+    reference_greedy,
+    run_verifier,
+    token_request,
+)
+
+from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.local_services import LocalService, script
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -212,7 +217,7 @@ class Load:
     def check(self) -> None:
         """Zero failed requests, and every output is plain decoding's."""
         assert not self.failed, f"{len(self.failed)} requests failed, e.g. {self.failed[:3]}"
-        wrong = [d.index for d in self.done if list(d.response.token_ids) != self.workload.expected(d.index)]
+        wrong = [d.index for d in self.done if list(d.response.output.token_ids) != self.workload.expected(d.index)]
         assert not wrong, f"{len(wrong)} of {len(self.done)} outputs differ from plain decoding (prompts {wrong[:5]})"
 
 
@@ -233,7 +238,7 @@ async def until_async(predicate: Callable[[], "asyncio.Future[bool]"], what: str
 
 
 def accepted(done: list[Done]) -> int:
-    return sum(d.response.stats.num_accepted_tokens for d in done)
+    return sum(d.response.output.stats.num_accepted_tokens for d in done)
 
 
 # --- an in-process verifier on its own event loop thread ----------------------------------------
@@ -289,12 +294,11 @@ class VerifierThread:
 
 
 def idle(handle: VerifierHandle) -> dict:
-    """What the engine still holds: all zero once every request finished or was cancelled."""
+    """What the engine still holds: all zero once every request finished or was cancelled (everything
+    else kept for a request lives on its Sequence, and goes with it)."""
     engine = handle.running.runtime.engine
-    client = engine.drafter
     return {"running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
-            "kv_slots": engine.kv_cache.num_active, "kv_tokens": engine.kv_cache.used_tokens(),
-            "policy_state": len(engine.policy._state), "drafter_sent": len(client._sent) if client else 0}
+            "kv_slots": engine.runner.kv_cache.num_used_slots}
 
 
 # Figures of the run (fault, requests, failures, drafter calls; fuzz cases), printed by conftest.py.

@@ -14,14 +14,14 @@ import textwrap
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from reliability_support import VerifierThread, idle, reference
+from tiny_model import tiny_tokenizer
 from transformers import PreTrainedTokenizerFast
+from verifier_harness import spec_config, token_request
 
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
-from reliability_support import VerifierThread, idle, reference
-from tiny_model import tiny_tokenizer
-from verifier_harness import spec_config, token_request
-from verifier_service import cli
+from verifier_service.api import cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +32,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def req(**fields: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(**fields)
+    return pb.GenerateRequest(params=pb.GenerationParams(**fields))
 
 
 def tokens(ids: list[int], max_new_tokens: int = 4, **fields: object) -> pb.GenerateRequest:
@@ -116,7 +116,7 @@ def test_bad_requests_get_the_right_status_and_an_actionable_message(verifier, s
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         good = stub.Generate(tokens([5, 6, 7], 16), timeout=60)
-        assert list(good.token_ids) == list(reference((5, 6, 7), 16))
+        assert list(good.output.token_ids) == list(reference((5, 6, 7), 16))
     assert set(verifier.on_loop(idle).values()) == {0}
 
 
@@ -124,7 +124,8 @@ def test_undecodable_bytes_are_invalid_argument_not_unknown(verifier):
     with grpc.insecure_channel(verifier.address) as channel:
         for method in ("Generate", "GenerateStream"):
             path = f"/splitspec.v1.VerifierService/{method}"
-            for raw in (b"\x12\x02\xff\xfe", b"\xff\xff\xff\xff", b"\x22\x05\x0a\x09"):
+            # params.prompt with invalid UTF-8; a bad tag; a length past the end
+            for raw in (b"\x0a\x04\x12\x02\xff\xfe", b"\xff\xff\xff\xff", b"\x0a\x05\x0a\x09"):
                 rpc = channel.unary_stream(path) if method == "GenerateStream" else channel.unary_unary(path)
                 with pytest.raises(grpc.RpcError) as info:
                     result = rpc(raw, timeout=30)
@@ -140,14 +141,14 @@ def test_odd_but_valid_sampling_parameters_are_served(verifier):
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         # A temperature so small that logits / temperature would overflow: greedy, as in vLLM.
         tiny = stub.Generate(sampled(temperature=1e-30), timeout=60)
-        assert list(tiny.token_ids) == list(reference((5, 6, 7), 4))
+        assert list(tiny.output.token_ids) == list(reference((5, 6, 7), 4))
         for params in ({"temperature": 100.0, "seed": 2**64 - 1}, {"temperature": 0.7, "top_k": 2**31 - 1},
                        {"temperature": 1.0, "top_p": 1e-30, "seed": 0}):
             reply = stub.Generate(sampled(**params), timeout=60)
-            assert len(reply.token_ids) == 4 and reply.finish_reason == pb.FINISH_REASON_LENGTH, params
+            assert len(reply.output.token_ids) == 4 and reply.output.finish_reason == pb.FINISH_REASON_LENGTH, params
         spec = stub.Generate(tokens([5, 6, 7], 8, speculation=pb.SpeculationOverrides(max_draft_len=2**32 - 1)),
                              timeout=60)
-        assert list(spec.token_ids) == list(reference((5, 6, 7), 8))
+        assert list(spec.output.token_ids) == list(reference((5, 6, 7), 8))
 
 
 def test_chat_without_a_chat_template_is_failed_precondition():
@@ -160,7 +161,7 @@ def test_chat_without_a_chat_template_is_failed_precondition():
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no chat template" in info.value.details() and "plain prompt" in info.value.details()
         assert len(stub.Generate(req(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=3)),
-                                 timeout=30).token_ids) == 3
+                                 timeout=30).output.token_ids) == 3
 
 
 def test_queue_and_concurrency_limits_answer_resource_exhausted():
@@ -174,7 +175,7 @@ def test_queue_and_concurrency_limits_answer_resource_exhausted():
                 codes = []
                 for f in futures:
                     try:
-                        codes.append(("OK", len(f.result().token_ids)))
+                        codes.append(("OK", len(f.result().output.token_ids)))
                     except grpc.RpcError as exc:
                         codes.append((exc.code().name, exc.details()))
             refused = [c for c in codes if c[0] != "OK"]

@@ -21,12 +21,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
-
-from drafter_sdk.proto import verifier_pb2
-from reliability_support import (FIGURES, Load, RawFaultyDrafter, SdkFaultyDrafter, Workload, accepted, free_port,
-                                 make_workload, until)
+from reliability_support import (
+    FIGURES,
+    Load,
+    RawFaultyDrafter,
+    SdkFaultyDrafter,
+    Workload,
+    accepted,
+    free_port,
+    make_workload,
+    until,
+)
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config
+
+from drafter_sdk.proto import verifier_pb2
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,12 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from drafter_sdk.proto import verifier_pb2 as pb
-from drafter_sdk.proto import verifier_pb2_grpc
 from reliability_support import FIGURES, VerifierThread, idle, reference
 from tiny_model import tiny_tokenizer
 from verifier_harness import spec_config, token_request
+
+from drafter_sdk.proto import verifier_pb2 as pb
+from drafter_sdk.proto import verifier_pb2_grpc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,17 +56,19 @@ speculation = st.builds(pb.SpeculationOverrides, max_draft_len=st.one_of(st.none
 
 @st.composite
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=draw(st.one_of(st.just(""), st.text(max_size=300))))
+    request = pb.GenerateRequest()
+    params = request.params
+    params.request_id = draw(st.one_of(st.just(""), st.text(max_size=300)))
     which = draw(st.sampled_from(["none", "prompt", "chat", "token_ids"]))
     if which == "prompt":
-        request.prompt = draw(st.text(max_size=200))
+        params.prompt = draw(st.text(max_size=200))
     elif which == "chat":
-        request.chat.CopyFrom(draw(chat))
+        params.chat.CopyFrom(draw(chat))
     elif which == "token_ids":
-        request.token_ids.ids.extend(draw(st.lists(token_id, max_size=300)))
+        params.token_ids.ids.extend(draw(st.lists(token_id, max_size=300)))
     for name, strategy in (("sampling", sampling), ("stopping", stopping), ("speculation", speculation)):
         if draw(st.booleans()):
-            getattr(request, name).CopyFrom(draw(strategy))
+            getattr(params, name).CopyFrom(draw(strategy))
     return request
 
 
@@ -85,7 +87,7 @@ def still_serving(v) -> None:
     health = health_pb2_grpc.HealthStub(v.channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     reply = v.stub.Generate(token_request([5, 6, 7], 12), timeout=60)
-    assert list(reply.token_ids) == list(reference((5, 6, 7), 12))
+    assert list(reply.output.token_ids) == list(reference((5, 6, 7), 12))
 
 
 def outcome(exc: grpc.RpcError) -> str:
@@ -103,21 +105,21 @@ def test_fuzz_generate_requests(verifier):
         seen["cases"] += 1
         try:
             if stream:
-                messages = list(verifier.stub.GenerateStream(
-                    pb.GenerateStreamRequest.FromString(request.SerializeToString()), timeout=60))
+                messages = list(verifier.stub.GenerateStream(pb.GenerateStreamRequest(params=request.params),
+                                                             timeout=60))
                 last = messages[-1]
-                token_ids = [t for m in messages for t in m.token_ids]
+                token_ids = [t for m in messages for t in m.output.token_ids]
             else:
                 last = verifier.stub.Generate(request, timeout=60)
-                token_ids = list(last.token_ids)
+                token_ids = list(last.output.token_ids)
         except grpc.RpcError as exc:
             seen[outcome(exc)] += 1
             return
         seen["OK"] += 1
-        assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert last.output.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert 1 <= len(token_ids) and all(0 <= t < VOCAB for t in token_ids)
-        if request.stopping.HasField("max_new_tokens"):
-            assert len(token_ids) <= request.stopping.max_new_tokens
+        if request.params.stopping.HasField("max_new_tokens"):
+            assert len(token_ids) <= request.params.stopping.max_new_tokens
 
     try:
         check()

@@ -9,11 +9,11 @@ import concurrent.futures
 
 import grpc
 import pytest
+from reliability_support import WAIT_S, SdkFaultyDrafter, make_workload, until
+from verifier_harness import run_verifier, spec_config
 
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.proto import verifier_pb2 as pb
-from reliability_support import WAIT_S, SdkFaultyDrafter, make_workload, until
-from verifier_harness import run_verifier, spec_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,5 +71,5 @@ def test_verifier_copes_with_a_drafter_refusing_its_calls_for_size(limited_draft
         return replies, info
 
     replies, info = asyncio.run(body())
-    assert [list(r.token_ids) for r in replies] == [workload.expected(i) for i in range(6)]
+    assert [list(r.output.token_ids) for r in replies] == [workload.expected(i) for i in range(6)]
     assert info.drafter.failures >= 1 and "RESOURCE_EXHAUSTED" in info.drafter.last_error

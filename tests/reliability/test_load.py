@@ -16,12 +16,19 @@ from collections import Counter
 import grpc
 import psutil
 import pytest
+from reliability_support import (
+    FIGURES,
+    WAIT_S,
+    RawFaultyDrafter,
+    idle,
+    make_workload,
+    until,
+)
+from tiny_model import tiny_tokenizer
+from verifier_harness import run_verifier, spec_config
 
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
-from reliability_support import FIGURES, WAIT_S, RawFaultyDrafter, idle, make_workload, until
-from tiny_model import tiny_tokenizer
-from verifier_harness import run_verifier, spec_config
 from verifier_service.engine.sequence import Sequence
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +58,7 @@ async def client(address: str, shared: verifier_pb2_grpc.VerifierServiceStub, wo
     last = None
     try:
         async for message in call:
-            received.extend(message.token_ids)
+            received.extend(message.output.token_ids)
             last = message
             if behaviour in ("cancel", "disconnect") and (cut_after := cut_after - 1) == 0:
                 if behaviour == "cancel":
@@ -67,7 +74,7 @@ async def client(address: str, shared: verifier_pb2_grpc.VerifierServiceStub, wo
     finally:
         if channel is not None:
             await channel.close()
-    if last is not None and last.finish_reason:
+    if last is not None and last.output.finish_reason:
         # Completed (a cancel or deadline can lose the race against a short generation).
         assert received == workload.expected(i), (behaviour, i)
         seen["completed"] += 1

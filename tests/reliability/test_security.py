@@ -7,17 +7,17 @@ import asyncio
 
 import grpc
 import pytest
+from certs import make_pki
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from reliability_support import Proc, VerifierProcess, VerifierThread, reference
+from verifier_harness import run_verifier, spec_config, token_request
 
-from certs import make_pki
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
 from drafter_sdk.security import auth_metadata, channel_credentials
-from reliability_support import Proc, VerifierProcess, VerifierThread, reference
-from verifier_harness import run_verifier, spec_config, token_request
-from verifier_service import cli
-from verifier_service import cli_client
+from verifier_service.api import cli
+from verifier_service.tools import cli as cli_client
 from verifier_service.spec.config import ConfigError
 from verifier_service.tools.local_services import script
 
@@ -58,7 +58,7 @@ def refused(channel: grpc.Channel, metadata=None) -> grpc.StatusCode:
 def test_verifier_serves_tls_to_clients_that_trust_its_ca(pki, foreign):
     with VerifierThread(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key)) as v:
         with grpc.secure_channel(v.address, channel_credentials(pki.ca_cert)) as channel:
-            assert list(generate(channel).token_ids) == list(reference(tuple(PROMPT), 6))
+            assert list(generate(channel).output.token_ids) == list(reference(tuple(PROMPT), 6))
         with grpc.secure_channel(v.address, channel_credentials(foreign.ca_cert)) as channel:
             assert refused(channel) == grpc.StatusCode.UNAVAILABLE  # the server's certificate is not trusted
         with grpc.insecure_channel(v.address) as channel:
@@ -73,7 +73,7 @@ def test_verifier_mutual_tls_refuses_clients_without_a_valid_certificate(pki, fo
     with VerifierThread(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
                         tls_client_ca=str(pki.ca_cert)) as v, grpc.secure_channel(v.address, creds) as channel:
         if client == "valid":
-            assert list(generate(channel).token_ids) == list(reference(tuple(PROMPT), 6))
+            assert list(generate(channel).output.token_ids) == list(reference(tuple(PROMPT), 6))
         else:
             assert refused(channel) == grpc.StatusCode.UNAVAILABLE
 
@@ -84,14 +84,14 @@ def test_verifier_bearer_token_guards_everything_but_health_and_reflection():
         for metadata in (None, auth_metadata("wrong"), (("authorization", TOKEN),), (("authorization", "Basic x"),)):
             assert refused(channel, metadata) == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as info:
-                list(stub.GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=PROMPT)), timeout=30,
+                list(stub.GenerateStream(pb.GenerateStreamRequest(params=pb.GenerationParams(token_ids=pb.TokenIds(ids=PROMPT))), timeout=30,
                                          metadata=metadata))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as info:
                 stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30, metadata=metadata)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "bearer token" in info.value.details()
-        assert list(generate(channel, auth_metadata(TOKEN)).token_ids) == list(reference(tuple(PROMPT), 6))
+        assert list(generate(channel, auth_metadata(TOKEN)).output.token_ids) == list(reference(tuple(PROMPT), 6))
         # Probes cannot send a token: health and reflection stay open.
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -159,7 +159,7 @@ def test_verifier_drafter_connection_misconfigured_costs_drafts_only(pki, token_
             return replies, info
 
         replies, info = asyncio.run(body())
-    assert all(list(r.token_ids) == list(reference(tuple(PROMPT), 12)) for r in replies)
+    assert all(list(r.output.token_ids) == list(reference(tuple(PROMPT), 12)) for r in replies)
     assert info.drafter.failures >= 3 and info.drafter.state == pb.DRAFTER_STATE_UNAVAILABLE
     assert ("UNAUTHENTICATED" if mistake == "wrong token" else "UNAVAILABLE") in info.drafter.last_error
 

@@ -11,12 +11,11 @@ import signal
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
-from drafter_sdk.proto import verifier_pb2 as pb
-from drafter_sdk.proto import verifier_pb2_grpc
 from reliability_support import WAIT_S, SdkFaultyDrafter, VerifierProcess, idle, until
 from verifier_harness import run_verifier, token_request
+
+from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from drafter_sdk.proto import verifier_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,8 +26,8 @@ NEW_TOKENS = 200
 
 
 def long_request() -> pb.GenerateStreamRequest:
-    return pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=PROMPT),
-                                    stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    return pb.GenerateStreamRequest(params=pb.GenerationParams(token_ids=pb.TokenIds(ids=PROMPT),
+                                    stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True)))
 
 
 def watch_until_not_serving(channel: grpc.Channel, statuses: list[int]) -> list[int]:
@@ -70,8 +69,8 @@ def test_verifier_sigterm_drains_in_flight_requests(tiny_model_dir):
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             # Every request that was in flight finishes, exactly.
             outputs = [r.result(WAIT_S * 3) for r in rest]
-        ids = [[t for m in (first if i == 0 else []) + messages for t in m.token_ids] for i, messages in enumerate(outputs)]
-        assert all(messages[-1].finish_reason == pb.FINISH_REASON_LENGTH for messages in outputs)
+        ids = [[t for m in (first if i == 0 else []) + messages for t in m.output.token_ids] for i, messages in enumerate(outputs)]
+        assert all(messages[-1].output.finish_reason == pb.FINISH_REASON_LENGTH for messages in outputs)
         assert all(len(x) == NEW_TOKENS for x in ids) and all(x == ids[0] for x in ids)  # whole and identical
         assert verifier.process.wait(WAIT_S) == 0
     assert "shutting down" in verifier.tail(20_000)
@@ -81,8 +80,8 @@ def test_verifier_grace_period_bounds_the_drain():
     """Requests still running when the grace period ends are cut off; stop() returns, nothing is held."""
     async def body():
         async with run_verifier(max_num_seqs=1) as v:
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT),
-                                         stopping=pb.StoppingCriteria(max_new_tokens=250, ignore_eos=True))
+            request = pb.GenerateRequest(params=pb.GenerationParams(token_ids=pb.TokenIds(ids=PROMPT),
+                                         stopping=pb.StoppingCriteria(max_new_tokens=250, ignore_eos=True)))
             calls = [asyncio.ensure_future(v.stub.Generate(request, timeout=WAIT_S)) for _ in range(4)]
             await until(lambda: v.running.runtime.engine.scheduler.num_running == 1, "a request runs")
             await v.running.stop(0.3)

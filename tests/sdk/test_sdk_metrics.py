@@ -69,7 +69,7 @@ def test_each_server_has_its_own_registry():
             await one.prepare("v", seq("a", 0, [1]))
             assert value(await scrape(one.running.metrics_port), "sequences_total") == 1
             assert value(await scrape(two.running.metrics_port), "sequences_total") == 0
-        assert one.running.metrics_port != two.running.metrics_port
+            assert one.running.metrics_port != two.running.metrics_port
 
     asyncio.run(body())
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from tiny_model import tiny_model, tiny_tokenizer
+
 from verifier_service.tools.local_services import script
 
 SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "transformers generate",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from tiny_model import tiny_model
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+
 from verifier_service.tools.local_services import LocalService, script
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_drafter() -> str:
@@ -33,8 +34,8 @@ def test_readme_drafter_is_about_ten_lines_and_runs_behind_a_verifier(tmp_path: 
             spec = spec_config("USER_PROVIDED", 4, drafter_target=drafter.address, deadline_ms=2000)
             async with run_verifier(spec, model=model) as v:
                 reply = await v.stub.Generate(token_request(prompt, 40), timeout=120)
-                assert list(reply.token_ids) == expected
-                assert reply.stats.num_drafts > 0 and reply.stats.num_drafter_failures == 0
+                assert list(reply.output.token_ids) == expected
+                assert reply.output.stats.num_drafts > 0 and reply.output.stats.num_drafter_failures == 0
 
         asyncio.run(main())
         assert drafter.stop() == 0

@@ -1,7 +1,7 @@
 """The verifier's Prometheus /metrics, scraped over HTTP around real generations.
 
 Counters are checked against what the same requests report in their own
-speculation stats (GenerateResponse.stats) and against the drafter client's
+speculation stats (GenerationOutput.stats) and against the drafter client's
 counts, never against times.
 """
 
@@ -10,19 +10,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-import sys
 import threading
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "verifier"))
-from verifier_harness import run_verifier, spec_config, token_request  # noqa: E402
-from verifier_support import (  # noqa: E402
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
     LOOPING_SEEDS,
     WAIT_S,
     cached_reference,
@@ -35,8 +33,8 @@ from verifier_support import (  # noqa: E402
     wait_until,
 )
 
-from drafter_sdk.proto import verifier_pb2  # noqa: E402
-from verifier_service.api.cli import parser, settings_from_args  # noqa: E402
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.cli import parser, settings_from_args
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -126,9 +124,9 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
             release = hold_after_prefill(engine)
             stream = v.stub.GenerateStream(stream_request(prompts[0], lengths[0]), timeout=WAIT_S)
             first = await stream.read()
-            assert first.token_ids
+            assert first.output.token_ids
             requests = [token_request(p, n) for p, n in zip(prompts[1:], lengths[1:])]
-            requests[0].stopping.stop_token_ids.append(cached_reference(tuple(prompts[1]), lengths[1])[5])
+            requests[0].params.stopping.stop_token_ids.append(cached_reference(tuple(prompts[1]), lengths[1])[5])
             tasks = [asyncio.ensure_future(v.stub.Generate(r, timeout=WAIT_S)) for r in requests]
             try:
                 await wait_until(lambda: engine.scheduler.num_waiting == 5, "5 requests waiting", *tasks)
@@ -137,15 +135,15 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
                 release()
             assert value(during, "num_requests_running") == 1
             assert value(during, "num_requests_waiting") == 5
-            assert value(during, "kv_cache_usage_perc") == pytest.approx(engine.kv_cache.usage())
+            assert value(during, "kv_cache_usage_perc") == pytest.approx(engine.scheduler.kv_usage())
             assert value(during, "kv_cache_usage_perc") > 0
             assert value(during, "time_to_first_token_seconds_count") == 1
             assert value(during, "prompt_tokens_total") == len(prompts[0])
-            assert value(during, "generation_tokens_total") == len(first.token_ids)
+            assert value(during, "generation_tokens_total") == len(first.output.token_ids)
             responses = [await _rest_of_stream(stream, first), *await asyncio.gather(*tasks)]
 
             after = await scrape(v)
-            stats = [r.stats for r in responses]
+            stats = [r.output.stats for r in responses]
             assert sum(s.num_accepted_tokens for s in stats) > 0, "the n-gram drafts should be accepted"
             assert value(after, "spec_decode_num_drafts_total") == sum(s.num_drafts for s in stats)
             assert value(after, "spec_decode_num_draft_tokens_total") == sum(s.num_draft_tokens for s in stats)
@@ -158,12 +156,12 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
             assert value(after, "spec_decode_auto_disabled_total") == 0
 
             # Requests: reasons, token counts, one latency sample per finished request.
-            reasons = [r.finish_reason for r in responses]
+            reasons = [r.output.finish_reason for r in responses]
             assert reasons.count(verifier_pb2.FINISH_REASON_STOP) == 1
             assert value(after, "request_success_total", finished_reason="stop") == 1
             assert value(after, "request_success_total", finished_reason="length") == 5
             assert value(after, "request_success_total", finished_reason="abort") == 0
-            generated = [len(r.token_ids) for r in responses]
+            generated = [len(r.output.token_ids) for r in responses]
             assert value(after, "generation_tokens_total") == sum(generated)
             assert value(after, "prompt_tokens_total") == sum(len(p) for p in prompts)
             assert value(after, "e2e_request_latency_seconds_count") == len(prompts)
@@ -190,11 +188,12 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
 
 async def _rest_of_stream(call, first):  # noqa: ANN001, ANN202
     """A GenerateStream folded into one response-like object (text dropped)."""
-    ids, last = list(first.token_ids), first
+    ids, last = list(first.output.token_ids), first
     while (msg := await call.read()) is not grpc.aio.EOF:
-        ids.extend(msg.token_ids)
+        ids.extend(msg.output.token_ids)
         last = msg
-    return verifier_pb2.GenerateResponse(token_ids=ids, finish_reason=last.finish_reason, stats=last.stats)
+    return verifier_pb2.GenerateResponse(output=verifier_pb2.GenerationOutput(
+        token_ids=ids, finish_reason=last.output.finish_reason, stats=last.output.stats))
 
 
 def test_drafter_failures_are_counted_and_requests_still_succeed():
@@ -204,7 +203,7 @@ def test_drafter_failures_are_counted_and_requests_still_succeed():
             prompts = [repetitive_prompt(seed) for seed in LOOPING_SEEDS[:3]]
             responses = await asyncio.gather(*(v.stub.Generate(token_request(p, 12), timeout=WAIT_S)
                                                for p in prompts))
-            assert all(len(r.token_ids) == 12 for r in responses)
+            assert all(len(r.output.token_ids) == 12 for r in responses)
             samples = await scrape(v)
             client = engine_of(v).drafter
             assert client.stats.failures > 0
@@ -236,12 +235,12 @@ def test_auto_disabled_requests_are_counted_once():
             async with run_verifier(spec, model=shared_model(), metrics_port=0) as v:
                 bad, good = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n),
                                                                      timeout=WAIT_S) for p in prompts])
-                assert bad.stats.auto_disabled and not good.stats.auto_disabled
+                assert bad.output.stats.auto_disabled and not good.output.stats.auto_disabled
                 samples = await scrape(v)
                 assert value(samples, "spec_decode_auto_disabled_total") == 1
                 assert value(samples, "spec_decode_num_draft_tokens_total") == (
-                    bad.stats.num_draft_tokens + good.stats.num_draft_tokens)
-                assert value(samples, "spec_decode_num_accepted_tokens_total") == good.stats.num_accepted_tokens
+                    bad.output.stats.num_draft_tokens + good.output.stats.num_draft_tokens)
+                assert value(samples, "spec_decode_num_accepted_tokens_total") == good.output.stats.num_accepted_tokens
 
     asyncio.run(main())
 
@@ -255,7 +254,7 @@ def test_cancelled_stream_counts_as_abort():
                 call = v.stub.GenerateStream(stream_request(repetitive_prompt(LOOPING_SEEDS[0]), 200),
                                              timeout=WAIT_S)
                 first = await call.read()
-                assert first.token_ids
+                assert first.output.token_ids
                 call.cancel()
                 registry = v.running.metrics.registry
                 await wait_until(lambda: registry.get_sample_value(
@@ -335,15 +334,29 @@ def test_busy_metrics_port_fails_start_up():
 
 
 def test_scrape_time_reads_survive_concurrent_changes():
-    """The KV usage is read on the HTTP thread while the event loop resizes the slot map."""
-    from verifier_service.metrics import _read_concurrently
+    """The KV usage is read on the HTTP thread while the event loop admits and finishes sequences."""
+    from verifier_service.engine.scheduler import Scheduler
+    from verifier_service.model.kv_cache import KVCache, KVCacheShape
+    from verifier_service.spec.policy import SpeculationPolicy
 
-    outcomes = iter([RuntimeError("dictionary changed size during iteration")] * 2 + [0.25])
+    kv = KVCache(KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=2, num_slots=8, capacity=64),
+                 torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(kv, SpeculationPolicy(max_draft_len=0), max_num_seqs=8, max_queue_len=8, max_model_len=60)
+    seqs = [SimpleNamespace(num_cached_tokens=n) for n in range(1, 9)]
+    stop, reads, errors = threading.Event(), [], []
 
-    def flaky() -> float:
-        outcome = next(outcomes)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    def scrape_loop() -> None:
+        while not stop.is_set():
+            try:
+                reads.append(scheduler.kv_usage())
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                errors.append(exc)
 
-    assert _read_concurrently(flaky) == 0.25
+    scraper = threading.Thread(target=scrape_loop)
+    scraper.start()
+    for _ in range(2000):
+        scheduler.running.extend(seqs)
+        del scheduler.running[:]
+    stop.set()
+    scraper.join()
+    assert not errors and reads and all(0 <= r <= 1 for r in reads)

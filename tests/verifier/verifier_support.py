@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny_model import tiny_model, tiny_tokenizer
+from verifier_harness import reference_greedy
 
 from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.server import RunningDrafter, start_server
-from tiny_model import tiny_model, tiny_tokenizer
-from verifier_harness import reference_greedy
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
 
@@ -212,18 +212,18 @@ class EngineSpy:
         self.prepare_requests: list = []
         step, forward = engine.step, engine.runner.forward
 
-        admit = engine.scheduler.admit
+        schedule = engine.scheduler.schedule
 
         async def spy_step() -> None:
             self.current = StepRecord()
             await step()
             self.steps.append(self.current)
 
-        def spy_admit():  # noqa: ANN202
-            admitted = admit()
+        def spy_schedule():  # noqa: ANN202
+            plan = schedule()
             if self.current is not None:
-                self.current.admitted += len(admitted)
-            return admitted
+                self.current.admitted += len(plan.prefills)
+            return plan
 
         def spy_forward(batch):  # noqa: ANN001, ANN202
             assert self.gate.wait(WAIT_S), "test gate never opened"
@@ -232,7 +232,7 @@ class EngineSpy:
             return forward(batch)
 
         engine.step = spy_step
-        engine.scheduler.admit = spy_admit
+        engine.scheduler.schedule = spy_schedule
         engine.runner.forward = spy_forward
         if engine.drafter is not None:
             transport = engine.drafter.transport
@@ -274,8 +274,8 @@ def stream_request(ids: list[int] | None = None, n: int = 16, prompt: str | None
                    **fields: object) -> verifier_pb2.GenerateStreamRequest:
     stopping = fields.pop("stopping", None) or verifier_pb2.StoppingCriteria(max_new_tokens=n)
     if prompt is not None:
-        return verifier_pb2.GenerateStreamRequest(prompt=prompt, stopping=stopping, **fields)
-    return verifier_pb2.GenerateStreamRequest(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stopping, **fields)
+        return verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(prompt=prompt, stopping=stopping, **fields))
+    return verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stopping, **fields))
 
 
 # Seeds of repetitive_prompt() whose greedy continuation on shared_model() loops,

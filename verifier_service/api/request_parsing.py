@@ -1,4 +1,5 @@
-"""Turn a GenerateRequest into engine parameters, refusing client mistakes with clear messages."""
+"""Turn GenerationParams (the body of Generate and GenerateStream) into engine parameters,
+refusing client mistakes with clear messages."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import SamplingParams
-from verifier_service.engine.sequence import SpeculationParams, StoppingParams
+from verifier_service.engine.sequence import StoppingParams
+from verifier_service.spec.policy import SpeculationParams
 
 MAX_TEMPERATURE = 100.0
 # Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
@@ -20,9 +23,6 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-GenerateLike = verifier_pb2.GenerateRequest | verifier_pb2.GenerateStreamRequest
-
 
 class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -45,6 +45,12 @@ class Limits:
     # refusing it before tokenizing keeps a huge prompt from stalling the server.
     max_prompt_chars: int = 0
 
+    @classmethod
+    def of(cls, rt: Runtime) -> "Limits":
+        return cls(vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
+                   default_max_new_tokens=rt.settings.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
+                   max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len))
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
@@ -54,7 +60,8 @@ class ParsedRequest:
     speculation: SpeculationParams
 
 
-def parse(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> ParsedRequest:
+def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
+          limits: Limits) -> ParsedRequest:
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     prompt_ids = _prompt_ids(request, tokenizer, limits)
@@ -62,7 +69,7 @@ def parse(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limits: Lim
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation))
 
 
-def _prompt_ids(request: GenerateLike, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
+def _prompt_ids(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
     which = request.WhichOneof("input")
     if which is None:
         raise _invalid("set one of prompt, chat or token_ids")
@@ -137,7 +144,7 @@ def _sampling(s: verifier_pb2.SamplingParams) -> SamplingParams:
                           seed=s.seed if s.HasField("seed") else None)
 
 
-def _stopping(request: GenerateLike, prompt_len: int, limits: Limits) -> StoppingParams:
+def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:
     st = request.stopping
     room = limits.max_model_len - prompt_len
     if st.HasField("max_new_tokens"):
@@ -169,3 +176,14 @@ def _stopping(request: GenerateLike, prompt_len: int, limits: Limits) -> Stoppin
 def _speculation(s: verifier_pb2.SpeculationOverrides) -> SpeculationParams:
     return SpeculationParams(max_draft_len=s.max_draft_len if s.HasField("max_draft_len") else None,
                              disable=s.disable)
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """Characters past which a prompt cannot fit the context: no token spells more characters than
+    its vocabulary entry, so more than max_model_len * longest-entry characters mean more than
+    max_model_len tokens (doubled, for normalizers that fold characters together). 0: unknown."""
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: no early check
+        return 0
+    return 2 * max_model_len * longest if longest else 0

@@ -1,12 +1,21 @@
-"""Continuous batching: who waits, who runs, admission bounded by KV slots and a queue limit."""
+"""Continuous batching: who waits, who runs, and what each step runs.
+
+`schedule()` returns a `StepPlan` (who is prefilled, who decodes, how many draft
+tokens each may verify); `update()` takes the plan back with the tokens the step
+produced and commits them. Admission is bounded by free KV slots and
+`max_num_seqs`; the waiting queue by `max_queue_len`.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from verifier_service.engine.sampler import VerifyRow
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
-from verifier_service.engine.sequence import Sequence
+from verifier_service.model.runner import ForwardBatch
+from verifier_service.spec.policy import SpeculationPolicy
 
 
 class QueueFullError(Exception):
@@ -14,58 +23,132 @@ class QueueFullError(Exception):
 
 
 @dataclass
+class StepPlan:
+    """One step. The forward packs every prefill's whole prompt, then every decode's last
+    committed token (not in its KV slot yet) followed by its draft."""
+
+    prefills: list[Sequence]  # admitted this step
+    decodes: list[Sequence]  # running since an earlier step
+    draft_lens: list[int]  # per decode: draft tokens to verify
+    # Per decode: draft tokens to ask the drafter for (>= draft_lens; the rest is a shadow
+    # draft, scored against what the target produces but never verified).
+    draft_asks: list[int]
+    released: list[Sequence]  # cancelled since the last step: their slots are free already
+    drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+    shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.prefills + self.decodes
+
+    def forward_batch(self) -> ForwardBatch:
+        ids: list[int] = []
+        logit_index: list[int] = []
+        for seq in self.prefills:  # a prompt needs logits at its last token only
+            ids += seq.prompt_ids
+            logit_index.append(len(ids) - 1)
+        for seq, draft in zip(self.decodes, self.drafts):  # logits at the last token and every draft token
+            first = len(ids)
+            ids += [seq.last_token, *draft]
+            logit_index += range(first, len(ids))
+        return ForwardBatch(
+            input_ids=ids, slots=[s.slot for s in self.sequences],
+            starts=[0] * len(self.prefills) + [s.num_cached_tokens for s in self.decodes],
+            lengths=[len(s.prompt_ids) for s in self.prefills] + [len(d) + 1 for d in self.drafts],
+            logit_index=logit_index)
+
+    def verify_rows(self) -> list[VerifyRow]:
+        """How to turn each sequence's logits (laid out as in forward_batch) into tokens."""
+        return ([VerifyRow([], s.sampling, s.generator) for s in self.prefills]
+                + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(self.decodes, self.drafts)])
+
+
+@dataclass
 class Scheduler:
     kv_cache: KVCache
+    policy: SpeculationPolicy
     max_num_seqs: int
     max_queue_len: int
+    max_model_len: int
     waiting: deque[Sequence] = field(default_factory=deque)
-    _running: dict[str, Sequence] = field(default_factory=dict)
+    running: list[Sequence] = field(default_factory=list)  # oldest first
 
     def add(self, seq: Sequence) -> None:
         # Waiting sequences that free slots will take at the next step boundary are
         # not queued for capacity: only the rest count against the queue limit.
-        free = max(0, min(self.kv_cache.num_free_slots, self.max_num_seqs - len(self._running)))
+        free = max(0, min(self.kv_cache.num_free_slots, self.max_num_seqs - len(self.running)))
         if len(self.waiting) >= self.max_queue_len + free:
             raise QueueFullError(
-                f"server busy: {len(self._running)} running and {len(self.waiting)} queued "
+                f"server busy: {len(self.running)} running and {len(self.waiting)} queued "
                 f"(--max-queue-len {self.max_queue_len}); retry later")
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free KV slots (at a step boundary)."""
-        admitted: list[Sequence] = []
-        while self.waiting and self.kv_cache.num_free_slots and len(self._running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            if seq.cancelled:
-                continue
-            self.kv_cache.allocate(seq.request_id)
-            self._running[seq.request_id] = seq
-            admitted.append(seq)
-        return admitted
-
-    def running(self) -> list[Sequence]:
-        """Running sequences, oldest first."""
-        return list(self._running.values())
-
-    def finish(self, seq: Sequence) -> None:
-        if self._running.pop(seq.request_id, None) is not None:
-            self.kv_cache.release(seq.request_id)
-
-    def drop_cancelled(self) -> list[Sequence]:
-        """Free the KV of cancelled sequences and drop them from the queue."""
-        gone = [s for s in self._running.values() if s.cancelled]
-        for seq in gone:
-            self.finish(seq)
+    def schedule(self) -> StepPlan:
+        """At a step boundary: drop the cancelled, admit into free slots, size every draft."""
+        released = [s for s in self.running if s.cancelled]
+        for seq in released:
+            self._finish(seq)
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
-        return gone
+        decodes = list(self.running)
+        prefills: list[Sequence] = []
+        while self.waiting and self.kv_cache.num_free_slots and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.slot = self.kv_cache.allocate()
+            self.running.append(seq)
+            prefills.append(seq)
+        lengths, asks = self.policy.plan([s.spec for s in decodes],
+                                         [s.draft_room(self.max_model_len) for s in decodes])
+        return StepPlan(prefills, decodes, lengths, asks, released)
+
+    def update(self, plan: StepPlan, new_tokens: list[list[int]]) -> list[Sequence]:
+        """Commit each sequence's new tokens (accepted draft tokens, then the target's own),
+        emit them, and learn from the drafts; return the sequences that finished (slots freed).
+
+        The rejected draft positions of a sequence's slot need no rollback: its valid length is
+        its committed length, and the next step writes over them."""
+        for seq, draft, shadow, tokens in zip(plan.decodes, plan.drafts, plan.shadows,
+                                              new_tokens[len(plan.prefills):]):
+            accepted = len(tokens) - 1
+            seq.stats.record(len(draft), accepted)
+            self.policy.observe(seq.spec, len(draft), accepted)
+            self.policy.observe_shadow(seq.spec, shadow, tokens[0])
+        finished = []
+        for seq, tokens in zip(plan.sequences, new_tokens):
+            if seq.cancelled:  # cancelled mid-step: dropped at the next boundary
+                continue
+            seq.emit(seq.append_tokens(tokens, self.max_model_len))
+            if seq.finished:
+                finished.append(seq)
+        for seq in finished:
+            self._finish(seq)
+        return finished
+
+    def fail_running(self, error: str) -> list[Sequence]:
+        """The step failed: end every running sequence with `error`; return them (slots freed)."""
+        failed = list(self.running)
+        for seq in failed:
+            seq.outputs.put_nowait(Output([], "", error=error))
+            self._finish(seq)
+        return failed
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason = FinishReason.CANCELLED
+        self.running.remove(seq)
+        self.kv_cache.free(seq.slot)
+        seq.slot = None
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.running)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def kv_usage(self) -> float:
+        """Share of the cache's token capacity holding live entries."""
+        return sum(s.num_cached_tokens for s in self.running) / self.kv_cache.capacity_tokens
+
     def has_work(self) -> bool:
-        return bool(self._running or self.waiting)
+        return bool(self.running or self.waiting)

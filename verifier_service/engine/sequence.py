@@ -1,4 +1,6 @@
-"""One request's state inside the engine: tokens, stopping, speculation stats, output queue."""
+"""One request inside the engine, with everything kept for it: tokens, stopping, its KV slot,
+its speculation state, what its drafter holds, its stats and its output queue. Forgetting a
+request is dropping this object (and freeing its slot)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import SamplingParams
+from verifier_service.spec.drafter_client import DeltaHistory
+from verifier_service.spec.policy import SpecState
 
 
 class FinishReason(enum.Enum):
@@ -26,12 +30,6 @@ class StoppingParams:
     eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
 
 
-@dataclass(frozen=True)
-class SpeculationParams:
-    max_draft_len: int | None = None  # per-request cap
-    disable: bool = False
-
-
 @dataclass
 class SpecStats:
     num_steps: int = 0
@@ -40,7 +38,6 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafter_failures: int = 0
-    auto_disabled: bool = False
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_steps += 1
@@ -80,19 +77,17 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     stopping: StoppingParams
-    speculation: SpeculationParams
     detokenizer: Detokenizer
+    spec: SpecState = field(default_factory=SpecState)  # its speculation overrides and learnt acceptance
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # its KV cache slot while it runs
+    drafter_sync: DeltaHistory = field(default_factory=DeltaHistory)  # what the drafter was sent of it
     stats: SpecStats = field(default_factory=SpecStats)
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     cancelled: bool = False
-    # Feedback for the drafter and the speculation policy.
-    last_num_drafted: int = 0
-    last_num_accepted: int = 0
-    policy_state: dict[str, float] = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:
@@ -113,6 +108,15 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         return self.stopping.max_new_tokens - len(self.output_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose keys and values its KV slot holds: all but the last committed one."""
+        return self.num_tokens - 1
+
+    def draft_room(self, max_model_len: int) -> int:
+        """Draft tokens it can still use: more than it still wants, or past the context, are waste."""
+        return min(self.remaining_tokens - 1, max_model_len - self.num_tokens - 1)
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> list[int]:
         """Commit tokens one by one until a stop condition; return those kept."""

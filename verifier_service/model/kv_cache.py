@@ -2,9 +2,10 @@
 
 Storage is one preallocated tensor per K and V, shaped
 [layers, slots, kv_heads, capacity, head_dim]. A running sequence owns one
-slot; its valid length is a number, so rolling back rejected draft positions is
-setting that number (nothing is copied or freed). Attention reads a slot's
-prefix as a view, so no step gathers or copies cached keys.
+slot; its valid length is its committed length, so rolling back rejected draft
+positions costs nothing: the next step writes over them (nothing is copied or
+freed). Attention reads a slot's prefix as a view, so no step gathers or copies
+cached keys.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class KVCacheShape:
 
 
 class KVCache:
+    """The storage and its free slots; a sequence keeps the slot it was given (Sequence.slot)
+    and how many positions of it are valid (its committed tokens but the last)."""
+
     def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: torch.device) -> None:
         self.shape = shape
         size = (shape.num_layers, shape.num_slots, shape.num_kv_heads, shape.capacity, shape.head_dim)
@@ -46,45 +50,27 @@ class KVCache:
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self._free = list(range(shape.num_slots - 1, -1, -1))
-        self._slots: dict[str, int] = {}
-        self._lengths = [0] * shape.num_slots
 
     @property
-    def num_active(self) -> int:
-        return len(self._slots)
+    def num_slots(self) -> int:
+        return self.shape.num_slots
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def used_tokens(self) -> int:
-        return sum(self._lengths[s] for s in self._slots.values())
+    @property
+    def num_used_slots(self) -> int:
+        return self.shape.num_slots - len(self._free)
 
-    def usage(self) -> float:
-        """Share of the cache's token capacity holding live entries."""
-        return self.used_tokens() / (self.shape.num_slots * self.shape.capacity)
+    @property
+    def capacity_tokens(self) -> int:
+        return self.shape.num_slots * self.shape.capacity
 
-    def allocate(self, seq_id: str) -> int:
+    def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("KV cache has no free slot")
-        slot = self._free.pop()
-        self._slots[seq_id] = slot
-        self._lengths[slot] = 0
-        return slot
+        return self._free.pop()
 
-    def slot_of(self, seq_id: str) -> int:
-        return self._slots[seq_id]
-
-    def length(self, slot: int) -> int:
-        return self._lengths[slot]
-
-    def set_length(self, slot: int, length: int) -> None:
-        """Commit `length` valid positions; positions beyond are dropped (rollback)."""
-        if not 0 <= length <= self.shape.capacity:
-            raise ValueError(f"length {length} outside slot capacity {self.shape.capacity}")
-        self._lengths[slot] = length
-
-    def release(self, seq_id: str) -> None:
-        slot = self._slots.pop(seq_id)
-        self._lengths[slot] = 0
+    def free(self, slot: int) -> None:
         self._free.append(slot)

@@ -22,7 +22,6 @@ from verifier_service.model.runner import ForwardBatch, ModelRunner
 
 log = logging.getLogger(__name__)
 
-SCRATCH = "__step-cost-probe__"
 MAX_PROBE_TOKENS = 256
 
 
@@ -47,7 +46,7 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256
     cache = runner.kv_cache
     token_counts = [t for t in token_counts if t < cache.shape.capacity // 2] or [1]
     context_len = min(context_len, cache.shape.capacity - max(token_counts))
-    slot = cache.allocate(SCRATCH)
+    slot = cache.allocate()
     try:
         device = runner.device
         ids = torch.randint(0, runner.vocab_size, (context_len + max(token_counts),)).tolist()
@@ -68,7 +67,7 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256
             costs[t] = statistic(samples)
         return costs
     finally:
-        cache.release(SCRATCH)
+        cache.free(slot)
 
 
 def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 3,

@@ -14,13 +14,20 @@ from drafter_sdk.proto import speculative_pb2
 
 Mode = speculative_pb2.SpeculativeDecodingMode
 MODE_PREFIX = "SPECULATIVE_DECODING_MODE_"
-SERVED_MODES = ("NONE", "NGRAM", "USER_PROVIDED")
-MODE_CONFIG_FIELD = {"USER_PROVIDED": "user_provided", "NGRAM": "ngram", "DRAFT_TARGET": "draft_model",
-                     "EAGLE3": "draft_model", "MEDUSA": "draft_model", "MTP": "draft_model",
-                     "LOOKAHEAD": "lookahead"}
+NONE = Mode.SPECULATIVE_DECODING_MODE_NONE
+NGRAM = Mode.SPECULATIVE_DECODING_MODE_NGRAM
+USER_PROVIDED = Mode.SPECULATIVE_DECODING_MODE_USER_PROVIDED
+SERVED_MODES = (NONE, NGRAM, USER_PROVIDED)
+# The oneof section each mode takes (the others parse, so configs from other engines load).
+MODE_CONFIG_FIELD = {USER_PROVIDED: "user_provided", NGRAM: "ngram",
+                     Mode.SPECULATIVE_DECODING_MODE_DRAFT_TARGET: "draft_model",
+                     Mode.SPECULATIVE_DECODING_MODE_EAGLE3: "draft_model",
+                     Mode.SPECULATIVE_DECODING_MODE_MEDUSA: "draft_model",
+                     Mode.SPECULATIVE_DECODING_MODE_MTP: "draft_model",
+                     Mode.SPECULATIVE_DECODING_MODE_LOOKAHEAD: "lookahead"}
 DEFAULT_MAX_DRAFT_LEN = 8
 MAX_DRAFT_LEN_LIMIT = 64
-DEFAULT_DEADLINE_S = 0.05
+DEFAULT_CALL_DEADLINE_S = 0.05
 DEFAULT_DELTA_OVERLAP_STEPS = 8
 MAX_DELTA_OVERLAP_STEPS = 1024
 DEFAULT_NGRAM_SIZE = 3
@@ -68,10 +75,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                    help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml")
     g.add_argument("--speculative-mode", metavar="MODE",
                    help="none, ngram or user_provided (other known modes are refused)")
-    g.add_argument("--max-draft-len", type=int, help=f"draft tokens per step (default {DEFAULT_MAX_DRAFT_LEN})")
+    g.add_argument("--max-draft-len", type=int,
+                   help=f"most draft tokens verified per sequence and step (default {DEFAULT_MAX_DRAFT_LEN})")
     g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
-    g.add_argument("--drafter-deadline-ms", type=float, help="deadline of one drafter call (default 50)")
-    g.add_argument("--max-matching-ngram-size", type=int, help="NGRAM: longest suffix looked up (default 3)")
+    g.add_argument("--drafter-deadline-ms", type=float, help=f"deadline of one drafter call (default {DEFAULT_CALL_DEADLINE_S * 1000:g})")
+    g.add_argument("--max-matching-ngram-size", type=int, help=f"NGRAM: longest suffix looked up (default {DEFAULT_NGRAM_SIZE})")
     t = parser.add_argument_group("drafter connection security (flags override user_provided.tls / auth_token_file)")
     t.add_argument("--drafter-tls-ca", metavar="PEM",
                    help="CA bundle verifying the drafter's certificate: connect over TLS")
@@ -84,6 +92,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
+    """The config file (if any) with the flags applied over it; validated by ServerSettings."""
     config = (load_file(args.speculative_config) if args.speculative_config
               else speculative_pb2.SpeculativeConfig())
     if args.speculative_mode:
@@ -103,7 +112,7 @@ def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
             setattr(config.user_provided.tls, field_name, value)
     if getattr(args, "drafter_auth_token_file", None) is not None:
         config.user_provided.auth_token_file = args.drafter_auth_token_file
-    return validate(config)
+    return config
 
 
 def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.SpeculativeConfig:
@@ -112,33 +121,33 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
     if config.mode == Mode.SPECULATIVE_DECODING_MODE_UNSPECIFIED:
         config.mode = Mode.SPECULATIVE_DECODING_MODE_NONE
     name = mode_name(config.mode)
-    if name not in SERVED_MODES:
+    if config.mode not in SERVED_MODES:
         raise ConfigError(f"speculation mode {name} is not supported by this verifier; "
-                          f"it serves {', '.join(SERVED_MODES)} (use USER_PROVIDED with a drafter service "
-                          f"to bring any other drafting technique)")
+                          f"it serves {', '.join(mode_name(m) for m in SERVED_MODES)} (use USER_PROVIDED with a "
+                          f"drafter service to bring any other drafting technique)")
     which = config.WhichOneof("mode_config")
-    if which is not None and which != MODE_CONFIG_FIELD.get(name):
+    if which is not None and which != MODE_CONFIG_FIELD.get(config.mode):
         raise ConfigError(f"mode {name} does not take a `{which}` section")
-    if name == "NONE":
+    if config.mode == NONE:
         config.max_draft_len = 0
         return config
     if config.max_draft_len == 0:
         config.max_draft_len = DEFAULT_MAX_DRAFT_LEN
     if config.max_draft_len > MAX_DRAFT_LEN_LIMIT:
         raise ConfigError(f"max_draft_len {config.max_draft_len} is above the limit {MAX_DRAFT_LEN_LIMIT}")
-    if name == "NGRAM":
+    if config.mode == NGRAM:
         ng = config.ngram
         if ng.max_matching_ngram_size == 0:
             ng.max_matching_ngram_size = DEFAULT_NGRAM_SIZE
         for knob, default in (("is_keep_all", True), ("is_use_oldest", True), ("is_public_pool", False)):
             if not ng.HasField(knob):
                 setattr(ng, knob, default)
-    if name == "USER_PROVIDED":
+    if config.mode == USER_PROVIDED:
         up = config.user_provided
         if not up.drafter_target:
             raise ConfigError("mode USER_PROVIDED needs user_provided.drafter_target (or --drafter-target)")
         if up.call_deadline.ToNanoseconds() <= 0:
-            up.call_deadline.FromNanoseconds(int(DEFAULT_DEADLINE_S * 1e9))
+            up.call_deadline.FromNanoseconds(int(DEFAULT_CALL_DEADLINE_S * 1e9))
         if not up.load_balancing_policy:
             up.load_balancing_policy = "round_robin"
         if up.delta_overlap_steps == 0:

@@ -22,15 +22,25 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import grpc
 
-from verifier_service.spec.circuit_breaker import CircuitBreaker
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from verifier_service.spec.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeltaHistory:
+    """What a drafter has been sent of one sequence: its committed length after each of the
+    sequence's most recent successful calls, oldest first (at most overlap_steps of them).
+    Lives on the sequence, so it goes when the sequence does."""
+
+    lengths: deque[int] = field(default_factory=deque)
 
 
 @dataclass
@@ -41,6 +51,7 @@ class DraftQuery:
     tokens: Sequence[int]  # every committed token, prompt first
     prompt_len: int
     draft_len: int
+    history: DeltaHistory
     last_num_drafted: int = 0
     last_num_accepted: int = 0
     temperature: float = 0.0
@@ -153,27 +164,33 @@ class DrafterClient:
     transport: Transport
     verifier_id: str
     vocab_size: int
-    deadline_s: float = 0.05
+    deadline_s: float
     # Every call re-sends the tokens committed since the request's overlap_steps-th most
     # recent successful call (the whole context until it had that many), so drafter
     # replicas that missed up to overlap_steps - 1 steps catch up without a resync.
     # 1 = plain deltas (one drafter, e.g. in-process).
-    overlap_steps: int = 8
+    overlap_steps: int
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     stats: DrafterClientStats = field(default_factory=DrafterClientStats)
-    # request id -> committed length after each of its last overlap_steps successful calls
-    _sent: dict[str, deque[int]] = field(default_factory=dict)
+    # Who the drafter says it is: asked when the client connects, when the drafter answers
+    # again after failing, and after it lost a sequence's state (a restart). None until known.
+    info: drafter_pb2.GetDrafterInfoResponse | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _asking_info: bool = False
 
     def __post_init__(self) -> None:
         if self.overlap_steps < 1:
             raise ValueError(f"overlap_steps must be at least 1, not {self.overlap_steps}")
 
-    def context_len(self, request_id: str) -> int:
-        """Offset of the first token the next call sends for the request (0: the whole context)."""
-        history = self._sent.get(request_id)
+    def context_len(self, history: DeltaHistory) -> int:
+        """Offset of the first token the next call sends for a sequence (0: the whole context)."""
         # Fewer successful calls than overlap_steps: some replica may hold nothing yet.
-        return history[0] if history is not None and len(history) == self.overlap_steps else 0
+        return history.lengths[0] if len(history.lengths) == self.overlap_steps else 0
+
+    async def connect(self, timeout_s: float = 2.0) -> None:
+        """Learn who the drafter is; an absent drafter is not fatal (the breaker retries, and the
+        first call it answers asks again)."""
+        await self._ask_info(timeout_s)
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         none = DraftReply([[] for _ in queries], [False] * len(queries))
@@ -198,25 +215,29 @@ class DrafterClient:
         problem = _check_shape(response, request)
         if problem:
             return self._fail(queries, problem, latency)
-        drafts, failed = [], []
+        drafts, failed, lost_state = [], [], False
         for query, result in zip(queries, response.results):
+            lost_state |= result.status == drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED and bool(query.history.lengths)
             draft, bad = self._accept(query, result)
             drafts.append(draft)
             failed.append(bad)
+        recovered = self.breaker.is_open  # it answered again after the breaker had opened
         if any(failed):
             self.stats.failures += 1
             self.stats.last_error = "drafter returned invalid draft tokens"
             self.breaker.record_failure()
         else:
             self.breaker.record_success()
+        if self.info is None or recovered or lost_state:  # possibly another drafter now: ask who it is
+            self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
         return DraftReply(drafts, failed, latency)
 
     def _build_request(self, queries: list[DraftQuery]) -> drafter_pb2.PrepareDraftTokensRequest:
         request = drafter_pb2.PrepareDraftTokensRequest(verifier_id=self.verifier_id)
         for q in queries:
-            start = self.context_len(q.request_id)
+            start = self.context_len(q.history)
             if start > len(q.tokens):  # cannot happen for committed context; be safe
-                self._sent.pop(q.request_id, None)
+                q.history.lengths.clear()
                 start = 0
             request.sequences.append(drafter_pb2.DraftSequence(
                 request_id=q.request_id, context_len=start, new_tokens=q.tokens[start:],
@@ -226,17 +247,17 @@ class DrafterClient:
         return request
 
     def _accept(self, query: DraftQuery, result: drafter_pb2.DraftResult) -> tuple[list[int], bool]:
+        history = query.history.lengths
         if result.status == drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED:
-            self._sent.pop(query.request_id, None)
+            history.clear()
             self.stats.resyncs += 1
             return [], False
         if result.status != drafter_pb2.DRAFT_STATUS_OK:
-            self._sent.pop(query.request_id, None)
+            history.clear()
             return [], True
-        history = self._sent.get(query.request_id)
-        if history is None:
-            history = self._sent[query.request_id] = deque(maxlen=self.overlap_steps)
         history.append(len(query.tokens))
+        if len(history) > self.overlap_steps:
+            history.popleft()
         tokens = list(result.draft_tokens)
         if len(tokens) > query.draft_len or any(t < 0 or t >= self.vocab_size for t in tokens):
             return [], True
@@ -250,16 +271,12 @@ class DrafterClient:
         return DraftReply([[] for _ in queries], [True] * len(queries), latency)
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget the ids here and tell the drafter in the background (best effort:
-        a lost release is cleaned up by the drafter's idle eviction)."""
-        for rid in request_ids:
-            self._sent.pop(rid, None)
+        """Tell the drafter in the background (best effort: a lost release is cleaned up by
+        the drafter's idle eviction). The verifier's own record went with the sequences."""
         if not request_ids or not self.breaker.allow():
             return
         request = drafter_pb2.ReleaseRequestsRequest(verifier_id=self.verifier_id, request_ids=request_ids)
-        task = asyncio.get_running_loop().create_task(self._release(request))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._release(request))
 
     async def _release(self, request: drafter_pb2.ReleaseRequestsRequest) -> None:
         try:
@@ -267,8 +284,29 @@ class DrafterClient:
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("release failed: %s", _describe(exc))
 
-    async def info(self, timeout_s: float = 2.0) -> drafter_pb2.GetDrafterInfoResponse:
-        return await self.transport.info(timeout_s)
+    async def _ask_info(self, timeout_s: float) -> None:
+        if self._asking_info:
+            return
+        self._asking_info = True
+        try:
+            info = await self.transport.info(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
+            log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
+                        self.transport.target, _describe(exc))
+            return
+        finally:
+            self._asking_info = False
+        if info != self.info:
+            log.info("drafter %s %s at %s", info.name, info.version, self.transport.target)
+            if info.vocab_size and info.vocab_size != self.vocab_size:
+                log.warning("drafter %s expects vocab size %d, the model has %d; its drafts will mostly be "
+                            "rejected", info.name, info.vocab_size, self.vocab_size)
+        self.info = info
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def healthy(self) -> bool:

@@ -6,12 +6,13 @@ are accepted. Per request, the planner estimates the acceptance of the first
 draft position and, given an accepted predecessor, of each later one, and
 adds draft tokens across the whole batch, most promising first, while the
 expected tokens per unit of forward time still rise. The forward-time curve is
-measured on the target at start-up (step_costs), so the same rule drafts long
-on a GPU, where verifying 9 tokens costs about as much as 1, and short or not
-at all on a busy CPU. A request that is not drafting still asks the drafter
-for a "shadow" draft that is never verified: whether its first token equals
-the token the target then produced keeps the first-position estimate honest
-for free, so drafting resumes as soon as the text becomes predictable.
+measured on the target at start-up (model/step_costs, run by the builder), so
+the same rule drafts long on a GPU, where verifying 9 tokens costs about as
+much as 1, and short or not at all on a busy CPU. A request that is not
+drafting still asks the drafter for a "shadow" draft that is never verified:
+whether its first token equals the token the target then produced keeps the
+first-position estimate honest for free, so drafting resumes as soon as the
+text becomes predictable.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ LATER_PRIOR = (1.6, 2.0)
 
 
 @dataclass
-class _Rate:
+class Rate:
     """A decayed acceptance count: hits / trials."""
 
     hits: float
@@ -46,31 +47,42 @@ class _Rate:
 
 
 @dataclass
-class _Request:
-    first: _Rate = field(default_factory=lambda: _Rate(*FIRST_PRIOR))
-    later: _Rate = field(default_factory=lambda: _Rate(*LATER_PRIOR))
+class AcceptanceEstimate:
+    """One request's acceptance so far: of the first draft position, and of each later one given
+    that its predecessor was accepted. Lives on the request's Sequence."""
 
+    first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
+    later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
 
-@dataclass
-class DraftPlanner:
-    max_draft_len: int
-    costs: CostCurve | None = None  # forward cost by tokens; None until measured
-    _requests: dict[str, _Request] = field(default_factory=dict)
-
-    def gains(self, request_id: str, cap: int) -> list[float]:
+    def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
-        state = self._requests.get(request_id, _Request())
-        p, out = state.first.value, []
-        for j in range(cap):
+        p, out = self.first.value, []
+        for _ in range(cap):
             out.append(p)
-            p *= state.later.value
+            p *= self.later.value
         return out
 
-    def plan(self, request_ids: list[str], caps: list[int]) -> list[int]:
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.first.add(accepted >= 1)
+        for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
+            self.later.add(accepted >= j)
+
+    def observe_shadow(self, first_token_matched: bool) -> None:
+        """An unverified draft's first token against the token the target produced."""
+        self.first.add(first_token_matched)
+
+
+@dataclass(frozen=True)
+class DraftPlanner:
+    costs: CostCurve  # forward cost by tokens in one forward, measured at start-up
+
+    def plan(self, estimates: list[AcceptanceEstimate], caps: list[int]) -> list[int]:
         """Draft lengths (each <= its cap) maximising expected tokens per forward cost."""
-        if self.costs is None or not caps:
-            return list(caps)
-        gains = [self.gains(rid, cap) for rid, cap in zip(request_ids, caps)]
+        if not caps:
+            return []
+        gains = [e.gains(cap) for e, cap in zip(estimates, caps)]
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
         heapq.heapify(heap)
         lengths = [0] * len(caps)
@@ -88,18 +100,3 @@ class DraftPlanner:
             if lengths[i] < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][lengths[i]], i))
         return best
-
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        state = self._requests.setdefault(request_id, _Request())
-        state.first.add(accepted >= 1)
-        for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
-            state.later.add(accepted >= j)
-
-    def observe_shadow(self, request_id: str, first_token_matched: bool) -> None:
-        """An unverified draft's first token against the token the target produced."""
-        self._requests.setdefault(request_id, _Request()).first.add(first_token_matched)
-
-    def forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)

@@ -4,7 +4,10 @@ The knobs TensorRT-LLM and vLLM users know: a global max_draft_len, a
 per-request cap, a draft-length schedule by batch size, acceptance-based
 auto-disable per request (with periodic probes), and an adaptive length that
 weighs each request's acceptance against the measured cost of verifying more
-tokens (draft_planner).
+tokens (planner.py).
+
+The policy holds configuration only; what it learns about a request lives in
+that request's `SpecState`, on its Sequence, and goes with it.
 """
 
 from __future__ import annotations
@@ -13,59 +16,71 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
-from verifier_service.spec.planner import DraftPlanner
-from verifier_service.engine.sequence import Sequence
+from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """A request's own speculation overrides."""
+
+    max_draft_len: int | None = None  # per-request cap
+    disable: bool = False
 
 
 @dataclass
-class _SeqPolicyState:
-    window: deque[tuple[int, int]] = field(default_factory=deque)  # (drafted, accepted) per step
+class SpecState:
+    """One request's speculation: its overrides and what the policy has learnt about its drafts."""
+
+    params: SpeculationParams = field(default_factory=SpeculationParams)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    window: deque[tuple[int, int]] = field(default_factory=deque)  # (drafted, accepted) per drafting step
     disabled: bool = False
     steps_since_disabled: int = 0
+    auto_disabled: bool = False  # ever switched off by the auto-disable policy (reported in its stats)
+    # Of the previous verified draft: fed back to the drafter.
+    last_num_drafted: int = 0
+    last_num_accepted: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculationPolicy:
     max_draft_len: int
-    schedule: list[tuple[int, int]] = field(default_factory=list)  # (max_batch_size, draft_len), ascending
+    schedule: tuple[tuple[int, int], ...] = ()  # (max_batch_size, draft_len), ascending
     window_tokens: int = 0
     min_acceptance_rate: float = 0.0
     probe_interval_steps: int = 0
     planner: DraftPlanner | None = None  # adaptive draft lengths; None = always the cap
-    _state: dict[str, _SeqPolicyState] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: speculative_pb2.SpeculativeConfig) -> "SpeculationPolicy":
-        """With adaptive_draft_len, the engine measures the planner's cost curve before its first step."""
+    def from_config(cls, config: speculative_pb2.SpeculativeConfig,
+                    planner: DraftPlanner | None = None) -> "SpeculationPolicy":
+        """`planner`: built by the builder from the measured cost curve when adaptive_draft_len is on."""
         p = config.policy
-        planner = DraftPlanner(config.max_draft_len) if p.adaptive_draft_len and config.max_draft_len else None
         return cls(
             max_draft_len=config.max_draft_len,
-            schedule=sorted((r.max_batch_size, r.draft_len) for r in p.draft_len_schedule),
+            schedule=tuple(sorted((r.max_batch_size, r.draft_len) for r in p.draft_len_schedule)),
             window_tokens=p.auto_disable.window_tokens,
             min_acceptance_rate=p.auto_disable.min_acceptance_rate,
             probe_interval_steps=p.auto_disable.probe_interval_steps,
             planner=planner,
         )
 
-    def plan(self, seqs: list[Sequence], max_model_len: int) -> tuple[list[int], list[int]]:
+    def plan(self, states: list[SpecState], rooms: list[int]) -> tuple[list[int], list[int]]:
         """(tokens to verify, tokens to ask the drafter for) per sequence of a step.
 
-        With the planner, a sequence it keeps from drafting still asks for a
-        shadow draft up to its cap, scored but never verified (observe_shadow).
+        `rooms[i]`: draft tokens sequence i can still use (drafts beyond the tokens it
+        still wants, or past the context, are wasted work). With the planner, a sequence
+        it keeps from drafting still asks for a shadow draft up to its cap, scored but
+        never verified (observe_shadow).
         """
-        caps = [self.draft_len(s, len(seqs), max_model_len) for s in seqs]
+        caps = [self._cap(state, len(states), room) for state, room in zip(states, rooms)]
         if self.planner is None:
             return caps, caps
-        lengths = self.planner.plan([s.request_id for s in seqs], caps)
+        lengths = self.planner.plan([s.acceptance for s in states], caps)
         return lengths, [k or cap for k, cap in zip(lengths, caps)]
 
-    def observe_shadow(self, seq: Sequence, shadow: list[int], produced: int) -> None:
-        if self.planner is not None and shadow:
-            self.planner.observe_shadow(seq.request_id, shadow[0] == produced)
-
-    def draft_len(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
-        if seq.speculation.disable:
+    def _cap(self, state: SpecState, batch_size: int, room: int) -> int:
+        if state.params.disable:
             return 0
         k = self.max_draft_len
         for bound, length in self.schedule:
@@ -75,24 +90,20 @@ class SpeculationPolicy:
         else:
             if self.schedule:  # beyond the largest bound: the last rule's length
                 k = min(k, self.schedule[-1][1])
-        if seq.speculation.max_draft_len is not None:
-            k = min(k, seq.speculation.max_draft_len)
-        state = self._state.setdefault(seq.request_id, _SeqPolicyState())
+        if state.params.max_draft_len is not None:
+            k = min(k, state.params.max_draft_len)
         if state.disabled:
             state.steps_since_disabled += 1
             if not self.probe_interval_steps or state.steps_since_disabled < self.probe_interval_steps:
                 return 0
-        # Drafts beyond the tokens still wanted, or past the context, are wasted work.
-        room = min(seq.remaining_tokens - 1, max_model_len - seq.num_tokens - 1)
         return max(0, min(k, room))
 
-    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+    def observe(self, state: SpecState, drafted: int, accepted: int) -> None:
+        """A verified draft: `accepted` of its `drafted` tokens were kept."""
+        state.last_num_drafted, state.last_num_accepted = drafted, accepted
         if self.planner is not None:
-            self.planner.observe(seq.request_id, drafted, accepted)
-        state = self._state.get(seq.request_id)
-        if state is None or drafted == 0:
-            return
-        if not self.window_tokens:
+            state.acceptance.observe(drafted, accepted)
+        if drafted == 0 or not self.window_tokens:
             return
         if state.disabled:  # this was a probe: resume only if it paid
             state.steps_since_disabled = 0
@@ -109,9 +120,9 @@ class SpeculationPolicy:
             if rate < self.min_acceptance_rate:
                 state.disabled = True
                 state.steps_since_disabled = 0
-                seq.stats.auto_disabled = True
+                state.auto_disabled = True
 
-    def forget(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
-        if self.planner is not None:
-            self.planner.forget(request_id)
+    def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
+        """A draft asked for but not verified: its first token against the token the target produced."""
+        if self.planner is not None and shadow:
+            state.acceptance.observe_shadow(shadow[0] == produced)

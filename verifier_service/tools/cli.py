@@ -8,21 +8,26 @@ import sys
 import grpc
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from drafter_sdk.security import TOKEN_ENV_VAR, auth_metadata, channel_credentials, read_token
+from drafter_sdk.security import (
+    TOKEN_ENV_VAR,
+    auth_metadata,
+    channel_credentials,
+    read_token,
+)
 
 
-def build_request(args: argparse.Namespace) -> verifier_pb2.GenerateRequest:
-    request = verifier_pb2.GenerateRequest(
+def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
+    params = verifier_pb2.GenerationParams(
         sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or []),
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
     if args.seed is not None:
-        request.sampling.seed = args.seed
+        params.sampling.seed = args.seed
     if args.raw:
-        request.prompt = args.prompt
+        params.prompt = args.prompt
     else:
-        request.chat.messages.append(verifier_pb2.ChatMessage(role="user", content=args.prompt))
-    return request
+        params.chat.messages.append(verifier_pb2.ChatMessage(role="user", content=args.prompt))
+    return params
 
 
 def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
@@ -41,7 +46,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def generate(args: argparse.Namespace) -> int:
-    request = build_request(args)
+    params = build_params(args)
     if (args.tls_cert is None) != (args.tls_key is None):
         print("splitspec: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
@@ -56,18 +61,18 @@ def generate(args: argparse.Namespace) -> int:
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         try:
             if args.stream:
-                stream_request = verifier_pb2.GenerateStreamRequest()
-                stream_request.ParseFromString(request.SerializeToString())  # same fields, same numbers
-                last = None
-                for last in stub.GenerateStream(stream_request, timeout=args.timeout, metadata=metadata):
-                    sys.stdout.write(last.text)
+                stats = verifier_pb2.SpeculationStats()
+                for message in stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=params),
+                                                   timeout=args.timeout, metadata=metadata):
+                    sys.stdout.write(message.output.text)
                     sys.stdout.flush()
+                    stats = message.output.stats
                 print()
-                stats = last.stats if last else verifier_pb2.SpeculationStats()
             else:
-                reply = stub.Generate(request, timeout=args.timeout, metadata=metadata)
-                print(reply.text)
-                stats = reply.stats
+                reply = stub.Generate(verifier_pb2.GenerateRequest(params=params), timeout=args.timeout,
+                                      metadata=metadata)
+                print(reply.output.text)
+                stats = reply.output.stats
         except grpc.RpcError as exc:
             print(f"splitspec: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -102,7 +107,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verifier_service import demo  # heavy imports only for the commands that need them
+    # Heavy imports only for the commands that need them.
+    from verifier_service.tools import demo
     from verifier_service.tools.bench import run as bench
 
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)

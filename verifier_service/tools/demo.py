@@ -33,14 +33,14 @@ PROMPTS = [
 
 
 def _generate(stub: verifier_pb2_grpc.VerifierServiceStub, prompt: str, max_new_tokens: int,
-              speculate: bool) -> tuple[verifier_pb2.GenerateResponse, float]:
-    request = verifier_pb2.GenerateRequest(
+              speculate: bool) -> tuple[verifier_pb2.GenerationOutput, float]:
+    request = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
         chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=prompt)]),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
-        speculation=verifier_pb2.SpeculationOverrides(disable=not speculate))
+        speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
     started = time.perf_counter()
     reply = stub.Generate(request, timeout=600)
-    return reply, time.perf_counter() - started
+    return reply.output, time.perf_counter() - started
 
 
 def run_demo(args: argparse.Namespace) -> int:

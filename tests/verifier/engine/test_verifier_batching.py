@@ -9,13 +9,25 @@ import functools
 
 import grpc
 import torch
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    EngineSpy,
+    OracleDrafter,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    serve_drafter,
+    shared_model,
+    wait_until,
+)
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_harness import run_verifier, spec_config, token_request
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, EngineSpy, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of,
-                              repetitive_prompt, run_together, serve_drafter, shared_model, wait_until)
+from verifier_service.model.runner import ForwardBatch
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:6]]
 
@@ -42,7 +54,7 @@ def test_one_drafter_call_and_one_forward_per_decode_step_with_per_sequence_draf
                                                    for i in range(len(PROMPTS))], spy)
                 calls = engine.drafter.stats.calls
         for r, ref in zip(responses, refs):
-            assert list(r.token_ids) == ref
+            assert list(r.output.token_ids) == ref
         decode_steps = [s for s in spy.steps if s.admitted == 0 and s.forwards]
         assert decode_steps
         for s in spy.steps:
@@ -61,8 +73,8 @@ def test_one_drafter_call_and_one_forward_per_decode_step_with_per_sequence_draf
         # One forward verified every sequence's own number of tokens (1 + its draft).
         assert calls == len(spy.prepare_requests) == len(oracle.calls)
         assert any(s.forwards[0][0] == 6 and s.prepares == [6] for s in decode_steps)
-        assert responses[1].stats.num_draft_tokens == 0 and responses[5].stats.num_draft_tokens == 0
-        assert responses[0].stats.num_accepted_tokens > 0
+        assert responses[1].output.stats.num_draft_tokens == 0 and responses[5].output.stats.num_draft_tokens == 0
+        assert responses[0].output.stats.num_accepted_tokens > 0
 
     asyncio.run(main())
 
@@ -99,18 +111,19 @@ def test_new_request_joins_at_the_next_step_and_leaves_before_a_long_one() -> No
             engine = engine_of(v)
             spy = EngineSpy(engine)
             finished: list[tuple[int, int]] = []  # (prompt length, steps so far)
-            finish = engine.scheduler.finish
+            update = engine.scheduler.update
 
-            def spy_finish(seq) -> None:  # noqa: ANN001
-                finished.append((len(seq.prompt_ids), len(spy.steps)))
-                finish(seq)
+            def spy_update(plan, new_tokens):  # noqa: ANN001, ANN202
+                done = update(plan, new_tokens)
+                finished.extend((len(seq.prompt_ids), len(spy.steps)) for seq in done)
+                return done
 
-            engine.scheduler.finish = spy_finish
-            stream = v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(
+            engine.scheduler.update = spy_update
+            stream = v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
                 token_ids=verifier_pb2.TokenIds(ids=long_prompt),
-                stopping=verifier_pb2.StoppingCriteria(max_new_tokens=200)), timeout=WAIT_S)
+                stopping=verifier_pb2.StoppingCriteria(max_new_tokens=200))), timeout=WAIT_S)
             first = await stream.read()
-            assert first.token_ids
+            assert first.output.token_ids
             spy.gate.clear()  # hold the engine while the short request arrives
             short = asyncio.ensure_future(v.stub.Generate(token_request(short_prompt, 5), timeout=WAIT_S))
             # Queued, or already admitted by a step that began before the forward blocked on the gate.
@@ -119,10 +132,10 @@ def test_new_request_joins_at_the_next_step_and_leaves_before_a_long_one() -> No
             joined_at = len(spy.steps)
             spy.gate.set()
             response = await short
-            long_tokens = list(first.token_ids)
+            long_tokens = list(first.output.token_ids)
             while (msg := await stream.read()) is not grpc.aio.EOF:
-                long_tokens.extend(msg.token_ids)
-        assert list(response.token_ids) == list(cached_reference(tuple(short_prompt), 5))
+                long_tokens.extend(msg.output.token_ids)
+        assert list(response.output.token_ids) == list(cached_reference(tuple(short_prompt), 5))
         assert long_tokens == list(cached_reference(tuple(long_prompt), 200))
         assert [p for p, _ in finished] == [len(short_prompt), len(long_prompt)]
         short_done = finished[0][1]
@@ -137,30 +150,24 @@ def test_new_request_joins_at_the_next_step_and_leaves_before_a_long_one() -> No
     asyncio.run(main())
 
 
-def test_rollback_is_a_length_change_not_a_copy() -> None:
+def test_freeing_a_slot_copies_nothing() -> None:
     shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=4, num_slots=3, capacity=16)
     kv = KVCache(shape, torch.float32, torch.device("cpu"))
-    for name in ("a", "b", "c"):
-        kv.allocate(name)
+    a, b, c = kv.allocate(), kv.allocate(), kv.allocate()
+    assert (a, b, c) == (0, 1, 2) and kv.num_free_slots == 0
     kv.k.normal_()
     kv.v.normal_()
     before_k, before_v, ptr = kv.k.clone(), kv.v.clone(), kv.k.data_ptr()
-    kv.set_length(0, 12)
-    kv.set_length(1, 9)
-    kv.set_length(0, 5)  # roll back 7 rejected positions of slot 0 only
-    assert kv.length(0) == 5 and kv.length(1) == 9
+    kv.free(a)  # the others keep their slots and data; the freed one is reused
+    assert kv.num_free_slots == 1 and kv.num_used_slots == 2
     assert kv.k.data_ptr() == ptr and torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
-    # Freeing a slot copies nothing: the others keep their slots and data, the freed one is reused.
-    kv.set_length(2, 6)
-    kv.release("a")
-    assert kv.slot_of("b") == 1 and kv.slot_of("c") == 2 and kv.length(2) == 6 and kv.num_free_slots == 1
-    assert torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
-    assert kv.allocate("d") == 0 and kv.length(0) == 0
+    assert kv.allocate() == a
 
 
 def test_engine_rolls_back_rejected_drafts_in_place() -> None:
-    """With rejections at every step, the KV storage is never reallocated and each
-    sequence's committed length drops back below what the step wrote."""
+    """With rejections at every step, the KV storage is never reallocated or copied: a sequence's
+    valid length drops back to its committed length, the next step writes over the rejected
+    positions, and the slot ends up holding exactly what a fresh prefill of its tokens writes."""
     prompt, n = PROMPTS[2], 24
     ref = list(cached_reference(tuple(prompt), n))
     oracle = OracleDrafter({tuple(prompt): ref}, corrupt=0.5, seed=1)
@@ -169,21 +176,39 @@ def test_engine_rolls_back_rejected_drafts_in_place() -> None:
         async with serve_drafter(oracle) as drafter:
             spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
             async with run_verifier(spec, model=shared_model()) as v:
-                kv = engine_of(v).kv_cache
+                engine = engine_of(v)
+                kv = engine.runner.kv_cache
                 ptrs = (kv.k.data_ptr(), kv.v.data_ptr())
                 lengths: list[int] = []
-                set_length = kv.set_length
+                slots: list[tuple[int, list[int]]] = []
+                update = engine.scheduler.update
 
-                def spy(slot: int, length: int) -> None:
-                    lengths.append(length)
-                    set_length(slot, length)
+                def spy(plan, new_tokens):  # noqa: ANN001, ANN202
+                    done = update(plan, new_tokens)
+                    for seq in plan.sequences:
+                        lengths.append(seq.num_cached_tokens)
+                        if not seq.finished:
+                            slots.append((seq.slot, seq.all_ids[:seq.num_cached_tokens]))
+                    return done
 
-                kv.set_length = spy
+                engine.scheduler.update = spy
                 r = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
                 assert (kv.k.data_ptr(), kv.v.data_ptr()) == ptrs
-        assert list(r.token_ids) == ref
-        assert r.stats.num_draft_tokens > r.stats.num_accepted_tokens > 0
-        # The committed length after each step is exactly prompt + tokens so far - 1.
+                slot, cached = slots[-1]
+                held_k = kv.k[:, slot, :, :len(cached)].clone()
+                held_v = kv.v[:, slot, :, :len(cached)].clone()
+                fresh = kv.allocate()
+                try:
+                    batch = ForwardBatch(cached, [fresh], [0], [len(cached)], [len(cached) - 1])
+                    await asyncio.get_running_loop().run_in_executor(
+                        engine._model_thread, engine.runner.forward, batch)
+                    torch.testing.assert_close(held_k, kv.k[:, fresh, :, :len(cached)])
+                    torch.testing.assert_close(held_v, kv.v[:, fresh, :, :len(cached)])
+                finally:
+                    kv.free(fresh)
+        assert list(r.output.token_ids) == ref
+        assert r.output.stats.num_draft_tokens > r.output.stats.num_accepted_tokens > 0
+        # The valid length after each step is exactly prompt + tokens so far - 1.
         assert lengths == sorted(lengths) and lengths[0] == len(prompt)
 
     asyncio.run(main())

@@ -10,13 +10,22 @@ import functools
 import grpc
 import pytest
 import torch
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    EngineSpy,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    shared_model,
+    wait_until,
+)
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_harness import run_verifier, spec_config, token_request
 from verifier_service.model.kv_cache import KVCacheShape
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, LOOPING_SEEDS, EngineSpy, cached_reference, engine_of, repetitive_prompt,
-                              run_together, shared_model, wait_until)
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:6]]
 
@@ -42,7 +51,7 @@ def test_kv_budget_bounds_running_sequences() -> None:
             responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n), timeout=WAIT_S)
                                                for p, n in zip(PROMPTS, lengths)], spy)
         for r, ref in zip(responses, refs):
-            assert list(r.token_ids) == ref
+            assert list(r.output.token_ids) == ref
         rows = [rows for s in spy.steps for rows, _, _ in s.forwards]
         assert max(rows) == 3, "the budget's 3 slots were not all used, or exceeded"
 
@@ -76,15 +85,15 @@ def test_queue_limit_refuses_with_resource_exhausted_and_recovers() -> None:
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "2 running and 1 queued" in err.value.details() and "retry" in err.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as err:  # streams too
-                await v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(
+                await v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
                     token_ids=verifier_pb2.TokenIds(ids=PROMPTS[3]),
-                    stopping=verifier_pb2.StoppingCriteria(max_new_tokens=5)), timeout=WAIT_S).read()
+                    stopping=verifier_pb2.StoppingCriteria(max_new_tokens=5))), timeout=WAIT_S).read()
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             spy.gate.set()
             results = await asyncio.gather(*long, queued)
-            assert list(results[2].token_ids) == list(cached_reference(tuple(PROMPTS[2]), 5))
+            assert list(results[2].output.token_ids) == list(cached_reference(tuple(PROMPTS[2]), 5))
             r = await v.stub.Generate(token_request(PROMPTS[3], 5), timeout=WAIT_S)  # room again
-            assert list(r.token_ids) == list(cached_reference(tuple(PROMPTS[3]), 5))
+            assert list(r.output.token_ids) == list(cached_reference(tuple(PROMPTS[3]), 5))
 
     asyncio.run(main())
 
@@ -97,10 +106,10 @@ def test_requests_with_a_free_slot_are_never_refused() -> None:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_num_seqs=3,
                                 max_queue_len=0) as v:
             r = await v.stub.Generate(token_request(PROMPTS[0], 4), timeout=WAIT_S)
-            assert len(r.token_ids) == 4
+            assert len(r.output.token_ids) == 4
             burst = await asyncio.gather(*[v.stub.Generate(token_request(p, 6), timeout=WAIT_S)
                                            for p in PROMPTS[:3]])
-            assert [list(b.token_ids) for b in burst] == [list(cached_reference(tuple(p), 6)) for p in PROMPTS[:3]]
+            assert [list(b.output.token_ids) for b in burst] == [list(cached_reference(tuple(p), 6)) for p in PROMPTS[:3]]
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_num_seqs=2,
                                 max_queue_len=2) as v:
             engine = engine_of(v)
@@ -113,7 +122,7 @@ def test_requests_with_a_free_slot_are_never_refused() -> None:
                 await v.stub.Generate(token_request(PROMPTS[4], 6), timeout=WAIT_S)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             spy.gate.set()
-            assert all(len(r.token_ids) == 6 for r in await asyncio.gather(*calls))
+            assert all(len(r.output.token_ids) == 6 for r in await asyncio.gather(*calls))
 
     asyncio.run(main())
 
@@ -138,10 +147,10 @@ def test_context_limits_are_invalid_argument_with_clear_messages() -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in err.value.details()
             # Exactly filling the context works, speculation included, and stays exact.
             r = await gen(token_request(prompt, 16), timeout=WAIT_S)
-            assert list(r.token_ids) == list(cached_reference(tuple(prompt), 16))
-            assert r.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+            assert list(r.output.token_ids) == list(cached_reference(tuple(prompt), 16))
+            assert r.output.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
             # Unset max_new_tokens: whatever room is left.
-            r = await gen(verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=prompt)), timeout=WAIT_S)
-            assert len(r.token_ids) == 16
+            r = await gen(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=prompt))), timeout=WAIT_S)
+            assert len(r.output.token_ids) == 16
 
     asyncio.run(main())

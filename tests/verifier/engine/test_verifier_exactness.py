@@ -8,13 +8,23 @@ import asyncio
 import functools
 import random
 
-from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of, repetitive_prompt,
-                              run_together, serve_drafter, shared_model)
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    OracleDrafter,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    serve_drafter,
+    shared_model,
+)
+
+from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.proto import verifier_pb2
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:12]] + [repetitive_prompt(s) for s in range(300, 316)] + [
     tiny_tokenizer()(text)["input_ids"] for text in (
@@ -36,8 +46,8 @@ async def generate_all(v, prompts, lengths, **fields) -> list[verifier_pb2.Gener
 
 def check_exact(responses, refs) -> None:  # noqa: ANN001
     for i, (r, ref) in enumerate(zip(responses, refs)):
-        assert list(r.token_ids) == ref, f"prompt {i}: {list(r.token_ids)} != generate() {ref}"
-        assert r.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+        assert list(r.output.token_ids) == ref, f"prompt {i}: {list(r.output.token_ids)} != generate() {ref}"
+        assert r.output.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
 
 
 def test_plain_and_ngram_decoding_equal_generate_on_many_prompts() -> None:
@@ -50,16 +60,16 @@ def test_plain_and_ngram_decoding_equal_generate_on_many_prompts() -> None:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model()) as v:
             responses = await generate_all(v, PROMPTS, LENGTHS)
             check_exact(responses, refs)
-            assert sum(r.stats.num_accepted_tokens for r in responses) > 10, "n-gram drafts were never accepted"
-            assert sum(r.stats.num_draft_tokens - r.stats.num_accepted_tokens for r in responses) > 0
+            assert sum(r.output.stats.num_accepted_tokens for r in responses) > 10, "n-gram drafts were never accepted"
+            assert sum(r.output.stats.num_draft_tokens - r.output.stats.num_accepted_tokens for r in responses) > 0
         # The SDK's n-gram drafter as a remote service over real gRPC.
         async with serve_drafter(NgramDrafter(max_draft_len=4)) as drafter:
             spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
             async with run_verifier(spec, model=shared_model()) as v:
                 responses = await generate_all(v, PROMPTS, LENGTHS)
                 check_exact(responses, refs)
-                assert sum(r.stats.num_accepted_tokens for r in responses) > 10
-                assert sum(r.stats.num_drafter_failures for r in responses) == 0
+                assert sum(r.output.stats.num_accepted_tokens for r in responses) > 10
+                assert sum(r.output.stats.num_drafter_failures for r in responses) == 0
                 assert engine_of(v).drafter.stats.failures == 0
 
     asyncio.run(main())
@@ -83,12 +93,12 @@ def test_oracle_drafter_accepts_and_rejects_at_every_position() -> None:
         assert not oracle.feedback_errors, oracle.feedback_errors[:5]
         assert set(oracle.accepted_at) == set(range(k)), "some draft position never accepted"
         assert set(oracle.rejected_at) == set(range(k)), "some draft position never rejected"
-        per_pos = [sum(r.stats.num_accepted_tokens_per_pos[j] for r in responses if
-                       len(r.stats.num_accepted_tokens_per_pos) > j) for j in range(k)]
+        per_pos = [sum(r.output.stats.num_accepted_tokens_per_pos[j] for r in responses if
+                       len(r.output.stats.num_accepted_tokens_per_pos) > j) for j in range(k)]
         assert per_pos == [oracle.accepted_at.count(j) for j in range(k)]
-        assert sum(r.stats.num_accepted_tokens for r in responses) == len(oracle.accepted_at)
+        assert sum(r.output.stats.num_accepted_tokens for r in responses) == len(oracle.accepted_at)
         for r in responses:  # mean acceptance length as the field reports it
-            s = r.stats
+            s = r.output.stats
             assert s.num_drafts and abs(s.mean_acceptance_length - (1 + s.num_accepted_tokens / s.num_drafts)) < 1e-9
 
     asyncio.run(main())
@@ -119,14 +129,14 @@ def test_mixed_batch_with_speculation_equals_each_request_alone_without() -> Non
                 together = await run_together(v, [functools.partial(v.stub.Generate, request(i), timeout=WAIT_S)
                                                   for i in range(len(prompts))])
         for i, (a, b, ref) in enumerate(zip(alone, together, refs)):
-            assert list(a.token_ids) == ref, f"plain decoding of prompt {i} differs from generate()"
-            assert list(b.token_ids) == list(a.token_ids), f"request {i} differs inside the batch"
-            assert b.text == a.text
-        assert together[2].stats.num_draft_tokens == 0 and together[7].stats.num_draft_tokens == 0
+            assert list(a.output.token_ids) == ref, f"plain decoding of prompt {i} differs from generate()"
+            assert list(b.output.token_ids) == list(a.output.token_ids), f"request {i} differs inside the batch"
+            assert b.output.text == a.output.text
+        assert together[2].output.stats.num_draft_tokens == 0 and together[7].output.stats.num_draft_tokens == 0
         for cap, r in zip(caps, together):
             if cap:
-                assert r.stats.num_draft_tokens <= cap * r.stats.num_drafts
-        assert sum(r.stats.num_accepted_tokens for r in together) > 0
+                assert r.output.stats.num_draft_tokens <= cap * r.output.stats.num_drafts
+        assert sum(r.output.stats.num_accepted_tokens for r in together) > 0
         assert not oracle.feedback_errors, oracle.feedback_errors[:5]
 
     asyncio.run(main())

@@ -14,16 +14,30 @@ import pytest
 import torch
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    ScriptedDrafter,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    shared_model,
+)
 
-from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_harness import run_verifier, spec_config, token_request
-from verifier_service.engine.sampler import SamplingParams, VerifyRow, target_probs, verify_batch, verify_sampled
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, LOOPING_SEEDS, ScriptedDrafter, cached_reference, engine_of, repetitive_prompt,
-                              run_together, shared_model)
+from verifier_service.engine.sampler import (
+    SamplingParams,
+    VerifyRow,
+    target_probs,
+    verify_batch,
+    verify_sampled,
+)
+from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 ALPHA = 1e-3  # fixed seeds make every test deterministic; this only guards against a bad seed choice
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
@@ -184,7 +198,7 @@ def in_process_drafter(engine, drafter) -> None:  # noqa: ANN001
     servicer = DrafterServicer(drafter, SequenceStore())
     servicer.load()
     engine.drafter = DrafterClient(InProcessTransport(servicer), engine.drafter.verifier_id,
-                                   engine.drafter.vocab_size)
+                                   engine.drafter.vocab_size, deadline_s=float("inf"), overlap_steps=1)
 
 
 def test_engine_sampling_matches_the_model_distribution_with_an_adversarial_drafter() -> None:
@@ -211,7 +225,7 @@ def test_engine_sampling_matches_the_model_distribution_with_an_adversarial_draf
             for chunk in range(0, len(seeds), 150):
                 responses = await asyncio.gather(*[v.stub.Generate(sampled_request(prompt, s, params), timeout=WAIT_S)
                                                    for s in seeds[chunk:chunk + 150]])
-                counts.update(tuple(r.token_ids) for r in responses)
+                counts.update(tuple(r.output.token_ids) for r in responses)
         return counts
 
     async def main() -> tuple[collections.Counter, collections.Counter]:
@@ -249,12 +263,12 @@ def test_same_seed_same_output_whatever_the_batch_and_the_drafts() -> None:
             batch, greedy = together[:len(prompts)], together[len(prompts):]
             other = [await v.stub.Generate(sampled_request(p, 8, params, 20), timeout=WAIT_S) for p in prompts]
         for i in range(len(prompts)):
-            assert list(alone[i].token_ids) == list(again[i].token_ids), f"prompt {i}: same seed, new output"
-            assert list(batch[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: batch changed the output"
-            assert list(plain[i].token_ids) == list(alone[i].token_ids), f"prompt {i}: speculation changed it"
-        assert sum(r.stats.num_draft_tokens for r in alone) > 0
+            assert list(alone[i].output.token_ids) == list(again[i].output.token_ids), f"prompt {i}: same seed, new output"
+            assert list(batch[i].output.token_ids) == list(alone[i].output.token_ids), f"prompt {i}: batch changed the output"
+            assert list(plain[i].output.token_ids) == list(alone[i].output.token_ids), f"prompt {i}: speculation changed it"
+        assert sum(r.output.stats.num_draft_tokens for r in alone) > 0
         for p, g in zip(prompts, greedy):
-            assert list(g.token_ids) == list(cached_reference(tuple(p), 20))
-        assert any(list(o.token_ids) != list(a.token_ids) for o, a in zip(other, alone))
+            assert list(g.output.token_ids) == list(cached_reference(tuple(p), 20))
+        assert any(list(o.output.token_ids) != list(a.output.token_ids) for o, a in zip(other, alone))
 
     asyncio.run(main())

@@ -10,14 +10,22 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from drafter_sdk.proto import verifier_pb2
 from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import (
+    WAIT_S,
+    EngineSpy,
+    byte_token_ids,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    scripted_model,
+    stream_all,
+    stream_request,
+    wait_until,
+)
+
+from drafter_sdk.proto import verifier_pb2
 from verifier_service.engine.detokenizer import Detokenizer
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, EngineSpy, byte_token_ids, engine_of, scripted_model, stream_all,
-                              stream_request, wait_until)
 
 # A model that writes "Hi 東京🙂é!" over and over, one UTF-8 byte per token
 # (the CJK characters and the emoji span 3 and 4 tokens, é two).
@@ -38,7 +46,7 @@ def stopping(**fields: object) -> verifier_pb2.StoppingCriteria:
 
 
 def ids_request(ids: list[int], stop: verifier_pb2.StoppingCriteria) -> verifier_pb2.GenerateRequest:
-    return verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stop)
+    return verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stop))
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +57,10 @@ def script_model():  # noqa: ANN201
 def check_stream(messages: list[verifier_pb2.GenerateStreamResponse]) -> tuple[str, list[int]]:
     """Whole characters in every message; the last one alone carries the finish reason."""
     for m in messages:
-        assert "\ufffd" not in m.text, f"a message split a character: {m.text!r}"
-    assert all(m.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
-    assert messages[-1].finish_reason != verifier_pb2.FINISH_REASON_UNSPECIFIED
-    return "".join(m.text for m in messages), [t for m in messages for t in m.token_ids]
+        assert "\ufffd" not in m.output.text, f"a message split a character: {m.output.text!r}"
+    assert all(m.output.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert messages[-1].output.finish_reason != verifier_pb2.FINISH_REASON_UNSPECIFIED
+    return "".join(m.output.text for m in messages), [t for m in messages for t in m.output.token_ids]
 
 
 @pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
@@ -64,12 +72,12 @@ def test_stream_releases_whole_characters_and_several_tokens_per_step(script_mod
             messages = await stream_all(v.stub, stream_request(PROMPT, n))
             unary = await v.stub.Generate(token_request(PROMPT, n), timeout=WAIT_S)
         text, ids = check_stream(messages)
-        assert ids == list(unary.token_ids) and len(ids) == n
-        assert text == unary.text == cycle_text(n)
-        assert messages[-1].finish_reason == LENGTH and messages[-1].stats.num_steps == unary.stats.num_steps
+        assert ids == list(unary.output.token_ids) and len(ids) == n
+        assert text == unary.output.text == cycle_text(n)
+        assert messages[-1].output.finish_reason == LENGTH and messages[-1].output.stats.num_steps == unary.output.stats.num_steps
         if mode == "NGRAM":
-            assert max(len(m.token_ids) for m in messages) > 2, "no step streamed several tokens"
-            assert unary.stats.num_accepted_tokens > n // 2
+            assert max(len(m.output.token_ids) for m in messages) > 2, "no step streamed several tokens"
+            assert unary.output.stats.num_accepted_tokens > n // 2
         else:  # one token per step: multi-byte characters arrive over several messages
             assert len(messages) >= len(cycle_text(n)) - 1
 
@@ -83,17 +91,16 @@ def test_stop_string_cuts_text_and_tokens(script_model, mode: str) -> None:  # n
 
     async def main() -> None:
         async with run_verifier(spec_config(mode, 8), model=script_model) as v:
-            req = verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=PROMPT),
-                                               stopping=stopping(max_new_tokens=60, stop=["京🙂", "zz"]))
-            unary = await v.stub.Generate(req, timeout=WAIT_S)
-            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(
-                token_ids=req.token_ids, stopping=req.stopping))
+            params = verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=PROMPT),
+                                                   stopping=stopping(max_new_tokens=60, stop=["京🙂", "zz"]))
+            unary = await v.stub.Generate(verifier_pb2.GenerateRequest(params=params), timeout=WAIT_S)
+            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(params=params))
         text, ids = check_stream(messages)
-        assert unary.text == text == "i 東"
-        assert unary.finish_reason == messages[-1].finish_reason == STOP
-        assert unary.stop_reason == messages[-1].stop_reason == "京🙂"
+        assert unary.output.text == text == "i 東"
+        assert unary.output.finish_reason == messages[-1].output.finish_reason == STOP
+        assert unary.output.stop_reason == messages[-1].output.stop_reason == "京🙂"
         # Tokens up to the one completing the stop string ("i", " ", 東 x3, 京 x3, 🙂 x4).
-        assert list(unary.token_ids) == ids == [CHAIN[(1 + i) % len(CHAIN)] for i in range(12)]
+        assert list(unary.output.token_ids) == ids == [CHAIN[(1 + i) % len(CHAIN)] for i in range(12)]
 
     asyncio.run(main())
 
@@ -105,20 +112,20 @@ def test_stop_string_across_steps_and_held_back_prefixes(script_model) -> None: 
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=script_model) as v:
             # "é!X" never occurs ("é!" is always followed by "H"): everything comes out, in order.
-            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(
-                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["é!X"])))
+            messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
+                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["é!X"]))))
             text, _ = check_stream(messages)
-            assert text == cycle_text(40) and messages[-1].finish_reason == LENGTH
+            assert text == cycle_text(40) and messages[-1].output.finish_reason == LENGTH
             # While "é!" could still become "é!X", it is not released: no message ends inside it.
             released = ""
             for m in messages[:-1]:
-                released += m.text
+                released += m.output.text
                 assert not released.endswith("é") and not released.endswith("é!")
             # A stop string reaching into the second cycle: "!Hi" stops after "…é".
-            r = await v.stub.Generate(verifier_pb2.GenerateRequest(
-                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["!Hi"])),
+            r = await v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(max_new_tokens=40, stop=["!Hi"]))),
                 timeout=WAIT_S)
-            assert r.text == "i 東京🙂é" and r.stop_reason == "!Hi" and r.finish_reason == STOP
+            assert r.output.text == "i 東京🙂é" and r.output.stop_reason == "!Hi" and r.output.finish_reason == STOP
 
     asyncio.run(main())
 
@@ -135,14 +142,14 @@ def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
         async with run_verifier(spec_config(mode, 8), model=model) as v:
             gen = v.stub.Generate
             r = await gen(token_request(PROMPT, 5), timeout=WAIT_S)
-            assert len(r.token_ids) == 5 and r.finish_reason == LENGTH and r.text == cycle_text(5)
+            assert len(r.output.token_ids) == 5 and r.output.finish_reason == LENGTH and r.output.text == cycle_text(5)
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space, 5])), timeout=WAIT_S)
-            assert list(r.token_ids) == [tok_x, space] and r.finish_reason == STOP and r.stop_reason == str(space)
+            assert list(r.output.token_ids) == [tok_x, space] and r.output.finish_reason == STOP and r.output.stop_reason == str(space)
             r = await gen(token_request(PROMPT, 30), timeout=WAIT_S)  # EOS after "é": "!" ends it
-            assert list(r.token_ids) == CHAIN[1:] and r.finish_reason == STOP and r.stop_reason == ""
-            assert list(r.token_ids) == reference_greedy(model, PROMPT, 30)  # generate() stops there too
+            assert list(r.output.token_ids) == CHAIN[1:] and r.output.finish_reason == STOP and r.output.stop_reason == ""
+            assert list(r.output.token_ids) == reference_greedy(model, PROMPT, 30)  # generate() stops there too
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, ignore_eos=True)), timeout=WAIT_S)
-            assert len(r.token_ids) == 30 and r.finish_reason == LENGTH
+            assert len(r.output.token_ids) == 30 and r.output.finish_reason == LENGTH
 
     asyncio.run(main())
 
@@ -157,8 +164,8 @@ def test_eos_on_the_random_model_matches_generate() -> None:
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 4), model=model) as v:
             r = await v.stub.Generate(token_request(prompt, 24), timeout=WAIT_S)
-        assert list(r.token_ids) == ref[:cut + 1] == reference_greedy(model, prompt, 24)
-        assert r.finish_reason == STOP
+        assert list(r.output.token_ids) == ref[:cut + 1] == reference_greedy(model, prompt, 24)
+        assert r.output.finish_reason == STOP
 
     asyncio.run(main())
 
@@ -172,33 +179,33 @@ def test_cancelled_stream_frees_its_kv_at_the_next_step() -> None:
             spy = EngineSpy(engine)
             cancelled_at: list[int] = []
             dropped_at: list[int] = []
-            cancel, drop = engine.cancel, engine.scheduler.drop_cancelled
+            cancel, schedule = engine.cancel, engine.scheduler.schedule
 
             def spy_cancel(seq) -> None:  # noqa: ANN001
                 cancelled_at.append(len(spy.steps))
                 cancel(seq)
 
-            def spy_drop():  # noqa: ANN202
-                gone = drop()
-                if gone:
+            def spy_schedule():  # noqa: ANN202
+                plan = schedule()
+                if plan.released:
                     dropped_at.append(len(spy.steps))
-                return gone
+                return plan
 
-            engine.cancel, engine.scheduler.drop_cancelled = spy_cancel, spy_drop
+            engine.cancel, engine.scheduler.schedule = spy_cancel, spy_schedule
             other = asyncio.ensure_future(v.stub.Generate(token_request(PROMPT, 200), timeout=WAIT_S))
             call = v.stub.GenerateStream(stream_request(PROMPT, 200), timeout=WAIT_S)
             first = await call.read()
-            assert first.token_ids
-            await wait_until(lambda: engine.kv_cache.num_active == 2, "both requests to run")
+            assert first.output.token_ids
+            await wait_until(lambda: engine.runner.kv_cache.num_used_slots == 2, "both requests to run")
             call.cancel()
-            await wait_until(lambda: engine.kv_cache.num_active == 1, "the cancelled stream's KV to be freed")
+            await wait_until(lambda: engine.runner.kv_cache.num_used_slots == 1, "the cancelled stream's KV to be freed")
             assert cancelled_at and dropped_at and dropped_at[0] <= cancelled_at[0] + 1
             # The drafter forgot it too (in-process n-gram: its sequence store).
             store = engine.drafter.transport._servicer.store
             await wait_until(lambda: len(store) <= 1, "the drafter to release the cancelled request")
             r = await other  # the neighbour is unaffected
-            assert len(r.token_ids) == 200 and r.text == cycle_text(200)
-            await wait_until(lambda: engine.kv_cache.num_active == 0 and len(store) == 0, "everything released")
+            assert len(r.output.token_ids) == 200 and r.output.text == cycle_text(200)
+            await wait_until(lambda: engine.runner.kv_cache.num_used_slots == 0 and len(store) == 0, "everything released")
 
     asyncio.run(main())
 
@@ -223,11 +230,11 @@ def test_disconnected_unary_client_and_cancelled_queued_request_free_everything(
             spy.gate.set()
             with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
                 await running
-            await wait_until(lambda: engine.kv_cache.num_active == 0 and not engine.scheduler.has_work(),
+            await wait_until(lambda: engine.runner.kv_cache.num_used_slots == 0 and not engine.scheduler.has_work(),
                              "the engine to be idle")
             assert sum(s.admitted for s in spy.steps) == 1, "the cancelled queued request was admitted"
             r = await v.stub.Generate(token_request(PROMPT, 4), timeout=WAIT_S)  # and it still serves
-            assert len(r.token_ids) == 4
+            assert len(r.output.token_ids) == 4
 
     asyncio.run(main())
 

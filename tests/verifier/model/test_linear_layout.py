@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tiny_model import tiny_model
+
 from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.linear_layout import Layout, LinearLayouts

@@ -1,4 +1,4 @@
-"""All of a verifier's torch work runs on its one model thread (see runtime.build_runtime)."""
+"""All of a verifier's torch work runs on its one model thread (see builder.build_runtime)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import threading
 
 import pytest
 import torch
-
 from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import shared_model
+
 from verifier_service import builder
 from verifier_service.model.runner import ModelRunner
-from verifier_support import shared_model
 
 
 def test_kv_allocation_probes_and_every_forward_run_on_the_model_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
-    real_forward, real_kv_cache_for = ModelRunner.forward, runtime.kv_cache_for
+    real_forward, real_kv_cache_for = ModelRunner.forward, builder.kv_cache_for
 
     def forward(self: ModelRunner, batch: object) -> torch.Tensor:
         threads.append(threading.current_thread().name)
@@ -27,13 +27,13 @@ def test_kv_allocation_probes_and_every_forward_run_on_the_model_thread(monkeypa
         return real_kv_cache_for(*args)
 
     monkeypatch.setattr(ModelRunner, "forward", forward)
-    monkeypatch.setattr(runtime, "kv_cache_for", kv_cache_for)
+    monkeypatch.setattr(builder, "kv_cache_for", kv_cache_for)
     model = shared_model()
 
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 4, adaptiveDraftLen=True), model=model) as v:
             reply = await v.stub.Generate(token_request([5, 6, 7, 5, 6, 7, 5], 12))
-            assert len(reply.token_ids) == 12
+            assert len(reply.output.token_ids) == 12
 
     asyncio.run(main())
     assert len(threads) > 10  # the allocation, the start-up probes and the decoding steps

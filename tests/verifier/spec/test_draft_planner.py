@@ -5,70 +5,68 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
-from verifier_service.spec.planner import DraftPlanner
-from verifier_service.model.step_costs import CostCurve
 from verifier_support import shared_model
+
+from verifier_service.model.step_costs import CostCurve
+from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
+from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
 LINEAR = [float(t) for t in range(17)]  # every verified token costs a full step
 
 
-def planner(costs: list[float], k: int = 8) -> DraftPlanner:
+def planner(costs: list[float]) -> DraftPlanner:
     """costs[t]: cost of a forward over t tokens (costs[0] unused)."""
-    return DraftPlanner(k, costs=CostCurve(tuple((t, c) for t, c in enumerate(costs) if t)))
+    return DraftPlanner(CostCurve(tuple((t, c) for t, c in enumerate(costs) if t)))
 
 
-def train(p: DraftPlanner, rid: str, drafted: int, accepted: int, steps: int) -> None:
+def trained(drafted: int, accepted: int, steps: int) -> AcceptanceEstimate:
+    """A request's estimate after `steps` drafts of `drafted` tokens, `accepted` of them kept each time."""
+    estimate = AcceptanceEstimate()
     for _ in range(steps):
-        p.observe(rid, drafted, accepted)
+        estimate.observe(drafted, accepted)
+    return estimate
 
 
 def test_cheap_verification_and_good_drafts_draft_to_the_cap() -> None:
-    p = planner(FLAT)
-    train(p, "a", 8, 8, 10)
-    assert p.plan(["a"], [8]) == [8]
+    assert planner(FLAT).plan([trained(8, 8, 10)], [8]) == [8]
 
 
 def test_verification_as_costly_as_decoding_never_drafts() -> None:
-    p = planner(LINEAR)
-    train(p, "a", 8, 6, 10)
-    assert p.plan(["a"], [8]) == [0]
+    assert planner(LINEAR).plan([trained(8, 6, 10)], [8]) == [0]
 
 
 def test_requests_that_reject_draft_less_than_requests_that_accept() -> None:
     costs = [0.0] + [1.0 + 0.15 * (t - 1) for t in range(1, 17)]  # a CPU-like curve
-    p = planner(costs)
-    train(p, "good", 8, 8, 10)
-    train(p, "bad", 8, 0, 10)
-    good, bad = p.plan(["good", "bad"], [8, 8])
+    good, bad = planner(costs).plan([trained(8, 8, 10), trained(8, 0, 10)], [8, 8])
     assert good >= 4 and bad == 0
 
 
 def test_caps_are_respected_and_batch_cost_shortens_drafts() -> None:
     costs = [0.0] + [1.0 + 0.15 * (t - 1) for t in range(1, 17)]
-    p = planner(costs)
-    train(p, "a", 8, 5, 10)
-    alone = p.plan(["a"], [8])[0]
-    assert p.plan(["a"], [2]) == [min(2, alone)]
+    p, a = planner(costs), trained(8, 5, 10)
+    alone = p.plan([a], [8])[0]
+    assert p.plan([a], [2]) == [min(2, alone)]
     # Sixteen such requests share one forward: the same acceptance buys fewer draft tokens each.
-    batch = p.plan([f"r{i}" for i in range(16)], [8] * 16)
+    batch = p.plan([trained(8, 5, 10) for _ in range(16)], [8] * 16)
     assert all(k <= 8 for k in batch) and sum(batch) / 16 <= alone
 
 
 def test_shadow_drafts_bring_a_request_back_to_drafting() -> None:
     costs = [0.0] + [1.0 + 0.15 * (t - 1) for t in range(1, 17)]
-    p = planner(costs)
-    train(p, "a", 8, 0, 10)
-    assert p.plan(["a"], [8]) == [0]
+    p, a = planner(costs), trained(8, 0, 10)
+    assert p.plan([a], [8]) == [0]
     for _ in range(5):  # its unverified drafts now start with the token the target produced
-        p.observe_shadow("a", True)
-    assert p.plan(["a"], [8])[0] > 0
+        a.observe_shadow(True)
+    assert p.plan([a], [8])[0] > 0
 
 
-def test_unmeasured_costs_fall_back_to_the_caps() -> None:
-    assert DraftPlanner(8).plan(["a", "b"], [3, 8]) == [3, 8]
+def test_without_the_planner_every_sequence_drafts_its_cap() -> None:
+    policy = SpeculationPolicy(max_draft_len=8)
+    states = [SpecState(), SpecState(), SpecState()]
+    states[2].params = type(states[2].params)(disable=True)
+    assert policy.plan(states, [3, 20, 8]) == ([3, 8, 0], [3, 8, 0])
 
 
 def test_cost_curve_interpolates_and_extends() -> None:
@@ -87,9 +85,9 @@ def test_adaptive_engine_output_is_exact() -> None:
         async with run_verifier(spec_config("NGRAM", 6, adaptiveDraftLen=True), model=model) as v:
             engine = v.running.runtime.engine
             replies = await asyncio.gather(*(v.stub.Generate(token_request(p, 32)) for p in prompts))
-            assert engine.policy.planner is not None and engine.policy.planner.costs
+            assert engine.scheduler.policy.planner is not None and engine.scheduler.policy.planner.costs
         for p, r in zip(prompts, replies):
-            assert list(r.token_ids) == reference_greedy(model, p, 32)
+            assert list(r.output.token_ids) == reference_greedy(model, p, 32)
 
     asyncio.run(main())
 
@@ -99,5 +97,5 @@ def test_one_requests_history_does_not_stop_a_new_request_from_drafting() -> Non
     does not teach a fresh one (which starts from an optimistic prior) to stop drafting."""
     costs = [0.0, 1.0, 1.73, 2.0, 2.0, 2.0, 2.0, 2.2, 2.2, 2.2]  # measured on a 2-core CPU
     p = planner(costs)
-    train(p, "short-matches", 8, 1, 20)
-    assert p.plan(["fresh"], [8]) == [8]
+    p.plan([trained(8, 1, 20)], [8])
+    assert p.plan([AcceptanceEstimate()], [8]) == [8]

@@ -14,10 +14,15 @@ import grpc
 import pytest
 
 from drafter_sdk import Drafter, DraftRequest, start_server
-from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, GrpcTransport
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.servicer import DrafterServicer
+from verifier_service.spec.drafter_client import (
+    DeltaHistory,
+    DrafterClient,
+    DraftQuery,
+    GrpcTransport,
+)
 
 OK = pb.DRAFT_STATUS_OK
 RESYNC = pb.DRAFT_STATUS_RESYNC_REQUIRED
@@ -77,8 +82,9 @@ class RoundRobin:
         return None
 
 
-def query(tokens: list[int], request_id: str = "r", draft_len: int = 3) -> DraftQuery:
-    return DraftQuery(request_id, tokens, prompt_len=min(3, len(tokens)), draft_len=draft_len)
+def query(tokens: list[int], history: DeltaHistory, request_id: str = "r", draft_len: int = 3) -> DraftQuery:
+    """One sequence's query; `history` is what the verifier keeps on that sequence between calls."""
+    return DraftQuery(request_id, tokens, prompt_len=min(3, len(tokens)), draft_len=draft_len, history=history)
 
 
 def sent_deltas(transport: RoundRobin) -> list[tuple[int, list[int]]]:
@@ -88,16 +94,17 @@ def sent_deltas(transport: RoundRobin) -> list[tuple[int, list[int]]]:
 def test_client_re_sends_the_last_overlap_steps_and_the_whole_context_until_it_has_them():
     async def body():
         transport = RoundRobin(replica())
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=3)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=3)
+        h = DeltaHistory()  # kept on the sequence by the verifier
         tokens = [1, 2, 3]
         for step in range(6):
-            await client.propose([query(tokens)])
+            await client.propose([query(tokens, h)])
             tokens = tokens + [10 + step]
         # Lengths after the calls: 3, 4, 5, 6, 7, 8. The first three calls carry everything;
         # then each starts where the third most recent call ended.
         assert [ctx for ctx, _ in sent_deltas(transport)] == [0, 0, 0, 3, 4, 5]
         assert sent_deltas(transport)[4] == (4, [11, 12, 13])  # committed: 1 2 3 10 | 11 12 13
-        assert client.context_len("r") == 6
+        assert client.context_len(h) == 6
 
     asyncio.run(body())
 
@@ -105,9 +112,10 @@ def test_client_re_sends_the_last_overlap_steps_and_the_whole_context_until_it_h
 def test_overlap_steps_1_sends_plain_deltas():
     async def body():
         transport = RoundRobin(replica())
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=1)
-        await client.propose([query([1, 2, 3])])
-        await client.propose([query([1, 2, 3, 4, 5])])
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        h = DeltaHistory()  # kept on the sequence by the verifier
+        await client.propose([query([1, 2, 3], h)])
+        await client.propose([query([1, 2, 3, 4, 5], h)])
         assert sent_deltas(transport) == [(0, [1, 2, 3]), (3, [4, 5])]
 
     asyncio.run(body())
@@ -115,31 +123,32 @@ def test_overlap_steps_1_sends_plain_deltas():
 
 def test_overlap_steps_must_be_positive():
     with pytest.raises(ValueError, match="overlap_steps"):
-        DrafterClient(RoundRobin(replica()), "v", vocab_size=100, overlap_steps=0)
+        DrafterClient(RoundRobin(replica()), "v", vocab_size=100, deadline_s=1.0, overlap_steps=0)
 
 
 def test_resync_forgets_the_history_and_a_failed_call_keeps_it():
     async def body():
         servicer = replica()
         transport = RoundRobin(servicer)
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=2)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=2)
+        h = DeltaHistory()  # kept on the sequence by the verifier
         tokens = [1, 2, 3]
         for _ in range(3):
             tokens = tokens + [len(tokens)]
-            await client.propose([query(tokens)])
-        assert client.context_len("r") == 5
+            await client.propose([query(tokens, h)])
+        assert client.context_len(h) == 5
         transport.fail_next = True
         tokens = tokens + [9]
-        reply = await client.propose([query(tokens)])
-        assert reply.failed == [True] and client.context_len("r") == 5  # unchanged
+        reply = await client.propose([query(tokens, h)])
+        assert reply.failed == [True] and client.context_len(h) == 5  # unchanged
         servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]))  # the replica lost it
         tokens = tokens + [8]
-        reply = await client.propose([query(tokens)])
+        reply = await client.propose([query(tokens, h)])
         assert reply.drafts == [[]] and reply.failed == [False] and client.stats.resyncs == 1
-        assert client.context_len("r") == 0
+        assert client.context_len(h) == 0
         for _ in range(3):
             tokens = tokens + [7]
-            reply = await client.propose([query(tokens)])
+            reply = await client.propose([query(tokens, h)])
             assert reply.drafts == [tokens[-3:]]
         assert [ctx for ctx, _ in sent_deltas(transport)][-4:] == [5, 0, 0, 9]
 
@@ -151,11 +160,12 @@ def test_round_robin_replicas_stay_in_sync_without_resyncs(replicas):
     async def body():
         servicers = [replica() for _ in range(replicas)]
         transport = RoundRobin(*servicers)
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=8)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=8)
         rng = random.Random(replicas)
+        ha, hb = DeltaHistory(), DeltaHistory()
         contexts = {rid: [rng.randrange(100) for _ in range(20)] for rid in ("a", "b")}
         for _ in range(40):
-            reply = await client.propose([query(contexts["a"], "a"), query(contexts["b"], "b")])
+            reply = await client.propose([query(contexts["a"], ha, "a"), query(contexts["b"], hb, "b")])
             assert reply.drafts == [contexts["a"][-3:], contexts["b"][-3:]]
             for tokens in contexts.values():  # 1 to 4 tokens committed per step
                 tokens.extend(rng.randrange(100) for _ in range(rng.randint(1, 4)))
@@ -172,10 +182,11 @@ def test_without_overlap_round_robin_replicas_resync_every_other_step():
 
     async def body():
         transport = RoundRobin(replica(), replica())
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=1)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        h = DeltaHistory()  # kept on the sequence by the verifier
         tokens = list(range(10))
         for step in range(20):
-            await client.propose([query(tokens)])
+            await client.propose([query(tokens, h)])
             tokens = tokens + [step]
         assert client.stats.resyncs == 10
         assert [s.drafter.in_sync for s in transport.replicas] == [10, 0]
@@ -187,10 +198,11 @@ def test_more_replicas_than_overlap_steps_resync_but_stay_correct():
     async def body():
         servicers = [replica() for _ in range(3)]
         transport = RoundRobin(*servicers)
-        client = DrafterClient(transport, "v", vocab_size=100, overlap_steps=2)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=2)
+        h = DeltaHistory()  # kept on the sequence by the verifier
         tokens = list(range(10))
         for step in range(30):
-            reply = await client.propose([query(tokens)])
+            reply = await client.propose([query(tokens, h)])
             assert reply.drafts in ([[]], [tokens[-3:]])
             tokens = tokens + [step % 7]
         assert client.stats.resyncs > 0
@@ -204,13 +216,14 @@ def test_more_replicas_than_overlap_steps_resync_but_stay_correct():
 def test_bytes_per_call_stay_flat_as_the_context_grows():
     async def body():
         transport = RoundRobin(replica(), replica())
-        client = DrafterClient(transport, "v", vocab_size=50_000, overlap_steps=8)
+        client = DrafterClient(transport, "v", vocab_size=50_000, deadline_s=1.0, overlap_steps=8)
+        h = DeltaHistory()  # kept on the sequence by the verifier
         rng = random.Random(0)
         tokens = [rng.randrange(50_000) for _ in range(100)]
         sizes: dict[int, int] = {}
         step = 0
         while len(tokens) < 2_000:
-            await client.propose([query(tokens, draft_len=4)])
+            await client.propose([query(tokens, h, draft_len=4)])
             sizes[len(tokens)] = client.stats.last_request_bytes
             tokens.extend(rng.randrange(50_000) for _ in range(1 + step % 5))  # 1..5 tokens per step
             step += 1
@@ -239,7 +252,8 @@ def test_two_grpc_replicas_behind_one_round_robin_target():
             ports = [server.port for server in servers]
             transport = GrpcTransport(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
                                       load_balancing_policy="round_robin")
-            client = DrafterClient(transport, "v-rr", vocab_size=1000, deadline_s=5.0)
+            client = DrafterClient(transport, "v-rr", vocab_size=1000, deadline_s=5.0, overlap_steps=8)
+            h = DeltaHistory()  # kept on the sequence by the verifier
             rng = random.Random(1)
             tokens = [rng.randrange(1000) for _ in range(50)]
             drafted = 0
@@ -248,7 +262,7 @@ def test_two_grpc_replicas_behind_one_round_robin_target():
                     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
                         await drafter_pb2_grpc.DrafterServiceStub(channel).ReleaseRequests(
                             pb.ReleaseRequestsRequest(verifier_id="v-rr", request_ids=["r"]), timeout=5)
-                reply = await client.propose([query(tokens, draft_len=4)])
+                reply = await client.propose([query(tokens, h, draft_len=4)])
                 assert not reply.failed[0], client.stats.last_error
                 drafted += reply.drafts == [tokens[-4:]]
                 tokens.extend(rng.randrange(1000) for _ in range(rng.randint(1, 5)))

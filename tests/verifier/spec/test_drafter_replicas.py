@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tiny_model import tiny_model, tiny_tokenizer
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 
 from drafter_sdk import DraftRequest, start_server
 from drafter_sdk.drafters.ngram import NgramDrafter
-from tiny_model import tiny_model, tiny_tokenizer
 from verifier_service.spec.config import ConfigError, validate
 from verifier_service.spec.drafters import build_drafter_client
-from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,14 +61,14 @@ def test_verifier_over_two_round_robin_replicas_drafts_every_step_and_stays_exac
                                                   for ids in prompts))
                 stats = client.stats
             for ids, reply in zip(prompts, replies):
-                assert list(reply.token_ids) == reference_greedy(model, ids, MAX_NEW_TOKENS)
+                assert list(reply.output.token_ids) == reference_greedy(model, ids, MAX_NEW_TOKENS)
             assert all(d.in_sync > 0 for d in drafters), [d.in_sync for d in drafters]
             # At most one resync per replica per request (a replica whose connection came up late);
             # in practice none.
             assert stats.resyncs <= len(drafters) * len(prompts)
             for reply in replies:
-                decode_steps = reply.stats.num_steps - 1  # the first step is the prefill
-                assert reply.stats.num_drafts >= decode_steps - len(drafters), reply.stats
+                decode_steps = reply.output.stats.num_steps - 1  # the first step is the prefill
+                assert reply.output.stats.num_drafts >= decode_steps - len(drafters), reply.output.stats
             assert stats.failures == 0, stats.last_error
         finally:
             for server in servers:

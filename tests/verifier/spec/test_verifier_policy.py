@@ -8,11 +8,22 @@ import asyncio
 import collections
 import functools
 
-from drafter_sdk.proto import verifier_pb2
 from verifier_harness import run_verifier, spec_config, token_request
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, LOOPING_SEEDS, EngineSpy, OracleDrafter, cached_reference, engine_of,
-                              repetitive_prompt, run_together, serve_drafter, shared_model)
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    EngineSpy,
+    OracleDrafter,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    serve_drafter,
+    shared_model,
+)
+
+from drafter_sdk.proto import verifier_pb2
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:4]]
 
@@ -41,7 +52,7 @@ def test_per_request_max_draft_len_caps_within_the_server_limit() -> None:
                 for cap in (None, 1, 3, 10, 0):
                     before = len(oracle.calls)
                     r = await v.stub.Generate(capped(PROMPTS[0], n, cap), timeout=WAIT_S)
-                    assert list(r.token_ids) == refs[0]
+                    assert list(r.output.token_ids) == refs[0]
                     seen[cap] = [c.draft_lens[0] for c in oracle.calls[before:]]
         return seen
 
@@ -75,7 +86,7 @@ def test_draft_length_schedule_by_batch_size() -> None:
                          for p, n in zip(prompts, lengths)]
                 responses = await run_together(v, calls, spy)
         for r, ref in zip(responses, refs):
-            assert list(r.token_ids) == ref
+            assert list(r.output.token_ids) == ref
         by_size: dict[int, set[int]] = collections.defaultdict(set)
         for call in oracle.calls:  # draft lengths asked, by the batch size of the step
             by_size[len(call.request_ids)].update(call.draft_lens)
@@ -106,16 +117,16 @@ def test_auto_disable_is_per_request_and_stops_calling_a_useless_drafter() -> No
             async with run_verifier(spec, model=shared_model()) as v:
                 bad, good = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n),
                                                                      timeout=WAIT_S) for p in prompts])
-                assert list(bad.token_ids) == refs[0] and list(good.token_ids) == refs[1]
-                assert bad.stats.auto_disabled and not good.stats.auto_disabled
-                assert bad.stats.num_draft_tokens == 8 and bad.stats.num_accepted_tokens == 0
-                assert good.stats.num_accepted_tokens > 8
+                assert list(bad.output.token_ids) == refs[0] and list(good.output.token_ids) == refs[1]
+                assert bad.output.stats.auto_disabled and not good.output.stats.auto_disabled
+                assert bad.output.stats.num_draft_tokens == 8 and bad.output.stats.num_accepted_tokens == 0
+                assert good.output.stats.num_accepted_tokens > 8
                 # Alone, a useless drafter is consulted for the window and then never again.
                 calls = engine_of(v).drafter.stats.calls
                 r = await v.stub.Generate(token_request(prompts[0], n), timeout=WAIT_S)
-                assert list(r.token_ids) == refs[0] and r.stats.auto_disabled
+                assert list(r.output.token_ids) == refs[0] and r.output.stats.auto_disabled
                 assert engine_of(v).drafter.stats.calls - calls == 2
-                assert r.stats.num_steps == n - 1  # every decode step still ran, without drafts
+                assert r.output.stats.num_steps == n - 1  # every decode step still ran, without drafts
         assert not oracle.feedback_errors
 
     asyncio.run(main())
@@ -145,18 +156,18 @@ def test_auto_disable_probes_and_resumes_when_drafts_pay_again() -> None:
                                    deadline_ms=30000, **probes)
                 async with run_verifier(spec, model=shared_model()) as v:
                     r = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
-            assert list(r.token_ids) == ref and r.stats.auto_disabled
+            assert list(r.output.token_ids) == ref and r.output.stats.auto_disabled
             calls = drafter_obj.calls
             if not turns:
                 # The first draft disables it; then one probe per 5 plain steps, all failing.
-                assert r.stats.num_accepted_tokens == 0
-                assert 3 <= len(calls) <= 2 + r.stats.num_steps // 5
+                assert r.output.stats.num_accepted_tokens == 0
+                assert 3 <= len(calls) <= 2 + r.output.stats.num_steps // 5
             else:
                 # A probe after the turn pays: drafting resumes at every step until the end.
                 resumed = next(i for i, c in enumerate(calls) if c.drafts[0] and
                                len(c.drafts[0]) == 4 and c.lengths[0] - len(prompt) >= TurningDrafter.turn)
                 assert len(calls) - resumed >= 3
                 assert all(c.draft_lens[0] > 0 for c in calls[resumed:])
-                assert r.stats.num_accepted_tokens >= 4 * (len(calls) - resumed - 1)
+                assert r.output.stats.num_accepted_tokens >= 4 * (len(calls) - resumed - 1)
 
     asyncio.run(main())

@@ -9,13 +9,21 @@ import asyncio
 import functools
 
 import pytest
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    OracleDrafter,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    shared_model,
+)
 
 from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.server import start_server
-from verifier_harness import run_verifier, spec_config, token_request
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
-from verifier_support import (WAIT_S, LOOPING_SEEDS, OracleDrafter, cached_reference, engine_of, repetitive_prompt,
-                              run_together, shared_model)
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[4:7]]
 N = 48
@@ -70,7 +78,7 @@ def test_drafter_restart_mid_generation(overlap: int, restart_at: int, fail_firs
                 await new.stop(0)
 
         for r, ref in zip(responses, refs):
-            assert list(r.token_ids) == ref, "a drafter restart changed the output"
+            assert list(r.output.token_ids) == ref, "a drafter restart changed the output"
         assert len(sent) > restart_at + 3, "generation ended before the restart could matter"
         assert first.calls and second.calls, "the restarted drafter was never reached"
         # Every live sequence got RESYNC_REQUIRED once from the new drafter, then its whole context.
@@ -78,7 +86,7 @@ def test_drafter_restart_mid_generation(overlap: int, restart_at: int, fail_firs
         assert stats.resyncs == live
         if fail_first:
             assert outcomes[restart_at:restart_at + 2] == ["failed", "failed"]
-            assert stats.failures == 2 and sum(r.stats.num_drafter_failures for r in responses) == 2 * live
+            assert stats.failures == 2 and sum(r.output.stats.num_drafter_failures for r in responses) == 2 * live
         else:
             assert "failed" not in outcomes and stats.failures == 0
         resync_call = restart_at + (2 if fail_first else 0)

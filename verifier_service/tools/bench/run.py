@@ -12,15 +12,21 @@ from pathlib import Path
 
 import torch
 
-from verifier_service.spec.drafter_client import DraftQuery, DrafterClient, GrpcTransport
 from verifier_service.model import loader as model_loader
 from verifier_service.model import step_costs
+from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model.runner import ModelRunner
+from verifier_service.spec.config import DEFAULT_DELTA_OVERLAP_STEPS
+from verifier_service.spec.drafter_client import (
+    DeltaHistory,
+    DrafterClient,
+    DraftQuery,
+    GrpcTransport,
+)
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
-from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.tools.local_services import LocalService, script
-from verifier_service.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 PLAIN = "splitspec plain"
@@ -124,12 +130,14 @@ def _run_all(systems: list, prompts: list[workloads.Prompt], args: argparse.Name
 
 async def _request_bytes(address: str, vocab_size: int) -> list[tuple[int, int]]:
     """Bytes of one PrepareDraftTokens as a sequence grows 100 -> 2000 tokens, one token per step."""
-    client = DrafterClient(GrpcTransport(address), "bench", vocab_size, deadline_s=1.0)
+    client = DrafterClient(GrpcTransport(address), "bench", vocab_size, deadline_s=1.0,
+                           overlap_steps=DEFAULT_DELTA_OVERLAP_STEPS)
+    history = DeltaHistory()
     tokens = [int(t) for t in torch.randint(0, vocab_size, (2000,))]
     sizes = []
     try:
         for n in range(100, 2001):
-            await client.propose([DraftQuery("grow", tokens[:n], 50, 8)])
+            await client.propose([DraftQuery("grow", tokens[:n], 50, 8, history)])
             if n in (100, 500, 1000, 2000):
                 sizes.append((n, client.stats.last_request_bytes))
     finally:

@@ -31,20 +31,21 @@ class VerifierSystem:
         self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
 
     def run(self, prompt: Prompt, max_new_tokens: int) -> Run:
-        request = verifier_pb2.GenerateStreamRequest(
+        request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=prompt.token_ids),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
-            speculation=verifier_pb2.SpeculationOverrides(disable=not self.speculate))
+            speculation=verifier_pb2.SpeculationOverrides(disable=not self.speculate)))
         tokens: list[int] = []
         started = time.perf_counter()
         first = None
-        last = verifier_pb2.GenerateStreamResponse()
-        for last in self._stub.GenerateStream(request, timeout=1800):
-            if first is None and last.token_ids:
+        stats = verifier_pb2.SpeculationStats()
+        for message in self._stub.GenerateStream(request, timeout=1800):
+            if first is None and message.output.token_ids:
                 first = time.perf_counter()
-            tokens.extend(last.token_ids)
+            tokens.extend(message.output.token_ids)
+            stats = message.output.stats
         end = time.perf_counter()
-        return Run(tokens, end - started, end - (first or end), last.stats)
+        return Run(tokens, end - started, end - (first or end), stats)
 
     def close(self) -> None:
         self._channel.close()
