@@ -291,9 +291,11 @@ class DrafterClient:
         try:
             info = await self.transport.info(timeout_s)
         except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
-            log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
-                        self.transport.target, _describe(exc))
-            return
+            if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED):
+                log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
+                            self.transport.target, _describe(exc))
+                return
+            info = drafter_pb2.GetDrafterInfoResponse()  # it drafts but says nothing of itself: ask no more
         finally:
             self._asking_info = False
         if info != self.info:

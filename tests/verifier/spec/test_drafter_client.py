@@ -280,3 +280,55 @@ def test_two_grpc_replicas_behind_one_round_robin_target():
                 await server.stop(0)
 
     asyncio.run(body())
+
+
+class CountingInfo(RoundRobin):
+    """Counts GetDrafterInfo calls; `unimplemented` makes them fail as a drafter without the method would."""
+
+    def __init__(self, *servicers: DrafterServicer, unimplemented: bool = False) -> None:
+        super().__init__(*servicers)
+        self.info_calls = 0
+        self.unimplemented = unimplemented
+
+    async def info(self, timeout_s: float) -> pb.GetDrafterInfoResponse:
+        self.info_calls += 1
+        if self.unimplemented:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata())
+        return await super().info(timeout_s)
+
+
+def test_the_client_learns_who_the_drafter_is_on_connect_and_after_it_lost_state():
+    async def body():
+        servicer = replica()
+        transport = CountingInfo(servicer)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        await client.connect()
+        assert transport.info_calls == 1 and client.info.name == "echo"
+        h, tokens = DeltaHistory(), [1, 2, 3]
+        for _ in range(3):
+            tokens = tokens + [4]
+            await client.propose([query(tokens, h)])
+        await asyncio.sleep(0)
+        assert transport.info_calls == 1  # known, in sync: not asked again
+        servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]))  # a restart loses it
+        await client.propose([query(tokens + [5], h)])
+        await asyncio.gather(*client._background)
+        assert transport.info_calls == 2
+
+    asyncio.run(body())
+
+
+def test_a_drafter_without_get_drafter_info_is_asked_once():
+    async def body():
+        transport = CountingInfo(replica(), unimplemented=True)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        await client.connect()
+        h, tokens = DeltaHistory(), [1, 2, 3]
+        for _ in range(4):
+            tokens = tokens + [4]
+            reply = await client.propose([query(tokens, h)])
+            await asyncio.gather(*client._background)
+        assert reply.drafts == [tokens[-3:]] and transport.info_calls == 1
+        assert client.info == pb.GetDrafterInfoResponse()
+
+    asyncio.run(body())
