@@ -129,7 +129,7 @@ def test_a_lost_rank_fails_requests_unavailable_and_exits(model_dir: Path, fault
                 async def stream(i: int) -> grpc.StatusCode:
                     request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
                         token_ids=verifier_pb2.TokenIds(ids=[5 + i, 6, 7]),
-                        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=240)))
+                        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=240, ignore_eos=True)))
                     try:
                         async for _ in stub.GenerateStream(request, timeout=WAIT_S):
                             started.add(i)

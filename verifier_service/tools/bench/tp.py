@@ -7,7 +7,8 @@ speculative; then each serves `--concurrency` plain requests at once. It reports
 the ratio to the first size, and whether every output equals the first size's (greedy; EOS
 ignored, so every run produces exactly `--max-new-tokens`).
 
-On CPU every size gets the same cores: each of N ranks runs cores / N intra-op threads. The
+On CPU every size gets the same cores: each of N ranks runs cores / N intra-op threads
+(`--threads-per-rank` sets another number). The
 embedded SmolLM2-135M has 9 attention heads and 3 KV heads, so it cannot be split two ways;
 `--random-like-embedded` measures a random Llama of its size instead (8 heads of 72 dims, 4 KV
 heads) with its tokenizer: speed only, the text means nothing.
@@ -56,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-draft-len", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per rank, for every verifier started")
+    p.add_argument("--threads-per-rank", type=int,
+                   help="CPU: intra-op threads of each rank (default: cores / N, so every size uses the same cores)")
     p.add_argument("--concurrency", default="4", help="plain requests at once for the serving figure, e.g. 1,16")
     p.add_argument("--out", default="bench-results", help="folder for tp.json")
     p.set_defaults(func=main)
@@ -118,8 +121,9 @@ def _random_like_embedded(folder: Path) -> Path:
 
 
 def _verifier(size: int, model: str | None, args: argparse.Namespace) -> LocalService:
-    # On CPU the sizes share the cores: N ranks of cores / N threads each.
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // size))} if args.device in ("auto", "cpu") else {}
+    # On CPU every size gets the same cores by default: N ranks of cores / N threads each.
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // size)
+    env = {"OMP_NUM_THREADS": str(threads)} if args.device in ("auto", "cpu") else {}
     return LocalService([script("splitspec-verifier"), "--tensor-parallel-size", str(size), "--device", args.device,
                          "--speculative-mode", "ngram", "--max-draft-len", str(args.max_draft_len),
                          "--max-model-len", str(args.max_model_len), "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
