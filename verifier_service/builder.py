@@ -18,9 +18,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.scheduler import Scheduler
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model import step_costs
+from verifier_service.model import step_costs, tensor_parallel
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
-from verifier_service.model.runner import ModelRunner
+from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.settings import ServerSettings
 from verifier_service.spec.drafter_client import DrafterClient
 from verifier_service.spec.drafters import build_drafter_client
@@ -51,11 +51,19 @@ class Runtime:
         return self.engine.runner.vocab_size
 
 
+def model_len(model: PreTrainedModel, settings: ServerSettings) -> int:
+    """The longest prompt + generation served: the setting, within the model's positions."""
+    cfg = model.config.get_text_config()
+    return min(settings.max_model_len, getattr(cfg, "max_position_embeddings", settings.max_model_len))
+
+
 def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len: int) -> KVCache:
     """Size the cache: each slot holds a full context plus a draft; the memory
-    budget decides how many slots (sequences) run at once."""
+    budget decides how many slots (sequences) run at once. Sharded, the budget is each
+    rank's, and a rank's slot holds only its share of the KV heads."""
     max_draft_len = settings.speculative.max_draft_len
-    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1)
+    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1,
+                                   tensor_parallel_size=settings.tensor_parallel_size)
     per_slot = shape.bytes_per_slot(model.dtype)
     budget = int(settings.kv_cache_memory_gb * 2**30)
     slots = min(settings.max_num_seqs, budget // per_slot)
@@ -63,8 +71,18 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
         raise ValueError(f"--kv-cache-memory-gb {settings.kv_cache_memory_gb} is too small: one sequence of "
                          f"{max_model_len} tokens needs {per_slot / 2**30:.2f} GiB; raise it or lower --max-model-len")
     shape = replace(shape, num_slots=slots)
-    log.info("KV cache: %d slots x %d tokens, %.2f GiB", slots, shape.capacity, slots * per_slot / 2**30)
+    per_rank = f" per rank ({shape.num_kv_heads} KV heads each)" if settings.tensor_parallel_size > 1 else ""
+    log.info("KV cache: %d slots x %d tokens, %.2f GiB%s", slots, shape.capacity, slots * per_slot / 2**30, per_rank)
     return KVCache(shape, model.dtype, model.device)
+
+
+def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len: int,
+                peers: Peers | None = None) -> ModelRunner:
+    """The same runner on every rank of a sharded model (rank 0 passes the other ranks as `peers`)."""
+    runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers)
+    if settings.tensor_parallel_size > 1 and runner.layouts is not None:
+        tensor_parallel.rewrap_sharded_linears(model)
+    return runner
 
 
 def calibrate(runner: ModelRunner, settings: ServerSettings) -> DraftPlanner | None:
@@ -83,17 +101,19 @@ def calibrate(runner: ModelRunner, settings: ServerSettings) -> DraftPlanner | N
 
 
 async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
-                        model_name: str, metrics: VerifierMetrics | None = None) -> Runtime:
-    """Must run inside the event loop that will drive the engine."""
-    cfg = model.config.get_text_config()
-    max_model_len = min(settings.max_model_len, getattr(cfg, "max_position_embeddings", settings.max_model_len))
+                        model_name: str, metrics: VerifierMetrics | None = None,
+                        leader: tensor_parallel.Leader | None = None) -> Runtime:
+    """Must run inside the event loop that will drive the engine. With a sharded model,
+    `leader` is rank 0's side of the group: the runner tells it every forward."""
+    max_model_len = model_len(model, settings)
     # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included:
     # on CPU, one OpenMP parallel region on the event loop's (main) thread made every later forward
     # on another thread about 2x slower (SmolLM2 one-token step 30 -> 60 ms, measured).
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
     loop = asyncio.get_running_loop()
-    runner = await loop.run_in_executor(model_thread, lambda: ModelRunner(
-        model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights))
+    runner = await loop.run_in_executor(model_thread, make_runner, model, settings, max_model_len, leader)
+    if leader is not None:
+        await loop.run_in_executor(model_thread, leader.connect, runner.layouts, model_thread)
     planner = await loop.run_in_executor(model_thread, calibrate, runner, settings)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex

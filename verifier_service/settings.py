@@ -24,11 +24,12 @@ class ServerSettings:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation
     max_num_seqs: int = 16
     max_queue_len: int = 64
-    kv_cache_memory_gb: float = 4.0
+    kv_cache_memory_gb: float = 4.0  # per rank: each holds its shard of the KV heads
     default_max_new_tokens: int = 256
     max_message_bytes: int = 16 * 1024 * 1024
     max_concurrent_rpcs: int = 1024
@@ -39,6 +40,9 @@ class ServerSettings:
     port: int = 50051  # 0: a free port
     grace_period_s: float = 30.0
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
+    # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
+    # many seconds is taken as hung, and the verifier fails its requests and exits.
+    rank_timeout_s: float = 60.0
     # TLS: cert + key serve TLS; adding client_ca requires client certificates (mTLS).
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -47,7 +51,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "default_max_new_tokens", "max_message_bytes",
-                    "max_concurrent_rpcs")
+                    "max_concurrent_rpcs", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
@@ -55,6 +59,8 @@ class ServerSettings:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be positive, not {self.kv_cache_memory_gb}")
+        if not self.rank_timeout_s > 0:
+            raise ConfigError(f"rank_timeout_s must be positive, not {self.rank_timeout_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
         if (self.tls_cert is None) != (self.tls_key is None):

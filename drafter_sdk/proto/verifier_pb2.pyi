@@ -185,7 +185,7 @@ class DrafterHealth(_message.Message):
     def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype")
+    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GetServerInfoResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -212,4 +213,5 @@ class GetServerInfoResponse(_message.Message):
     version: str
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

@@ -32,7 +32,7 @@ DOCKERFILES = {
     "verifier-cuda": DOCKER_DIR / "verifier-cuda.Dockerfile",
     "drafter": DOCKER_DIR / "drafter.Dockerfile",
 }
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-tp")
 VERIFIER = "splitspec-verifier"
 DRAFTER = "splitspec-drafter"
 

@@ -439,6 +439,29 @@ def test_gpu_overlay_specifics():
     assert "nvidia.com/gpu" not in str(one(objs, "Deployment", DRAFTER))
 
 
+def test_gpu_tp_overlay_specifics():
+    """The tensor-parallel variant: one GPU per rank, NCCL's /dev/shm, and the rest as the gpu overlay."""
+    objs = render("overlays/gpu-tp")
+    v = one(objs, "Deployment", VERIFIER)
+    pod = v["spec"]["template"]["spec"]
+    c = main_container(v)
+    size = int(flag_value(c["args"], "--tensor-parallel-size"))
+    assert size > 1
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == size
+    assert flag_value(c["args"], "--device") == "cuda", "rank i takes GPU i: no cuda:N"
+    shm = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(x for x in pod["volumes"] if x["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    limit = volume["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Gi") and int(limit[:-2]) >= 1, "more than the runtime's 64 MiB default"
+    assert int(c["resources"]["limits"]["memory"].removesuffix("Gi")) > int(limit[:-2]), "shm counts as memory"
+    model = flag_value(c["args"], "--model")
+    assert model.startswith("/models/") and model != flag_value(
+        main_container(one(render("overlays/gpu"), "Deployment", VERIFIER))["args"], "--model")
+    assert v["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert "nvidia.com/gpu" not in str(one(objs, "Deployment", DRAFTER))
+
+
 def test_servicemonitor_kept_out_of_overlays_and_matches_services():
     for overlay in OVERLAYS:
         assert not find(render(f"overlays/{overlay}"), "ServiceMonitor")

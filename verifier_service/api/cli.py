@@ -12,7 +12,8 @@ import logging
 import sys
 
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
-from verifier_service.api.server import run
+from verifier_service.api.server import run, run_follower
+from verifier_service.model import loader, ranks
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
 from verifier_service.spec import config
 
@@ -24,9 +25,9 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
                        help=help_text + shown, **options)
 
 
-SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "max_model_len", "max_num_seqs",
-                 "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens", "max_message_bytes",
-                 "max_concurrent_rpcs", "grace_period_s", "metrics_port")
+SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "tensor_parallel_size",
+                 "max_model_len", "max_num_seqs", "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
+                 "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,11 +44,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false", default=argparse.SUPPRESS,
                    help="CPU: do not keep a oneDNN-reordered copy of the linear weights (it is kept only "
                         "if faster for some token counts, and costs as much memory as those weights)")
+    _setting(m, "tensor_parallel_size", "shard the model over N ranks, one GPU each on CUDA (nccl; gloo on CPU); "
+                                        "ranks 1..N-1 are started here unless torchrun started them", type=int)
     c = p.add_argument_group("capacity")
     _setting(c, "max_model_len", "longest prompt + generation", type=int)
     _setting(c, "max_num_seqs", "sequences decoded together", type=int)
     _setting(c, "max_queue_len", "waiting requests before RESOURCE_EXHAUSTED", type=int)
-    _setting(c, "kv_cache_memory_gb", "KV cache budget; bounds running sequences", type=float)
+    _setting(c, "kv_cache_memory_gb", "KV cache budget per rank; bounds running sequences", type=float)
     _setting(c, "default_max_new_tokens", "when a request sets none", type=int)
     _setting(c, "max_message_bytes", "largest request or response; larger ones fail with RESOURCE_EXHAUSTED",
              type=int)
@@ -60,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-port", dest="metrics_port", type=int, default=argparse.SUPPRESS,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (logged); "
                         "unset: no metrics endpoint")
+    _setting(o, "rank_timeout_s", "tensor parallelism: a rank silent this long in a step is taken as hung, and "
+                                  "the verifier fails its requests (UNAVAILABLE) and exits non-zero", type=float)
     o.add_argument("--log-level", default="INFO", help="(default: INFO)")
     return p
 
@@ -77,15 +82,34 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
 
 
+def check_sharding(settings: ServerSettings, rank: ranks.Ranks) -> None:
+    """Before any other rank starts: can this model be split that many ways here?
+    Raises ranks.ShardingError naming the counts."""
+    if settings.tensor_parallel_size > 1:
+        source = loader.resolve_source(settings.model)
+        ranks.check_split(loader.load_config(source), settings.tensor_parallel_size, source.name,
+                          ranks.rank_device(settings.device, rank))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from_args(args)
-    except config.ConfigError as exc:
+        rank = ranks.this_rank(settings.tensor_parallel_size)
+    except (config.ConfigError, ranks.ShardingError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(settings, port_file=args.port_file))
+    shown = f"rank {rank.rank} " if rank.size > 1 else ""
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {shown}%(name)s: %(message)s")
+    if not rank.leader:
+        return run_follower(settings, rank)
+    try:
+        check_sharding(settings, rank)
+    except (ranks.ShardingError, FileNotFoundError) as exc:
+        print(f"splitspec-verifier: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv))
     return 0
 
 

@@ -3,30 +3,44 @@
 The server starts before the model loads, so Kubernetes probes see a live
 process during a long load. The server lifecycle itself is the SDK's
 (drafter_sdk/service.py), shared with every drafter.
+
+A sharded model (tensor parallelism) runs in N processes: rank 0 is this server
+(`run`), and ranks 1..N-1 (`run_follower`) serve nothing and only run the forwards
+rank 0 sends them (model/tensor_parallel.py). When a rank dies or hangs, rank 0
+fails the requests in flight with UNAVAILABLE, turns health NOT_SERVING and exits
+with status 1, so that Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import grpc
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.security import server_credentials as tls_server_credentials
 from drafter_sdk.service import GrpcService, stop_on_signals
+from verifier_service import builder
 from verifier_service.api.servicer import VerifierServicer
 from verifier_service.builder import Runtime, build_runtime
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model import loader
+from verifier_service.model import loader, ranks, tensor_parallel
 from verifier_service.settings import ServerSettings
 from verifier_service.spec.config import mode_name
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+RANK_FAILURE_EXIT = 1
+FAILURE_GRACE_S = 2.0  # after a rank failed: time for the UNAVAILABLE answers to go out
+OTHERS_STOP_S = 30.0  # after a clean shutdown: time for the ranks this process started to exit
 
 
 @dataclass
@@ -86,9 +100,9 @@ async def start_server(settings: ServerSettings,
 
 
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                       model_name: str) -> Runtime:
+                       model_name: str, leader: tensor_parallel.Leader | None = None) -> Runtime:
     """Wire a loaded model into the running server and report SERVING."""
-    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics)
+    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader)
     rt.engine.start()
     running.servicer.attach(rt)
     await running.service.set_serving(True)
@@ -98,25 +112,104 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
 
 async def run(settings: ServerSettings, port_file: str | None = None,
               server_credentials: grpc.ServerCredentials | None = None,
-              interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> None:
-    """Serve until SIGTERM/SIGINT: load the model, then drain gracefully on a signal."""
+              interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+              rank: ranks.Ranks | None = None, argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT: load the model, then drain gracefully on a signal.
+
+    With settings.tensor_parallel_size > 1 this is rank 0 (`rank`, default from the environment):
+    unless torchrun started the other ranks, it starts them with `argv` (default: this process's
+    arguments). If a rank fails, this process exits with RANK_FAILURE_EXIT at once, without
+    returning: a lost rank can leave the model thread stuck in a collective, which a normal exit
+    would wait for forever.
+    """
     running = await start_server(settings, server_credentials, interceptors)
     if port_file:
         running.service.write_port_file(port_file)
-    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    stop, failed = asyncio.Event(), asyncio.Event()
     stop_on_signals(lambda sig: stop.set())
+
+    def lost_rank(reason: str) -> None:  # on the event loop
+        running.servicer.fail(reason)
+        failed.set()
+
+    leader = None
     try:
         source = loader.resolve_source(settings.model)
-        device = loader.pick_device(settings.device)
+        if settings.tensor_parallel_size > 1:
+            rank = rank or ranks.this_rank(settings.tensor_parallel_size)
+            device = ranks.rank_device(settings.device, rank)
+            others = ranks.start_others(rank, sys.argv[1:] if argv is None else argv) if rank.start_others else []
+            leader = tensor_parallel.Leader(settings.rank_timeout_s, others,
+                                            lambda reason: loop.call_soon_threadsafe(lost_rank, reason))
+        else:
+            device = loader.pick_device(settings.device)
         dtype = loader.pick_dtype(settings.dtype, device)
-        loading = asyncio.ensure_future(asyncio.to_thread(loader.load, source, dtype, device))
-        waiting = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({loading, waiting}, return_when=asyncio.FIRST_COMPLETED)
-        if loading.done():
+        loading = asyncio.ensure_future(asyncio.to_thread(_load, source, dtype, device, settings,
+                                                          rank if leader is not None else None))
+        if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
-            await attach_model(running, model, tokenizer, source.name)
-            await stop.wait()
+            attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader))
+            if await _until(attaching, stop, failed):
+                attaching.result()
+                await _until(None, stop, failed)
+        if failed.is_set():
+            await _exit_on_rank_failure(running, leader)
         log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
     finally:
-        await running.stop()
+        if not failed.is_set():
+            await running.stop()
+            if leader is not None:
+                leader.end_others(OTHERS_STOP_S if running.runtime is not None else 0)
     log.info("stopped")
+
+
+def _load(source: loader.ModelSource, dtype: torch.dtype, device: torch.device, settings: ServerSettings,
+          rank: ranks.Ranks | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if rank is not None:
+        tensor_parallel.join(rank, device)
+    return loader.load(source, dtype, device, settings.tensor_parallel_size)
+
+
+async def _until(task: asyncio.Future | None, stop: asyncio.Event, failed: asyncio.Event) -> bool:
+    """Wait for `task`, a stop signal or a rank failure; True when the task finished (and no rank failed)."""
+    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(failed.wait())}
+    await asyncio.wait(waits | ({task} if task is not None else set()), return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if task is not None and task.done() and isinstance(task.exception(), tensor_parallel.RankFailure):
+        await failed.wait()  # reported by the leader's callback, already on its way
+    return task is not None and task.done() and not failed.is_set()
+
+
+async def _exit_on_rank_failure(running: RunningVerifier, leader: tensor_parallel.Leader) -> None:
+    """Health NOT_SERVING, the UNAVAILABLE answers out (servicer.fail sent them), the other ranks
+    killed, then exit: the pod restarts."""
+    await running.service.set_serving(False)
+    await running.service.stop(FAILURE_GRACE_S)
+    leader.end_others(0)
+    log.error("exiting with status %d: %s", RANK_FAILURE_EXIT, leader.failure)
+    logging.shutdown()
+    os._exit(RANK_FAILURE_EXIT)
+
+
+def run_follower(settings: ServerSettings, rank: ranks.Ranks) -> int:
+    """Rank 1..N-1 of a sharded verifier: no servers, no scheduler, all on this one thread. It
+    loads its shard, then runs each forward rank 0 sends until rank 0 says stop (status 0) or
+    goes away (status 1). Signals are left to rank 0, which leads the shutdown (torchrun and a
+    terminal's Ctrl-C signal every rank)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    device = ranks.rank_device(settings.device, rank)
+    try:
+        tensor_parallel.join(rank, device)
+        model = loader.load_model(loader.resolve_source(settings.model), loader.pick_dtype(settings.dtype, device),
+                                  device, settings.tensor_parallel_size)
+        runner = builder.make_runner(model, settings, builder.model_len(model, settings))
+        tensor_parallel.follow(runner, tensor_parallel.connect_follower(settings.rank_timeout_s))
+    except Exception:  # noqa: BLE001 - whatever it was, this rank is done; rank 0 sees it go
+        log.exception("rank %d failed", rank.rank)
+        return 1
+    tensor_parallel.leave()
+    log.info("rank %d stopped", rank.rank)
+    return 0

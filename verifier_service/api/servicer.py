@@ -60,15 +60,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.metrics = metrics
         self.runtime: Runtime | None = None
         self.limits: Limits | None = None
+        self.failure: str | None = None  # set when a rank of a sharded model failed: nothing more is served
 
     def attach(self, rt: Runtime) -> None:
         """Serve this runtime from now on."""
         self.limits = Limits.of(rt)
         self.runtime = rt
 
+    def fail(self, reason: str) -> None:
+        """A rank of the sharded model failed and the verifier is about to exit: every request in
+        flight, and every new one, gets UNAVAILABLE (a client may retry on a restarted verifier)."""
+        self.failure = f"the verifier lost a tensor-parallel rank and is restarting ({reason}); retry"
+        if self.runtime is not None:
+            scheduler = self.runtime.engine.scheduler
+            for seq in [*scheduler.running, *scheduler.waiting]:
+                seq.outputs.put_nowait(Output([], "", error=self.failure))
+
     async def _start(self, params: verifier_pb2.GenerationParams,
                      context: grpc.aio.ServicerContext) -> tuple[Runtime, Sequence]:
         rt, limits = self.runtime, self.limits
+        if self.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
         if rt is None or limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
         try:
@@ -89,6 +101,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 out = await seq.outputs.get()
                 if out.error:
                     reason = "error"
+                    if self.failure is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 if timer is not None:
                     timer.tokens(len(out.token_ids))
@@ -143,7 +157,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             max_num_seqs=scheduler.max_num_seqs, max_queue_len=scheduler.max_queue_len,
             default_max_new_tokens=rt.settings.default_max_new_tokens, speculative_config=rt.settings.speculative,
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
-            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            tensor_parallel_size=rt.settings.tensor_parallel_size)
 
 
 def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:

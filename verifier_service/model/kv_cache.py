@@ -25,12 +25,14 @@ class KVCacheShape:
     capacity: int  # tokens per slot
 
     @classmethod
-    def for_model(cls, config: PretrainedConfig, num_slots: int, capacity: int) -> "KVCacheShape":
-        """The shape a transformers model's attention layers write (GQA heads, explicit head_dim)."""
+    def for_model(cls, config: PretrainedConfig, num_slots: int, capacity: int,
+                  tensor_parallel_size: int = 1) -> "KVCacheShape":
+        """The shape a transformers model's attention layers write (GQA heads, explicit head_dim);
+        sharded, each rank writes its KV heads / tensor_parallel_size."""
         cfg = config.get_text_config()
         heads = cfg.num_attention_heads
         return cls(num_layers=cfg.num_hidden_layers,
-                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or heads) // tensor_parallel_size,
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
                    num_slots=num_slots, capacity=capacity)
 

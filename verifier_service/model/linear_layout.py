@@ -39,7 +39,9 @@ class Layout(enum.Enum):
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's reordered copy of a weight, or None where this torch build has no such path."""
+    """oneDNN's reordered copy of a weight, or None where this torch build has no such path.
+    A tensor-parallel shard (a DTensor) packs its local part, which is what its forward multiplies."""
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -79,6 +81,10 @@ class LinearLayouts:
         them, and F.linear above the largest."""
         self._points = sorted(layouts)
         self._layouts = [layouts[p] for p in self._points]
+
+    def table(self) -> dict[int, Layout]:
+        """What `choose` was last given (empty before)."""
+        return dict(zip(self._points, self._layouts))
 
     def drop_unused_packing(self) -> None:
         if Layout.PACKED not in self._layouts and self._packed is not None:

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DistributedConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +84,31 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}") from None
 
 
-def load(source: ModelSource, dtype: torch.dtype, device: torch.device
+def load_config(source: ModelSource) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+def load(source: ModelSource, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1
          ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    started = time.monotonic()
     log.info("loading tokenizer of %s from %s", source.name, source.path)
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    return load_model(source, dtype, device, tensor_parallel_size), tokenizer
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               tensor_parallel_size: int = 1) -> PreTrainedModel:
+    """With tensor_parallel_size > 1, inside the joined process group: this rank's shard, cut by
+    transformers' own tensor-parallel plan for the architecture, on this rank's device."""
+    started = time.monotonic()
     log.info("loading model %s (%s, %s); GGUF files are dequantised first", source.name, dtype, device)
+    sharding = ({"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)}
+                if tensor_parallel_size > 1 else {})
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
+        source.path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation="sdpa", **sharding)
+    if not sharding:
+        model.to(device)
+    model.eval()
     params = sum(p.numel() for p in model.parameters())
-    log.info("model ready: %.0fM parameters in %.1f s", params / 1e6, time.monotonic() - started)
-    return model, tokenizer
+    log.info("model ready: %.0fM parameters%s in %.1f s", params / 1e6,
+             f" (shards of {tensor_parallel_size})" if sharding else "", time.monotonic() - started)
+    return model

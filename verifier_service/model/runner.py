@@ -13,7 +13,9 @@ object still works with transformers' own generate().
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -98,9 +100,21 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel group, seen from rank 0 (model/tensor_parallel.py)."""
+
+    def step(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        """Around each forward: the other ranks run the same batch on their shards."""
+
+    def close(self) -> None:
+        """The runner is done: the other ranks stop."""
+
+
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, prepack_weights: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, prepack_weights: bool = True,
+                 peers: Peers | None = None) -> None:
         _register()
+        self.peers = peers
         model.set_attn_implementation(ATTENTION)
         self.model = model
         self.kv_cache = kv_cache
@@ -113,9 +127,12 @@ class ModelRunner:
         self.layouts = LinearLayouts(model, prepack_weights) if self.device.type == "cpu" else None
 
     def close(self) -> None:
-        """Give the model back with its own linear layers (it stays usable, e.g. by generate())."""
+        """Give the model back with its own linear layers (it stays usable, e.g. by generate());
+        a sharded model's other ranks stop."""
         if self.layouts is not None:
             self.layouts.uninstall()
+        if self.peers is not None:
+            self.peers.close()
 
     @property
     def vocab_size(self) -> int:
@@ -124,6 +141,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Return float32 logits [len(logit_index), vocab]."""
+        if self.peers is None:
+            return self._forward(batch)
+        with self.peers.step(batch):
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         step = PackedStep(self.kv_cache, batch, self.device)
         ids = torch.tensor([batch.input_ids], device=self.device)
         out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,

@@ -110,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports only for the commands that need them.
     from verifier_service.tools import demo
     from verifier_service.tools.bench import run as bench
+    from verifier_service.tools.bench import tp as bench_tp
 
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="command")
     add_generate(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)
+    bench_tp.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
