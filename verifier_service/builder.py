@@ -125,7 +125,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                           max_model_len=max_model_len)
     engine = Engine(runner, scheduler, drafter, model_thread, metrics)
     if metrics is not None:
-        metrics.track(scheduler, drafter, spec.max_draft_len)
+        metrics.track(lambda: scheduler.num_running, lambda: scheduler.num_waiting, scheduler.kv_usage,
+                      (lambda: drafter.healthy) if drafter is not None else None, spec.max_draft_len)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -13,23 +13,19 @@ by swapping the prefix:
 
 The engine reports each decode step (`observe_decode`), the gRPC servicer each
 request (`RequestTimer`), and the queue / running / KV gauges are read at scrape
-time (`track`).
+time (`track`). Everything arrives as plain numbers and callables, so this module
+imports nothing of the verifier: the engine and the front depend on it, not back.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Set
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from drafter_sdk.metrics import LATENCY_BUCKETS  # drafter calls, timed with the same buckets at either end
-
-if TYPE_CHECKING:
-    from verifier_service.engine.scheduler import Scheduler
-    from verifier_service.engine.sequence import Sequence
-    from verifier_service.spec.drafter_client import DrafterClient, DraftReply
 
 PREFIX = "splitspec:"
 # vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.
@@ -108,25 +104,29 @@ class VerifierMetrics:
 
     # --- wiring -------------------------------------------------------------------------------------
 
-    def track(self, scheduler: Scheduler, drafter: DrafterClient | None = None, max_draft_len: int = 0) -> None:
+    def track(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
+              drafter_healthy: Callable[[], bool] | None = None, max_draft_len: int = 0) -> None:
         """Read queue, running and KV usage (and drafter health) at scrape time; show every draft
         position up to max_draft_len from the start (0 until accepted), as vLLM does."""
         for pos in range(max_draft_len):
             self.num_accepted_tokens_per_pos.labels(str(pos))
-        self.num_requests_running.set_function(lambda: scheduler.num_running)
-        self.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
-        # Read on the scrape thread: a list the event loop changes meanwhile is read, at worst, a step stale.
-        self.kv_cache_usage.set_function(scheduler.kv_usage)
-        if drafter is not None and self.drafter_up is None:
+        # Read on the scrape thread: what the event loop changes meanwhile is read, at worst, a step stale.
+        self.num_requests_running.set_function(running)
+        self.num_requests_waiting.set_function(waiting)
+        self.kv_cache_usage.set_function(kv_usage)
+        if drafter_healthy is not None and self.drafter_up is None:
             self.drafter_up = Gauge(f"{PREFIX}drafter_up", "1 while the drafter circuit breaker is closed, "
                                     "0 while open (absent without a drafter)", registry=self.registry)
-            self.drafter_up.set_function(lambda: 1.0 if drafter.healthy else 0.0)
+            self.drafter_up.set_function(lambda: 1.0 if drafter_healthy() else 0.0)
 
     # --- engine -------------------------------------------------------------------------------------
 
-    def observe_decode(self, seqs: Seq[Sequence], drafted: Seq[int], accepted: Seq[int],
-                       reply: DraftReply | None = None, drafter: DrafterClient | None = None) -> None:
-        """One decode step: per sequence, the draft length verified and how many were accepted."""
+    def observe_decode(self, drafted: Seq[int], accepted: Seq[int], auto_disabled: Set[str],
+                       drafter_totals: tuple[int, int, int, int] | None = None,
+                       call_latency_s: float | None = None) -> None:
+        """One decode step: per sequence, the draft length verified and how many were accepted;
+        the ids of the step's sequences whose drafting is auto-disabled; the drafter client's running
+        totals (calls, failures, skipped, resyncs) and this step's call latency, if it called."""
         for n, a in zip(drafted, accepted):
             if n == 0:
                 continue
@@ -135,16 +135,14 @@ class VerifierMetrics:
             self.num_accepted_tokens.inc(a)
             for pos in range(a):
                 self.num_accepted_tokens_per_pos.labels(str(pos)).inc()
-        disabled = {s.request_id for s in seqs if s.spec.auto_disabled}
-        self.auto_disabled.inc(len(disabled - self._disabled))
-        self._disabled = disabled  # a disabled sequence decodes every step until it ends
-        if drafter is not None:
-            s = drafter.stats
-            seen = (s.calls, s.failures, s.skipped, s.resyncs)
-            calls, failures, skipped, resyncs = (now - before for now, before in zip(seen, self._drafter_seen))
-            self._drafter_seen = seen
-            if calls and reply is not None:
-                self.drafter_call_latency.observe(reply.latency_s)
+        self.auto_disabled.inc(len(auto_disabled - self._disabled))
+        self._disabled = set(auto_disabled)  # a disabled sequence decodes every step until it ends
+        if drafter_totals is not None:
+            calls, failures, skipped, resyncs = (
+                now - before for now, before in zip(drafter_totals, self._drafter_seen))
+            self._drafter_seen = drafter_totals
+            if calls and call_latency_s is not None:
+                self.drafter_call_latency.observe(call_latency_s)
             self.drafter_call_failures.inc(failures)
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
@@ -153,9 +151,9 @@ class VerifierMetrics:
 class RequestTimer:
     """Times one request from arrival (construction) through its outputs to its end."""
 
-    def __init__(self, metrics: VerifierMetrics, seq: Sequence, arrival: float | None = None) -> None:
+    def __init__(self, metrics: VerifierMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
         self.metrics = metrics
-        self.seq = seq
+        self.prompt_tokens = prompt_tokens
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -171,7 +169,7 @@ class RequestTimer:
         if self.first_token is None:
             self.first_token = now
             m.ttft.observe(now - self.arrival)
-            m.prompt_tokens.inc(len(self.seq.prompt_ids))
+            m.prompt_tokens.inc(self.prompt_tokens)
         self.last_token = now
         self.num_tokens += count
         m.generation_tokens.inc(count)
@@ -187,7 +185,7 @@ class RequestTimer:
             return
         end = time.perf_counter()
         m.e2e_latency.observe(end - self.arrival)
-        m.request_prompt_tokens.observe(len(self.seq.prompt_ids))
+        m.request_prompt_tokens.observe(self.prompt_tokens)
         m.request_generation_tokens.observe(self.num_tokens)
         if self.num_tokens > 1 and self.first_token is not None and self.last_token is not None:
             m.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))

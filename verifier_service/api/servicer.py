@@ -94,7 +94,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def _outputs(self, rt: Runtime, seq: Sequence, context: grpc.aio.ServicerContext,
                        arrival: float) -> AsyncIterator[Output]:
-        timer = RequestTimer(self.metrics, seq, arrival) if self.metrics is not None else None
+        timer = RequestTimer(self.metrics, len(seq.prompt_ids), arrival) if self.metrics is not None else None
         reason = "abort"
         try:
             while True:

@@ -115,8 +115,12 @@ class Engine:
         finished = self.scheduler.update(plan, new_tokens)
         self.decode_steps += bool(plan.decodes)
         if self.metrics is not None and plan.decodes:
-            self.metrics.observe_decode(plan.decodes, [len(d) for d in plan.drafts],
-                                        [len(t) - 1 for t in new_tokens[len(plan.prefills):]], reply, self.drafter)
+            stats = self.drafter.stats if self.drafter is not None else None
+            self.metrics.observe_decode(
+                [len(d) for d in plan.drafts], [len(t) - 1 for t in new_tokens[len(plan.prefills):]],
+                {s.request_id for s in plan.decodes if s.spec.auto_disabled},
+                (stats.calls, stats.failures, stats.skipped, stats.resyncs) if stats is not None else None,
+                reply.latency_s if reply is not None else None)
         self._release(finished)
 
     def _release(self, seqs: list[Sequence]) -> None:
