@@ -22,7 +22,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "12",
-         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out)],
+         "--workloads", "grounded,open", "--concurrency", "2", "--device", "cpu", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== grounded (1 prompts) ==" in done.stdout and "== serving" in done.stdout

@@ -44,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -54,13 +55,15 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     source = model_loader.resolve_source(args.model)
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
-    model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
+    device = model_loader.pick_device(args.device)
+    # The verifiers' own default dtype (bf16 on CUDA), so transformers decodes the same numbers.
+    model, tokenizer = model_loader.load(source, model_loader.pick_dtype("auto", device), device)
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     seconds = _forward_costs(model, args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
                         forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
-    common = ["--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING"] + (
+    common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--log-level", "WARNING"] + (
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]

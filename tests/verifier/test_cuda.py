@@ -1,0 +1,94 @@
+"""On a CUDA device: the verifier's packed forward, KV rollback and sampler give what they give
+on the CPU (greedy outputs equal transformers' generate() on the same device, with and without
+speculation; seeded sampling equal with and without speculation). Skipped without CUDA; run by
+`.ci/gpu-check` on a GPU machine."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+from tiny_model import tiny_model
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    ScriptedDrafter,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+)
+
+from drafter_sdk.proto import verifier_pb2
+from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.servicer import DrafterServicer
+from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:8]] + [repetitive_prompt(s) for s in range(300, 308)]
+NEW_TOKENS = 32
+
+
+@functools.cache
+def cuda_model() -> torch.nn.Module:
+    return tiny_model().to("cuda")
+
+
+def generate_reference(prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    return cuda_model().generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+
+
+async def generate_all(v, requests: list[verifier_pb2.GenerateRequest]) -> list[list[int]]:  # noqa: ANN001
+    responses = await run_together(v, [functools.partial(v.stub.Generate, r, timeout=WAIT_S) for r in requests])
+    return [list(r.output.token_ids) for r in responses]
+
+
+def test_greedy_on_cuda_equals_generate_plain_and_speculative() -> None:
+    refs = [generate_reference(p) for p in PROMPTS]
+    requests = [token_request(p, NEW_TOKENS) for p in PROMPTS]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=cuda_model()) as v:
+            assert engine_of(v).runner.device.type == "cuda"
+            assert await generate_all(v, requests) == refs
+        async with run_verifier(spec_config("NGRAM", 4), model=cuda_model()) as v:
+            assert await generate_all(v, requests) == refs
+            assert engine_of(v).drafter.stats.calls > 0
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_on_cuda_is_the_same_with_and_without_speculation() -> None:
+    """The coupled rule draws once per emitted token from the request's generator (on the
+    device), so a seed gives the same tokens whether drafts were accepted, rejected or absent."""
+    prompt = PROMPTS[0]
+    seeds = range(24)
+    drafter = ScriptedDrafter(lambda r: [prompt[-1]] * r.draft_len)
+
+    def request(seed: int) -> verifier_pb2.GenerateRequest:
+        return token_request(prompt, 12, sampling=verifier_pb2.SamplingParams(temperature=1.5, top_k=5, seed=seed))
+
+    async def sample(speculate: bool) -> list[list[int]]:
+        async with run_verifier(spec_config("NGRAM", 3) if speculate else spec_config("NONE"),
+                                model=cuda_model(), max_num_seqs=32) as v:
+            if speculate:
+                engine = engine_of(v)
+                servicer = DrafterServicer(drafter, SequenceStore())
+                servicer.load()
+                engine.drafter = DrafterClient(InProcessTransport(servicer), engine.drafter.verifier_id,
+                                               engine.drafter.vocab_size, deadline_s=float("inf"), overlap_steps=1)
+            return await generate_all(v, [request(s) for s in seeds])
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        return await sample(True), await sample(False)
+
+    with_spec, without = asyncio.run(main())
+    assert any(d for c in drafter.calls for d in c.drafts), "the drafter was not consulted"
+    assert with_spec == without
+    assert len({tuple(t) for t in without}) > 1, "the seeds did not change the samples"
