@@ -26,6 +26,7 @@ class StateStats:
     budget_bytes: int | None  # None: no budget
     bytes_by_namespace: dict[str, int]  # held sequences, by verifier_id
     shared_bytes: int  # drafter state tied to no sequence
+    held_tokens: int  # tokens of the histories held
     evictions: dict[str, int]  # sequences dropped, by cause: budget, idle, release, oversize
     eviction_resyncs: int  # resyncs answered to sequences evicted for the budget or for idling
 
@@ -41,6 +42,8 @@ class _StateCollector(Collector):
         for namespace, size in sorted(s.bytes_by_namespace.items()):
             held.add_metric([namespace], size)
         yield held
+        yield GaugeMetricFamily(f"{prefix}held_tokens", "Tokens of the sequence histories held",
+                                value=s.held_tokens)
         yield GaugeMetricFamily(f"{prefix}shared_state_bytes", "Bytes of drafter state tied to no sequence",
                                 value=s.shared_bytes)
         yield GaugeMetricFamily(f"{prefix}state_budget_bytes", "The state budget (--max-state-mib); 0: none",

@@ -60,6 +60,7 @@ class _Entry:
     last_used: float
     drafter_bytes: int = 0
     accounted: int = 0  # bytes counted for it in its namespace's total
+    accounted_tokens: int = 0  # tokens counted for it in the store's held_tokens
 
     def size(self) -> int:
         held = sys.getsizeof(self.tokens) if self.tokens is not None else 0
@@ -85,6 +86,7 @@ class SequenceStore:
         self._count = 0
         self._evicted: OrderedDict[Key, None] = OrderedDict()
         self.total_bytes = 0
+        self.held_tokens = 0  # tokens of the histories held (oversize ones are not)
         self.evictions: Counter[str] = Counter()  # by cause: budget, idle, release, oversize
         self.eviction_resyncs = 0  # resyncs answered to sequences evicted for budget or idling
 
@@ -218,7 +220,8 @@ class SequenceStore:
         self._count -= 1
         self._space_bytes[key[0]] -= entry.accounted
         self.total_bytes -= entry.accounted
-        entry.accounted = 0
+        self.held_tokens -= entry.accounted_tokens
+        entry.accounted = entry.accounted_tokens = 0
         if not entries:
             del self._spaces[key[0]], self._space_bytes[key[0]]
         return entry
@@ -236,6 +239,9 @@ class SequenceStore:
         self._space_bytes[namespace] += size - entry.accounted
         self.total_bytes += size - entry.accounted
         entry.accounted = size
+        tokens = len(entry.tokens) if entry.tokens is not None else 0
+        self.held_tokens += tokens - entry.accounted_tokens
+        entry.accounted_tokens = tokens
 
     def _evict(self, key: Key, cause: str) -> None:
         self._take(key)

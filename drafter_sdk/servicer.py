@@ -126,7 +126,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """The budget's figures, safe to read from another thread (no drafter code runs)."""
         store = self.store
         return StateStats(budget_bytes=store.max_state_bytes, bytes_by_namespace=store.bytes_by_namespace(),
-                          shared_bytes=self._shared_bytes,
+                          shared_bytes=self._shared_bytes, held_tokens=store.held_tokens,
                           evictions=dict(store.evictions), eviction_resyncs=store.eviction_resyncs)
 
     # --- gRPC ---
