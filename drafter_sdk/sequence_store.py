@@ -25,7 +25,6 @@ almost nothing, and needs no resync every step.
 
 from __future__ import annotations
 
-import sys
 import time
 from array import array
 from collections import Counter, OrderedDict
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from drafter_sdk.drafter import TOKEN_TYPECODE, Key
 
 DEFAULT_MAX_STATE_MIB = 1024
-# Python objects of one held sequence besides its token array: the entry, its key and dict slots.
+# One held sequence besides its tokens: the entry, its key and dict slots, the array's header and spare room.
 ENTRY_OVERHEAD_BYTES = 400
 # Evicted keys remembered to tell an eviction's resync from any other; bounded so a flood cannot grow it.
 _EVICTED_MEMORY = 16384
@@ -63,7 +62,7 @@ class _Entry:
     accounted_tokens: int = 0  # tokens counted for it in the store's held_tokens
 
     def size(self) -> int:
-        held = sys.getsizeof(self.tokens) if self.tokens is not None else 0
+        held = self.tokens.itemsize * len(self.tokens) if self.tokens is not None else 0
         return ENTRY_OVERHEAD_BYTES + held + self.drafter_bytes
 
 
@@ -151,6 +150,7 @@ class SequenceStore:
         if entry.tokens is not None and self._too_large(entry):
             self._shrink(entry)
             self._reaccount(key[0], entry)
+            self.evictions["oversize"] += 1
             return True
         self._reaccount(key[0], entry)
         return False
