@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
+    ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
+                       help="a public pool past this size starts afresh (it is state of no single sequence)")
     return parser
 
 
@@ -85,7 +87,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
     if args.drafter == "ngram":
         return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
                             is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
-                            is_public_pool=args.is_public_pool)
+                            is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib)
     return load_drafter_class(args.drafter)()
 
 

@@ -28,17 +28,22 @@ per pattern size whose slots are 4-byte offsets into the request's own history
 continuation are the tokens at that offset, so nothing is copied. About 3
 entries per held token at 2/3 load or less come to roughly 12-36 bytes per
 token at the default sizes. A public pool outlives requests, so it copies each
-recorded pattern + continuation once into its own token arena instead.
+recorded pattern + continuation once into its own token arena instead; it grows
+with the distinct n-grams of all requests, so past `max_public_pool_mib` it
+starts afresh (drafts only cost speed; forgetting old n-grams costs a few).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import TOKEN_TYPECODE, Drafter, DraftRequest, Key
+
+log = logging.getLogger(__name__)
 
 _EMPTY = -1
 # Python objects of one request's state besides its tables' arrays (the state object, its dict entry).
@@ -135,9 +140,12 @@ class NgramDrafter(Drafter):
     capabilities = ("ngram",)
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
-                 is_use_oldest: bool = True, is_public_pool: bool = False) -> None:
+                 is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0) -> None:
         if max_draft_len < 1 or max_matching_ngram_size < 1:
             raise ValueError("max_draft_len and max_matching_ngram_size must be at least 1")
+        if max_public_pool_mib <= 0:
+            raise ValueError("max_public_pool_mib must be positive")
+        self.max_public_pool_bytes = round(max_public_pool_mib * (1 << 20))
         self.max_draft_len = max_draft_len
         self.max_matching_ngram_size = max_matching_ngram_size
         self.is_keep_all = is_keep_all
@@ -172,8 +180,14 @@ class NgramDrafter(Drafter):
         state = self._requests.get(key)
         if state is None:
             state = self._requests[key] = _RequestState(None if self.is_public_pool else self._new_pool(public=False))
-        pool = self._public_pool if state.pool is None else state.pool
-        assert pool is not None
+        if state.pool is None:
+            pool = self._public_pool
+            assert pool is not None
+            if pool.nbytes > self.max_public_pool_bytes:
+                log.info("public n-gram pool reached %d bytes: starting afresh", pool.nbytes)
+                pool = self._public_pool = self._new_pool(public=True)
+        else:
+            pool = state.pool
         self._record(pool, tokens, state.recorded_len)
         state.recorded_len = len(tokens)
         return self._lookup(pool, tokens)[:draft_len]

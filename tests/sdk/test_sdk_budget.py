@@ -145,12 +145,19 @@ def test_ngram_state_per_held_token_is_within_64_bytes_at_defaults():
     assert servicer.store.total_bytes == 0
 
 
-def test_ngram_public_pool_is_shared_state():
-    drafter = NgramDrafter(is_public_pool=True)
+def test_ngram_public_pool_is_shared_state_and_starts_afresh_past_its_cap():
+    drafter = NgramDrafter(max_draft_len=3, max_matching_ngram_size=1, is_public_pool=True,
+                           max_public_pool_mib=4096 / (1 << 20))
     before = drafter.shared_state_bytes()
-    drafter.draft(("v", "r"), array("i", range(100)), 8)
+    assert drafter.draft(("v", "teacher"), array("i", [3, 1, 4, 1, 5]), 3) == []
     assert drafter.shared_state_bytes() > before
-    assert 0 < drafter.state_bytes(("v", "r")) < 1000
+    assert 0 < drafter.state_bytes(("v", "teacher")) < 1000
+    assert drafter.draft(("v", "student"), array("i", [9, 3]), 3) == [1, 4, 1]  # from the shared pool
+    drafter.draft(("v", "flood"), array("i", range(10, 2010)), 3)
+    assert drafter.shared_state_bytes() > 4096
+    drafter.draft(("v", "next"), array("i", [7]), 3)  # the pool was over its cap: it starts afresh
+    assert drafter.shared_state_bytes() < 4096
+    assert drafter.draft(("v", "student2"), array("i", [9, 3]), 3) == []
 
 
 # --- the servicer ---------------------------------------------------------------------------------
