@@ -132,6 +132,7 @@ class SequenceStore:
             return SyncResult(None, discarded=False)
         held = entry.length
         if held < context_len:  # a gap: the tokens between held and context_len are missing
+            entry.last_used = self._clock()
             self._put(key, entry)
             return SyncResult(None, discarded=False)
         if held > context_len + len(new_tokens) or (
