@@ -52,3 +52,5 @@ def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: 
     assert budgeted["evictions"]["budget"] > 0 and budgeted["state_mib"] <= 0.5
     assert budgeted["good_resyncs"] == 0, "the flood evicted a verifier within its fair share"
     assert budgeted["good_accepted_per_step"] > 0
+    # Far within what the 10-call unbounded flood would take; the real bound is in the README's full run.
+    assert budgeted["peak_rss_mib"] - budgeted["baseline_rss_mib"] <= budgeted["max_state_mib"] + 64
