@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
-          max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
-          max_concurrent_rpcs=args.max_concurrent_rpcs,
+          max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s,
+          max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
           server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
           max_connection_age_s=args.max_connection_age_s)
 

@@ -96,9 +96,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
                 sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k)))
-        for slot, req, draft in zip(slots, batch, self._draft(batch)):
+        try:
+            drafts = self._draft(batch)
+        finally:  # the deltas are applied even when the drafter fails: the budget holds either way
+            self._enforce_budget([req.key for req in batch])
+        for slot, req, draft in zip(slots, batch, drafts):
             results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft)
-        self._enforce_budget([req.key for req in batch])
         return drafter_pb2.PrepareDraftTokensResponse(results=results)
 
     def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse:
@@ -246,8 +249,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 log.warning("sequence %r outgrew the whole state budget: no drafts for it", key)
                 self._forget(key)
         self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
-        for key in self.store.evict_over_budget(self._shared_bytes):
+        evicted = self.store.evict_over_budget(self._shared_bytes)
+        for key in evicted:
             self._forget(key)
+        if evicted:
+            log.debug("evicted %d sequence(s) over the state budget", len(evicted))
 
     def _hook(self, method: Callable[..., int], *args: Any) -> int:
         try:

@@ -9,9 +9,10 @@ import urllib.request
 from array import array
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from drafter_sdk import Drafter, DrafterServicer, NgramDrafter
+from drafter_sdk import Drafter, DrafterError, DrafterServicer, NgramDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.sequence_store import ENTRY_OVERHEAD_BYTES, SequenceStore
@@ -229,6 +230,18 @@ def test_a_sequence_whose_drafter_state_outgrows_the_budget_stops_drafting():
     assert drafter.released == [("v", "r")]
     assert prepare(servicer, "v", seq("r", 21, [1])) == [("r", OK, 0)]
     assert servicer.store.evictions["oversize"] == 1
+
+
+def test_the_budget_holds_when_the_drafter_fails():
+    class Failing(Sized):
+        def prepare_draft_tokens(self, requests):  # noqa: ANN001, ANN201
+            raise RuntimeError("broken")
+
+    servicer = loaded(Failing(), max_state_bytes=entry_size([1] * 100))
+    for i in range(5):
+        with pytest.raises(DrafterError):  # INTERNAL, as for any failing drafter
+            prepare(servicer, "v", seq(str(i), 0, [1] * 100))
+    assert len(servicer.store) == 1 and servicer.store.total_bytes <= servicer.store.max_state_bytes
 
 
 def test_a_failing_state_bytes_hook_does_not_fail_the_call():
