@@ -98,11 +98,6 @@ class SequenceStore:
     def bytes_by_namespace(self) -> dict[str, int]:
         return dict(self._space_bytes)
 
-    def entry_bytes(self, key: Key) -> int:
-        """Bytes accounted for one sequence (0 when not held)."""
-        entry = self._spaces.get(key[0], {}).get(key[1])
-        return entry.accounted if entry is not None else 0
-
     def sync(self, key: Key, context_len: int, new_tokens: Sequence[int]) -> SyncResult:
         """Apply one overlapping delta.
 
