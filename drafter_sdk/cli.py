@@ -18,6 +18,7 @@ from drafter_sdk.security import (
     server_credentials,
     server_flags_problem,
 )
+from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB
 from drafter_sdk.server import serve
 from drafter_sdk.service import MIB
 
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port-file", help="write the bound port to this file once listening")
     parser.add_argument("--idle-timeout-s", type=float, default=600.0,
                         help="forget sequences not seen for this long")
+    parser.add_argument("--max-state-mib", type=float, default=DEFAULT_MAX_STATE_MIB,
+                        help="memory for sequence state (held tokens plus the drafter's own); past it the least "
+                             "recently synced sequences of the verifier holding the most are evicted and resync "
+                             "(0: no limit). Set it well below a container's memory limit")
     parser.add_argument("--grace-period-s", type=float, default=10.0,
                         help="on SIGTERM, how long in-flight calls may finish")
     parser.add_argument("--max-message-bytes", type=int, default=16 * MIB,
@@ -50,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
+    ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
+                       help="a public pool past this size starts afresh (it is state of no single sequence)")
     return parser
 
 
@@ -80,7 +87,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
     if args.drafter == "ngram":
         return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
                             is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
-                            is_public_pool=args.is_public_pool)
+                            is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib)
     return load_drafter_class(args.drafter)()
 
 
@@ -90,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if problem := server_flags_problem(args):
         parser.error(problem)
+    if args.max_state_mib < 0:
+        parser.error("--max-state-mib must be 0 (no limit) or positive")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be 0 (never) or positive")
     try:
@@ -99,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
-          grace_period_s=args.grace_period_s, max_message_bytes=args.max_message_bytes,
-          max_concurrent_rpcs=args.max_concurrent_rpcs,
+          max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s,
+          max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
           server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
           max_connection_age_s=args.max_connection_age_s)
 

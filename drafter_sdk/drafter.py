@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+TOKEN_TYPECODE = "i"  # the `array` type of DraftRequest.tokens: int32, as token ids travel on the wire
 
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
@@ -25,8 +28,9 @@ class DraftRequest:
     verifier_id: str
     request_id: str
     # The full committed history, prompt first, rebuilt by the SDK from the deltas
-    # on the wire. It is the SDK's own buffer (no copy per step): treat it as read-only.
-    tokens: list[int]
+    # on the wire. It is the SDK's own compact buffer (an int32 `array`, no copy per
+    # step): treat it as a read-only sequence (index, slice, len), not as a list.
+    tokens: Sequence[int]
     prompt_len: int
     # Draft tokens wanted now. 0 means "no draft this step": the request is still
     # passed so a drafter can keep its own state in step, but its draft is dropped.
@@ -41,18 +45,19 @@ class DraftRequest:
         return (self.verifier_id, self.request_id)
 
     @property
-    def prompt_tokens(self) -> list[int]:
+    def prompt_tokens(self) -> Sequence[int]:
         return self.tokens[: self.prompt_len]
 
     @property
-    def generated_tokens(self) -> list[int]:
+    def generated_tokens(self) -> Sequence[int]:
         return self.tokens[self.prompt_len:]
 
 
 class Drafter(ABC):
     """Base class of every drafter served by the SDK.
 
-    All user code (`load`, `prepare_draft_tokens`, `on_release`) runs in one
+    All user code (`load`, `prepare_draft_tokens`, `on_release`, the `*state_bytes`
+    hooks) runs in one
     dedicated worker thread, one call at a time, so drafter state needs no locks.
     """
 
@@ -79,10 +84,28 @@ class Drafter(ABC):
         `max_draft_len`) are trimmed by the SDK; an empty list means "no draft".
         """
 
+    def state_bytes(self, key: Key) -> int:
+        """Bytes this drafter holds for the sequence `key` (0 by default).
+
+        The SDK adds it to the sequence's held tokens to enforce the memory budget
+        (`--max-state-mib`), asking after each draft for the sequences drafted: keep it
+        cheap (a running count, not a deep walk). A sequence over the whole budget gets
+        `on_release` and no more drafts.
+        """
+        return 0
+
+    def shared_state_bytes(self) -> int:
+        """Bytes held for no single sequence (a public pool, a global index; 0 by default).
+
+        Counted against the budget, so that sequences are evicted to make room for it;
+        the drafter itself must keep it bounded.
+        """
+        return 0
+
     def on_release(self, key: Key) -> None:
         """Forget any state kept for `key`.
 
         Called when the verifier released the request, when it was evicted
-        after idling, and when its context was replaced or dropped for a resync
+        after idling or to keep within the memory budget, and when its context was replaced or dropped for a resync
         (the next request for the key then carries the whole history again).
         """

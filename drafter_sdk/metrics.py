@@ -4,16 +4,58 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from drafter_sdk.proto import drafter_pb2
 
 # Drafter calls last milliseconds (verifier deadlines default to 50 ms); the verifier times them with these too.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class StateStats:
+    """The memory budget's figures at one moment (plain numbers, read at scrape time)."""
+
+    budget_bytes: int | None  # None: no budget
+    bytes_by_namespace: dict[str, int]  # held sequences, by verifier_id
+    shared_bytes: int  # drafter state tied to no sequence
+    held_tokens: int  # tokens of the histories held
+    evictions: dict[str, int]  # sequences dropped, by cause: budget, idle, release, oversize
+    eviction_resyncs: int  # resyncs answered to sequences evicted for the budget or for idling
+
+
+class _StateCollector(Collector):
+    def __init__(self, stats: Callable[[], StateStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s, prefix = self._stats(), "splitspec_drafter_"
+        held = GaugeMetricFamily(f"{prefix}state_bytes", "Bytes of sequence state held, by verifier namespace",
+                                 labels=["namespace"])
+        for namespace, size in sorted(s.bytes_by_namespace.items()):
+            held.add_metric([namespace], size)
+        yield held
+        yield GaugeMetricFamily(f"{prefix}held_tokens", "Tokens of the sequence histories held",
+                                value=s.held_tokens)
+        yield GaugeMetricFamily(f"{prefix}shared_state_bytes", "Bytes of drafter state tied to no sequence",
+                                value=s.shared_bytes)
+        yield GaugeMetricFamily(f"{prefix}state_budget_bytes", "The state budget (--max-state-mib); 0: none",
+                                value=s.budget_bytes or 0)
+        evictions = CounterMetricFamily(f"{prefix}state_evictions", "Sequences whose state was dropped, by cause",
+                                        labels=["cause"])
+        for cause in ("budget", "idle", "release", "oversize"):
+            evictions.add_metric([cause], s.evictions.get(cause, 0))
+        yield evictions
+        yield CounterMetricFamily(f"{prefix}eviction_resyncs",
+                                  "Resyncs answered to sequences evicted for the budget or for idling",
+                                  value=s.eviction_resyncs)
 
 
 @dataclass
@@ -33,7 +75,6 @@ class DrafterMetrics:
                                  registry=r)
         self.resyncs = Counter(f"{prefix}resyncs", "Sequences answered DRAFT_STATUS_RESYNC_REQUIRED", registry=r)
         self.draft_tokens = Counter(f"{prefix}draft_tokens", "Draft tokens proposed (after trimming)", registry=r)
-        self.evictions = Counter(f"{prefix}evictions", "Sequences forgotten after idling", registry=r)
         self.held_sequences = Gauge(f"{prefix}held_sequences", "Sequences whose context the drafter holds",
                                     registry=r)
         ProcessCollector(registry=r)
@@ -41,6 +82,10 @@ class DrafterMetrics:
     def track_held(self, count: Callable[[], int]) -> None:
         """Read the held-sequence count at scrape time."""
         self.held_sequences.set_function(count)
+
+    def track_state(self, stats: Callable[[], StateStats]) -> None:
+        """Read the memory budget's figures at scrape time."""
+        self.registry.register(_StateCollector(stats))
 
     def record_call(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.calls.labels(method, code.name).inc()

@@ -14,7 +14,7 @@ import grpc
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
 from drafter_sdk.service import MIB, GrpcService, stop_on_signals
 from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
 
@@ -94,9 +94,7 @@ class RunningDrafter:
         interval = min(max(idle_timeout_s / 4, 0.05), 30.0)
         while True:
             await asyncio.sleep(interval)
-            evicted = await self.servicer.run_in_worker(self.servicer.evict_idle)
-            if self.servicer.metrics is not None:
-                self.servicer.metrics.evictions.inc(evicted)
+            await self.servicer.run_in_worker(self.servicer.evict_idle)
 
 
 async def start_server(
@@ -106,6 +104,7 @@ async def start_server(
     port: int = 0,
     grace_period_s: float = 10.0,
     idle_timeout_s: float = 600.0,
+    max_state_mib: float | None = DEFAULT_MAX_STATE_MIB,
     max_message_bytes: int = 16 * MIB,
     max_concurrent_rpcs: int | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
@@ -125,9 +124,14 @@ async def start_server(
     gracefully (GOAWAY, in-flight calls finish) after about that long: gRPC
     clients re-resolve DNS only when a connection closes, so this is how
     verifiers behind a headless Service discover drafter replicas added later.
+
+    `max_state_mib` (None or 0: no budget) bounds the state held for sequences
+    (tokens plus what the drafter reports): past it, the least recently synced
+    sequences of the namespace holding the most are evicted (sequence_store.py).
     """
     metrics = DrafterMetrics() if metrics_port is not None else None
-    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s), metrics)
+    max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
+    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics)
     connection_age = [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
                       ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000))
                       ] if max_connection_age_s else []

@@ -23,7 +23,7 @@ import grpc
 
 from drafter_sdk.drafter import Drafter, DraftRequest, Key, SamplingHints
 from drafter_sdk.errors import DrafterError
-from drafter_sdk.metrics import DrafterMetrics
+from drafter_sdk.metrics import DrafterMetrics, StateStats
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.sequence_store import SequenceStore
 
@@ -46,7 +46,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.metrics = metrics
         if metrics is not None:
             metrics.track_held(lambda: len(self.store))
+            metrics.track_state(self.state_stats)
         self.loaded = False
+        self._shared_bytes = 0  # the drafter's shared_state_bytes() after the last call
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     # --- synchronous core (also the in-process API) ---
@@ -79,6 +81,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             synced = self.store.sync(key, seq.context_len, seq.new_tokens)
             if synced.discarded:
                 self._forget(key)
+            if synced.oversize:  # larger than the whole budget: no draft, and no resync either
+                results.append(drafter_pb2.DraftResult(request_id=seq.request_id, status=_OK))
+                continue
             if synced.tokens is None:
                 results.append(drafter_pb2.DraftResult(request_id=seq.request_id, status=_RESYNC))
                 continue
@@ -91,7 +96,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
                 sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k)))
-        for slot, req, draft in zip(slots, batch, self._draft(batch)):
+        try:
+            drafts = self._draft(batch)
+        finally:  # the deltas are applied even when the drafter fails: the budget holds either way
+            self._enforce_budget([req.key for req in batch])
+        for slot, req, draft in zip(slots, batch, drafts):
             results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft)
         return drafter_pb2.PrepareDraftTokensResponse(results=results)
 
@@ -115,6 +124,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if evicted:
             log.info("evicted %d idle sequence(s)", len(evicted))
         return len(evicted)
+
+    def state_stats(self) -> StateStats:
+        """The budget's figures, safe to read from another thread (no drafter code runs)."""
+        store = self.store
+        return StateStats(budget_bytes=store.max_state_bytes, bytes_by_namespace=store.bytes_by_namespace(),
+                          shared_bytes=self._shared_bytes, held_tokens=store.held_tokens,
+                          evictions=dict(store.evictions), eviction_resyncs=store.eviction_resyncs)
 
     # --- gRPC ---
 
@@ -225,6 +241,27 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             log.error(details)
             raise DrafterError(grpc.StatusCode.INTERNAL, details)
         return tokens
+
+    def _enforce_budget(self, drafted: list[Key]) -> None:
+        """Account what the drafter now holds for the sequences just drafted, then evict past the budget."""
+        for key in drafted:
+            if self.store.account(key, self._hook(self.drafter.state_bytes, key)):
+                log.warning("sequence %r outgrew the whole state budget: no drafts for it", key)
+                self._forget(key)
+        self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
+        evicted = self.store.evict_over_budget(self._shared_bytes)
+        for key in evicted:
+            self._forget(key)
+        if evicted:
+            log.debug("evicted %d sequence(s) over the state budget", len(evicted))
+
+    def _hook(self, method: Callable[..., int], *args: Any) -> int:
+        try:
+            return int(method(*args))
+        except Exception:
+            # Accounting must not fail a call; such a drafter's state just counts as nothing.
+            log.exception("%s.%s failed", type(self.drafter).__name__, method.__name__)
+            return 0
 
     def _forget(self, key: Key) -> None:
         try:

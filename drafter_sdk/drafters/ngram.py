@@ -1,4 +1,4 @@
-"""TensorRT-LLM's NGram pool drafter (prompt lookup), updated incrementally.
+"""TensorRT-LLM's NGram pool drafter (prompt lookup), updated incrementally, in compact arrays.
 
 The pool maps every n-gram `pattern` (1..max_matching_ngram_size tokens) seen
 in a history to the `continuation`s that followed it (up to max_draft_len
@@ -20,43 +20,138 @@ depend on context length). The few still-growing continuations at the tail
 draft time instead of being stored and rewritten every step. Two deliberate
 differences: no match gives an empty draft (not an end_id), and a public pool
 only shares complete continuations.
+
+Memory: a drafter service holds many long histories, so the pool holds no
+Python object per n-gram. A request's pool is one open-addressing hash table
+per pattern size whose slots are 4-byte offsets into the request's own history
+(the SDK's token buffer, passed in at every call): the pattern and its
+continuation are the tokens at that offset, so nothing is copied. About 3
+entries per held token at 2/3 load or less come to roughly 12-36 bytes per
+token at the default sizes. A public pool outlives requests, so it copies each
+recorded pattern + continuation once into its own token arena instead; it grows
+with the distinct n-grams of all requests, so past `max_public_pool_mib` it
+starts afresh (drafts only cost speed; forgetting old n-grams costs a few).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+import logging
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from drafter_sdk.drafter import Drafter, DraftRequest, Key
+from drafter_sdk.drafter import TOKEN_TYPECODE, Drafter, DraftRequest, Key
 
-Ngram = tuple[int, ...]
-# is_keep_all with newest-first needs every continuation seen (a dict used as an
-# ordered set); the other modes only ever need one per pattern.
-Pool = dict[Ngram, Union[Ngram, dict[Ngram, None]]]
+log = logging.getLogger(__name__)
+
+_EMPTY = -1
+# Python objects of one request's state besides its tables' arrays (the state object, its dict entry).
+_REQUEST_OVERHEAD_BYTES = 200
+
+
+class OffsetTable:
+    """A hash table whose entries are offsets into a token array (`source`); an entry's key is the
+    `width` tokens at its offset. Linear probing over a power-of-two array('i'), at most 2/3 full.
+
+    The table does not keep `source`: every call that may look at keys takes it, and the caller
+    passes the same growing array each time (offsets stay valid because tokens are only appended).
+    """
+
+    __slots__ = ("width", "_slots", "_count")
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._slots = array(TOKEN_TYPECODE, [_EMPTY]) * 8
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        return sys.getsizeof(self._slots)
+
+    def find(self, source: array, key: array) -> tuple[int, int]:
+        """(slot, offset) of `key`; offset is -1 when absent, and slot then where it would go."""
+        slots, width = self._slots, self.width
+        mask = len(slots) - 1
+        i = hash(key.tobytes()) & mask
+        while True:
+            offset = slots[i]
+            if offset == _EMPTY or source[offset:offset + width] == key:
+                return i, offset
+            i = (i + 1) & mask
+
+    def store(self, source: array, slot: int, offset: int) -> None:
+        """Point `slot` (from `find`, with no store since) at `offset`."""
+        if self._slots[slot] == _EMPTY:
+            self._count += 1
+        self._slots[slot] = offset
+        if self._count * 3 > len(self._slots) * 2:
+            self._grow(source)
+
+    def _grow(self, source: array) -> None:
+        old, width = self._slots, self.width
+        self._slots = array(TOKEN_TYPECODE, [_EMPTY]) * (2 * len(old))
+        slots, mask = self._slots, len(self._slots) - 1
+        for offset in old:
+            if offset != _EMPTY:
+                i = hash(source[offset:offset + width].tobytes()) & mask
+                while slots[i] != _EMPTY:
+                    i = (i + 1) & mask
+                slots[i] = offset
+
+
+@dataclass
+class _Pool:
+    """Continuations by pattern, per pattern size. `patterns[s - 1]` maps an s-token pattern to the
+    offset of its recorded occurrence; with is_keep_all and not is_use_oldest, `windows[s - 1]` is the
+    set of (pattern + continuation)s seen, to tell a continuation seen for the first time."""
+
+    patterns: list[OffsetTable]
+    windows: list[OffsetTable] | None
+    # Where offsets point: None for a request's own pool (its history), else the public pool's arena.
+    arena: array | None = None
+
+    @classmethod
+    def empty(cls, max_size: int, max_draft_len: int, with_windows: bool, public: bool) -> "_Pool":
+        sizes = range(1, max_size + 1)
+        return cls([OffsetTable(s) for s in sizes],
+                   [OffsetTable(s + max_draft_len) for s in sizes] if with_windows else None,
+                   array(TOKEN_TYPECODE) if public else None)
+
+    @property
+    def nbytes(self) -> int:
+        tables = self.patterns + (self.windows or [])
+        return sum(t.nbytes for t in tables) + (sys.getsizeof(self.arena) if self.arena is not None else 0)
 
 
 @dataclass
 class _RequestState:
-    pool: Pool
-    # Length of the history whose complete continuations are recorded in `pool`.
-    recorded_len: int = 0
+    pool: _Pool | None  # None with a public pool
+    # Length of the history whose complete continuations are recorded in the pool.
+    recorded_len: int = field(default=0)
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
-    version = "1.0"
+    version = "1.1"
     capabilities = ("ngram",)
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
-                 is_use_oldest: bool = True, is_public_pool: bool = False) -> None:
+                 is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0) -> None:
         if max_draft_len < 1 or max_matching_ngram_size < 1:
             raise ValueError("max_draft_len and max_matching_ngram_size must be at least 1")
+        if max_public_pool_mib <= 0:
+            raise ValueError("max_public_pool_mib must be positive")
+        self.max_public_pool_bytes = round(max_public_pool_mib * (1 << 20))
         self.max_draft_len = max_draft_len
         self.max_matching_ngram_size = max_matching_ngram_size
         self.is_keep_all = is_keep_all
         self.is_use_oldest = is_use_oldest
         self.is_public_pool = is_public_pool
-        self._public_pool: Pool = {}
+        self._public_pool = self._new_pool(public=True) if is_public_pool else None
         self._requests: dict[Key, _RequestState] = {}
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
@@ -66,45 +161,93 @@ class NgramDrafter(Drafter):
     def on_release(self, key: Key) -> None:
         self._requests.pop(key, None)
 
-    def draft(self, key: Key, tokens: list[int], draft_len: int) -> list[int]:
-        """Draft for `tokens`, the key's whole history; it must only grow between releases of the key."""
+    def state_bytes(self, key: Key) -> int:
         state = self._requests.get(key)
         if state is None:
-            state = self._requests[key] = _RequestState(self._public_pool if self.is_public_pool else {})
-        self._record(state.pool, tokens, state.recorded_len)
-        state.recorded_len = len(tokens)
-        return self._lookup(state.pool, tokens)[:draft_len]
+            return 0
+        return _REQUEST_OVERHEAD_BYTES + (state.pool.nbytes if state.pool is not None else 0)
 
-    def _record(self, pool: Pool, tokens: list[int], start: int) -> None:
+    def shared_state_bytes(self) -> int:
+        return self._public_pool.nbytes if self._public_pool is not None else 0
+
+    def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
+        """Draft for `tokens`, the key's whole history; it must only grow between releases of the key.
+
+        The SDK passes its int32 array; any other sequence is copied into one first.
+        """
+        if not (isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE):
+            tokens = array(TOKEN_TYPECODE, tokens)
+        state = self._requests.get(key)
+        if state is None:
+            state = self._requests[key] = _RequestState(None if self.is_public_pool else self._new_pool(public=False))
+        if state.pool is None:
+            pool = self._public_pool
+            assert pool is not None
+            if pool.nbytes > self.max_public_pool_bytes:
+                log.info("public n-gram pool reached %d bytes: starting afresh", pool.nbytes)
+                pool = self._public_pool = self._new_pool(public=True)
+        else:
+            pool = state.pool
+        self._record(pool, tokens, state.recorded_len)
+        state.recorded_len = len(tokens)
+        return self._lookup(pool, tokens)[:draft_len]
+
+    def _new_pool(self, public: bool) -> _Pool:
+        return _Pool.empty(self.max_matching_ngram_size, self.max_draft_len,
+                           with_windows=self.is_keep_all and not self.is_use_oldest, public=public)
+
+    def _record(self, pool: _Pool, tokens: array, start: int) -> None:
         """Record the continuations that became complete since the history had `start` tokens."""
         n, k = len(tokens), self.max_draft_len
+        arena = pool.arena
+        source = tokens if arena is None else arena
         for size in range(1, self.max_matching_ngram_size + 1):
+            patterns = pool.patterns[size - 1]
+            windows = pool.windows[size - 1] if pool.windows is not None else None
             # The pattern at l has a complete continuation once l + size + k <= len(history).
             for l in range(max(0, start - size - k + 1), n - size - k + 1):
-                pattern, continuation = tuple(tokens[l:l + size]), tuple(tokens[l + size:l + size + k])
-                if not self.is_keep_all:
-                    pool[pattern] = continuation
-                elif self.is_use_oldest:
-                    pool.setdefault(pattern, continuation)
-                else:
-                    pool.setdefault(pattern, {}).setdefault(continuation)
+                slot, offset = patterns.find(source, tokens[l:l + size])
+                if windows is not None:  # keep all, newest first: only a first-seen continuation counts
+                    window = tokens[l:l + size + k]
+                    wslot, woffset = windows.find(source, window)
+                    if woffset != _EMPTY:
+                        continue
+                    at = l if arena is None else _append(arena, window)
+                    windows.store(source, wslot, at)
+                    patterns.store(source, slot, at)
+                elif offset == _EMPTY:
+                    patterns.store(source, slot, l if arena is None else _append(arena, tokens[l:l + size + k]))
+                elif not self.is_keep_all:  # only the latest continuation
+                    if arena is None:
+                        patterns.store(source, slot, l)
+                    else:
+                        arena[offset + size:offset + size + k] = tokens[l + size:l + size + k]
 
-    def _lookup(self, pool: Pool, tokens: list[int]) -> list[int]:
+    def _lookup(self, pool: _Pool, tokens: array) -> list[int]:
         n, k = len(tokens), self.max_draft_len
+        source = tokens if pool.arena is None else pool.arena
         for size in range(min(self.max_matching_ngram_size, n - 1), 0, -1):
             suffix = tokens[n - size:]
             # Occurrences of the suffix whose continuation is still incomplete, oldest (longest) first.
             tail = [l for l in range(max(0, n - size - k + 1), n - size) if tokens[l:l + size] == suffix]
-            recorded = pool.get(tuple(suffix))
+            _, offset = pool.patterns[size - 1].find(source, suffix)
+            recorded = None if offset == _EMPTY else source[offset + size:offset + size + k]
             if self.is_keep_all and not self.is_use_oldest:
                 if tail:
-                    return tokens[tail[-1] + size:]
+                    return tokens[tail[-1] + size:].tolist()
                 if recorded is not None:
-                    return list(next(reversed(recorded)))
+                    return recorded.tolist()
             else:
                 # A complete continuation is longer than any incomplete one, so it wins.
                 if recorded is not None:
-                    return list(recorded)
+                    return recorded.tolist()
                 if tail:
-                    return tokens[tail[0] + size:]
+                    return tokens[tail[0] + size:].tolist()
         return []
+
+
+def _append(arena: array, window: array) -> int:
+    """Copy `window` to the end of `arena`; its offset there."""
+    offset = len(arena)
+    arena.extend(window)
+    return offset

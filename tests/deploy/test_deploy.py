@@ -294,6 +294,16 @@ def test_writable_paths_are_on_emptydir_volumes(objs):
         assert any(workdir == m or workdir.startswith(m + "/") for m in mounts), workdir
 
 
+def test_drafter_state_budget_is_below_its_memory_limit(objs):
+    """The drafter evicts sequence state past --max-state-mib; the pod is OOM-killed past its limit."""
+    c = main_container(one(objs, "Deployment", DRAFTER))
+    budget_mib = float(flag_value(c["args"], "--max-state-mib"))
+    limit = c["resources"]["limits"]["memory"]
+    limit_mib = int(limit.removesuffix("Mi")) if limit.endswith("Mi") else int(limit.removesuffix("Gi")) * 1024
+    # Room for the process (~50 MiB) and one maximal call (~190 MiB until the budget is enforced).
+    assert 0 < budget_mib <= limit_mib - 256
+
+
 def test_network_policy_admits_only_verifiers_to_drafter_grpc(objs):
     drafter, verifier = one(objs, "Deployment", DRAFTER), one(objs, "Deployment", VERIFIER)
     policies = [p for p in find(objs, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(drafter))]

@@ -50,14 +50,18 @@ def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
             samples = await scrape(port)
             assert value(samples, "calls_total", method="ReleaseRequests", code="OK") == 1
             assert value(samples, "held_sequences") == 1  # "a" released, "c" new
+            assert value(samples, "state_evictions_total", cause="release") == 1
 
             for _ in range(100):  # "c" idles out after 0.5 s
                 samples = await scrape(port)
-                if value(samples, "evictions_total") == 1:
+                if value(samples, "state_evictions_total", cause="idle") == 1:
                     break
                 await asyncio.sleep(0.05)
-            assert value(samples, "evictions_total") == 1
+            assert value(samples, "state_evictions_total", cause="idle") == 1
             assert value(samples, "held_sequences") == 0
+            assert value(samples, "eviction_resyncs_total") == 0
+            await c.prepare("v", seq("c", 1, [2]))  # "c" comes back after its eviction: a resync
+            assert value(await scrape(port), "eviction_resyncs_total") == 1
 
     asyncio.run(body())
 

@@ -36,7 +36,7 @@ def test_prompt_and_generated_token_views():
         views = []
 
         def propose(r):
-            views.append((r.prompt_tokens, r.generated_tokens, r.key))
+            views.append((list(r.prompt_tokens), list(r.generated_tokens), r.key))
             return []
 
         async with serving(RecordingDrafter(propose)) as c:

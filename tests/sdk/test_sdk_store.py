@@ -16,17 +16,17 @@ K = ("v", "r")
 
 def test_full_context_then_deltas_append():
     store = SequenceStore()
-    assert store.sync(K, 0, [1, 2, 3]).tokens == [1, 2, 3]
-    assert store.sync(K, 3, [4]).tokens == [1, 2, 3, 4]
+    assert store.sync(K, 0, [1, 2, 3]).tokens.tolist() == [1, 2, 3]
+    assert store.sync(K, 3, [4]).tokens.tolist() == [1, 2, 3, 4]
     result = store.sync(K, 4, [])
-    assert result.tokens == [1, 2, 3, 4] and not result.discarded
+    assert result.tokens.tolist() == [1, 2, 3, 4] and not result.discarded
 
 
 def test_full_context_replaces_and_reports_the_discarded_state():
     store = SequenceStore()
     assert not store.sync(K, 0, [1, 2]).discarded
     replaced = store.sync(K, 0, [7])
-    assert replaced.tokens == [7] and replaced.discarded
+    assert replaced.tokens.tolist() == [7] and replaced.discarded
 
 
 def test_unknown_key_requires_resync_without_creating_state():
@@ -51,9 +51,9 @@ def test_overlapping_delta_skips_the_tokens_already_held():
     store.sync(K, 0, [1, 2, 3, 4])
     # new_tokens[0] sits at offset 2: [3, 4] are held already, [5, 6] are new.
     result = store.sync(K, 2, [3, 4, 5, 6])
-    assert result.tokens == [1, 2, 3, 4, 5, 6] and not result.discarded
+    assert result.tokens.tolist() == [1, 2, 3, 4, 5, 6] and not result.discarded
     # An overlap that covers exactly what is held appends nothing.
-    assert store.sync(K, 1, [2, 3, 4, 5, 6]).tokens == [1, 2, 3, 4, 5, 6]
+    assert store.sync(K, 1, [2, 3, 4, 5, 6]).tokens.tolist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_replica_that_missed_steps_catches_up_from_the_overlap():
@@ -65,7 +65,7 @@ def test_replica_that_missed_steps_catches_up_from_the_overlap():
         replica = (a, b)[step % 2]
         ctx = lengths[0]
         result = replica.sync(K, ctx, committed[ctx:])
-        assert result.tokens == committed
+        assert result.tokens.tolist() == committed
         lengths = [lengths[1], len(committed)]
         committed = committed + [step, step + 1][: 1 + step % 2]  # one or two tokens per step
 
@@ -78,7 +78,7 @@ def test_gap_requires_resync_and_keeps_the_true_prefix():
     assert K in store
     # The full context that follows extends the held prefix: nothing derived from it is lost.
     full = store.sync(K, 0, [1, 2, 3, 4, 5, 6])
-    assert full.tokens == [1, 2, 3, 4, 5, 6] and not full.discarded
+    assert full.tokens.tolist() == [1, 2, 3, 4, 5, 6] and not full.discarded
 
 
 def test_delta_ending_before_the_held_length_is_inconsistent():
@@ -101,9 +101,9 @@ def test_full_context_that_extends_the_held_one_is_an_append():
     store = SequenceStore()
     store.sync(K, 0, [1, 2])
     result = store.sync(K, 0, [1, 2, 3])
-    assert result.tokens == [1, 2, 3] and not result.discarded
+    assert result.tokens.tolist() == [1, 2, 3] and not result.discarded
     shorter = store.sync(K, 0, [1, 2])  # a different (shorter) context replaces
-    assert shorter.tokens == [1, 2] and shorter.discarded
+    assert shorter.tokens.tolist() == [1, 2] and shorter.discarded
 
 
 def test_release_reports_whether_the_key_was_held():

@@ -34,3 +34,23 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
     assert report["serving"][0]["identical"] == report["serving"][0]["requests"]
     assert (out / "chart.png").stat().st_size > 0
+
+
+def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    done = subprocess.run(
+        [script("splitspec"), "bench-drafter-memory", "--sequences", "4", "--tokens", "2000", "--unbounded-calls", "1",
+         "--calls", "4", "--max-state-mib", "0.5", "--good-sequences", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["accounting"][0]["setting"] == "ngram (defaults)"
+    assert report["accounting"][0]["bytes_per_token"] <= 64
+    unbounded, budgeted = report["floods"]
+    assert unbounded["held_tokens"] == unbounded["sent_tokens"] == 8000
+    assert budgeted["calls_ok"] == budgeted["calls"] == 4
+    assert budgeted["evictions"]["budget"] > 0 and budgeted["state_mib"] <= 0.5
+    assert budgeted["good_resyncs"] == 0, "the flood evicted a verifier within its fair share"
+    assert budgeted["good_accepted_per_step"] > 0
+    # Far within what the 10-call unbounded flood would take; the real bound is in the README's full run.
+    assert budgeted["peak_rss_mib"] - budgeted["baseline_rss_mib"] <= budgeted["max_state_mib"] + 64
