@@ -57,8 +57,8 @@ class Drafter(ABC):
     """Base class of every drafter served by the SDK.
 
     All user code (`load`, `prepare_draft_tokens`, `on_release`, the `*state_bytes`
-    hooks) runs in one
-    dedicated worker thread, one call at a time, so drafter state needs no locks.
+    hooks) runs in one dedicated worker thread, one call at a time, so drafter state
+    needs no locks.
     """
 
     name: str  # defaults to the class name, see __init_subclass__
@@ -106,6 +106,7 @@ class Drafter(ABC):
         """Forget any state kept for `key`.
 
         Called when the verifier released the request, when it was evicted
-        after idling or to keep within the memory budget, and when its context was replaced or dropped for a resync
-        (the next request for the key then carries the whole history again).
+        after idling or to keep within the memory budget, and when its context was
+        replaced or dropped for a resync (the next request for the key then carries
+        the whole history again).
         """
