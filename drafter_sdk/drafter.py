@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from drafter_sdk.proto import drafter_pb2
+
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
+
+
+class ReleaseReason(enum.IntEnum):
+    """Why a drafter forgets a sequence (the wire's ReleaseReason, same values).
+
+    Only FINISHED means the history is a whole, ended output; a drafter that learns from
+    outputs ingests those alone. The SDK also says EVICTED when it drops a sequence itself
+    (idle, or a context that was replaced or found inconsistent)."""
+
+    UNSPECIFIED = drafter_pb2.RELEASE_REASON_UNSPECIFIED
+    FINISHED = drafter_pb2.RELEASE_REASON_FINISHED
+    CANCELLED = drafter_pb2.RELEASE_REASON_CANCELLED
+    EVICTED = drafter_pb2.RELEASE_REASON_EVICTED
 
 
 @dataclass(frozen=True)
@@ -79,10 +95,13 @@ class Drafter(ABC):
         `max_draft_len`) are trimmed by the SDK; an empty list means "no draft".
         """
 
-    def on_release(self, key: Key) -> None:
+    def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
         """Forget any state kept for `key`.
 
-        Called when the verifier released the request, when it was evicted
-        after idling, and when its context was replaced or dropped for a resync
-        (the next request for the key then carries the whole history again).
+        Called when the verifier released the request (`reason` as it said: FINISHED,
+        CANCELLED, EVICTED, or UNSPECIFIED from an older verifier), when it was evicted
+        after idling, and when its context was replaced or dropped for a resync (both
+        EVICTED; the next request for the key then carries the whole history again).
+        An override may leave out `reason` (`def on_release(self, key)`): the SDK then
+        calls it with the key alone.
         """
