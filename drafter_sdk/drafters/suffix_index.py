@@ -32,12 +32,16 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # optional: the SDK runs without it; it only speeds up frequent patterns
+    np = None
 
 SEP = -1
 _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair key
-# Above this many occurrences a step runs on numpy arrays; below, plain Python is faster.
+# Above this many occurrences a step runs on numpy arrays (when installed); below, plain Python is faster.
 _VECTOR_MIN = 48
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
@@ -181,20 +185,35 @@ class SuffixIndex:
         if last not in self._counts:
             return NO_DRAFT
         occurrences = self._match(pattern)  # occurrences[i]: where the last i + 2 tokens end
+        # budget[m]: the most a match of m tokens may draft.
+        budget = [min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6), self.max_depth - m)
+                  for m in range(len(occurrences) + 2)]
+
         best, best_score = NO_DRAFT, beat
-        for m in range(len(occurrences) + 1, 0, -1):
-            budget = min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6), self.max_depth - m)
-            if budget <= best_score:  # a draft of `budget` tokens scores at most `budget`
-                continue
-            if m == 1:
-                tokens, score = self._walk_from_token(last, budget, min_token_prob)
-            else:
-                tokens, score = self._walk(occurrences[m - 2], budget, 1.0, min_token_prob)
-            if score > best_score:
-                best, best_score = Draft(tokens, score, m), score
+        m = len(occurrences) + 1
+        while m >= 2:
+            # Shorter matches that end at the same places (the sets are nested: the same size is the
+            # same set) reach the same node's children: one walk serves them all.
+            occ, low = occurrences[m - 2], m
+            while low > 2 and len(occurrences[low - 3]) == len(occ):
+                low -= 1
+            lengths = range(m, low - 1, -1)  # longest first: a tie keeps the longer match
+            most = max(budget[k] for k in lengths)
+            if most > best_score:  # a draft of n tokens scores at most n
+                tokens, probs = self._walk(occ, most, 1.0, min_token_prob)
+                for k in lengths:
+                    n = budget[k]
+                    score = sum(probs[:n])
+                    if score > best_score:
+                        best, best_score = Draft(tokens[:n], score, k), score
+            m = low - 1
+        if budget[1] > best_score:
+            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
+            if sum(probs) > best_score:
+                best = Draft(tokens, sum(probs), 1)
         return best
 
-    def _match(self, pattern: list[int]) -> list[list[int] | np.ndarray]:
+    def _match(self, pattern: list[int]) -> list[Any]:
         """Where the pattern's last 2, 3, ... tokens end, as long as they occur at all."""
         if len(pattern) < 2:
             return []
@@ -202,12 +221,11 @@ class SuffixIndex:
         if positions is None:
             return []
         buf, base = self._buf, self._base
-        occ: list[int] | np.ndarray
-        occ = positions.tolist() if len(positions) <= _VECTOR_MIN else np.frombuffer(positions, np.int64).copy()
+        occ = _occurrences(positions)
         found = [occ]
         for back in range(2, len(pattern)):
             want = pattern[-1 - back]
-            if isinstance(occ, np.ndarray):
+            if not isinstance(occ, list):
                 view = np.frombuffer(buf, np.int32)
                 occ = occ[view[occ - (base + back)] == want]
                 if len(occ) <= _VECTOR_MIN:
@@ -219,31 +237,30 @@ class SuffixIndex:
             found.append(occ)
         return found
 
-    def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], float]:
+    def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
         """A draft after a single-token match: the first step from the running counts."""
         following = self._next.get(token)
         if not following:
-            return [], 0.0
+            return [], []
         top = max(following.values())
         tied = [t for t, c in following.items() if c == top]
         # Ties go to the token seen most recently after `token`.
         child = tied[0] if len(tied) == 1 else max(tied, key=lambda t: self._pairs[(token << _SHIFT) | t][-1])
         prob = top / self._counts[token]
         if prob < min_prob:
-            return [], 0.0
-        positions = self._pairs[(token << _SHIFT) | child]
-        occ = positions.tolist() if len(positions) <= _VECTOR_MIN else np.frombuffer(positions, np.int64).copy()
-        rest, score = self._walk(occ, budget - 1, prob, min_prob)
-        return [child] + rest, prob + score
+            return [], []
+        tokens, probs = self._walk(_occurrences(self._pairs[(token << _SHIFT) | child]), budget - 1, prob, min_prob)
+        return [child] + tokens, [prob] + probs
 
-    def _walk(self, occ: list[int] | np.ndarray, budget: int, prob: float,
-              min_prob: float) -> tuple[list[int], float]:
-        """Greedy path down from the node whose occurrences end at `occ`."""
+    def _walk(self, occ: Any, budget: int, prob: float,
+              min_prob: float) -> tuple[list[int], list[float]]:
+        """Greedy path down from the node whose occurrences end at `occ`: its tokens and their
+        estimated probabilities (each the product of child count / parent count down to it)."""
         buf, base = self._buf, self._base
         tokens: list[int] = []
-        score = 0.0
+        probs: list[float] = []
         while len(tokens) < budget:
-            if isinstance(occ, np.ndarray):
+            if not isinstance(occ, list):
                 view = np.frombuffer(buf, np.int32)
                 following = view[occ - (base - 1)]
                 values, counts = np.unique(following[following != SEP], return_counts=True)
@@ -275,5 +292,12 @@ class SuffixIndex:
                     break
                 occ = [p + 1 for p in occ if buf[p + 1 - base] == child]
             tokens.append(child)
-            score += prob
-        return tokens, score
+            probs.append(prob)
+        return tokens, probs
+
+
+def _occurrences(positions: array) -> Any:
+    """A pair's positions to filter: a list, or a numpy array when long and numpy is installed."""
+    if np is None or len(positions) <= _VECTOR_MIN:
+        return positions.tolist()
+    return np.frombuffer(positions, np.int64).copy()
