@@ -99,6 +99,10 @@ async def _second_verifier_run(scope: str) -> tuple[verifier_pb2.GenerateRespons
         async with run_verifier(remote_config(8, running.port), model=shared_model()) as a:
             first = await a.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S)
             await wait_until(lambda: not running.servicer.store, "A's release")
+        if scope != "request":
+            # The whole output, its last step's tokens included (sent before the release).
+            [tree] = drafter._global.values()
+            assert tree.tokens() == list(first.output.token_ids)
         async with run_verifier(remote_config(8, running.port), model=shared_model()) as b:
             second = await b.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S)
     assert list(first.output.token_ids) == list(second.output.token_ids) == list(cached_reference(
