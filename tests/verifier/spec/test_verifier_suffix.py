@@ -25,6 +25,7 @@ from verifier_support import (
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import drafter_pb2, speculative_pb2, verifier_pb2
 from verifier_service.spec.config import SUFFIX, ConfigError, validate
+from verifier_service.tools.local_services import LocalService, script
 
 # Looping prompts (the request's own tree drafts) and non-looping ones (only learning helps).
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:6]] + [repetitive_prompt(s) for s in range(300, 306)]
@@ -168,3 +169,41 @@ def test_release_reasons_reach_the_drafter() -> None:
     asyncio.run(main())
     assert [list(r.reasons) for r in seen] == [[drafter_pb2.RELEASE_REASON_FINISHED],
                                                 [drafter_pb2.RELEASE_REASON_CANCELLED]]
+
+
+def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -> None:
+    """`splitspec-drafter suffix` as a real process: it learns a finished request; SIGKILLed in the middle
+    of another one and restarted on its port, it has forgotten what it learned, every output stays plain
+    decoding's, and it learns again."""
+    other = repetitive_prompt(303)
+
+    async def run(v, prompt: list[int], n: int) -> verifier_pb2.GenerateResponse:  # noqa: ANN001
+        response = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
+        assert list(response.output.token_ids) == list(cached_reference(tuple(prompt), n))
+        return response
+
+    async def main() -> None:
+        with LocalService([script("splitspec-drafter"), "suffix", "--log-level", "WARNING",
+                           "--grace-period-s", "0"], name="suffix-drafter") as drafter:
+            async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
+                client = engine_of(v).drafter
+                await run(v, FRESH_PROMPT, 48)
+                await wait_until(lambda: not client._background, "the release")
+                assert (await run(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length >= 4.0
+                middle = asyncio.ensure_future(run(v, other, 150))
+                calls = client.stats.calls
+                await wait_until(lambda: client.stats.calls > calls + 2, "drafting for the long request", middle)
+                drafter.process.kill()  # SIGKILL: no goodbye
+                await asyncio.to_thread(drafter.process.wait)
+                await asyncio.to_thread(drafter.start)  # the same port, nothing learned
+                await middle
+                await wait_until(lambda: client.healthy and not client._background, "the drafter back")
+                failures = client.stats.failures
+                after = await run(v, FRESH_PROMPT, 48)
+                assert client.stats.failures == failures  # the drafter answered every call ...
+                assert after.output.stats.mean_acceptance_length < 2.0, after.output.stats  # ... from an empty cache
+                await wait_until(lambda: not client._background, "the release")
+                again = await run(v, FRESH_PROMPT, 48)
+                assert again.output.stats.mean_acceptance_length >= 4.0, again.output.stats  # and it learns again
+
+    asyncio.run(main())
