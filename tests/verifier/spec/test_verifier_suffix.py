@@ -187,6 +187,7 @@ def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -
                            "--grace-period-s", "0"], name="suffix-drafter") as drafter:
             async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
                 client = engine_of(v).drafter
+                client.breaker.max_backoff_s = 0.5  # probe the restarted drafter soon (backoff is tested elsewhere)
                 await run(v, FRESH_PROMPT, 48)
                 await wait_until(lambda: not client._background, "the release")
                 assert (await run(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length >= 4.0
@@ -197,6 +198,9 @@ def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -
                 await asyncio.to_thread(drafter.process.wait)
                 await asyncio.to_thread(drafter.start)  # the same port, nothing learned
                 await middle
+                deadline = asyncio.get_running_loop().time() + WAIT_S
+                while not client.healthy and asyncio.get_running_loop().time() < deadline:
+                    await run(v, other, 8)  # the breaker closes on the first call the restarted drafter answers
                 await wait_until(lambda: client.healthy and not client._background, "the drafter back")
                 failures = client.stats.failures
                 after = await run(v, FRESH_PROMPT, 48)
