@@ -11,8 +11,8 @@ from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.tools.local_services import script
 
-SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "transformers generate",
-           "transformers prompt lookup"}
+SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
+           "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
 
 
 def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
@@ -22,13 +22,19 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "12",
-         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out)],
+         "--workloads", "recurring,agentic", "--concurrency", "2", "--suffix-speed-outputs", "30",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== grounded (1 prompts) ==" in done.stdout and "== serving" in done.stdout
+    assert "== agentic (3 prompts) ==" in done.stdout and "== serving" in done.stdout
     report = json.loads((out / "results.json").read_text())
     assert {s["system"] for s in report["summaries"]} == SYSTEMS
-    assert all(s["identical"] == s["prompts"] == 1 for s in report["summaries"]), done.stdout
+    # Recurring: round 1 apart, then the later rounds; agentic: a docstring turn, then two edits of the answer.
+    prompts = {s["workload"]: s["prompts"] for s in report["summaries"]}
+    assert prompts == {"recurring-first": 1, "recurring": 2, "agentic": 3}
+    assert {c["workload"] for c in report["comparisons"]} == set(prompts)
+    assert report["suffix_speed"]["cached_outputs"] == 30 and report["suffix_speed"]["prepare_ms_p50"] > 0
+    assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]
     sizes = [b for _, b in report["request_bytes"]]
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
