@@ -36,11 +36,17 @@ class DrafterMetrics:
         self.evictions = Counter(f"{prefix}evictions", "Sequences forgotten after idling", registry=r)
         self.held_sequences = Gauge(f"{prefix}held_sequences", "Sequences whose context the drafter holds",
                                     registry=r)
+        self.shared_state_bytes = Gauge(f"{prefix}shared_state_bytes", "Bytes the drafter holds for no one "
+                                        "sequence (e.g. a global suffix tree), as it estimates them", registry=r)
         ProcessCollector(registry=r)
 
     def track_held(self, count: Callable[[], int]) -> None:
         """Read the held-sequence count at scrape time."""
         self.held_sequences.set_function(count)
+
+    def track_shared_state(self, size: Callable[[], int]) -> None:
+        """Read the drafter's shared state size at scrape time."""
+        self.shared_state_bytes.set_function(size)
 
     def record_call(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.calls.labels(method, code.name).inc()

@@ -47,6 +47,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.metrics = metrics
         if metrics is not None:
             metrics.track_held(lambda: len(self.store))
+            if hasattr(drafter, "shared_state_bytes"):
+                metrics.track_shared_state(drafter.shared_state_bytes)
         self.loaded = False
         self._release_takes_reason = _takes_reason(drafter)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")

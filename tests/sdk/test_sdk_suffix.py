@@ -3,9 +3,12 @@ memory bound, the per-request tree through the delta stream, learning only what 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
+from sdk_support import seq, serving
+from test_sdk_metrics import scrape, value
 
 from drafter_sdk.drafter import DraftRequest, ReleaseReason, SamplingHints
 from drafter_sdk.drafters import suffix_index
@@ -254,3 +257,17 @@ def test_the_request_tree_follows_the_delta_stream() -> None:
         assert tree.tokens() == truth
         assert (tree._counts, tree._next) == (fresh._counts, fresh._next)
         assert {k: v.tolist() for k, v in tree._pairs.items()} == {k: v.tolist() for k, v in fresh._pairs.items()}
+
+
+def test_the_global_tree_size_is_a_metric():
+    async def body():
+        async with serving(SuffixDrafter(), metrics_port=0) as c:
+            await c.prepare("v", seq("a", 0, [5, 1, 2, 3, 4], prompt_len=1, draft_len=0))
+            assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == 0
+            await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a"],
+                                                                   reasons=[pb.RELEASE_REASON_FINISHED]))
+            drafter = c.running.servicer.drafter
+            assert drafter.cached_requests == 1
+            assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == drafter.shared_state_bytes() > 0
+
+    asyncio.run(body())
