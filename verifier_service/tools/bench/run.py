@@ -50,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and system (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
-    p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
+    p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for every verifier")
+    p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
@@ -73,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
+    common += args.verifier_arg
     print("starting two drafters and four verifiers ...", flush=True)
     with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                        "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
