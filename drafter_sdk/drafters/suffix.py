@@ -27,6 +27,7 @@ request before releasing it to drafters that advertise `LEARNS_FROM_FINISHED`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from drafter_sdk.drafter import Drafter, DraftRequest, Key, ReleaseReason
@@ -115,7 +116,7 @@ class SuffixDrafter(Drafter):
 
     # --- drafting ---
 
-    def draft(self, key: Key, tokens: list[int], draft_len: int) -> list[int]:
+    def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
         """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
         state = self._requests[key]
         context = tokens[-self.max_tree_depth:]

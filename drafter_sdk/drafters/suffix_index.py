@@ -88,6 +88,7 @@ class SuffixIndex:
         """Append tokens to the newest sequence."""
         if not self._spans:
             raise ValueError("no sequence to extend")
+        tokens = _ints(tokens)
         if not tokens:
             return
         buf, base = self._buf, self._base
@@ -180,7 +181,7 @@ class SuffixIndex:
         n = min(len(context), self.max_depth)
         if n == 0 or max_tokens <= 0:
             return NO_DRAFT
-        pattern = list(context[len(context) - n:])
+        pattern = _ints(context[len(context) - n:])
         last = pattern[-1]
         if last not in self._counts:
             return NO_DRAFT
@@ -301,3 +302,11 @@ def _occurrences(positions: array) -> Any:
     if np is None or len(positions) <= _VECTOR_MIN:
         return positions.tolist()
     return np.frombuffer(positions, np.int64).copy()
+
+
+def _ints(tokens: Sequence[int]) -> list[int]:
+    """Plain Python ints (a numpy or array('i') buffer would make numpy scalars or overflow the pair keys)."""
+    if isinstance(tokens, list):
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else [int(t) for t in tokens]

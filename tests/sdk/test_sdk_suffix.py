@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from array import array
 
 import pytest
 from sdk_support import seq, serving
@@ -107,6 +108,15 @@ def test_counts_probabilities_and_the_knobs() -> None:
     assert index.speculate([1, 2, 3], 8, min_token_prob=0.7).tokens == []
     # No match, no draft.
     assert index.speculate([42], 8).tokens == []
+
+
+def test_token_buffers_other_than_lists_draft_the_same() -> None:
+    """The SDK may hold tokens as array('i') (or numpy): a read-only sequence of ints."""
+    history = [1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2]
+    drafter = SuffixDrafter()
+    [as_list] = drafter.prepare_draft_tokens([request("a", history)])
+    [as_array] = drafter.prepare_draft_tokens([request("b", array("i", history))])  # type: ignore[arg-type]
+    assert as_list == as_array == [3, 9]
 
 
 def test_the_tree_depth_bounds_match_plus_draft() -> None:
