@@ -11,6 +11,10 @@ from drafter_sdk.proto import drafter_pb2
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
 
+LEARNS_FROM_FINISHED = "learns-from-finished"
+"""A capability tag (put it in `Drafter.capabilities`): before releasing a finished request, the
+verifier sends its last tokens in a sync-only call, so the drafter holds the whole output."""
+
 
 class ReleaseReason(enum.IntEnum):
     """Why a drafter forgets a sequence (the wire's ReleaseReason, same values).

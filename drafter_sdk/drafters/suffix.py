@@ -30,11 +30,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from drafter_sdk.drafter import Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
 from drafter_sdk.drafters.suffix_index import SuffixIndex
 
-# A capability tag: "send me a finished request's last tokens before releasing it".
-LEARNS_FROM_FINISHED = "learns-from-finished"
 CACHE_SCOPES = ("global", "verifier", "request")
 
 

@@ -12,9 +12,9 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.sampler import verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
-from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.sequence import FinishReason, Sequence
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ModelRunner

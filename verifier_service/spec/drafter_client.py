@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import grpc
 
-from drafter_sdk.drafters.suffix import LEARNS_FROM_FINISHED
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from verifier_service.spec.circuit_breaker import CircuitBreaker
 
