@@ -110,11 +110,7 @@ def print_tables(report: Report) -> None:
             print(f"  {workload:<16} " + ", ".join(f"{c['system'].removeprefix('splitspec ')} {c['ratio']:.2f}x"
                                                     for c in report.comparisons if c["workload"] == workload))
     if report.suffix_speed:
-        s = report.suffix_speed
-        print(f"\nsuffix drafter itself, {s['cached_outputs']} cached outputs of {s['output_len']} tokens "
-              f"({s['global_tree_mb']:.0f} MiB estimated): ingesting one finished output {s['ingest_ms_p50']:.2f} ms "
-              f"p50; one PrepareDraftTokens for {s['sequences']} sequences of {s['context_len']} tokens "
-              f"{s['prepare_ms_p50']:.2f} ms p50, {s['prepare_ms_p90']:.2f} ms p90")
+        print_suffix_speed(report.suffix_speed)
     if report.request_bytes:
         print("\nPrepareDraftTokens request size as one sequence's context grows:")
         print("  " + ", ".join(f"{n} tokens: {b} B" for n, b in report.request_bytes))
@@ -124,6 +120,13 @@ def print_tables(report: Report) -> None:
         for row in report.serving:
             print(f"{row['concurrency']:>11} {row['plain_tps']:>11.1f} {row['spec_tps']:>10.1f} "
                   f"{row['spec_tps'] / row['plain_tps']:>5.2f}x {row['identical']:>4}/{row['requests']:<4}")
+
+
+def print_suffix_speed(s: dict) -> None:
+    print(f"\nsuffix drafter itself, {s['cached_outputs']} cached outputs of {s['output_len']} tokens "
+          f"({s['global_tree_mb']:.0f} MiB estimated): ingesting one finished output {s['ingest_ms_p50']:.2f} ms "
+          f"p50; one PrepareDraftTokens for {s['sequences']} sequences of {s['context_len']} tokens "
+          f"{s['prepare_ms_p50']:.2f} ms p50, {s['prepare_ms_p90']:.2f} ms p90")
 
 
 def save_chart(report: Report, path: Path) -> None:

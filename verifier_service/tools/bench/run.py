@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import statistics
 import time
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from verifier_service.model import loader as model_loader
 from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
@@ -26,7 +29,7 @@ from verifier_service.spec.drafter_client import (
     GrpcTransport,
 )
 from verifier_service.tools.bench import report as rep
-from verifier_service.tools.bench import suffix_speed, workloads
+from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script
 
@@ -55,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
+    p.add_argument("--replay", action="store_true",
+                   help="acceptance only, no timing: replay the n-gram and suffix drafters against transformers' "
+                        "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -67,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
+    if args.replay:
+        return _replay(model, tokenizer, prompts, args, out)
     seconds = _forward_costs(model, args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
@@ -123,6 +131,27 @@ def main(args: argparse.Namespace) -> int:
     report.to_json(out / "results.json")
     rep.save_chart(report, out / "chart.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
+    return 0
+
+
+def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt],
+            args: argparse.Namespace, out: Path) -> int:
+    print(f"greedy outputs of {len(prompts)} prompts ...", flush=True)
+    outputs = replay.greedy_outputs(model, tokenizer, prompts, args.max_new_tokens)
+    k = args.max_draft_len
+    results = replay.replay("ngram", lambda: NgramDrafter(max_draft_len=k, max_matching_ngram_size=args.ngram_size),
+                            prompts, outputs, k)
+    results += replay.replay("suffix", SuffixDrafter, prompts, outputs, k)
+    replay.print_results(results)
+    speed = None
+    if args.suffix_speed_outputs:
+        print(f"\ntiming the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
+        speed = dataclasses.asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
+        rep.print_suffix_speed(speed)
+    (out / "replay.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "max_draft_len": k,
+                                                 "results": replay.as_dicts(results), "suffix_speed": speed},
+                                                indent=2))
+    print(f"\nwrote {out / 'replay.json'}")
     return 0
 
 
