@@ -40,3 +40,19 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
     assert report["serving"][0]["identical"] == report["serving"][0]["requests"]
     assert (out / "chart.png").stat().st_size > 0
+
+
+def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path) -> None:
+    """The recurring rounds after the first: the suffix drafter remembers the first round, n-gram cannot."""
+    model_dir = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens",
+         "12", "--workloads", "recurring", "--suffix-speed-outputs", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {(r["drafter"], r["workload"]): r for r in json.loads((out / "replay.json").read_text())["results"]}
+    assert results[("suffix", "recurring")]["mean_acceptance_length"] > 2.0
+    assert results[("suffix", "recurring")]["accepted"] > results[("ngram", "recurring")]["accepted"]
