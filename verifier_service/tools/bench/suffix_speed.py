@@ -49,8 +49,9 @@ def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> lis
 
 
 def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len: int = 500, sequences: int = 16,
-            context_len: int = 2000, steps: int = 100, draft_len: int = 8) -> SuffixSpeed:
-    text = corpus(tokenizer)
+            context_len: int = 2000, steps: int = 100, draft_len: int = 8,
+            corpus_tokens: int = CORPUS_TOKENS) -> SuffixSpeed:
+    text = corpus(tokenizer, corpus_tokens)
     rng = random.Random(0)
     drafter = SuffixDrafter()
     servicer = DrafterServicer(drafter, SequenceStore())
