@@ -10,23 +10,27 @@
     serve(Repeat(), port=50052)
 
 Or without a script: `splitspec-drafter my_module:Repeat --port 50052`, or the
-built-in `splitspec-drafter ngram`.
+built-in `splitspec-drafter ngram` / `splitspec-drafter suffix`.
 """
 
-from drafter_sdk.drafter import Drafter, DraftRequest, SamplingHints
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, ReleaseReason, SamplingHints
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.server import RunningDrafter, serve, start_server
 from drafter_sdk.servicer import DrafterServicer
 
 __all__ = [
+    "LEARNS_FROM_FINISHED",
     "DraftRequest",
     "Drafter",
     "DrafterError",
     "DrafterServicer",
     "NgramDrafter",
+    "ReleaseReason",
     "RunningDrafter",
     "SamplingHints",
+    "SuffixDrafter",
     "serve",
     "start_server",
 ]

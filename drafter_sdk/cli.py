@@ -12,6 +12,7 @@ from pathlib import Path
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.security import (
     add_server_flags,
     read_token,
@@ -26,7 +27,7 @@ from drafter_sdk.service import MIB
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
     parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__, allow_abbrev=False)
-    parser.add_argument("drafter", help="'ngram', or a Drafter subclass as module:Class or path/to/file.py:Class "
+    parser.add_argument("drafter", help="'ngram', 'suffix', or a Drafter subclass as module:Class or path/to/file.py:Class "
                                         "(constructed without arguments)")
     parser.add_argument("--host", default="[::]")
     parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
@@ -57,14 +58,36 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
     ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
                        help="a public pool past this size starts afresh (it is state of no single sequence)")
+    # Unset flags keep SuffixDrafter's own defaults (vLLM's).
+    suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; defaults as vLLM's)")
+    suffix.add_argument("--max-tree-depth", type=int, default=argparse.SUPPRESS,
+                        help="longest context suffix matched; match plus draft never exceed it (24)")
+    suffix.add_argument("--max-cached-requests", type=int, default=argparse.SUPPRESS,
+                        help="finished requests kept in the global tree, oldest evicted first; 0: none (10000)")
+    suffix.add_argument("--max-spec-factor", type=float, default=argparse.SUPPRESS,
+                        help="draft at most this times the match length ... (1.0)")
+    suffix.add_argument("--max-spec-offset", type=float, default=argparse.SUPPRESS,
+                        help="... plus this many tokens (0)")
+    suffix.add_argument("--min-token-prob", type=float, default=argparse.SUPPRESS,
+                        help="stop a draft before its estimated probability falls below this (0.1)")
+    suffix.add_argument("--cache-prompts", action="store_true", default=argparse.SUPPRESS,
+                        help="also learn finished requests' prompts, not only their outputs")
+    suffix.add_argument("--cache-scope", choices=CACHE_SCOPES, default=argparse.SUPPRESS,
+                        help="learn from every verifier's finished requests (global, the default), from the "
+                             "same verifier's only, or from none (request). Shared learning changes no output, "
+                             "but speed can reveal whether similar text was generated for someone else")
     return parser
+
+
+SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob",
+                "cache_prompts", "cache_scope")
 
 
 def load_drafter_class(spec: str) -> type[Drafter]:
     """Import `module:Class` or `path/to/file.py:Class`."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"expected 'ngram', module:Class or path/to/file.py:Class, got {spec!r}")
+        raise ValueError(f"expected 'ngram', 'suffix', module:Class or path/to/file.py:Class, got {spec!r}")
     if target.endswith(".py") or os.sep in target:
         path = Path(target)
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -88,6 +111,8 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
         return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
                             is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
                             is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib)
+    if args.drafter == "suffix":
+        return SuffixDrafter(**{name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)})
     return load_drafter_class(args.drafter)()
 
 

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from drafter_sdk.proto import drafter_pb2
 
 TOKEN_TYPECODE = "i"  # the `array` type of DraftRequest.tokens: int32, as token ids travel on the wire
 
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
+
+LEARNS_FROM_FINISHED = "learns-from-finished"
+"""A capability tag (put it in `Drafter.capabilities`): before releasing a finished request, the
+verifier sends its last tokens in a sync-only call, so the drafter holds the whole output."""
+
+
+class ReleaseReason(enum.IntEnum):
+    """Why a drafter forgets a sequence (the wire's ReleaseReason, same values).
+
+    Only FINISHED means the history is a whole, ended output; a drafter that learns from
+    outputs ingests those alone. The SDK also says EVICTED when it drops a sequence itself
+    (idle, or a context that was replaced or found inconsistent)."""
+
+    UNSPECIFIED = drafter_pb2.RELEASE_REASON_UNSPECIFIED
+    FINISHED = drafter_pb2.RELEASE_REASON_FINISHED
+    CANCELLED = drafter_pb2.RELEASE_REASON_CANCELLED
+    EVICTED = drafter_pb2.RELEASE_REASON_EVICTED
 
 
 @dataclass(frozen=True)
@@ -102,11 +122,14 @@ class Drafter(ABC):
         """
         return 0
 
-    def on_release(self, key: Key) -> None:
+    def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
         """Forget any state kept for `key`.
 
-        Called when the verifier released the request, when it was evicted
+        Called when the verifier released the request (`reason` as it said: FINISHED,
+        CANCELLED, EVICTED, or UNSPECIFIED from an older verifier), when it was evicted
         after idling or to keep within the memory budget, and when its context was
-        replaced or dropped for a resync (the next request for the key then carries
-        the whole history again).
+        replaced or dropped for a resync (all EVICTED; the next request for the key then
+        carries the whole history again).
+        An override may leave out `reason` (`def on_release(self, key)`): the SDK then
+        calls it with the key alone.
         """

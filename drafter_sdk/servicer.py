@@ -11,6 +11,7 @@ loop that answers health checks.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import operator
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import Drafter, DraftRequest, Key, SamplingHints
+from drafter_sdk.drafter import Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.metrics import DrafterMetrics, StateStats
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
@@ -49,6 +50,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             metrics.track_state(self.state_stats)
         self.loaded = False
         self._shared_bytes = 0  # the drafter's shared_state_bytes() after the last call
+        self._release_takes_reason = _takes_reason(drafter)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     # --- synchronous core (also the in-process API) ---
@@ -80,7 +82,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             key = (request.verifier_id, seq.request_id)
             synced = self.store.sync(key, seq.context_len, seq.new_tokens)
             if synced.discarded:
-                self._forget(key)
+                self._forget(key, ReleaseReason.EVICTED)
             if synced.oversize:  # larger than the whole budget: no draft, and no resync either
                 results.append(drafter_pb2.DraftResult(request_id=seq.request_id, status=_OK))
                 continue
@@ -108,19 +110,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._require_loaded()
         if not request.verifier_id:
             raise DrafterError(grpc.StatusCode.INVALID_ARGUMENT, "verifier_id must not be empty")
+        if len(request.reasons) > len(request.request_ids):
+            raise DrafterError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.reasons)} reasons for "
+                               f"{len(request.request_ids)} request ids")
         released = 0
-        for request_id in request.request_ids:
+        for i, request_id in enumerate(request.request_ids):
             key = (request.verifier_id, request_id)
             if self.store.release(key):
                 released += 1
-                self._forget(key)
+                self._forget(key, _reason(request.reasons[i]) if i < len(request.reasons) else
+                             ReleaseReason.UNSPECIFIED)
         return drafter_pb2.ReleaseRequestsResponse(released=released)
 
     def evict_idle(self) -> int:
         """Forget the sequences idle for the store's timeout; how many there were."""
         evicted = self.store.evict_idle()
         for key in evicted:
-            self._forget(key)
+            self._forget(key, ReleaseReason.EVICTED)
         if evicted:
             log.info("evicted %d idle sequence(s)", len(evicted))
         return len(evicted)
@@ -247,11 +253,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         for key in drafted:
             if self.store.account(key, self._hook(self.drafter.state_bytes, key)):
                 log.warning("sequence %r outgrew the whole state budget: no drafts for it", key)
-                self._forget(key)
+                self._forget(key, ReleaseReason.EVICTED)
         self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
         evicted = self.store.evict_over_budget(self._shared_bytes)
         for key in evicted:
-            self._forget(key)
+            self._forget(key, ReleaseReason.EVICTED)
         if evicted:
             log.debug("evicted %d sequence(s) over the state budget", len(evicted))
 
@@ -263,9 +269,29 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             log.exception("%s.%s failed", type(self.drafter).__name__, method.__name__)
             return 0
 
-    def _forget(self, key: Key) -> None:
+    def _forget(self, key: Key, reason: ReleaseReason) -> None:
         try:
-            self.drafter.on_release(key)
+            if self._release_takes_reason:
+                self.drafter.on_release(key, reason)
+            else:
+                self.drafter.on_release(key)
         except Exception:
             # The SDK's state is gone either way; a failing cleanup must not fail the call.
             log.exception("%s.on_release(%r) failed", type(self.drafter).__name__, key)
+
+
+def _takes_reason(drafter: Drafter) -> bool:
+    """Whether the drafter's on_release takes a reason (drafters written before reasons take only the key)."""
+    try:
+        inspect.signature(drafter.on_release).bind(("", ""), ReleaseReason.UNSPECIFIED)
+    except TypeError:
+        return False
+    return True
+
+
+def _reason(value: int) -> ReleaseReason:
+    """A wire ReleaseReason; a value this SDK does not know (a newer verifier's) is UNSPECIFIED."""
+    try:
+        return ReleaseReason(value)
+    except ValueError:
+        return ReleaseReason.UNSPECIFIED

@@ -12,9 +12,20 @@ class DraftStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_STATUS_UNSPECIFIED: _ClassVar[DraftStatus]
     DRAFT_STATUS_OK: _ClassVar[DraftStatus]
     DRAFT_STATUS_RESYNC_REQUIRED: _ClassVar[DraftStatus]
+
+class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELEASE_REASON_UNSPECIFIED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_FINISHED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_CANCELLED: _ClassVar[ReleaseReason]
+    RELEASE_REASON_EVICTED: _ClassVar[ReleaseReason]
 DRAFT_STATUS_UNSPECIFIED: DraftStatus
 DRAFT_STATUS_OK: DraftStatus
 DRAFT_STATUS_RESYNC_REQUIRED: DraftStatus
+RELEASE_REASON_UNSPECIFIED: ReleaseReason
+RELEASE_REASON_FINISHED: ReleaseReason
+RELEASE_REASON_CANCELLED: ReleaseReason
+RELEASE_REASON_EVICTED: ReleaseReason
 
 class GetDrafterInfoRequest(_message.Message):
     __slots__ = ()
@@ -91,12 +102,14 @@ class PrepareDraftTokensResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequestsRequest(_message.Message):
-    __slots__ = ("verifier_id", "request_ids")
+    __slots__ = ("verifier_id", "request_ids", "reasons")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, verifier_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    reasons: _containers.RepeatedScalarFieldContainer[ReleaseReason]
+    def __init__(self, verifier_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reasons: _Optional[_Iterable[_Union[ReleaseReason, str]]] = ...) -> None: ...
 
 class ReleaseRequestsResponse(_message.Message):
     __slots__ = ("released",)

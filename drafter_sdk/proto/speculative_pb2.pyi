@@ -21,6 +21,14 @@ class SpeculativeDecodingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper)
     SPECULATIVE_DECODING_MODE_MEDUSA: _ClassVar[SpeculativeDecodingMode]
     SPECULATIVE_DECODING_MODE_MTP: _ClassVar[SpeculativeDecodingMode]
     SPECULATIVE_DECODING_MODE_LOOKAHEAD: _ClassVar[SpeculativeDecodingMode]
+    SPECULATIVE_DECODING_MODE_SUFFIX: _ClassVar[SpeculativeDecodingMode]
+
+class SuffixCacheScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUFFIX_CACHE_SCOPE_UNSPECIFIED: _ClassVar[SuffixCacheScope]
+    SUFFIX_CACHE_SCOPE_GLOBAL: _ClassVar[SuffixCacheScope]
+    SUFFIX_CACHE_SCOPE_VERIFIER: _ClassVar[SuffixCacheScope]
+    SUFFIX_CACHE_SCOPE_REQUEST: _ClassVar[SuffixCacheScope]
 SPECULATIVE_DECODING_MODE_UNSPECIFIED: SpeculativeDecodingMode
 SPECULATIVE_DECODING_MODE_NONE: SpeculativeDecodingMode
 SPECULATIVE_DECODING_MODE_USER_PROVIDED: SpeculativeDecodingMode
@@ -30,6 +38,11 @@ SPECULATIVE_DECODING_MODE_EAGLE3: SpeculativeDecodingMode
 SPECULATIVE_DECODING_MODE_MEDUSA: SpeculativeDecodingMode
 SPECULATIVE_DECODING_MODE_MTP: SpeculativeDecodingMode
 SPECULATIVE_DECODING_MODE_LOOKAHEAD: SpeculativeDecodingMode
+SPECULATIVE_DECODING_MODE_SUFFIX: SpeculativeDecodingMode
+SUFFIX_CACHE_SCOPE_UNSPECIFIED: SuffixCacheScope
+SUFFIX_CACHE_SCOPE_GLOBAL: SuffixCacheScope
+SUFFIX_CACHE_SCOPE_VERIFIER: SuffixCacheScope
+SUFFIX_CACHE_SCOPE_REQUEST: SuffixCacheScope
 
 class TlsConfig(_message.Message):
     __slots__ = ("ca_cert_file", "cert_file", "key_file", "server_name_override")
@@ -70,6 +83,24 @@ class NgramConfig(_message.Message):
     is_use_oldest: bool
     is_public_pool: bool
     def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ...) -> None: ...
+
+class SuffixConfig(_message.Message):
+    __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    max_tree_depth: int
+    max_cached_requests: int
+    max_spec_factor: float
+    max_spec_offset: float
+    min_token_prob: float
+    cache_prompts: bool
+    cache_scope: SuffixCacheScope
+    def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ...) -> None: ...
 
 class DraftModelConfig(_message.Message):
     __slots__ = ("model",)
@@ -116,13 +147,14 @@ class SpeculationPolicy(_message.Message):
     def __init__(self, draft_len_schedule: _Optional[_Iterable[_Union[DraftLengthRule, _Mapping]]] = ..., auto_disable: _Optional[_Union[AutoDisablePolicy, _Mapping]] = ..., adaptive_draft_len: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeConfig(_message.Message):
-    __slots__ = ("mode", "max_draft_len", "user_provided", "ngram", "draft_model", "lookahead", "policy")
+    __slots__ = ("mode", "max_draft_len", "user_provided", "ngram", "draft_model", "lookahead", "suffix", "policy")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     USER_PROVIDED_FIELD_NUMBER: _ClassVar[int]
     NGRAM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculativeDecodingMode
     max_draft_len: int
@@ -130,5 +162,6 @@ class SpeculativeConfig(_message.Message):
     ngram: NgramConfig
     draft_model: DraftModelConfig
     lookahead: LookaheadConfig
+    suffix: SuffixConfig
     policy: SpeculationPolicy
-    def __init__(self, mode: _Optional[_Union[SpeculativeDecodingMode, str]] = ..., max_draft_len: _Optional[int] = ..., user_provided: _Optional[_Union[UserProvidedConfig, _Mapping]] = ..., ngram: _Optional[_Union[NgramConfig, _Mapping]] = ..., draft_model: _Optional[_Union[DraftModelConfig, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadConfig, _Mapping]] = ..., policy: _Optional[_Union[SpeculationPolicy, _Mapping]] = ...) -> None: ...
+    def __init__(self, mode: _Optional[_Union[SpeculativeDecodingMode, str]] = ..., max_draft_len: _Optional[int] = ..., user_provided: _Optional[_Union[UserProvidedConfig, _Mapping]] = ..., ngram: _Optional[_Union[NgramConfig, _Mapping]] = ..., draft_model: _Optional[_Union[DraftModelConfig, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadConfig, _Mapping]] = ..., suffix: _Optional[_Union[SuffixConfig, _Mapping]] = ..., policy: _Optional[_Union[SpeculationPolicy, _Mapping]] = ...) -> None: ...

@@ -136,7 +136,7 @@ def test_a_drafter_whose_load_fails_exits_non_zero(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nonsense", "expected 'ngram', module:Class"),
+    ("nonsense", "expected 'ngram', 'suffix', module:Class"),
     ("os:path", "os:path is not a Drafter subclass"),
     ("missing/file.py:X", "no Python file at missing/file.py"),
     ("no_such_module_xyz:X", "No module named 'no_such_module_xyz'"),

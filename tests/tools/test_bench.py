@@ -7,28 +7,34 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 
+from verifier_service.tools.bench import suffix_speed
 from verifier_service.tools.local_services import script
 
-SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "transformers generate",
-           "transformers prompt lookup"}
+SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
+           "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
 
 
+@pytest.mark.timeout(600)  # seven systems, six services
 def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny"
     tiny_model(max_positions=4096).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     out = tmp_path / "results"
     done = subprocess.run(
-        [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "12",
-         "--workloads", "grounded,open", "--concurrency", "2", "--device", "cpu", "--out", str(out)],
+        [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "8",
+         "--workloads", "agentic", "--concurrency", "2", "--suffix-speed-outputs", "0", "--device", "cpu", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== grounded (1 prompts) ==" in done.stdout and "== serving" in done.stdout
+    assert "== agentic (3 prompts) ==" in done.stdout and "== serving" in done.stdout
     report = json.loads((out / "results.json").read_text())
     assert {s["system"] for s in report["summaries"]} == SYSTEMS
-    assert all(s["identical"] == s["prompts"] == 1 for s in report["summaries"]), done.stdout
+    # Agentic: a docstring turn, then two edits, each sending back the answer of the same system.
+    assert {s["workload"]: s["prompts"] for s in report["summaries"]} == {"agentic": 3}
+    assert {c["workload"] for c in report["comparisons"]} == {"agentic"}
+    assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]
     sizes = [b for _, b in report["request_bytes"]]
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
@@ -54,3 +60,26 @@ def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: 
     assert budgeted["good_accepted_per_step"] > 0
     # Far within what the 10-call unbounded flood would take; the real bound is in the README's full run.
     assert budgeted["peak_rss_mib"] - budgeted["baseline_rss_mib"] <= budgeted["max_state_mib"] + 64
+
+
+def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path) -> None:
+    """The recurring rounds after the first: the suffix drafter remembers the first round, n-gram cannot."""
+    model_dir = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens",
+         "12", "--workloads", "recurring", "--suffix-speed-outputs", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {(r["drafter"], r["workload"]): r for r in json.loads((out / "replay.json").read_text())["results"]}
+    assert results[("suffix", "recurring")]["mean_acceptance_length"] > 2.0
+    assert results[("suffix", "recurring")]["accepted"] > results[("ngram", "recurring")]["accepted"]
+
+
+def test_suffix_speed_measures_the_drafter_itself() -> None:
+    speed = suffix_speed.measure(tiny_tokenizer(), cached=5, output_len=40, sequences=2, context_len=100, steps=3,
+                                 corpus_tokens=5000)
+    assert (speed.cached_outputs, speed.sequences, speed.context_len) == (5, 2, 100)
+    assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0

@@ -12,12 +12,13 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.sampler import verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
-from verifier_service.engine.sequence import Sequence
+from verifier_service.engine.sequence import FinishReason, Sequence
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ModelRunner
-from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply
+from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply, ReleasedRequest
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Engine:
                 raise
             except Exception:  # a bug or OOM fails the running requests, not the server
                 log.exception("engine step failed; failing the running requests")
-                self._release(self.scheduler.fail_running("internal error in the decoding step"))
+                self._release(self.scheduler.fail_running("internal error in the decoding step"), failed=True)
 
     async def step(self) -> None:
         """Plan, draft and verify in ONE forward (new prompts, and every running sequence's last
@@ -123,7 +124,17 @@ class Engine:
                 reply.latency_s if reply is not None else None)
         self._release(finished)
 
-    def _release(self, seqs: list[Sequence]) -> None:
-        """The sequences left the engine (their slots are free): the drafter may drop their state."""
+    def _release(self, seqs: list[Sequence], failed: bool = False) -> None:
+        """The sequences left the engine (their slots are free): the drafter may drop their state,
+        and learn from those that finished."""
         if self.drafter is not None and seqs:
-            self.drafter.release([s.request_id for s in seqs])
+            self.drafter.release([ReleasedRequest(s.request_id, _release_reason(s, failed), s.all_ids,
+                                                  len(s.prompt_ids), s.drafter_sync) for s in seqs])
+
+
+def _release_reason(seq: Sequence, failed: bool) -> int:
+    if failed:
+        return drafter_pb2.RELEASE_REASON_EVICTED
+    if seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return drafter_pb2.RELEASE_REASON_FINISHED
+    return drafter_pb2.RELEASE_REASON_CANCELLED

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import speculative_pb2
 
 Mode = speculative_pb2.SpeculativeDecodingMode
@@ -17,9 +18,10 @@ MODE_PREFIX = "SPECULATIVE_DECODING_MODE_"
 NONE = Mode.SPECULATIVE_DECODING_MODE_NONE
 NGRAM = Mode.SPECULATIVE_DECODING_MODE_NGRAM
 USER_PROVIDED = Mode.SPECULATIVE_DECODING_MODE_USER_PROVIDED
-SERVED_MODES = (NONE, NGRAM, USER_PROVIDED)
+SUFFIX = Mode.SPECULATIVE_DECODING_MODE_SUFFIX
+SERVED_MODES = (NONE, NGRAM, SUFFIX, USER_PROVIDED)
 # The oneof section each mode takes (the others parse, so configs from other engines load).
-MODE_CONFIG_FIELD = {USER_PROVIDED: "user_provided", NGRAM: "ngram",
+MODE_CONFIG_FIELD = {USER_PROVIDED: "user_provided", NGRAM: "ngram", SUFFIX: "suffix",
                      Mode.SPECULATIVE_DECODING_MODE_DRAFT_TARGET: "draft_model",
                      Mode.SPECULATIVE_DECODING_MODE_EAGLE3: "draft_model",
                      Mode.SPECULATIVE_DECODING_MODE_MEDUSA: "draft_model",
@@ -74,7 +76,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", metavar="FILE",
                    help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml")
     g.add_argument("--speculative-mode", metavar="MODE",
-                   help="none, ngram or user_provided (other known modes are refused)")
+                   help="none, ngram, suffix or user_provided (other known modes are refused)")
     g.add_argument("--max-draft-len", type=int,
                    help=f"most draft tokens verified per sequence and step (default {DEFAULT_MAX_DRAFT_LEN})")
     g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
@@ -142,6 +144,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
         for knob, default in (("is_keep_all", True), ("is_use_oldest", True), ("is_public_pool", False)):
             if not ng.HasField(knob):
                 setattr(ng, knob, default)
+    if config.mode == SUFFIX:
+        _fill_suffix(config.suffix)
     if config.mode == USER_PROVIDED:
         up = config.user_provided
         if not up.drafter_target:
@@ -176,3 +180,27 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
     if not 0.0 <= auto.min_acceptance_rate <= 1.0:
         raise ConfigError(f"auto_disable.min_acceptance_rate must be within [0, 1], not {auto.min_acceptance_rate}")
     return config
+
+
+def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
+    """Unset knobs take SuffixDrafter's defaults (vLLM's); the drafter checks the values."""
+    defaults = SuffixDrafter()
+    if sx.max_tree_depth == 0:
+        sx.max_tree_depth = defaults.max_tree_depth
+    for knob in ("max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob"):
+        if not sx.HasField(knob):
+            setattr(sx, knob, getattr(defaults, knob))
+    if sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_UNSPECIFIED:
+        sx.cache_scope = speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
+    try:
+        suffix_drafter(sx)
+    except ValueError as exc:
+        raise ConfigError(f"suffix: {exc}") from None
+
+
+def suffix_drafter(sx: speculative_pb2.SuffixConfig) -> SuffixDrafter:
+    """The in-process SuffixDrafter a (filled-in) SuffixConfig describes."""
+    scope = speculative_pb2.SuffixCacheScope.Name(sx.cache_scope).removeprefix("SUFFIX_CACHE_SCOPE_").lower()
+    return SuffixDrafter(max_tree_depth=sx.max_tree_depth, max_cached_requests=sx.max_cached_requests,
+                         max_spec_factor=sx.max_spec_factor, max_spec_offset=sx.max_spec_offset,
+                         min_token_prob=sx.min_token_prob, cache_prompts=sx.cache_prompts, cache_scope=scope)

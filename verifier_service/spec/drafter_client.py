@@ -28,6 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import grpc
 
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from verifier_service.spec.circuit_breaker import CircuitBreaker
 
@@ -57,6 +58,17 @@ class DraftQuery:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+
+
+@dataclass
+class ReleasedRequest:
+    """A sequence that left the engine, and why (a drafter_pb2.ReleaseReason)."""
+
+    request_id: str
+    reason: int
+    tokens: Sequence[int]  # every committed token, prompt first
+    prompt_len: int
+    history: DeltaHistory
 
 
 @dataclass
@@ -270,17 +282,36 @@ class DrafterClient:
         log.debug("drafter call failed: %s", error)
         return DraftReply([[] for _ in queries], [True] * len(queries), latency)
 
-    def release(self, request_ids: list[str]) -> None:
+    def release(self, released: list[ReleasedRequest]) -> None:
         """Tell the drafter in the background (best effort: a lost release is cleaned up by
-        the drafter's idle eviction). The verifier's own record went with the sequences."""
-        if not request_ids or not self.breaker.allow():
-            return
-        request = drafter_pb2.ReleaseRequestsRequest(verifier_id=self.verifier_id, request_ids=request_ids)
-        self._in_background(self._release(request))
+        the drafter's idle eviction). The verifier's own record went with the sequences.
 
-    async def _release(self, request: drafter_pb2.ReleaseRequestsRequest) -> None:
+        A drafter that learns from finished outputs (it advertises LEARNS_FROM_FINISHED) first
+        gets the tokens of finished requests it has not seen yet, in a sync-only call (draft
+        length 0): the tokens of a request's last step are otherwise never sent."""
+        if not released or not self.breaker.allow():
+            return
+        request = drafter_pb2.ReleaseRequestsRequest(
+            verifier_id=self.verifier_id, request_ids=[r.request_id for r in released],
+            reasons=[r.reason for r in released])
+        self._in_background(self._release(request, self._final_sync(released)))
+
+    def _final_sync(self, released: list[ReleasedRequest]) -> drafter_pb2.PrepareDraftTokensRequest | None:
+        if self.info is None or LEARNS_FROM_FINISHED not in self.info.capabilities:
+            return None
+        unsent = [r for r in released if r.reason == drafter_pb2.RELEASE_REASON_FINISHED
+                  and r.history.lengths and r.history.lengths[-1] < len(r.tokens)]
+        if not unsent:
+            return None
+        return self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, r.history) for r in unsent])
+
+    async def _release(self, request: drafter_pb2.ReleaseRequestsRequest,
+                       sync: drafter_pb2.PrepareDraftTokensRequest | None) -> None:
+        timeout_s = max(self.deadline_s, 1.0)
         try:
-            await self.transport.release(request, max(self.deadline_s, 1.0))
+            if sync is not None:
+                await self.transport.prepare(sync, timeout_s)
+            await self.transport.release(request, timeout_s)
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("release failed: %s", _describe(exc))
 

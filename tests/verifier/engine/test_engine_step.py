@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.sampler import SamplingParams
@@ -26,7 +27,7 @@ from verifier_service.engine.sequence import (
 )
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch
-from verifier_service.spec.drafter_client import DraftQuery, DraftReply
+from verifier_service.spec.drafter_client import DraftQuery, DraftReply, ReleasedRequest
 from verifier_service.spec.policy import SpecState, SpeculationParams, SpeculationPolicy
 
 VOCAB = 64
@@ -61,19 +62,21 @@ class CountingRunner:
 
 @dataclass
 class FakeDrafter:
-    """Proposes `propose(query)` for each sequence; records queries and released ids."""
+    """Proposes `propose(query)` for each sequence; records queries, released ids and why."""
 
     propose_fn: object = None
     queries: list[list[DraftQuery]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    reasons: list[int] = field(default_factory=list)
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         self.queries.append(queries)
         drafts = [list(self.propose_fn(q))[:q.draft_len] if q.draft_len else [] for q in queries]
         return DraftReply(drafts, [False] * len(queries))
 
-    def release(self, request_ids: list[str]) -> None:
-        self.released += request_ids
+    def release(self, released: list[ReleasedRequest]) -> None:
+        self.released += [r.request_id for r in released]
+        self.reasons += [r.reason for r in released]
 
     async def close(self) -> None:
         return None
@@ -151,7 +154,7 @@ def test_accepted_drafts_commit_draft_plus_bonus_in_one_forward() -> None:
         assert seq.stats.num_drafts == 2 and seq.stats.num_accepted_tokens == 8
         # Feedback to the drafter: what the previous draft earned.
         assert (drafter.queries[1][0].last_num_drafted, drafter.queries[1][0].last_num_accepted) == (4, 4)
-        assert drafter.released == ["a"]
+        assert drafter.released == ["a"] and drafter.reasons == [drafter_pb2.RELEASE_REASON_FINISHED]
 
     asyncio.run(main())
 
@@ -205,6 +208,7 @@ def test_a_cancelled_request_frees_its_slot_and_drafter_state_at_the_next_bounda
         engine.cancel(a)
         await engine.step()  # frees a, admits b in the same boundary
         assert drafter.released == ["a"] and a.slot is None and b.slot is not None
+        assert drafter.reasons == [drafter_pb2.RELEASE_REASON_CANCELLED]
         assert runner.batches[-1].input_ids == [30]
         assert a.finish_reason is FinishReason.CANCELLED
 
@@ -235,6 +239,7 @@ def test_a_failing_forward_fails_the_running_requests_and_frees_everything() -> 
         output = await asyncio.wait_for(seq.outputs.get(), 10)
         assert output.error and seq.slot is None and runner.kv_cache.num_free_slots == 4
         assert drafter.released == ["a"] and not engine.scheduler.has_work()
+        assert drafter.reasons == [drafter_pb2.RELEASE_REASON_EVICTED]  # failed, not finished
         await engine.stop()
 
     asyncio.run(main())

@@ -34,16 +34,24 @@ class Report:
     summaries: list[SystemSummary] = field(default_factory=list)
     request_bytes: list[tuple[int, int]] = field(default_factory=list)  # (context tokens, bytes per call)
     serving: list[dict] = field(default_factory=list)
+    # Per workload: a system's speed relative to a baseline's (median over prompts of time-per-token ratios).
+    comparisons: list[dict] = field(default_factory=list)
+    suffix_speed: dict | None = None  # suffix_speed.SuffixSpeed as a dict
 
     def to_json(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
 
 
+def relative_speed(runs: list, baseline_runs: list) -> float:
+    """Median over prompts of (baseline time per token / this time per token): above 1 is faster."""
+    return statistics.median((b.seconds / max(1, len(b.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
+                             for r, b in zip(runs, baseline_runs))
+
+
 def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: CostCurve) -> SystemSummary:
     """runs / plain_runs: bench.systems.Run per prompt, same order."""
     tps = [len(r.token_ids) / r.seconds for r in runs if r.seconds > 0]
-    ratios = [(p.seconds / max(1, len(p.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
-              for r, p in zip(runs, plain_runs)]
+    ratios = [relative_speed([r], [p]) for r, p in zip(runs, plain_runs)]
     drafts = sum(r.stats.num_drafts for r in runs)
     drafted = sum(r.stats.num_draft_tokens for r in runs)
     accepted = sum(r.stats.num_accepted_tokens for r in runs)
@@ -96,6 +104,13 @@ def print_tables(report: Report) -> None:
                   f"{_fmt(s.mean_acceptance_length, '.2f'):>12} {_fmt(s.acceptance_rate, '.2f'):>8} "
                   f"{_fmt(s.ideal_speedup, '.2f'):>6} {_fmt(s.efficiency, '.2f'):>6} "
                   f"{s.identical:>4}/{s.prompts:<4}  {per_pos}")
+    if report.comparisons:
+        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts) ==")
+        for workload in dict.fromkeys(c["workload"] for c in report.comparisons):
+            print(f"  {workload:<16} " + ", ".join(f"{c['system'].removeprefix('splitspec ')} {c['ratio']:.2f}x"
+                                                    for c in report.comparisons if c["workload"] == workload))
+    if report.suffix_speed:
+        print_suffix_speed(report.suffix_speed)
     if report.request_bytes:
         print("\nPrepareDraftTokens request size as one sequence's context grows:")
         print("  " + ", ".join(f"{n} tokens: {b} B" for n, b in report.request_bytes))
@@ -105,6 +120,13 @@ def print_tables(report: Report) -> None:
         for row in report.serving:
             print(f"{row['concurrency']:>11} {row['plain_tps']:>11.1f} {row['spec_tps']:>10.1f} "
                   f"{row['spec_tps'] / row['plain_tps']:>5.2f}x {row['identical']:>4}/{row['requests']:<4}")
+
+
+def print_suffix_speed(s: dict) -> None:
+    print(f"\nsuffix drafter itself, {s['cached_outputs']} cached outputs of {s['output_len']} tokens "
+          f"({s['global_tree_mb']:.0f} MiB estimated): ingesting one finished output {s['ingest_ms_p50']:.2f} ms "
+          f"p50; one PrepareDraftTokens for {s['sequences']} sequences of {s['context_len']} tokens "
+          f"{s['prepare_ms_p50']:.2f} ms p50, {s['prepare_ms_p90']:.2f} ms p90")
 
 
 def save_chart(report: Report, path: Path) -> None:

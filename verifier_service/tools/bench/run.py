@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
 import logging
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from verifier_service.model import loader as model_loader
 from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
@@ -24,18 +29,23 @@ from verifier_service.spec.drafter_client import (
     GrpcTransport,
 )
 from verifier_service.tools.bench import report as rep
-from verifier_service.tools.bench import workloads
+from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script
 
 log = logging.getLogger(__name__)
 PLAIN = "splitspec plain"
+NGRAM_REMOTE = "splitspec ngram remote"
+SUFFIX_REMOTE = "splitspec suffix remote"
+SUFFIX_LOCAL = "splitspec suffix in-process"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="side-by-side speed: plain, n-gram in-process, n-gram remote, transformers")
+    p = sub.add_parser("bench", help="side-by-side speed: plain, n-gram and suffix drafters (in-process and "
+                                     "remote), transformers")
     p.add_argument("--model", help="model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--workloads", default="grounded,code,open", help="comma list of grounded, code, open")
+    p.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
+                   help=f"comma list of {', '.join(workloads.WORKLOADS)}")
     p.add_argument("--prompts", type=int, default=6, help="prompts per workload")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-draft-len", type=int, default=8)
@@ -43,7 +53,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and system (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
-    p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
+    p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for every verifier")
+    p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
+    p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
+                   help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
+    p.add_argument("--replay", action="store_true",
+                   help="acceptance only, no timing: replay the n-gram and suffix drafters against transformers' "
+                        "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
@@ -59,6 +76,8 @@ def main(args: argparse.Namespace) -> int:
     # The verifiers' own default dtype (bf16 on CUDA), so transformers decodes the same numbers.
     model, tokenizer = model_loader.load(source, model_loader.pick_dtype("auto", device), device)
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
+    if args.replay:
+        return _replay(model, tokenizer, prompts, args, out)
     seconds = _forward_costs(model, args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
@@ -67,38 +86,75 @@ def main(args: argparse.Namespace) -> int:
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
-    print("starting the drafter and two verifiers ...", flush=True)
+    common += args.verifier_arg
+    print("starting two drafters and four verifiers ...", flush=True)
     with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                        "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
+         LocalService([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
          LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                        "--drafter-target", drafter.address, *common], name="verifier-remote") as remote, \
          LocalService([script("splitspec-verifier"), "--speculative-mode", "ngram",
                        "--max-matching-ngram-size", str(args.ngram_size), *common],
-                      name="verifier-inprocess") as local:
+                      name="verifier-inprocess") as local, \
+         LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
+                       "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote") as sremote, \
+         LocalService([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
+                      name="verifier-suffix-inprocess") as slocal:
+        # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         systems = [VerifierSystem(PLAIN, remote.address, speculate=False),
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
-                   VerifierSystem("splitspec ngram remote", remote.address, speculate=True)]
+                   VerifierSystem(NGRAM_REMOTE, remote.address, speculate=True),
+                   VerifierSystem(SUFFIX_LOCAL, slocal.address, speculate=True),
+                   VerifierSystem(SUFFIX_REMOTE, sremote.address, speculate=True)]
         if not args.no_transformers:
             systems += [TransformersSystem("transformers generate", model),
                         TransformersSystem("transformers prompt lookup", model,
                                            prompt_lookup_num_tokens=args.max_draft_len,
                                            max_matching_ngram_size=args.ngram_size)]
-        runs = _run_all(systems, prompts, args)
+        runs = _run_all(systems, prompts, args, tokenizer)
         for workload in dict.fromkeys(p.workload for p in prompts):
             idx = [i for i, p in enumerate(prompts) if p.workload == workload]
             plain = [runs[PLAIN][i] for i in idx]
             for system in systems:
                 report.summaries.append(rep.summarise(system.name, workload, [runs[system.name][i] for i in idx],
                                                       plain, curve))
+            for system in (SUFFIX_REMOTE, SUFFIX_LOCAL):
+                report.comparisons.append({"workload": workload, "system": system, "baseline": NGRAM_REMOTE,
+                                           "ratio": rep.relative_speed([runs[system][i] for i in idx],
+                                                                       [runs[NGRAM_REMOTE][i] for i in idx])})
         report.request_bytes = asyncio.run(_request_bytes(drafter.address, model.config.vocab_size))
         if args.concurrency:
             report.serving = _serving(remote.address, prompts, args)
         for system in systems:
             system.close()
+    if args.suffix_speed_outputs:
+        print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
+        report.suffix_speed = dataclasses.asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
     rep.print_tables(report)
     report.to_json(out / "results.json")
     rep.save_chart(report, out / "chart.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
+    return 0
+
+
+def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt],
+            args: argparse.Namespace, out: Path) -> int:
+    print(f"greedy outputs of {len(prompts)} prompts ...", flush=True)
+    outputs = replay.greedy_outputs(model, tokenizer, prompts, args.max_new_tokens)
+    k = args.max_draft_len
+    results = replay.replay("ngram", lambda: NgramDrafter(max_draft_len=k, max_matching_ngram_size=args.ngram_size),
+                            prompts, outputs, k)
+    results += replay.replay("suffix", SuffixDrafter, prompts, outputs, k)
+    replay.print_results(results)
+    speed = None
+    if args.suffix_speed_outputs:
+        print(f"\ntiming the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
+        speed = dataclasses.asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
+        rep.print_suffix_speed(speed)
+    (out / "replay.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "max_draft_len": k,
+                                                 "results": replay.as_dicts(results), "suffix_speed": speed},
+                                                indent=2))
+    print(f"\nwrote {out / 'replay.json'}")
     return 0
 
 
@@ -112,20 +168,28 @@ def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, floa
         runner.close()
 
 
-def _run_all(systems: list, prompts: list[workloads.Prompt], args: argparse.Namespace) -> dict[str, list[Run]]:
-    warm = workloads.Prompt("warm-up", "warm-up", prompts[0].token_ids[:32])
+def _run_all(systems: list, prompts: list[workloads.Prompt], args: argparse.Namespace,
+             tokenizer: PreTrainedTokenizerBase) -> dict[str, list[Run]]:
+    """Every prompt on every system, in the given order (drafters that learn depend on it). A follow-up
+    turn sends back the answer the same system gave to the turn it follows. With --repeats above 1, a
+    repeat is itself a recurring request for a drafter that learns."""
+    warm = workloads.Prompt("warm-up", "warm-up", next(p.token_ids for p in prompts if p.token_ids)[:32])
     for system in systems:
         system.run(warm, 8)
     runs: dict[str, list[Run]] = {s.name: [] for s in systems}
+    answers: dict[tuple[str, str], str] = {}  # (system, prompt name) -> the text it answered
     for n, prompt in enumerate(prompts):
         per_system: dict[str, list[Run]] = {s.name: [] for s in systems}
         for r in range(args.repeats):
             # Rotate the order so slow drift on a shared machine does not favour one system.
             shift = (n + r) % len(systems)
             for system in systems[shift:] + systems[:shift]:
-                per_system[system.name].append(system.run(prompt, args.max_new_tokens))
+                asked = prompt if not prompt.follows else dataclasses.replace(
+                    prompt, token_ids=prompt.render(answers[(system.name, prompt.follows)], tokenizer))
+                per_system[system.name].append(system.run(asked, args.max_new_tokens))
         for name, rs in per_system.items():
             runs[name].append(sorted(rs, key=lambda x: x.seconds)[len(rs) // 2])
+            answers[(name, prompt.name)] = tokenizer.decode(runs[name][-1].token_ids, skip_special_tokens=True)
         print(f"  {prompt.workload}/{prompt.name}: " + ", ".join(
             f"{name} {len(r[-1].token_ids) / r[-1].seconds:.1f} tok/s" for name, r in runs.items()), flush=True)
     return runs
@@ -149,6 +213,7 @@ async def _request_bytes(address: str, vocab_size: int) -> list[tuple[int, int]]
 
 
 def _serving(address: str, prompts: list[workloads.Prompt], args: argparse.Namespace) -> list[dict]:
+    prompts = [p for p in prompts if p.token_ids]  # follow-up turns need an answer to send back
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         batch = [prompts[i % len(prompts)] for i in range(max(concurrency, 4) * 2 if concurrency > 1 else 4)]

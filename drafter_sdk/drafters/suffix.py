@@ -1,0 +1,150 @@
+"""SuffixDecoding: drafts from each request's own context and from every finished output.
+
+SuffixDecoding (Oliaro et al., arXiv 2411.04975; vLLM's `method="suffix"`, from
+Snowflake's Arctic Inference) keeps two kinds of suffix tree (suffix_index.py):
+
+- one per request, over its prompt and the tokens generated so far, grown from
+  the delta stream as the SDK rebuilds it;
+- a global one over finished requests' outputs (and, with `cache_prompts`, their
+  prompts), at most `max_cached_requests` of them, oldest evicted first.
+
+Each step, both trees look for the context's last <= `max_tree_depth` tokens and
+propose their best-scoring greedy continuation; the higher score wins (the
+request's own tree on a tie). No match, no draft.
+
+As a service, one suffix drafter behind many verifiers learns from all of their
+outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's
+process-wide cache), "verifier" (one tree per verifier id) or "request" (no
+global tree). Sharing never changes an output, since every draft is verified,
+but how fast a request runs can tell whether similar text was generated for
+someone else: scope it where that matters.
+
+Only outputs the verifier released as FINISHED are learned; cancelled, failed
+and evicted ones are dropped. The verifier sends the last tokens of a finished
+request before releasing it to drafters that advertise `LEARNS_FROM_FINISHED`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafters.suffix_index import SuffixIndex
+
+CACHE_SCOPES = ("global", "verifier", "request")
+
+
+@dataclass
+class _Request:
+    tree: SuffixIndex  # its whole context, prompt first
+    prompt_len: int
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+    version = "1.0"
+    capabilities = ("suffix", LEARNS_FROM_FINISHED)
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
+                 cache_scope: str = "global") -> None:
+        if max_tree_depth < 2:
+            raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")
+        if max_cached_requests < 0:
+            raise ValueError(f"max_cached_requests must not be negative, not {max_cached_requests}")
+        if max_spec_factor < 0:
+            raise ValueError(f"max_spec_factor must not be negative, not {max_spec_factor}")
+        if not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be within [0, 1], not {min_token_prob}")
+        if cache_scope not in CACHE_SCOPES:
+            raise ValueError(f"cache_scope must be one of {', '.join(CACHE_SCOPES)}, not {cache_scope!r}")
+        self.max_tree_depth = max_tree_depth
+        self.max_draft_len = max_tree_depth - 1  # a match of one token leaves that much depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.max_spec_offset = max_spec_offset
+        self.min_token_prob = min_token_prob
+        self.cache_prompts = cache_prompts
+        self.cache_scope = cache_scope
+        self._requests: dict[Key, _Request] = {}
+        self._global: dict[str, SuffixIndex] = {}  # by scope: "" for global, the verifier id for verifier
+        self._learned: deque[str] = deque()  # the scope of each cached output, oldest first
+
+    # --- the Drafter API ---
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts = []
+        for r in requests:
+            self._sync(r)
+            drafts.append(self.draft(r.key, r.tokens, r.draft_len) if r.draft_len else [])
+        return drafts
+
+    def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
+        state = self._requests.pop(key, None)
+        if state is None or reason != ReleaseReason.FINISHED:
+            return
+        scope = self._scope(key)
+        if scope is None or self.max_cached_requests == 0:
+            return
+        tokens = state.tree.tokens()
+        learned = tokens if self.cache_prompts else tokens[state.prompt_len:]
+        if not learned:
+            return
+        tree = self._global.get(scope)
+        if tree is None:
+            tree = self._global[scope] = SuffixIndex(self.max_tree_depth)
+        tree.add(learned)
+        self._learned.append(scope)
+        while len(self._learned) > self.max_cached_requests:
+            oldest = self._learned.popleft()
+            tree = self._global[oldest]
+            tree.evict_oldest()
+            if not len(tree):
+                del self._global[oldest]
+
+    def state_bytes(self, key: Key) -> int:
+        state = self._requests.get(key)
+        return state.tree.nbytes() if state is not None else 0
+
+    def shared_state_bytes(self) -> int:
+        # list() copies the values at once: /metrics reads this from another thread.
+        return sum(tree.nbytes() for tree in list(self._global.values()))
+
+    # --- drafting ---
+
+    def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
+        """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
+        state = self._requests[key]
+        context = tokens[-self.max_tree_depth:]
+        knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
+        best = state.tree.speculate(context, draft_len, *knobs)
+        scope = self._scope(key)
+        shared = self._global.get(scope) if scope is not None else None
+        if shared is not None:
+            theirs = shared.speculate(context, draft_len, *knobs, beat=best.score)
+            if theirs.score > best.score:
+                best = theirs
+        return best.tokens
+
+    @property
+    def cached_requests(self) -> int:
+        """Finished requests held in the global trees."""
+        return len(self._learned)
+
+    def _sync(self, r: DraftRequest) -> _Request:
+        """Bring the request's tree up to its committed tokens (it only grows between releases)."""
+        state = self._requests.get(r.key)
+        if state is None or state.tree.num_tokens > len(r.tokens):
+            state = self._requests[r.key] = _Request(SuffixIndex(self.max_tree_depth), r.prompt_len)
+            state.tree.add(r.tokens)
+        elif state.tree.num_tokens < len(r.tokens):
+            state.tree.extend(r.tokens[state.tree.num_tokens:])
+        return state
+
+    def _scope(self, key: Key) -> str | None:
+        """Which global tree the request drafts from and feeds; None: none."""
+        if self.cache_scope == "request":
+            return None
+        return "" if self.cache_scope == "global" else key[0]

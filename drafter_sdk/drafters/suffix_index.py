@@ -1,0 +1,312 @@
+"""The suffix tree of SuffixDecoding, kept as occurrence lists instead of nodes.
+
+SuffixDecoding (Oliaro et al., arXiv 2411.04975; Arctic Inference, vLLM's
+`method="suffix"`) keeps a suffix trie of its sequences truncated at
+`max_depth`: the node of a token path P (|P| <= max_depth) counts the places
+where P occurs, and its children are the tokens that follow those occurrences.
+Drafting walks from the node of the context's suffix to the most frequent child,
+multiplying the estimated probability by child count / parent count.
+
+A trie with a node per (position, depth) costs about max_depth nodes per token,
+far too many Python objects for a global tree over thousands of outputs, and
+the C++ original compresses paths to avoid it. Here the same counts come from
+occurrence lists: for every pair of adjacent tokens, the ascending positions of
+its second token. The node of P is the set of places P ends at (the pair list
+of P's last two tokens, filtered by comparing the earlier tokens of P); its
+count is that set's size and its children are the tokens after each place.
+Single tokens use running counts. Memory is a few words per token whatever
+`max_depth` is; a lookup costs the occurrences of the context's last pair,
+which shrink with every earlier token compared.
+
+Sequences sit in one int32 buffer, each after a separator (-1, never a token),
+so no match or continuation crosses from one sequence into another.
+Positions are absolute (they survive compaction of evicted sequences), and
+evicting the oldest sequence removes the heads of its pairs' lists: the global
+tree evicts first in, first out, so that is all eviction ever needs.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    import numpy as np
+except ImportError:  # optional: the SDK runs without it; it only speeds up frequent patterns
+    np = None
+
+SEP = -1
+_SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair key
+# Above this many occurrences a step runs on numpy arrays (when installed); below, plain Python is faster.
+_VECTOR_MIN = 48
+# Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
+_PAIR_OVERHEAD_BYTES = 260
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    score: float = 0.0  # the sum of the tokens' estimated probabilities: expected accepted tokens
+    match_len: int = 0  # context tokens matched before the draft
+
+
+NO_DRAFT = Draft([])
+
+
+class SuffixIndex:
+    """Sequences and the counts of their suffix trie truncated at `max_depth`."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError("max_depth must be at least 2")
+        self.max_depth = max_depth
+        self._buf = array("i", [SEP])  # [SEP] + (sequence + [SEP]) * n
+        self._base = 0  # absolute position of _buf[0]
+        self._counts: dict[int, int] = {}  # token -> occurrences
+        self._next: dict[int, dict[int, int]] = {}  # token -> following token -> occurrences of the pair
+        self._pairs: dict[int, array] = {}  # pair key -> absolute positions of its second token, ascending
+        self._spans: deque[tuple[int, int]] = deque()  # (start, end) absolute of each sequence, oldest first
+        self.num_tokens = 0
+
+    # --- contents ---
+
+    def __len__(self) -> int:
+        """Sequences held."""
+        return len(self._spans)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Add a new sequence."""
+        start = self._base + len(self._buf)
+        self._spans.append((start, start))
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the newest sequence."""
+        if not self._spans:
+            raise ValueError("no sequence to extend")
+        tokens = _ints(tokens)
+        if not tokens:
+            return
+        buf, base = self._buf, self._base
+        start, pos = self._spans[-1]
+        if pos > start:
+            buf.pop()  # the separator after the sequence: it goes on
+            prev = buf[-1]
+        else:
+            prev = SEP
+        buf.extend(tokens)
+        buf.append(SEP)
+        counts, nexts, pairs = self._counts, self._next, self._pairs
+        for tok in tokens:
+            counts[tok] = counts.get(tok, 0) + 1
+            if prev != SEP:
+                following = nexts.get(prev)
+                if following is None:
+                    following = nexts[prev] = {}
+                following[tok] = following.get(tok, 0) + 1
+                key = (prev << _SHIFT) | tok
+                positions = pairs.get(key)
+                if positions is None:
+                    positions = pairs[key] = array("q")
+                positions.append(pos)
+            prev = tok
+            pos += 1
+        self._spans[-1] = (start, pos)
+        self.num_tokens += len(tokens)
+
+    def tokens(self, index: int = -1) -> list[int]:
+        """The tokens of one sequence (default: the newest)."""
+        start, end = self._spans[index]
+        return self._buf[start - self._base:end - self._base].tolist()
+
+    def evict_oldest(self) -> None:
+        """Forget the oldest sequence."""
+        start, end = self._spans.popleft()
+        buf, base = self._buf, self._base
+        seq = buf[start - base:end - base]
+        counts, nexts, pairs = self._counts, self._next, self._pairs
+        seen: set[int] = set()
+        prev = SEP
+        for tok in seq:
+            left = counts[tok] - 1
+            if left:
+                counts[tok] = left
+            else:
+                del counts[tok]
+            if prev != SEP:
+                following = nexts[prev]
+                left = following[tok] - 1
+                if left:
+                    following[tok] = left
+                else:
+                    del following[tok]
+                    if not following:
+                        del nexts[prev]
+                key = (prev << _SHIFT) | tok
+                if key not in seen:
+                    seen.add(key)
+                    positions = pairs[key]
+                    # This sequence is the oldest: its positions head every list it is in.
+                    del positions[:bisect_right(positions, end)]
+                    if not positions:
+                        del pairs[key]
+            prev = tok
+        self.num_tokens -= len(seq)
+        # Drop the dead head of the buffer once it outweighs the live part (amortized O(1)).
+        dead = (self._spans[0][0] if self._spans else base + len(buf)) - 1 - base
+        if dead > len(buf) // 2:
+            del buf[:dead]
+            self._base += dead
+
+    def nbytes(self) -> int:
+        """Estimated memory held: the token buffer, one position per pair, and per-pair overhead."""
+        return 4 * len(self._buf) + 8 * (self.num_tokens - len(self._spans)) + _PAIR_OVERHEAD_BYTES * len(self._pairs)
+
+    # --- drafting ---
+
+    def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float = 1.0,
+                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, beat: float = 0.0) -> Draft:
+        """The best-scoring draft over every match length of the context's last max_depth tokens.
+
+        A match of m tokens drafts at most min(max_tokens, int(m * max_spec_factor +
+        max_spec_offset), max_depth - m) tokens, each the most frequent child (ties: the
+        most recent), stopping before the estimated probability falls below
+        min_token_prob. The draft with the highest score wins, the longer match on a
+        tie; it must score above `beat` (another tree's best), or there is no draft.
+        """
+        n = min(len(context), self.max_depth)
+        if n == 0 or max_tokens <= 0:
+            return NO_DRAFT
+        pattern = _ints(context[len(context) - n:])
+        last = pattern[-1]
+        if last not in self._counts:
+            return NO_DRAFT
+        occurrences = self._match(pattern)  # occurrences[i]: where the last i + 2 tokens end
+        # budget[m]: the most a match of m tokens may draft.
+        budget = [min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6), self.max_depth - m)
+                  for m in range(len(occurrences) + 2)]
+
+        best, best_score = NO_DRAFT, beat
+        m = len(occurrences) + 1
+        while m >= 2:
+            # Shorter matches that end at the same places (the sets are nested: the same size is the
+            # same set) reach the same node's children: one walk serves them all.
+            occ, low = occurrences[m - 2], m
+            while low > 2 and len(occurrences[low - 3]) == len(occ):
+                low -= 1
+            lengths = range(m, low - 1, -1)  # longest first: a tie keeps the longer match
+            most = max(budget[k] for k in lengths)
+            if most > best_score:  # a draft of n tokens scores at most n
+                tokens, probs = self._walk(occ, most, 1.0, min_token_prob)
+                for k in lengths:
+                    n = budget[k]
+                    score = sum(probs[:n])
+                    if score > best_score:
+                        best, best_score = Draft(tokens[:n], score, k), score
+            m = low - 1
+        if budget[1] > best_score:
+            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
+            if sum(probs) > best_score:
+                best = Draft(tokens, sum(probs), 1)
+        return best
+
+    def _match(self, pattern: list[int]) -> list[Any]:
+        """Where the pattern's last 2, 3, ... tokens end, as long as they occur at all."""
+        if len(pattern) < 2:
+            return []
+        positions = self._pairs.get((pattern[-2] << _SHIFT) | pattern[-1])
+        if positions is None:
+            return []
+        buf, base = self._buf, self._base
+        occ = _occurrences(positions)
+        found = [occ]
+        for back in range(2, len(pattern)):
+            want = pattern[-1 - back]
+            if not isinstance(occ, list):
+                view = np.frombuffer(buf, np.int32)
+                occ = occ[view[occ - (base + back)] == want]
+                if len(occ) <= _VECTOR_MIN:
+                    occ = occ.tolist()
+            else:
+                occ = [p for p in occ if buf[p - base - back] == want]
+            if len(occ) == 0:
+                break
+            found.append(occ)
+        return found
+
+    def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """A draft after a single-token match: the first step from the running counts."""
+        following = self._next.get(token)
+        if not following:
+            return [], []
+        top = max(following.values())
+        tied = [t for t, c in following.items() if c == top]
+        # Ties go to the token seen most recently after `token`.
+        child = tied[0] if len(tied) == 1 else max(tied, key=lambda t: self._pairs[(token << _SHIFT) | t][-1])
+        prob = top / self._counts[token]
+        if prob < min_prob:
+            return [], []
+        tokens, probs = self._walk(_occurrences(self._pairs[(token << _SHIFT) | child]), budget - 1, prob, min_prob)
+        return [child] + tokens, [prob] + probs
+
+    def _walk(self, occ: Any, budget: int, prob: float,
+              min_prob: float) -> tuple[list[int], list[float]]:
+        """Greedy path down from the node whose occurrences end at `occ`: its tokens and their
+        estimated probabilities (each the product of child count / parent count down to it)."""
+        buf, base = self._buf, self._base
+        tokens: list[int] = []
+        probs: list[float] = []
+        while len(tokens) < budget:
+            if not isinstance(occ, list):
+                view = np.frombuffer(buf, np.int32)
+                following = view[occ - (base - 1)]
+                values, counts = np.unique(following[following != SEP], return_counts=True)
+                if len(values) == 0:
+                    break
+                top = int(counts.max())
+                tied = values[counts == top]
+                # Ties go to the most recent occurrence (occ is ascending).
+                child = int(tied[0]) if len(tied) == 1 else int(following[np.flatnonzero(np.isin(following, tied))[-1]])
+                prob *= top / len(occ)
+                if prob < min_prob:
+                    break
+                occ = occ[following == child] + 1
+                if len(occ) <= _VECTOR_MIN:
+                    occ = occ.tolist()
+            else:
+                tally: dict[int, int] = {}
+                for p in occ:
+                    t = buf[p + 1 - base]
+                    if t != SEP:
+                        # Re-inserting moves the key last, so among equal counts the last is the most recent.
+                        tally[t] = tally.pop(t, 0) + 1
+                if not tally:
+                    break
+                top = max(tally.values())
+                child = [t for t, c in tally.items() if c == top][-1]
+                prob *= top / len(occ)
+                if prob < min_prob:
+                    break
+                occ = [p + 1 for p in occ if buf[p + 1 - base] == child]
+            tokens.append(child)
+            probs.append(prob)
+        return tokens, probs
+
+
+def _occurrences(positions: array) -> Any:
+    """A pair's positions to filter: a list, or a numpy array when long and numpy is installed."""
+    if np is None or len(positions) <= _VECTOR_MIN:
+        return positions.tolist()
+    return np.frombuffer(positions, np.int64).copy()
+
+
+def _ints(tokens: Sequence[int]) -> list[int]:
+    """Plain Python ints (a numpy or array('i') buffer would make numpy scalars or overflow the pair keys)."""
+    if isinstance(tokens, list):
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else [int(t) for t in tokens]

@@ -1,0 +1,283 @@
+"""SuffixDecoding in the SDK: the trees against a brute-force suffix trie, the knobs, eviction and its
+memory bound, the per-request tree through the delta stream, learning only what finished, cache scopes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from array import array
+
+import pytest
+from sdk_support import seq, serving
+from test_sdk_metrics import scrape, value
+
+from drafter_sdk.drafter import DraftRequest, ReleaseReason, SamplingHints
+from drafter_sdk.drafters import suffix_index
+from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.drafters.suffix_index import SuffixIndex
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.servicer import DrafterServicer
+
+# --- a brute-force reference: occurrences counted by scanning every sequence -----------------------
+
+
+def _occurrences(seqs: list[list[int]], pattern: list[int]) -> list[tuple[int, int]]:
+    m = len(pattern)
+    return [(i, end) for i, s in enumerate(seqs) for end in range(m - 1, len(s)) if s[end - m + 1:end + 1] == pattern]
+
+
+def reference(seqs: list[list[int]], context: list[int], depth: int, max_tokens: int, factor: float = 1.0,
+              offset: float = 0.0, min_prob: float = 0.1) -> tuple[list[int], float, int]:
+    """Arctic Inference's rule, spelled out: every match length from 1 up while the context's suffix occurs,
+    a greedy path of most frequent children (ties: the latest occurrence), the best score (ties: longer)."""
+    best: tuple[list[int], float, int] = ([], 0.0, 0)
+    for m in range(1, min(len(context), depth) + 1):
+        occ = _occurrences(seqs, context[len(context) - m:])
+        if not occ:
+            break
+        budget = min(max_tokens, int(m * factor + offset + 1e-6), depth - m)
+        tokens, prob, score = [], 1.0, 0.0
+        while len(tokens) < budget:
+            tally: dict[int, int] = {}
+            for i, end in occ:
+                if end + 1 < len(seqs[i]):
+                    tally[seqs[i][end + 1]] = tally.pop(seqs[i][end + 1], 0) + 1
+            if not tally:
+                break
+            top = max(tally.values())
+            child = [t for t, c in tally.items() if c == top][-1]
+            prob *= top / len(occ)
+            if prob < min_prob:
+                break
+            occ = [(i, e + 1) for i, e in occ if e + 1 < len(seqs[i]) and seqs[i][e + 1] == child]
+            tokens.append(child)
+            score += prob
+        if score > 0 and score >= best[1]:
+            best = (tokens, score, m)
+    return best
+
+
+@pytest.fixture(params=["numpy", "pure-python"])
+def vectorized(request, monkeypatch):  # noqa: ANN001, ANN201
+    """Run a test with numpy's path for frequent patterns, and without numpy at all."""
+    if request.param == "pure-python":
+        monkeypatch.setattr(suffix_index, "np", None)
+    return request.param
+
+
+def test_the_index_drafts_exactly_what_a_suffix_trie_would(vectorized) -> None:  # noqa: ANN001
+    rng = random.Random(7)
+    for _ in range(60):
+        vocab, depth = rng.choice([2, 3, 6, 30]), rng.choice([2, 4, 8, 24])
+        index, seqs = SuffixIndex(depth), []
+        for _ in range(rng.randint(1, 4)):
+            s = [rng.randrange(vocab) for _ in range(rng.randint(0, 400))]
+            index.add(s[:len(s) // 3])  # built in pieces, as the delta stream grows a request's tree
+            index.extend(s[len(s) // 3:])
+            seqs.append(s)
+        for _ in range(rng.randint(0, len(seqs) - 1)):
+            index.evict_oldest()
+            seqs.pop(0)
+        for _ in range(6):
+            tail = seqs[-1][:rng.randint(1, len(seqs[-1]))] if seqs[-1] and rng.random() < 0.6 else []
+            context = tail or [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            knobs = (rng.randint(1, 12), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 1.0, 2.5]),
+                     rng.choice([0.0, 0.1, 0.4]))
+            got = index.speculate(context, *knobs)
+            tokens, score, match_len = reference(seqs, context, depth, *knobs)
+            assert (got.tokens, got.match_len) == (tokens, match_len)
+            assert got.score == pytest.approx(score)
+
+
+def test_counts_probabilities_and_the_knobs() -> None:
+    index = SuffixIndex(24)
+    for s in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9]):
+        index.add(s)
+    # [1, 2, 3] occurs 3 times: then 4 twice (p 2/3), then 5 (2/3 * 2/2).
+    d = index.speculate([7, 1, 2, 3], 8, max_spec_factor=1.0)
+    assert (d.tokens, d.match_len) == ([4, 5], 3)
+    assert d.score == pytest.approx(2 / 3 + 2 / 3)
+    # The draft length is capped by factor * match length + offset ...
+    assert index.speculate([1, 2], 8).tokens == [3, 4]
+    assert index.speculate([1, 2], 8, max_spec_factor=0.5).tokens == [3]
+    assert index.speculate([1, 2], 8, max_spec_factor=0.5, max_spec_offset=2).tokens == [3, 4, 5]
+    # ... by the length asked for ...
+    assert index.speculate([1, 2], 1, max_spec_factor=4).tokens == [3]
+    # ... and by min_token_prob (4 has 2/3, below 0.7).
+    assert index.speculate([1, 2, 3], 8, min_token_prob=0.7).tokens == []
+    # No match, no draft.
+    assert index.speculate([42], 8).tokens == []
+
+
+def test_token_buffers_other_than_lists_draft_the_same() -> None:
+    """The SDK may hold tokens as array('i') (or numpy): a read-only sequence of ints."""
+    history = [1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2]
+    drafter = SuffixDrafter()
+    [as_list] = drafter.prepare_draft_tokens([request("a", history)])
+    [as_array] = drafter.prepare_draft_tokens([request("b", array("i", history))])  # type: ignore[arg-type]
+    assert as_list == as_array == [3, 9]
+
+
+def test_the_tree_depth_bounds_match_plus_draft() -> None:
+    index = SuffixIndex(6)
+    index.add(list(range(20)))
+    d = index.speculate([2, 3, 4, 5], 8, max_spec_factor=4.0)
+    assert len(d.tokens) + d.match_len <= 6
+    # A match of 1 may draft min(4 * 1, 6 - 1) = 4 tokens, of 2 min(8, 4) = 4: the same score, and the
+    # longer match wins the tie; of 3 only 3.
+    assert (d.tokens, d.match_len) == ([6, 7, 8, 9], 2)
+    assert SuffixIndex(24).speculate([3], 8).tokens == []  # empty index
+
+
+def test_the_better_scoring_tree_wins() -> None:
+    drafter = SuffixDrafter()
+    for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
+        finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
+    # The request's own context says [1, 2, 3] -> 5, 0, 1 with probability 1/2 each (the context's own
+    # tail is an occurrence too): score 1.5, against 3 for the global tree's 4, 5, 6.
+    own = [1, 2, 3, 5, 0, 1, 2, 3]
+    alone = SuffixIndex(24)
+    alone.add(own)
+    mine = alone.speculate(own, 8)
+    assert (mine.tokens, mine.score) == ([5, 0, 1], pytest.approx(1.5))
+    [draft] = drafter.prepare_draft_tokens([request("new", own, prompt_len=8)])
+    assert draft == [4, 5, 6]
+    # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
+    [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
+    assert draft[:1] == [8]
+
+
+def request(rid: str, tokens: list[int], prompt_len: int = 0, draft_len: int = 8, verifier: str = "v") -> DraftRequest:
+    return DraftRequest(verifier, rid, tokens, prompt_len, draft_len, 0, 0, SamplingHints())
+
+
+def finish(drafter: SuffixDrafter, rid: str, prompt: list[int], output: list[int], verifier: str = "v",
+           reason: ReleaseReason = ReleaseReason.FINISHED) -> None:
+    drafter.prepare_draft_tokens([request(rid, prompt + output, len(prompt), 0, verifier)])
+    drafter.on_release((verifier, rid), reason)
+
+
+def test_only_finished_outputs_are_learned_and_prompts_only_behind_the_knob() -> None:
+    drafter = SuffixDrafter()
+    for reason in (ReleaseReason.CANCELLED, ReleaseReason.EVICTED, ReleaseReason.UNSPECIFIED):
+        finish(drafter, f"r{reason}", [50, 51], [1, 2, 3, 4, 5, 6], reason=reason)
+    assert drafter.cached_requests == 0
+    assert drafter.prepare_draft_tokens([request("q", [1, 2, 3])]) == [[]]
+    finish(drafter, "done", [50, 51, 52], [1, 2, 3, 4, 5, 6])
+    assert drafter.cached_requests == 1
+    assert drafter.prepare_draft_tokens([request("q2", [1, 2, 3])]) == [[4, 5, 6]]
+    assert drafter.prepare_draft_tokens([request("q3", [50, 51])]) == [[]]  # the prompt was not learned
+    with_prompts = SuffixDrafter(cache_prompts=True)
+    finish(with_prompts, "done", [50, 51, 52], [1, 2, 3, 4, 5, 6])
+    assert with_prompts.prepare_draft_tokens([request("q3", [50, 51])]) == [[52, 1]]
+
+
+def test_the_global_tree_evicts_oldest_first_and_stays_bounded() -> None:
+    drafter = SuffixDrafter(max_cached_requests=3)
+    rng = random.Random(1)
+    outputs = [[rng.randrange(1000) for _ in range(50)] for _ in range(40)]
+    sizes = []
+    for i, out in enumerate(outputs):
+        finish(drafter, f"r{i}", [], out)
+        sizes.append(drafter.shared_state_bytes())
+    assert drafter.cached_requests == 3
+    # What is held is exactly a tree built from the last three outputs alone.
+    fresh = SuffixIndex(24)
+    for out in outputs[-3:]:
+        fresh.add(out)
+    [held] = drafter._global.values()
+    assert [held.tokens(i) for i in range(3)] == outputs[-3:]
+    assert (held._counts, held._next) == (fresh._counts, fresh._next)
+    shift = held._spans[0][0] - fresh._spans[0][0]  # positions are absolute: they survive compaction
+    assert {k: v.tolist() for k, v in held._pairs.items()} == {
+        k: [p + shift for p in v.tolist()] for k, v in fresh._pairs.items()}
+    assert drafter.prepare_draft_tokens([request("q", outputs[0][:10])]) == [[]]  # evicted
+    assert drafter.prepare_draft_tokens([request("q2", outputs[-1][:10])]) == [outputs[-1][10:18]]
+    # Memory: bounded by the cache size, not by how much went through (the buffer compacts).
+    assert max(sizes[10:]) <= 1.5 * min(sizes[10:])
+    assert len(held._buf) <= 2 * (3 * 51 + 1) + 1
+
+
+def test_max_cached_requests_zero_learns_nothing() -> None:
+    drafter = SuffixDrafter(max_cached_requests=0)
+    finish(drafter, "done", [], [1, 2, 3, 4])
+    assert drafter.cached_requests == 0 and drafter.shared_state_bytes() == 0
+
+
+def test_cache_scopes() -> None:
+    def drafts_for_b(scope: str) -> tuple[list[int], list[int]]:
+        drafter = SuffixDrafter(cache_scope=scope)
+        finish(drafter, "r", [], [1, 2, 3, 4, 5, 6], verifier="A")
+        [draft] = drafter.prepare_draft_tokens([request("r", [1, 2, 3], verifier="B")])
+        [same] = drafter.prepare_draft_tokens([request("r2", [1, 2, 3], verifier="A")])
+        return draft, same
+
+    assert drafts_for_b("global") == ([4, 5, 6], [4, 5, 6])
+    assert drafts_for_b("verifier") == ([], [4, 5, 6])
+    assert drafts_for_b("request") == ([], [])
+    with pytest.raises(ValueError, match="cache_scope"):
+        SuffixDrafter(cache_scope="everyone")
+
+
+def test_state_bytes_per_request_and_shared() -> None:
+    drafter = SuffixDrafter()
+    assert drafter.state_bytes(("v", "r")) == 0 and drafter.shared_state_bytes() == 0
+    drafter.prepare_draft_tokens([request("r", list(range(100)), draft_len=0)])
+    small = drafter.state_bytes(("v", "r"))
+    drafter.prepare_draft_tokens([request("r", list(range(1000)), draft_len=0)])
+    assert 0 < small < drafter.state_bytes(("v", "r"))
+    drafter.on_release(("v", "r"), ReleaseReason.FINISHED)
+    assert drafter.state_bytes(("v", "r")) == 0 and drafter.shared_state_bytes() > 0
+
+
+def test_the_request_tree_follows_the_delta_stream() -> None:
+    """Overlapping deltas, sync-only calls, resyncs after a loss and a replaced context: the request's
+    tree always equals one built from scratch on its whole context."""
+    drafter = SuffixDrafter()
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+    rng = random.Random(3)
+    truth = [rng.randrange(50) for _ in range(20)]
+    lengths: list[int] = []  # committed length after each successful call (the verifier's history)
+
+    def call(context_len: int) -> int:
+        response = servicer.prepare(pb.PrepareDraftTokensRequest(verifier_id="v", sequences=[pb.DraftSequence(
+            request_id="r", context_len=context_len, new_tokens=truth[context_len:], prompt_len=5,
+            draft_len=rng.choice([0, 4]))]))
+        return response.results[0].status
+
+    for step in range(150):
+        truth += [rng.randrange(50) for _ in range(rng.randint(1, 5))]
+        if step == 60:  # the drafter loses its state (as after a restart)
+            servicer.store = SequenceStore()
+            drafter._requests.clear()
+        if step == 100:  # a new sequence under the same id: a full context replaces the old one
+            truth = [rng.randrange(50) for _ in range(30)]
+            lengths.clear()
+        start = lengths[-rng.randint(1, min(4, len(lengths)))] if lengths and rng.random() < 0.8 else 0
+        if call(start) == pb.DRAFT_STATUS_OK:
+            lengths.append(len(truth))
+        else:
+            lengths.clear()
+            continue
+        tree = drafter._requests[("v", "r")].tree
+        fresh = SuffixIndex(24)
+        fresh.add(truth)
+        assert tree.tokens() == truth
+        assert (tree._counts, tree._next) == (fresh._counts, fresh._next)
+        assert {k: v.tolist() for k, v in tree._pairs.items()} == {k: v.tolist() for k, v in fresh._pairs.items()}
+
+
+def test_the_global_tree_size_is_a_metric():
+    async def body():
+        async with serving(SuffixDrafter(), metrics_port=0) as c:
+            await c.prepare("v", seq("a", 0, [5, 1, 2, 3, 4], prompt_len=1, draft_len=0))
+            assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == 0
+            await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a"],
+                                                                   reasons=[pb.RELEASE_REASON_FINISHED]))
+            drafter = c.running.servicer.drafter
+            assert drafter.cached_requests == 1
+            assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == drafter.shared_state_bytes() > 0
+
+    asyncio.run(body())

@@ -1,0 +1,216 @@
+"""SuffixDecoding through the verifier: in-process (SUFFIX mode) and as a remote drafter, exact against
+plain decoding; finished outputs of one verifier draft for another that shares the drafter, unless the
+cache is scoped to the request; only finished requests are learned."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    serve_drafter,
+    shared_model,
+    wait_until,
+)
+
+from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.proto import drafter_pb2, speculative_pb2, verifier_pb2
+from verifier_service.spec.config import SUFFIX, ConfigError, validate
+from verifier_service.tools.local_services import LocalService, script
+
+# Looping prompts (the request's own tree drafts) and non-looping ones (only learning helps).
+PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:6]] + [repetitive_prompt(s) for s in range(300, 306)]
+LENGTHS = [32] * len(PROMPTS)
+FRESH_PROMPT = repetitive_prompt(301)  # its greedy output does not repeat itself
+
+
+def suffix_config(k: int, **suffix: object) -> speculative_pb2.SpeculativeConfig:
+    config = spec_config("SUFFIX", k)
+    for name, value in suffix.items():
+        setattr(config.suffix, name, value)
+    return config
+
+
+def remote_config(k: int, port: int) -> speculative_pb2.SpeculativeConfig:
+    return spec_config("USER_PROVIDED", k, drafter_target=f"127.0.0.1:{port}", deadline_ms=30000)
+
+
+async def generate_all(v, prompts, lengths) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
+    return await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n), timeout=WAIT_S)
+                                  for p, n in zip(prompts, lengths)])
+
+
+def check_exact(responses, prompts, lengths) -> None:  # noqa: ANN001
+    for i, (r, p, n) in enumerate(zip(responses, prompts, lengths)):
+        assert list(r.output.token_ids) == list(cached_reference(tuple(p), n)), f"prompt {i} differs from plain"
+
+
+def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
+    config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
+    sx = config.suffix
+    assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
+    assert sx.min_token_prob == pytest.approx(0.1)
+    assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
+    explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
+    explicit.suffix.max_cached_requests = 0  # set to 0: no global tree, as in vLLM (not the default)
+    assert validate(explicit).suffix.max_cached_requests == 0
+    for field, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", -1.0)):
+        bad = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
+        setattr(bad.suffix, field, value)
+        with pytest.raises(ConfigError, match=field):
+            validate(bad)
+    wrong = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
+    wrong.ngram.max_matching_ngram_size = 3
+    with pytest.raises(ConfigError, match="does not take a `ngram` section"):
+        validate(wrong)
+
+
+def test_suffix_in_process_and_remote_equal_plain_decoding() -> None:
+    async def main() -> None:
+        async with run_verifier(suffix_config(8), model=shared_model()) as v:
+            accepted = []
+            for _ in range(2):  # the second round drafts from the first round's finished outputs too
+                responses = await generate_all(v, PROMPTS, LENGTHS)
+                check_exact(responses, PROMPTS, LENGTHS)
+                accepted.append(sum(r.output.stats.num_accepted_tokens for r in responses))
+                await wait_until(lambda: not engine_of(v).drafter._background, "the releases")
+            assert accepted[0] > 100 and accepted[1] > accepted[0] + 100, accepted
+            assert engine_of(v).drafter.stats.failures == 0
+        async with serve_drafter(SuffixDrafter()) as drafter:
+            async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
+                for _ in range(2):
+                    responses = await generate_all(v, PROMPTS, LENGTHS)
+                    check_exact(responses, PROMPTS, LENGTHS)
+                assert sum(r.output.stats.num_accepted_tokens for r in responses) > 100
+                assert sum(r.output.stats.num_drafter_failures for r in responses) == 0
+
+    asyncio.run(main())
+
+
+async def _second_verifier_run(scope: str) -> tuple[verifier_pb2.GenerateResponse, SuffixDrafter]:
+    """Verifier A runs FRESH_PROMPT to the end; then verifier B, sharing the drafter, runs it again."""
+    drafter = SuffixDrafter(cache_scope=scope)
+    async with serve_drafter(drafter) as running:
+        async with run_verifier(remote_config(8, running.port), model=shared_model()) as a:
+            first = await a.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S)
+            await wait_until(lambda: not running.servicer.store, "A's release")
+        if scope != "request":
+            # The whole output, its last step's tokens included (sent before the release).
+            [tree] = drafter._global.values()
+            assert tree.tokens() == list(first.output.token_ids)
+        async with run_verifier(remote_config(8, running.port), model=shared_model()) as b:
+            second = await b.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S)
+    assert list(first.output.token_ids) == list(second.output.token_ids) == list(cached_reference(
+        tuple(FRESH_PROMPT), 48))
+    return second, drafter
+
+
+def test_a_finished_request_on_one_verifier_drafts_for_another() -> None:
+    second, drafter = asyncio.run(_second_verifier_run("global"))
+    assert drafter.cached_requests == 2  # A's output, then B's
+    assert second.output.stats.mean_acceptance_length >= 4.0, second.output.stats
+
+
+def test_cache_scope_request_learns_nothing_across_requests() -> None:
+    second, drafter = asyncio.run(_second_verifier_run("request"))
+    assert drafter.cached_requests == 0
+    assert second.output.stats.mean_acceptance_length < 2.0, second.output.stats
+
+
+def test_cache_scope_verifier_keeps_verifiers_apart() -> None:
+    second, drafter = asyncio.run(_second_verifier_run("verifier"))
+    assert drafter.cached_requests == 2  # each in its own verifier's tree: B never drafts from A's
+    assert second.output.stats.mean_acceptance_length < 2.0, second.output.stats
+
+
+def test_cancelled_requests_are_not_learned() -> None:
+    async def main() -> None:
+        drafter = SuffixDrafter()
+        async with serve_drafter(drafter) as running:
+            async with run_verifier(remote_config(8, running.port), model=shared_model()) as v:
+                call = v.stub.Generate(token_request(FRESH_PROMPT, 200), timeout=WAIT_S)
+                await wait_until(lambda: len(running.servicer.store) == 1, "the request at the drafter")
+                call.cancel()
+                await wait_until(lambda: not running.servicer.store, "the release")
+                await v.stub.Generate(token_request(FRESH_PROMPT, 8), timeout=WAIT_S)
+                await wait_until(lambda: drafter.cached_requests == 1, "the finished request learned")
+        assert drafter.cached_requests == 1  # the finished one only
+
+    asyncio.run(main())
+
+
+def test_release_reasons_reach_the_drafter() -> None:
+    """The verifier says why: FINISHED for a completed request, CANCELLED for one the client dropped."""
+    seen: list[drafter_pb2.ReleaseRequestsRequest] = []
+
+    async def main() -> None:
+        async with serve_drafter(SuffixDrafter()) as running:
+            release = running.servicer.release
+
+            def spy(request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse:
+                seen.append(request)
+                return release(request)
+
+            running.servicer.release = spy
+            async with run_verifier(remote_config(4, running.port), model=shared_model()) as v:
+                await v.stub.Generate(token_request(FRESH_PROMPT, 8), timeout=WAIT_S)
+                await wait_until(lambda: len(seen) == 1, "the release")
+                call = v.stub.Generate(token_request(FRESH_PROMPT, 200), timeout=WAIT_S)
+                await wait_until(lambda: len(running.servicer.store) == 1, "the request at the drafter")
+                call.cancel()
+                await wait_until(lambda: len(seen) == 2, "the second release")
+
+    asyncio.run(main())
+    assert [list(r.reasons) for r in seen] == [[drafter_pb2.RELEASE_REASON_FINISHED],
+                                                [drafter_pb2.RELEASE_REASON_CANCELLED]]
+
+
+def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -> None:
+    """`splitspec-drafter suffix` as a real process: it learns a finished request; SIGKILLed in the middle
+    of another one and restarted on its port, it has forgotten what it learned, every output stays plain
+    decoding's, and it learns again."""
+    other = repetitive_prompt(303)
+
+    async def run(v, prompt: list[int], n: int) -> verifier_pb2.GenerateResponse:  # noqa: ANN001
+        response = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
+        assert list(response.output.token_ids) == list(cached_reference(tuple(prompt), n))
+        return response
+
+    async def main() -> None:
+        with LocalService([script("splitspec-drafter"), "suffix", "--log-level", "WARNING",
+                           "--grace-period-s", "0"], name="suffix-drafter") as drafter:
+            async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
+                client = engine_of(v).drafter
+                client.breaker.max_backoff_s = 0.5  # probe the restarted drafter soon (backoff is tested elsewhere)
+                await run(v, FRESH_PROMPT, 48)
+                await wait_until(lambda: not client._background, "the release")
+                assert (await run(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length >= 4.0
+                middle = asyncio.ensure_future(run(v, other, 150))
+                calls = client.stats.calls
+                await wait_until(lambda: client.stats.calls > calls + 2, "drafting for the long request", middle)
+                drafter.process.kill()  # SIGKILL: no goodbye
+                await asyncio.to_thread(drafter.process.wait)
+                await asyncio.to_thread(drafter.start)  # the same port, nothing learned
+                await middle
+                deadline = asyncio.get_running_loop().time() + WAIT_S
+                while not client.healthy and asyncio.get_running_loop().time() < deadline:
+                    await run(v, other, 8)  # the breaker closes on the first call the restarted drafter answers
+                await wait_until(lambda: client.healthy and not client._background, "the drafter back")
+                failures = client.stats.failures
+                after = await run(v, FRESH_PROMPT, 48)
+                assert client.stats.failures == failures  # the drafter answered every call ...
+                assert after.output.stats.mean_acceptance_length < 2.0, after.output.stats  # ... from an empty cache
+                await wait_until(lambda: not client._background, "the release")
+                again = await run(v, FRESH_PROMPT, 48)
+                assert again.output.stats.mean_acceptance_length >= 4.0, again.output.stats  # and it learns again
+
+    asyncio.run(main())

@@ -1,0 +1,92 @@
+"""How fast the suffix drafter itself is: ingesting finished outputs, and one PrepareDraftTokens call.
+
+Measured on the SDK's servicer logic in this process (what a `splitspec-drafter suffix` runs for each
+call, minus the network): a global tree filled with `cached` finished outputs of `output_len` tokens,
+then 16 sequences with 2,000 tokens of context each, growing by 1-4 tokens a step. The text is the
+standard library's own source, tokenized by the target's tokenizer; outputs are windows of it, so they
+overlap the way recurring answers do.
+"""
+
+from __future__ import annotations
+
+import glob
+import random
+import statistics
+import sysconfig
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.proto import drafter_pb2
+from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.servicer import DrafterServicer
+
+CORPUS_TOKENS = 300_000
+
+
+@dataclass
+class SuffixSpeed:
+    cached_outputs: int
+    output_len: int
+    ingest_ms_p50: float  # one finished output into the global tree (its release)
+    sequences: int
+    context_len: int
+    prepare_ms_p50: float  # one PrepareDraftTokens for all the sequences
+    prepare_ms_p90: float
+    global_tree_mb: float  # the drafter's own estimate (shared_state_bytes)
+
+
+def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> list[int]:
+    ids: list[int] = []
+    for path in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py")):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids += tokenizer(f.read())["input_ids"]
+        if len(ids) >= size:
+            break
+    return ids[:size]
+
+
+def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len: int = 500, sequences: int = 16,
+            context_len: int = 2000, steps: int = 100, draft_len: int = 8,
+            corpus_tokens: int = CORPUS_TOKENS) -> SuffixSpeed:
+    text = corpus(tokenizer, corpus_tokens)
+    rng = random.Random(0)
+    drafter = SuffixDrafter()
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+
+    def window(n: int) -> list[int]:
+        start = rng.randrange(len(text) - n)
+        return text[start:start + n]
+
+    ingest = []
+    for i in range(cached):
+        prompt, output = window(20), window(output_len)
+        servicer.prepare(drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
+            drafter_pb2.DraftSequence(request_id=f"done-{i}", new_tokens=prompt + output, prompt_len=len(prompt))]))
+        release = drafter_pb2.ReleaseRequestsRequest(verifier_id="bench", request_ids=[f"done-{i}"],
+                                                     reasons=[drafter_pb2.RELEASE_REASON_FINISHED])
+        started = time.perf_counter()
+        servicer.release(release)
+        ingest.append(time.perf_counter() - started)
+    contexts = [window(context_len + 4 * steps) for _ in range(sequences)]
+    lengths = [context_len] * sequences
+    held = [0] * sequences
+    times = []
+    for step in range(steps + 1):
+        request = drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
+            drafter_pb2.DraftSequence(request_id=f"live-{j}", context_len=held[j],
+                                      new_tokens=contexts[j][held[j]:lengths[j]], prompt_len=100, draft_len=draft_len)
+            for j in range(sequences)])
+        started = time.perf_counter()
+        servicer.prepare(request)
+        if step:  # the first call builds every sequence's tree from its whole context
+            times.append(time.perf_counter() - started)
+        held = list(lengths)
+        lengths = [n + rng.randint(1, 4) for n in lengths]
+    times.sort()
+    return SuffixSpeed(cached, output_len, statistics.median(ingest) * 1000, sequences, context_len,
+                       statistics.median(times) * 1000, times[int(0.9 * len(times))] * 1000,
+                       drafter.shared_state_bytes() / 2**20)
