@@ -120,6 +120,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 released += 1
                 self._forget(key, _reason(request.reasons[i]) if i < len(request.reasons) else
                              ReleaseReason.UNSPECIFIED)
+        if released:  # a drafter that learns from finished outputs grew its shared state
+            self._enforce_budget([])
         return drafter_pb2.ReleaseRequestsResponse(released=released)
 
     def evict_idle(self) -> int:

@@ -109,8 +109,7 @@ class SuffixDrafter(Drafter):
         return state.tree.nbytes() if state is not None else 0
 
     def shared_state_bytes(self) -> int:
-        # list() copies the values at once: /metrics reads this from another thread.
-        return sum(tree.nbytes() for tree in list(self._global.values()))
+        return sum(tree.nbytes() for tree in self._global.values())
 
     # --- drafting ---
 
