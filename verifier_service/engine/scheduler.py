@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from verifier_service.engine.sampler import VerifyRow
+from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.runner import ForwardBatch
@@ -100,7 +100,8 @@ class Scheduler:
                                          [s.draft_room(self.max_model_len) for s in decodes])
         return StepPlan(prefills, decodes, lengths, asks, released)
 
-    def update(self, plan: StepPlan, new_tokens: list[list[int]]) -> list[Sequence]:
+    def update(self, plan: StepPlan, new_tokens: list[list[int]],
+               logprobs: list[list[TokenLogprob] | None] | None = None) -> list[Sequence]:
         """Commit each sequence's new tokens (accepted draft tokens, then the target's own),
         emit them, and learn from the drafts; return the sequences that finished (slots freed).
 
@@ -113,10 +114,12 @@ class Scheduler:
             self.policy.observe(seq.spec, len(draft), accepted)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
         finished = []
-        for seq, tokens in zip(plan.sequences, new_tokens):
+        logprobs = logprobs or [None] * len(new_tokens)
+        for i, (seq, tokens, token_logprobs) in enumerate(zip(plan.sequences, new_tokens, logprobs)):
             if seq.cancelled:  # cancelled mid-step: dropped at the next boundary
                 continue
-            seq.emit(seq.append_tokens(tokens, self.max_model_len))
+            num_drafted = len(tokens) - 1 if i >= len(plan.prefills) else 0  # all but the target's own
+            seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs))
             if seq.finished:
                 finished.append(seq)
         for seq in finished:
