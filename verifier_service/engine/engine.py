@@ -85,8 +85,8 @@ class Engine:
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         reply = await self._draft(plan)
-        new_tokens, logprobs = await self._verify(plan)
-        self._commit(plan, new_tokens, logprobs, reply)
+        new_tokens, plan.logprobs = await self._verify(plan)
+        self._commit(plan, new_tokens, reply)
 
     async def _draft(self, plan: StepPlan) -> DraftReply | None:
         """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
@@ -117,9 +117,8 @@ class Engine:
 
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, run)
 
-    def _commit(self, plan: StepPlan, new_tokens: list[list[int]], logprobs: list[list[TokenLogprob] | None],
-                reply: DraftReply | None) -> None:
-        finished = self.scheduler.update(plan, new_tokens, logprobs)
+    def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
+        finished = self.scheduler.update(plan, new_tokens)
         self.decode_steps += bool(plan.decodes)
         if self.metrics is not None and plan.decodes:
             stats = self.drafter.stats if self.drafter is not None else None

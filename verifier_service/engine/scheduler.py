@@ -36,6 +36,9 @@ class StepPlan:
     released: list[Sequence]  # cancelled since the last step: their slots are free already
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+    # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
+    # filled in by the engine with the step's tokens.
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -100,8 +103,7 @@ class Scheduler:
                                          [s.draft_room(self.max_model_len) for s in decodes])
         return StepPlan(prefills, decodes, lengths, asks, released)
 
-    def update(self, plan: StepPlan, new_tokens: list[list[int]],
-               logprobs: list[list[TokenLogprob] | None] | None = None) -> list[Sequence]:
+    def update(self, plan: StepPlan, new_tokens: list[list[int]]) -> list[Sequence]:
         """Commit each sequence's new tokens (accepted draft tokens, then the target's own),
         emit them, and learn from the drafts; return the sequences that finished (slots freed).
 
@@ -114,7 +116,7 @@ class Scheduler:
             self.policy.observe(seq.spec, len(draft), accepted)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
         finished = []
-        logprobs = logprobs or [None] * len(new_tokens)
+        logprobs = plan.logprobs or [None] * len(new_tokens)
         for i, (seq, tokens, token_logprobs) in enumerate(zip(plan.sequences, new_tokens, logprobs)):
             if seq.cancelled:  # cancelled mid-step: dropped at the next boundary
                 continue
