@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port-file", help="write the HTTP API's bound port to this file once listening")
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,
                    metavar="NAME", help="the names the HTTP API accepts as `model` (the first is reported); "
-                                        "default: the model's name and its last path part")
+                                        "default: the model's name and the --model value")
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")

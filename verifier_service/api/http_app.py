@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import DONE, Choice, Responder, sse
-from verifier_service.api.http_schema import ChatCompletionRequest, CompletionRequest, _Generation
+from verifier_service.api.http_schema import ChatCompletionRequest, CompletionRequest, GenerationBody
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
@@ -45,7 +45,7 @@ class HttpState:
     generations: Generations
     auth_token: str | None
     max_body_bytes: int
-    served_names: tuple[str, ...] = ()  # () : the runtime's model name and its last path part
+    served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -53,14 +53,14 @@ class HttpState:
         self.idle.set()
 
     def names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give; the first is the one reported."""
         rt = self.generations.runtime
         if self.served_names or rt is None:
             return self.served_names
-        base = rt.model_name.rstrip("/").rsplit("/", 1)[-1]
-        return (rt.model_name,) if base == rt.model_name else (rt.model_name, base)
+        return tuple(dict.fromkeys(n for n in (rt.model_name, rt.settings.model) if n))
 
     @contextlib.contextmanager
-    def request(self):  # type: ignore[no-untyped-def]
+    def request(self) -> Iterator[None]:
         self.in_flight += 1
         self.idle.clear()
         try:
@@ -110,7 +110,7 @@ def build_app(state: HttpState) -> FastAPI:
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics() -> Response:
         if state.generations.metrics is None:
-            raise HttpError(404, "metrics are off")
+            raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
         return Response(generate_latest(state.generations.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -149,7 +149,7 @@ async def _read_json(request: Request, limit: int) -> object:
         raise HttpError(400, f"the body is not valid JSON: {exc}") from None
 
 
-async def _generate(state: HttpState, request: Request, schema: type[_Generation], chat: bool) -> Response:
+async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
     arrival = time.perf_counter()
     data = await _read_json(request, state.max_body_bytes)
     if not isinstance(data, dict):
@@ -190,7 +190,7 @@ async def _generate(state: HttpState, request: Request, schema: type[_Generation
     return JSONResponse(responder.response(seqs, choices))
 
 
-def _start(gen: Generations, body: _Generation) -> list[Sequence]:
+def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
     """Start every choice as its own sequence; all or none."""
     seqs: list[Sequence] = []
     try:

@@ -36,7 +36,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Generation(_Body):
+class GenerationBody(_Body):
     """What chat and completions share."""
 
     model: str | None = None
@@ -114,7 +114,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool = False
@@ -134,7 +134,7 @@ class ChatCompletionRequest(_Generation):
                                                         content=m.text) for m in self.messages)
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationBody):
     # One prompt: text, or token ids. (A list of one text is accepted, as clients send it.)
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
                                                                                               max_length=1)]

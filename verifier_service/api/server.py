@@ -97,11 +97,11 @@ async def start_server(settings: ServerSettings,
     With settings.metrics_port (0: any free port), Prometheus metrics are served over
     HTTP at /metrics on settings.host, from before the model loads. With settings.http_port
     (0: any free port), the OpenAI-compatible HTTP API is served on settings.host, with the
-    same TLS files and bearer token (it serves /metrics too, from the same registry).
+    same TLS files and bearer token (and /metrics too, from the same registry, with metrics_port).
     """
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-    metrics = VerifierMetrics() if settings.metrics_port is not None or settings.http_port is not None else None
+    metrics = VerifierMetrics() if settings.metrics_port is not None else None
     generations = Generations(metrics)
     servicer = VerifierServicer(generations)
     service = await GrpcService.start(

@@ -109,6 +109,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     # Heavy imports only for the commands that need them.
     from verifier_service.tools import demo
+    from verifier_service.tools.bench import http as bench_http
     from verifier_service.tools.bench import run as bench
     from verifier_service.tools.bench import tp as bench_tp
 
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_parser(sub)
     bench.add_parser(sub)
     bench_tp.add_parser(sub)
+    bench_http.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
