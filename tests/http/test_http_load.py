@@ -64,12 +64,26 @@ def test_concurrent_streams_with_random_disconnects() -> None:
                 # A client that leaves stops its sequence at the next step, not at max_tokens.
                 engine = h.v.running.runtime.engine
                 steps = engine.decode_steps
-                long = {"prompt": prompts[0], "max_tokens": 240, "ignore_eos": True, "stream": True,
+                long = {"prompt": prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
                         "speculation": {"disable": True}}
                 async with http.stream("POST", "/v1/completions", json=long) as s:
+                    assert s.status_code == 200
                     async for line in s.aiter_lines():
                         if line.startswith("data: {"):
                             break
+                    assert line.startswith("data: {")
+                await wait_until(h.idle, "the abandoned sequence released")
+                assert engine.decode_steps - steps < 120
+
+                # The same without streaming: the client hangs up while its answer is being generated.
+                steps = engine.decode_steps
+                payload = json.dumps(long | {"stream": False}).encode()
+                reader, writer = await asyncio.open_connection("127.0.0.1", h.v.running.http_port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                await writer.drain()
+                await wait_until(lambda: engine.scheduler.running, "the request running")
+                writer.close()
                 await wait_until(h.idle, "the abandoned sequence released")
                 assert engine.decode_steps - steps < 120
 

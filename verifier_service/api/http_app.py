@@ -181,8 +181,9 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
             gone.cancel()
             if not collecting.done():  # the client went away: free its sequences at the next step
                 collecting.cancel()
+                await asyncio.gather(collecting, return_exceptions=True)
         if collecting.cancelled():
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody is left to read it
         try:
             choices = collecting.result()
         except GenerationFailed as exc:
