@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
 from tiny_model import tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture

@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
             "--http-port", "0", "--http-port-file", str(port_file), "--max-num-seqs", str(args.concurrency),
             *(["--model", args.model] if args.model else [])]
     print(f"starting a verifier ({source.name}) serving gRPC and HTTP ...", flush=True)
-    with LocalService(argv, name="verifier") as verifier:
+    with LocalService(argv, name="verifier", startup_timeout_s=1200) as verifier:
         http_base = f"http://127.0.0.1:{int(port_file.read_text())}"
         results = asyncio.run(_bench(verifier.address, http_base, [p.token_ids for p in prompts], args))
     _print(results, args)
