@@ -219,6 +219,11 @@ async def _disconnected(request: Request) -> None:
 async def _merged(gen: Generations, seqs: list[Sequence], arrival: float) -> AsyncIterator[tuple[int, Output]]:
     """Every choice's outputs as they arrive, tagged with the choice's index. Leaving early (or an
     error in one choice) closes every choice's stream, which cancels its sequence."""
+    if len(seqs) == 1:  # the common case, without a task in between
+        async with contextlib.aclosing(gen.outputs(seqs[0], arrival)) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
     queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, seq: Sequence) -> None:

@@ -8,7 +8,9 @@ drift does not favour one:
   so both do the same work), one at a time; the per-request difference, median over the
   requests. With 1 new token it is the front's own cost; with `--max-new-tokens` a whole answer's.
 - streaming at `--concurrency`: that many clients at once, each streaming its prompt through
-  gRPC `GenerateStream` or HTTP SSE; generated tokens per second of wall time, per front.
+  gRPC `GenerateStream` or HTTP SSE; generated tokens per second of wall time, per front, and
+  the verifier process's CPU time per generated token (the clients run on the same machine: the
+  HTTP one is a bare asyncio socket, as lean as gRPC's C core, so both figures measure the server).
 
 Every answer is checked to be the same tokens through both fronts.
 """
@@ -18,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -63,15 +67,30 @@ def main(args: argparse.Namespace) -> int:
             "--http-port", "0", "--http-port-file", str(port_file), "--max-num-seqs", str(args.concurrency),
             *(["--model", args.model] if args.model else [])]
     print(f"starting a verifier ({source.name}) serving gRPC and HTTP ...", flush=True)
-    with LocalService(argv, name="verifier", startup_timeout_s=1200) as verifier:
+    # One intra-op thread: idle OpenMP threads spinning would count as the front's CPU time.
+    verifier = LocalService(argv, name="verifier", startup_timeout_s=1200, env={"OMP_NUM_THREADS": "1"})
+    try:
+        verifier.start()
         http_base = f"http://127.0.0.1:{int(port_file.read_text())}"
-        results = asyncio.run(_bench(verifier.address, http_base, [p.token_ids for p in prompts], args))
+        results = asyncio.run(_bench(verifier.address, http_base, [p.token_ids for p in prompts], args,
+                                     verifier.process.pid))
+    finally:  # also when it never became ready: no verifier left behind
+        verifier.stop()
     _print(results, args)
     return 0
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _bench(grpc_address: str, http_base: str, prompts: list[list[int]],
-                 args: argparse.Namespace) -> dict[str, object]:
+                 args: argparse.Namespace, server_pid: int) -> dict[str, object]:
     limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
     async with grpc.aio.insecure_channel(grpc_address) as channel, \
             httpx.AsyncClient(base_url=http_base, timeout=600, limits=limits) as http:
@@ -94,11 +113,9 @@ async def _bench(grpc_address: str, http_base: str, prompts: list[list[int]],
 
         async def stream_http(ids: list[int], n: int) -> list[int]:
             out: list[int] = []
-            async with http.stream("POST", "/v1/completions", json=_body(ids, n, True)) as s:
-                s.raise_for_status()
-                async for line in s.aiter_lines():
-                    if line.startswith("data: {"):
-                        out += json.loads(line[6:])["choices"][0]["splitspec"]["token_ids"]
+            async for event in _sse(http_base, _body(ids, n, True)):
+                if event.startswith(b"data: {"):
+                    out += json.loads(event[6:])["choices"][0]["splitspec"]["token_ids"]
             return out
 
         await via_grpc(prompts[0][:32], 4)  # warm both fronts
@@ -125,17 +142,43 @@ async def _bench(grpc_address: str, http_base: str, prompts: list[list[int]],
 
         work = [prompts[i % len(prompts)] for i in range(args.concurrency)]
         tps: dict[str, list[float]] = {"grpc": [], "http": []}
+        cpu_ms: dict[str, list[float]] = {"grpc": [], "http": []}
         for r in range(args.rounds):
             for name, call in ([("grpc", stream_grpc), ("http", stream_http)][::1 if r % 2 == 0 else -1]):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), _cpu_s(server_pid)
                 outs = await asyncio.gather(*(call(ids, args.max_new_tokens) for ids in work))
-                tps[name].append(sum(map(len, outs)) / (time.perf_counter() - start))
+                tokens = sum(map(len, outs))
+                tps[name].append(tokens / (time.perf_counter() - start))
+                cpu_ms[name].append(1000 * (_cpu_s(server_pid) - cpu) / tokens)
                 results.setdefault(f"stream_outputs_{r}", {})[name] = outs
         for r in range(args.rounds):
             outs = results.pop(f"stream_outputs_{r}")
             results["identical"] &= outs["grpc"] == outs["http"]
         results["stream"] = {name: statistics.median(v) for name, v in tps.items()}
+        results["stream_server_cpu_ms_per_token"] = {name: statistics.median(v) for name, v in cpu_ms.items()}
         return results
+
+
+async def _sse(base: str, body: dict[str, object]) -> AsyncIterator[bytes]:
+    """POST and yield the Server-Sent Events of the chunked answer: a client as lean as gRPC's C
+    core, so that the streaming figures measure the server rather than a Python HTTP client."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace"))
+        buffer = b""
+        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):  # chunked transfer encoding
+            buffer += (await reader.readexactly(size + 2))[:-2]
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                yield event
+    finally:
+        writer.close()
 
 
 def _print(results: dict[str, object], args: argparse.Namespace) -> None:
@@ -148,4 +191,6 @@ def _print(results: dict[str, object], args: argparse.Namespace) -> None:
     print(f"streaming, {args.concurrency} clients at once, {args.max_new_tokens} new tokens each, median of "
           f"{args.rounds} rounds: gRPC {s['grpc']:.1f} tok/s   HTTP {s['http']:.1f} tok/s   "
           f"HTTP / gRPC {s['http'] / s['grpc']:.3f}")
+    c = results["stream_server_cpu_ms_per_token"]
+    print(f"  the verifier's CPU time per generated token: gRPC {c['grpc']:.2f} ms   HTTP {c['http']:.2f} ms")
     print(f"same tokens through both fronts: {'yes' if results['identical'] else 'NO'}")
