@@ -124,10 +124,15 @@ class GrpcService:
 
     def write_port_file(self, path: str | os.PathLike[str]) -> None:
         """Publish the bound port; readers polling for the file never see it half written."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(f"{self.port}\n")
-        tmp.replace(path)
+        write_port_file(path, self.port)
+
+
+def write_port_file(path: str | os.PathLike[str], port: int) -> None:
+    """Write `port` to `path` atomically: readers polling for the file never see it half written."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
 
 
 def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:

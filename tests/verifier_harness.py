@@ -46,7 +46,7 @@ async def run_verifier(speculative: speculative_pb2.SpeculativeConfig | None = N
                        **settings: object) -> AsyncIterator[VerifierHandle]:
     model = model if model is not None else tiny_model()
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
-    options = {"host": "127.0.0.1", "port": 0, "max_model_len": 256, "kv_cache_memory_gb": 0.25,
+    options = {"host": "127.0.0.1", "port": 0, "http_port": 0, "max_model_len": 256, "kv_cache_memory_gb": 0.25,
                "grace_period_s": 1.0, **settings}
     running = await start_server(ServerSettings(speculative=speculative or spec_config(), **options))
     try:

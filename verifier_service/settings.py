@@ -40,6 +40,9 @@ class ServerSettings:
     port: int = 50051  # 0: a free port
     grace_period_s: float = 30.0
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
+    # The OpenAI-compatible HTTP API (and /health, /metrics, the playground). None: off; 0: a free port.
+    http_port: int | None = 8000
+    served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; (): the model's name
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.
     rank_timeout_s: float = 60.0
@@ -55,6 +58,10 @@ class ServerSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        for name in ("port", "http_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be within [0, 65535], not {value}")
         if self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:

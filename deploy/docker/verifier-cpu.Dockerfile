@@ -44,6 +44,6 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /tmp
 # 50051: gRPC (VerifierService, grpc.health.v1, reflection); 9090: Prometheus /metrics
-EXPOSE 50051 9090
+EXPOSE 50051 8000 9090
 ENTRYPOINT ["splitspec-verifier"]
 CMD ["--host", "[::]", "--port", "50051", "--metrics-port", "9090", "--device", "cpu"]

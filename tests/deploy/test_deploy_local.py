@@ -57,7 +57,7 @@ from deploy_support import (
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 STARTUP_BUDGET_S = 240  # of the 300 s test timeout; the probe itself allows 600 s
-PORT_FLAGS = ("--port", "--metrics-port")
+PORT_FLAGS = ("--port", "--metrics-port", "--http-port")
 
 
 def free_port() -> int:

@@ -76,7 +76,7 @@ class VerifierProcess(Proc):
 
     def __init__(self, model_dir: Path, *extra_args: str, name: str = "verifier", **kwargs: object) -> None:
         super().__init__([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "256",
-                          "--kv-cache-memory-gb", "0.25", "--log-level", "INFO", *extra_args], name=name, **kwargs)
+                          "--kv-cache-memory-gb", "0.25", "--log-level", "INFO", "--http-port", "off", *extra_args], name=name, **kwargs)
 
 
 class SdkFaultyDrafter(Proc):

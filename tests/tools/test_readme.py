@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
 from tiny_model import tiny_model
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from verifier_service.tools.local_services import LocalService, script
 
@@ -39,3 +41,41 @@ def test_readme_drafter_is_about_ten_lines_and_runs_behind_a_verifier(tmp_path: 
 
         asyncio.run(main())
         assert drafter.stop() == 0
+
+
+def readme_http_blocks() -> tuple[str, str]:
+    text = README.read_text()
+    (curl,) = [b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if "curl" in b and "/v1/" in b]
+    (client,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "from openai import" in b]
+    return curl, client
+
+
+def test_readme_curl_and_openai_examples_run_as_written(tmp_path: Path) -> None:
+    """Only the port changes (8000 -> the test server's free port)."""
+    import sys
+
+    from drafter_sdk.proto import verifier_pb2
+
+    curl, client = readme_http_blocks()
+    model = tiny_model()
+
+    async def run(*argv: str) -> str:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=model) as v:
+            port = str(v.running.http_port)
+            chat = verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user",
+                                                                                content="Name three primes.")])
+            expected = (await v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                chat=chat, stopping=verifier_pb2.StoppingCriteria(max_new_tokens=32))), timeout=120)).output.text
+            answer = json.loads(await run("bash", "-c", curl.replace("8000", port)))
+            assert answer["choices"][0]["message"]["content"] == expected
+            (tmp_path / "client.py").write_text(client.replace("8000", port))
+            assert await run(sys.executable, str(tmp_path / "client.py")) == expected
+
+    asyncio.run(main())

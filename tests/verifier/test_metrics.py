@@ -304,7 +304,7 @@ def test_metrics_endpoint_up_while_the_model_loads():
     from verifier_service.settings import ServerSettings
 
     async def main() -> None:
-        running = await start_server(ServerSettings(host="127.0.0.1", port=0, metrics_port=0))
+        running = await start_server(ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=None))
         try:
             samples = await asyncio.to_thread(scrape_sync, running.metrics_port)
             assert value(samples, "num_requests_running") == 0
@@ -326,7 +326,7 @@ def test_busy_metrics_port_fails_start_up():
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             with pytest.raises(OSError):
-                await start_server(ServerSettings(host="127.0.0.1", port=0,
+                await start_server(ServerSettings(host="127.0.0.1", port=0, http_port=None,
                                                   metrics_port=taken.getsockname()[1]))
 
     asyncio.run(main())

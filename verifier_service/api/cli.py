@@ -1,4 +1,4 @@
-"""`splitspec-verifier`: serve a model with speculative decoding over gRPC.
+"""`splitspec-verifier`: serve a model with speculative decoding over gRPC and an OpenAI-compatible HTTP API.
 
 The flags hold no defaults: one left out leaves its ServerSettings field at the
 default settings.py gives it, and the help text quotes that default.
@@ -27,7 +27,17 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
 
 SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "tensor_parallel_size",
                  "max_model_len", "max_num_seqs", "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
-                 "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s")
+                 "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
+                 "http_port", "served_model_names")
+
+
+def _http_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', not {value!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,6 +46,13 @@ def parser() -> argparse.ArgumentParser:
     _setting(p, "host", "address to listen on")
     _setting(p, "port", "0 picks a free port (see --port-file)", type=int)
     p.add_argument("--port-file", help="write the bound port to this file once listening")
+    _setting(p, "http_port", "the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+                             "/health, /metrics, and a playground at /); 0 picks a free port (see "
+                             "--http-port-file), off disables it", type=_http_port, metavar="PORT|off")
+    p.add_argument("--http-port-file", help="write the HTTP API's bound port to this file once listening")
+    p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,
+                   metavar="NAME", help="the names the HTTP API accepts as `model` (the first is reported); "
+                                        "default: the model's name and the --model value")
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")
@@ -78,6 +95,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}
+    if "served_model_names" in given:
+        given["served_model_names"] = tuple(given["served_model_names"])
     return ServerSettings(speculative=config.from_args(args), auth_token=token, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
 
@@ -109,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ranks.ShardingError, FileNotFoundError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv))
+    asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv, http_port_file=args.http_port_file))
     return 0
 
 

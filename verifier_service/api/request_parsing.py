@@ -22,6 +22,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_REQUEST_ID_CHARS = 256
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 class RequestError(Exception):
@@ -65,7 +66,10 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     prompt_ids = _prompt_ids(request, tokenizer, limits)
-    return ParsedRequest(prompt_ids, _sampling(request.sampling),
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise _invalid(f"logprobs must be within [0, {MAX_LOGPROBS}], not {logprobs}")
+    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation))
 
 
@@ -129,7 +133,7 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(s: verifier_pb2.SamplingParams) -> SamplingParams:
+def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None) -> SamplingParams:
     temperature = _finite("temperature", s.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {temperature:g}")
@@ -141,7 +145,7 @@ def _sampling(s: verifier_pb2.SamplingParams) -> SamplingParams:
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
-                          seed=s.seed if s.HasField("seed") else None)
+                          seed=s.seed if s.HasField("seed") else None, logprobs=logprobs)
 
 
 def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:

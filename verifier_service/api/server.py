@@ -1,8 +1,10 @@
-"""The verifier process: gRPC up first (NOT_SERVING), then the model, then SERVING; drain on SIGTERM.
+"""The verifier process: gRPC and HTTP up first (NOT_SERVING), then the model, then SERVING; drain on SIGTERM.
 
-The server starts before the model loads, so Kubernetes probes see a live
-process during a long load. The server lifecycle itself is the SDK's
-(drafter_sdk/service.py), shared with every drafter.
+The servers start before the model loads, so Kubernetes probes see a live
+process during a long load. The gRPC server's lifecycle is the SDK's
+(drafter_sdk/service.py), shared with every drafter; the OpenAI-compatible HTTP
+API (api/http_server.py) runs beside it on the same event loop, over the same
+Generations, and drains with it.
 
 A sharded model (tensor parallelism) runs in N processes: rank 0 is this server
 (`run`), and ranks 1..N-1 (`run_follower`) serve nothing and only run the forwards
@@ -26,8 +28,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.security import server_credentials as tls_server_credentials
-from drafter_sdk.service import GrpcService, stop_on_signals
+from drafter_sdk.service import GrpcService, stop_on_signals, write_port_file
 from verifier_service import builder
+from verifier_service.api.generation import Generations
+from verifier_service.api.http_server import HttpServer
 from verifier_service.api.servicer import VerifierServicer
 from verifier_service.builder import Runtime, build_runtime
 from verifier_service.metrics import VerifierMetrics
@@ -46,20 +50,26 @@ OTHERS_STOP_S = 30.0  # after a clean shutdown: time for the ranks this process 
 @dataclass
 class RunningVerifier:
     service: GrpcService
-    servicer: VerifierServicer
+    generations: Generations
     settings: ServerSettings
+    http: HttpServer | None = None
 
     @property
     def port(self) -> int:
         return self.service.port
 
     @property
+    def http_port(self) -> int | None:
+        """The bound port of the HTTP API (useful with http_port 0); None when it is off."""
+        return self.http.port if self.http is not None else None
+
+    @property
     def runtime(self) -> Runtime | None:
-        return self.servicer.runtime
+        return self.generations.runtime
 
     @property
     def metrics(self) -> VerifierMetrics | None:
-        return self.servicer.metrics
+        return self.generations.metrics
 
     @property
     def metrics_port(self) -> int | None:
@@ -67,8 +77,11 @@ class RunningVerifier:
         return self.service.metrics_port
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Health NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
-        await self.service.stop(self.settings.grace_period_s if grace_s is None else grace_s)
+        """Health NOT_SERVING (HTTP /health 503), refuse new calls, let in-flight ones finish within
+        the grace period, on both fronts at once."""
+        grace_s = self.settings.grace_period_s if grace_s is None else grace_s
+        self.generations.draining = True
+        await asyncio.gather(self.service.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         if self.runtime is not None:
             await self.runtime.engine.stop()
 
@@ -82,12 +95,15 @@ async def start_server(settings: ServerSettings,
     settings.tls_client_ca requires client certificates (mTLS); settings.auth_token
     requires `authorization: Bearer <token>` on every call but health and reflection.
     With settings.metrics_port (0: any free port), Prometheus metrics are served over
-    HTTP at /metrics on settings.host, from before the model loads.
+    HTTP at /metrics on settings.host, from before the model loads. With settings.http_port
+    (0: any free port), the OpenAI-compatible HTTP API is served on settings.host, with the
+    same TLS files and bearer token (and /metrics too, from the same registry, with metrics_port).
     """
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     metrics = VerifierMetrics() if settings.metrics_port is not None else None
-    servicer = VerifierServicer(metrics)
+    generations = Generations(metrics)
+    servicer = VerifierServicer(generations)
     service = await GrpcService.start(
         SERVICE_NAME, lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
         host=settings.host, port=settings.port, server_credentials=server_credentials,
@@ -96,7 +112,17 @@ async def start_server(settings: ServerSettings,
         metrics_registry=metrics.registry if metrics else None, metrics_port=settings.metrics_port)
     if server_credentials is not None and settings.tls_client_ca:
         log.info("clients must present a certificate (mutual TLS)")
-    return RunningVerifier(service, servicer, settings)
+    http = None
+    if settings.http_port is not None:
+        try:
+            http = await HttpServer.start(
+                generations, host=settings.host, port=settings.http_port, auth_token=settings.auth_token,
+                max_body_bytes=settings.max_message_bytes, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names)
+        except BaseException:
+            await service.stop(0)
+            raise
+    return RunningVerifier(service, generations, settings, http)
 
 
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
@@ -104,7 +130,7 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
     """Wire a loaded model into the running server and report SERVING."""
     rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader)
     rt.engine.start()
-    running.servicer.attach(rt)
+    running.generations.attach(rt)
     await running.service.set_serving(True)
     log.info("serving %s, speculation %s", model_name, mode_name(rt.settings.speculative.mode))
     return rt
@@ -113,7 +139,8 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
 async def run(settings: ServerSettings, port_file: str | None = None,
               server_credentials: grpc.ServerCredentials | None = None,
               interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
-              rank: ranks.Ranks | None = None, argv: list[str] | None = None) -> None:
+              rank: ranks.Ranks | None = None, argv: list[str] | None = None,
+              http_port_file: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT: load the model, then drain gracefully on a signal.
 
     With settings.tensor_parallel_size > 1 this is rank 0 (`rank`, default from the environment):
@@ -125,12 +152,14 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     running = await start_server(settings, server_credentials, interceptors)
     if port_file:
         running.service.write_port_file(port_file)
+    if http_port_file and running.http_port is not None:
+        write_port_file(http_port_file, running.http_port)
     loop = asyncio.get_running_loop()
     stop, failed = asyncio.Event(), asyncio.Event()
     stop_on_signals(lambda sig: stop.set())
 
     def lost_rank(reason: str) -> None:  # on the event loop
-        running.servicer.fail(reason)
+        running.generations.fail(reason)
         failed.set()
 
     leader = None
@@ -183,10 +212,11 @@ async def _until(task: asyncio.Future | None, stop: asyncio.Event, failed: async
 
 
 async def _exit_on_rank_failure(running: RunningVerifier, leader: tensor_parallel.Leader) -> None:
-    """Health NOT_SERVING, the UNAVAILABLE answers out (servicer.fail sent them), the other ranks
+    """Health NOT_SERVING, the UNAVAILABLE answers out (generations.fail sent them), the other ranks
     killed, then exit: the pod restarts."""
     await running.service.set_serving(False)
-    await running.service.stop(FAILURE_GRACE_S)
+    await asyncio.gather(running.service.stop(FAILURE_GRACE_S),
+                         *([running.http.stop(FAILURE_GRACE_S)] if running.http else []))
     leader.end_others(0)
     log.error("exiting with status %d: %s", RANK_FAILURE_EXIT, leader.failure)
     logging.shutdown()

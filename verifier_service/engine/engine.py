@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from drafter_sdk.proto import drafter_pb2
-from verifier_service.engine.sampler import verify_batch
+from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Sequence
 from verifier_service.metrics import VerifierMetrics
@@ -86,7 +86,7 @@ class Engine:
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         reply = await self._draft(plan)
-        new_tokens = await self._verify(plan)
+        new_tokens, plan.logprobs = await self._verify(plan)
         self._commit(plan, new_tokens, reply)
 
     async def _draft(self, plan: StepPlan) -> DraftReply | None:
@@ -106,11 +106,17 @@ class Engine:
         plan.shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, plan.draft_lens)]
         return reply
 
-    async def _verify(self, plan: StepPlan) -> list[list[int]]:
-        """The packed forward and the verification of every draft, on the model thread."""
+    async def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """The packed forward, the verification of every draft and the log-probabilities asked for,
+        on the model thread."""
         batch, rows = plan.forward_batch(), plan.verify_rows()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._model_thread, lambda: verify_batch(self.runner.forward(batch), rows))
+
+        def run() -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+            logits = self.runner.forward(batch)
+            tokens = verify_batch(logits, rows)
+            return tokens, token_logprobs(logits, rows, tokens)
+
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, run)
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
         finished = self.scheduler.update(plan, new_tokens)

@@ -27,10 +27,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: each emitted token's own; N: also the top N
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -94,4 +104,28 @@ def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]
         else:
             out.append(verify_sampled(logits[offset:offset + n], row))
         offset += n
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[VerifyRow],
+                   tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
+    """Log-probabilities of each row's emitted tokens (None for rows that asked for none).
+
+    From the raw logits' log-softmax, before temperature, top-k and top-p (vLLM's default), at the
+    positions the tokens were emitted from: an accepted draft token's comes from the verify
+    forward, exactly where plain decoding would have computed it.
+    """
+    out: list[list[TokenLogprob] | None] = []
+    offset = 0
+    for row, emitted in zip(rows, tokens):
+        n = row.params.logprobs
+        if n is None:
+            out.append(None)
+        else:
+            logp = torch.log_softmax(logits[offset:offset + len(emitted)].float(), dim=-1)
+            chosen = logp.gather(-1, torch.tensor(emitted, device=logp.device)[:, None])[:, 0].tolist()
+            top_v, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
+            out.append([TokenLogprob(t, lp, tuple(zip(ids, vals)))
+                        for t, lp, ids, vals in zip(emitted, chosen, top_i.tolist(), top_v.tolist())])
+        offset += len(row.draft) + 1
     return out

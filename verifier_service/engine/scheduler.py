@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from verifier_service.engine.sampler import VerifyRow
+from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.runner import ForwardBatch
@@ -36,6 +36,9 @@ class StepPlan:
     released: list[Sequence]  # cancelled since the last step: their slots are free already
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+    # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
+    # filled in by the engine with the step's tokens.
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -113,10 +116,12 @@ class Scheduler:
             self.policy.observe(seq.spec, len(draft), accepted)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
         finished = []
-        for seq, tokens in zip(plan.sequences, new_tokens):
+        logprobs = plan.logprobs or [None] * len(new_tokens)
+        for i, (seq, tokens, token_logprobs) in enumerate(zip(plan.sequences, new_tokens, logprobs)):
             if seq.cancelled:  # cancelled mid-step: dropped at the next boundary
                 continue
-            seq.emit(seq.append_tokens(tokens, self.max_model_len))
+            num_drafted = len(tokens) - 1 if i >= len(plan.prefills) else 0  # all but the target's own
+            seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs))
             if seq.finished:
                 finished.append(seq)
         for seq in finished:

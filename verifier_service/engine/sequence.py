@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verifier_service.engine.detokenizer import Detokenizer
-from verifier_service.engine.sampler import SamplingParams
+from verifier_service.engine.sampler import SamplingParams, TokenLogprob
 from verifier_service.spec.drafter_client import DeltaHistory
 from verifier_service.spec.policy import SpecState
 
@@ -62,13 +62,19 @@ class SpecStats:
 
 @dataclass
 class Output:
-    """What a request receives after a step: new tokens and text, and the end when finished."""
+    """What a request receives after a step: new tokens and text, and the end when finished.
+    The per-token lists are parallel to token_ids."""
 
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     error: str = ""  # the engine failed this request
+    drafted: list[bool] = field(default_factory=list)  # an accepted draft token, or the target's own
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked for them
+    # The text each token released ("".join(pieces) == text): a token may release nothing (half a
+    # character, or a possible stop string held back) and a later one release it.
+    pieces: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -81,6 +87,8 @@ class Sequence:
     spec: SpecState = field(default_factory=SpecState)  # its speculation overrides and learnt acceptance
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
+    output_drafted: list[bool] = field(default_factory=list)  # parallel to output_ids
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel when sampling.logprobs is set
     slot: int | None = None  # its KV cache slot while it runs
     drafter_sync: DeltaHistory = field(default_factory=DeltaHistory)  # what the drafter was sent of it
     stats: SpecStats = field(default_factory=SpecStats)
@@ -88,6 +96,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     cancelled: bool = False
+    _pieces: list[str] = field(default_factory=list)  # text released per token since the last emit
 
     @property
     def all_ids(self) -> list[int]:
@@ -118,11 +127,16 @@ class Sequence:
         """Draft tokens it can still use: more than it still wants, or past the context, are waste."""
         return min(self.remaining_tokens - 1, max_model_len - self.num_tokens - 1)
 
-    def append_tokens(self, tokens: list[int], max_model_len: int) -> list[int]:
-        """Commit tokens one by one until a stop condition; return those kept."""
+    def append_tokens(self, tokens: list[int], max_model_len: int, num_drafted: int = 0,
+                      logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Commit tokens one by one until a stop condition; return those kept. The first
+        `num_drafted` are accepted draft tokens; `logprobs` are parallel to `tokens`."""
         kept: list[int] = []
-        for token in tokens:
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
+            self.output_drafted.append(i < num_drafted)
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs[i])
             kept.append(token)
             self.detokenizer.add(token)
             if self.detokenizer.stopped_by is not None:
@@ -135,8 +149,10 @@ class Sequence:
                 self._finish(FinishReason.LENGTH, "")
             if self.finished:
                 break
+            self._pieces.append(self.detokenizer.take())
         if self.finished:
             self.detokenizer.flush()
+            self._pieces.append(self.detokenizer.take(final=True))
         return kept
 
     def _finish(self, reason: FinishReason, stop_reason: str) -> None:
@@ -144,6 +160,11 @@ class Sequence:
         self.stop_reason = stop_reason
 
     def emit(self, tokens: list[int]) -> None:
-        final = self.finished
-        self.outputs.put_nowait(Output(tokens, self.detokenizer.take(final=final),
-                                       self.finish_reason, self.stop_reason))
+        """Hand the tokens just appended (and their text) to the request's queue."""
+        n = len(tokens)
+        pieces, self._pieces = self._pieces, []
+        self.outputs.put_nowait(Output(
+            tokens, "".join(pieces), self.finish_reason, self.stop_reason,
+            drafted=self.output_drafted[len(self.output_drafted) - n:],
+            logprobs=self.output_logprobs[len(self.output_logprobs) - n:] if self.output_logprobs else [],
+            pieces=pieces))

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports only for the commands that need them.
     from verifier_service.tools import demo
     from verifier_service.tools.bench import drafter_memory as bench_drafter_memory
+    from verifier_service.tools.bench import http as bench_http
     from verifier_service.tools.bench import run as bench
     from verifier_service.tools.bench import tp as bench_tp
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_drafter_memory.add_parser(sub)
+    bench_http.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -51,7 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"drafter SERVING at {drafter.address}; starting the verifier (loading the model) ...", flush=True)
         verifier_argv = [script("splitspec-verifier"), "--speculative-mode", "user_provided",
                          "--drafter-target", drafter.address, "--max-draft-len", str(args.max_draft_len),
-                         "--log-level", "WARNING"]
+                         "--log-level", "WARNING", "--http-port", "off"]
         if args.model:
             verifier_argv += ["--model", args.model]
         verifier = LocalService(verifier_argv, name="verifier", show_output=True).start()

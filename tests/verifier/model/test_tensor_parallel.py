@@ -31,7 +31,8 @@ from verifier_service.tools.local_services import LocalService, script
 pytestmark = pytest.mark.timeout(600)
 WAIT_S = 120.0  # bound on any wait (never a timing assertion: the machine is shared)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-COMMON = ["--max-model-len", "256", "--kv-cache-memory-gb", "0.05", "--max-num-seqs", "8", "--log-level", "INFO"]
+COMMON = ["--max-model-len", "256", "--kv-cache-memory-gb", "0.05", "--max-num-seqs", "8", "--log-level", "INFO",
+          "--http-port", "off"]
 
 
 @pytest.fixture(scope="module")

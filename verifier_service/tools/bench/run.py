@@ -82,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
                         forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
-    common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--log-level", "WARNING"] + (
+    common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--log-level", "WARNING",
+              "--http-port", "off"] + (
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]

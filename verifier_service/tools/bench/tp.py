@@ -127,7 +127,7 @@ def _verifier(size: int, model: str | None, args: argparse.Namespace) -> LocalSe
     return LocalService([script("splitspec-verifier"), "--tensor-parallel-size", str(size), "--device", args.device,
                          "--speculative-mode", "ngram", "--max-draft-len", str(args.max_draft_len),
                          "--max-model-len", str(args.max_model_len), "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
-                         "--log-level", "WARNING", *(["--model", model] if model else [])],
+                         "--log-level", "WARNING", "--http-port", "off", *(["--model", model] if model else [])],
                         name=f"verifier-tp{size}", env=env, startup_timeout_s=1800)
 
 

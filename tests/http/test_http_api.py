@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP API through the official openai client, against a real verifier
+(tiny random model, HTTP on port 0) with a remote SDK n-gram drafter over gRPC: the same tokens
+as gRPC, streaming equal to the whole answer, usage and speculation stats, stop strings, seeds,
+n, logprobs with and without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from http_support import PROMPT, WAIT_S, http_verifier, wait_until
+from tiny_model import tiny_tokenizer
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from drafter_sdk.proto import verifier_pb2
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+async def grpc_generate(h, **params) -> verifier_pb2.GenerationOutput:  # noqa: ANN001
+    response = await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(**params)),
+                                       timeout=WAIT_S)
+    return response.output
+
+
+def test_completions_equal_grpc_and_stream_equals_whole() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            whole = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40)
+            choice = whole.choices[0]
+            grpc_out = await grpc_generate(h, prompt=PROMPT,
+                                           stopping=verifier_pb2.StoppingCriteria(max_new_tokens=40))
+            assert choice.text == grpc_out.text
+            assert choice.model_extra["splitspec"]["token_ids"] == list(grpc_out.token_ids)
+            assert choice.finish_reason == "length"
+            prompt_tokens = len(tiny_tokenizer()(PROMPT)["input_ids"])
+            assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+                prompt_tokens, 40, prompt_tokens + 40)
+            spec = whole.model_extra["speculation"]
+            assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] > 0  # the drafter's tokens were used
+            assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+            drafted = choice.model_extra["splitspec"]["drafted"]
+            assert sum(drafted) == spec["num_accepted_tokens"] and len(drafted) == 40
+
+            text, ids, flags, chunks = "", [], [], []
+            stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, stream=True,
+                                                       stream_options={"include_usage": True})
+            async for chunk in stream:
+                chunks.append(chunk)
+                for c in chunk.choices:
+                    text += c.text
+                    ids += c.model_extra["splitspec"]["token_ids"]
+                    flags += c.model_extra["splitspec"]["drafted"]
+                    assert "".join(c.model_extra["splitspec"]["token_text"]) == c.text
+            assert text == choice.text and ids == choice.model_extra["splitspec"]["token_ids"]
+            assert any(len(c.choices[0].model_extra["splitspec"]["token_ids"]) > 1 for c in chunks[:-1])
+            assert flags == drafted  # greedy: the same steps, the same accepted drafts
+            last = chunks[-1]
+            assert last.choices == [] and last.usage.completion_tokens == 40
+            assert last.model_extra["speculation"] == spec
+            assert chunks[-2].choices[0].finish_reason == "length"
+
+    asyncio.run(main())
+
+
+def test_chat_stream_equals_whole_and_grpc_with_stop_string() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            plain = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30)
+            full = plain.choices[0].message.content
+            stop = full[8:11]  # a string the answer contains: it must end it, and never appear
+            assert len(stop) == 3 and stop.strip()
+            whole = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, stop=[stop])
+            text = whole.choices[0].message.content
+            assert whole.choices[0].finish_reason == "stop" and stop not in text and full.startswith(text)
+            assert text == full[:full.index(stop)]
+            grpc_out = await grpc_generate(h, chat=verifier_pb2.ChatMessages(messages=[
+                verifier_pb2.ChatMessage(**m) for m in CHAT]), stopping=verifier_pb2.StoppingCriteria(
+                max_new_tokens=30, stop=[stop]))
+            assert grpc_out.text == text and grpc_out.stop_reason == stop
+            assert whole.choices[0].model_extra["stop_reason"] == stop
+
+            deltas, roles = [], []
+            stream = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, stop=stop,
+                                                            stream=True)
+            async for chunk in stream:
+                assert chunk.object == "chat.completion.chunk" and chunk.usage is None
+                for c in chunk.choices:
+                    roles += [c.delta.role] if c.delta.role else []
+                    deltas.append(c.delta.content or "")
+                    assert stop not in "".join(deltas)  # not even for one chunk
+            assert roles == ["assistant"] and "".join(deltas) == text
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_reproduces_and_n_choices_are_separate_sequences() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            ask = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
+                       extra_body={"top_k": 50})
+            a = await h.client.completions.create(seed=7, **ask)
+            b = await h.client.completions.create(seed=7, **ask)
+            assert a.choices[0].text == b.choices[0].text
+            many = await h.client.completions.create(seed=7, n=3, **ask)
+            assert [c.index for c in many.choices] == [0, 1, 2]
+            # Choice i is its own sequence, seeded seed + i, speculating in the same batch.
+            for i, c in enumerate(many.choices):
+                alone = await h.client.completions.create(seed=7 + i, **ask)
+                assert c.text == alone.choices[0].text
+            assert many.usage.completion_tokens == 48
+            stream = await h.client.completions.create(seed=7, n=3, stream=True, **ask)
+            texts = ["", "", ""]
+            async for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+            assert texts == [c.text for c in many.choices]
+            plain = await h.client.completions.create(seed=7, extra_body={"top_k": 50, "speculation": {"disable": True}},
+                                                      **{k: v for k, v in ask.items() if k != "extra_body"})
+            assert plain.choices[0].text == a.choices[0].text  # seeded output does not depend on speculation
+            assert plain.model_extra["speculation"]["num_drafts"] == 0
+
+    asyncio.run(main())
+
+
+def test_logprobs_equal_with_and_without_speculation_and_over_grpc() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            # The chat template's text is the prompt itself: the model loops on it, drafts are accepted.
+            ask = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=30, logprobs=True,
+                       top_logprobs=3, extra_body={"stop_token_ids": [], "ignore_eos": True})
+            spec = await h.client.chat.completions.create(**ask)
+            plain = await h.client.chat.completions.create(**(ask | {"extra_body": ask["extra_body"] | {
+                "speculation": {"disable": True}}}))
+            assert plain.model_extra["speculation"]["num_drafts"] == 0
+            a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+            assert [t.token for t in a] == [t.token for t in b] and len(a) == 30
+            for x, y in zip(a, b):
+                assert abs(x.logprob - y.logprob) < 1e-3
+                assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+                assert all(abs(p.logprob - q.logprob) < 1e-3 for p, q in zip(x.top_logprobs, y.top_logprobs))
+                assert len(x.top_logprobs) == 3 and x.top_logprobs[0].logprob >= x.logprob - 1e-6
+            # Greedy: each token is its position's most likely one.
+            assert all(t.token == t.top_logprobs[0].token for t in a)
+
+            grpc_out = await grpc_generate(h, chat=verifier_pb2.ChatMessages(messages=[
+                verifier_pb2.ChatMessage(role="user", content=PROMPT)]), stopping=verifier_pb2.StoppingCriteria(
+                max_new_tokens=30, ignore_eos=True), logprobs=3)
+            assert len(grpc_out.logprobs) == 30 and list(grpc_out.drafted) == spec.choices[0].model_extra[
+                "splitspec"]["drafted"]
+            ids = spec.choices[0].model_extra["splitspec"]["token_ids"]
+            assert [lp.token_id for lp in grpc_out.logprobs] == ids == list(grpc_out.token_ids)
+            for lp, x in zip(grpc_out.logprobs, a):
+                assert abs(lp.logprob - x.logprob) < 1e-3 and len(lp.top) == 3
+
+            # Completions on a prompt the model loops on: most tokens are accepted drafts.
+            comp = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, logprobs=2)
+            comp_plain = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, logprobs=2,
+                                                           extra_body={"speculation": {"disable": True}})
+            assert comp.model_extra["speculation"]["num_accepted_tokens"] > 10
+            lps, plain_lps = comp.choices[0].logprobs, comp_plain.choices[0].logprobs
+            assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == 30
+            assert lps.tokens == plain_lps.tokens
+            assert all(abs(x - y) < 1e-3 for x, y in zip(lps.token_logprobs, plain_lps.token_logprobs))
+            assert lps.text_offset[0] == 0 and all(len(t) <= 2 for t in lps.top_logprobs)
+            assert lps.text_offset == plain_lps.text_offset
+            no = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+            assert no.choices[0].logprobs is None
+
+    asyncio.run(main())
+
+
+def test_models_health_metrics() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False, metrics_port=0) as h:
+            models = await h.client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+            assert models.data[0].model_extra["max_model_len"] == 256
+            async with __import__("httpx").AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                assert (await http.get("/health")).status_code == 200
+                await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+                metrics = (await http.get("/metrics")).text
+                assert 'splitspec:generation_tokens_total 3.0' in metrics  # the same registry as --metrics-port
+                page = await http.get("/")
+                assert page.status_code == 200 and "splitspec playground" in page.text
+                assert "http://" not in page.text.replace("http://www.w3.org", "")  # nothing fetched from outside
+            await wait_until(h.idle, "the engine idle")
+
+    asyncio.run(main())

@@ -1,0 +1,180 @@
+"""Every client mistake over HTTP is an OpenAI error object with the right status, never a 500;
+auth and TLS as gRPC has them; /health 503 before the model and while draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from certs import make_pki
+from http_support import PROMPT, WAIT_S, http_verifier, wait_until
+from verifier_harness import run_verifier, spec_config
+from verifier_support import one_torch_thread, shared_model  # noqa: F401 - autouse fixture
+
+from verifier_service.api.server import start_server
+from verifier_service.settings import ServerSettings
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (path, body or raw bytes, status, words the message must contain)
+BAD = [
+    (CHAT, b"{not json", 400, "not valid JSON"),
+    (CHAT, b"[1, 2]", 400, "JSON object"),
+    (CHAT, b"\xff\xfe", 400, "not valid JSON"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard'"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": 1e300}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 10**30}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 100000}, 400, "exceeds the context"),
+    (CHAT, {"messages": MSG, "n": 9}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop strings must not be empty"),
+    (CHAT, {"messages": MSG, "stop_token_ids": [100000]}, 400, "outside the vocabulary"),
+    (CHAT, {"messages": MSG, "seed": 2**70}, 400, "seed"),
+    (CHAT, {"messages": MSG, "speculation": {"max_draft_len": -1}}, 400, "speculation.max_draft_len"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt is empty"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [5, 100000]}, 400, "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": [5, -1]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
+    (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here; served: tiny"),
+    ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
+]
+
+
+def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h:
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                for path, body, status, words in BAD:
+                    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                    r = await http.post(path, content=raw, headers={"content-type": "application/json"})
+                    assert r.status_code == status, (body, r.text)
+                    error = r.json()["error"]
+                    assert words in error["message"], (body, error)
+                    assert set(error) == {"message", "type", "param", "code"}
+                r = await http.get(CHAT)
+                assert r.status_code == 405 and "error" in r.json()
+                # Unknown fields are ignored; the served name is accepted.
+                r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "model": "tiny",
+                                                       "frequency_penalty": 0, "user": "u"})
+                assert r.status_code == 200, r.text
+                # The server kept serving through all of it, and nothing is left in the engine.
+                await wait_until(h.idle, "the engine idle")
+            with pytest.raises(openai.BadRequestError) as bad:
+                await h.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
+            assert "messages" in str(bad.value)
+            with pytest.raises(openai.NotFoundError):
+                await h.client.chat.completions.create(model="nope", messages=MSG, max_tokens=3)
+
+    asyncio.run(main())
+
+
+def test_oversized_body_413_and_full_queue_429() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False, max_message_bytes=4096, max_num_seqs=1, max_queue_len=0) as h:
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                r = await http.post(COMPLETIONS, json={"prompt": "x" * 5000})
+                assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+                async def chunked():  # no Content-Length: the limit still holds
+                    for _ in range(10):
+                        yield b" " * 1000
+
+                r = await http.post(COMPLETIONS, content=chunked())
+                assert r.status_code == 413
+                # One long stream holds the only slot; the queue holds none: the next request is 429.
+                async with http.stream("POST", COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 200,
+                                                                  "ignore_eos": True, "stream": True}) as s:
+                    lines = s.aiter_lines()
+                    assert (await anext(lines)).startswith("data: ")
+                    r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+                    assert r.status_code == 429 and "retry later" in r.json()["error"]["message"]
+                    assert r.json()["error"]["type"] == "RateLimitError"
+                await wait_until(h.idle, "the stream's slot freed")
+                r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 200
+
+    asyncio.run(main())
+
+
+def test_bearer_token_and_tls(tmp_path) -> None:  # noqa: ANN001
+    pki = make_pki(tmp_path)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model(), auth_token="s3cret",
+                                tls_cert=str(pki.server_cert), tls_key=str(pki.server_key)) as v:
+            base = f"https://localhost:{v.running.http_port}"
+            async with httpx.AsyncClient(base_url=base, timeout=WAIT_S, verify=str(pki.ca_cert)) as http:
+                assert (await http.get("/health")).status_code == 200  # open for probes
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+                    assert (await http.get("/v1/models", headers=headers)).status_code == 401
+                    assert (await http.get("/metrics", headers=headers)).status_code == 401
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0,
+                                        http_client=httpx.AsyncClient(verify=str(pki.ca_cert)))
+            r = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+            assert r.usage.completion_tokens == 3
+            with pytest.raises(openai.AuthenticationError):
+                await openai.AsyncOpenAI(base_url=base + "/v1", api_key="nope", max_retries=0,
+                                         http_client=httpx.AsyncClient(verify=str(pki.ca_cert))
+                                         ).models.list()
+            with pytest.raises(httpx.TransportError):  # plain HTTP on a TLS port
+                async with httpx.AsyncClient() as plain:
+                    await plain.get(f"http://localhost:{v.running.http_port}/health")
+
+    asyncio.run(main())
+
+
+def test_health_503_before_the_model_and_while_draining() -> None:
+    async def main() -> None:
+        running = await start_server(ServerSettings(host="127.0.0.1", port=0, http_port=0))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running.http_port}", timeout=WAIT_S) as http:
+                r = await http.get("/health")
+                assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+                r = await http.post(COMPLETIONS, json={"prompt": "hi"})
+                assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        finally:
+            await running.stop(0)
+
+        async with http_verifier(speculate=False) as h:
+            running = h.v.running
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                assert (await http.get("/health")).status_code == 200
+                async with http.stream("POST", COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 60,
+                                                                  "ignore_eos": True, "stream": True}) as s:
+                    lines = s.aiter_lines()
+                    first = await anext(lines)
+                    stopping = asyncio.ensure_future(running.stop(WAIT_S))  # what SIGTERM does
+                    await wait_until(lambda: running.generations.draining, "draining")
+                    r = await http.get("/health")
+                    assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+                    r = await http.post(COMPLETIONS, json={"prompt": "hi"})
+                    assert r.status_code == 503
+                    rest = [line async for line in lines]
+                # The stream in flight finished whole within the grace period.
+                events = [json.loads(x[6:]) for x in [first, *rest] if x.startswith("data: {")]
+                assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+                assert sum(len(e["choices"][0]["splitspec"]["token_ids"]) for e in events) == 60
+                await stopping
+
+    asyncio.run(main())

@@ -1,0 +1,85 @@
+"""`splitspec-verifier` as a real process: the HTTP port (0 = free, published with
+--http-port-file; `off`), and SIGTERM: /health turns 503, new requests are refused, the
+stream in flight finishes whole, and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from tiny_model import tiny_model, tiny_tokenizer
+
+from verifier_service.api import cli
+from verifier_service.settings import DEFAULTS
+from verifier_service.tools.local_services import LocalService, script
+
+WAIT_S = 60.0
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_http_port_flag() -> None:
+    def settings(*argv: str):  # noqa: ANN202
+        return cli.settings_from_args(cli.parser().parse_args(list(argv)))
+
+    assert DEFAULTS.http_port == 8000 and settings().http_port == 8000
+    assert settings("--http-port", "0").http_port == 0
+    assert settings("--http-port", "off").http_port is None
+    assert settings("--served-model-name", "a", "b").served_model_names == ("a", "b")
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["--http-port", "eighty"])
+    with pytest.raises(cli.config.ConfigError, match="http_port must be within"):
+        settings("--http-port", "70000")
+
+
+def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
+    http_port_file = tmp_path / "http.port"
+    verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "512",
+                             "--kv-cache-memory-gb", "0.25", "--host", "127.0.0.1", "--http-port", "0",
+                             "--http-port-file", str(http_port_file), "--served-model-name", "tiny", "small",
+                             "--grace-period-s", "60"], name="verifier", env=ENV, startup_timeout_s=WAIT_S)
+    with verifier:
+        base = f"http://127.0.0.1:{int(http_port_file.read_text())}"
+        with httpx.Client(base_url=base, timeout=WAIT_S) as http:
+            assert http.get("/health").status_code == 200
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "small"]
+            r = http.post("/v1/completions", json={"model": "small", "prompt": "def", "max_tokens": 3})
+            assert r.status_code == 200
+            with http.stream("POST", "/v1/completions", json={"prompt": "def add", "max_tokens": 300, "stream": True,
+                                                              "ignore_eos": True}) as stream:
+                lines = stream.iter_lines()
+                first = next(lines)
+                verifier.process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + WAIT_S
+                while (health := http.get("/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "/health never turned 503"
+                    time.sleep(0.02)
+                assert health.status_code == 503 and "draining" in health.json()["error"]["message"]
+                refused = http.post("/v1/completions", json={"prompt": "def", "max_tokens": 3})
+                assert refused.status_code == 503
+                rest = list(lines)
+            events = [json.loads(x[6:]) for x in [first, *rest] if x.startswith("data: {")]
+            assert sum(len(e["choices"][0]["splitspec"]["token_ids"]) for e in events) == 300
+            assert events[-1]["choices"][0]["finish_reason"] == "length" and "data: [DONE]" in rest
+        assert verifier.process.wait(WAIT_S) == 0
+
+
+def test_http_off_serves_grpc_only(model_dir: Path, tmp_path: Path) -> None:
+    verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "256",
+                             "--kv-cache-memory-gb", "0.1", "--host", "127.0.0.1", "--http-port", "off",
+                             "--http-port-file", str(tmp_path / "http.port")], name="verifier", env=ENV,
+                            startup_timeout_s=WAIT_S)
+    with verifier:
+        assert not (tmp_path / "http.port").exists()
+    assert verifier.process.returncode == 0

@@ -1,0 +1,130 @@
+"""What the gRPC and HTTP fronts share: start a request on the runtime and relay its outputs.
+
+Each front only translates: its own request format into GenerationParams (parsed and
+checked by request_parsing.py, so both refuse the same mistakes with the same
+messages), and these outputs and exceptions into its own responses and status codes.
+The text relayed is the engine's: stop strings never leak and characters never split
+(engine/detokenizer.py), whichever front it leaves through.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import torch
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.request_parsing import Limits, ParsedRequest, parse
+from verifier_service.builder import Runtime
+from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.metrics import RequestTimer, VerifierMetrics
+from verifier_service.spec.policy import SpecState
+
+FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
+LOADING = "the model is still loading; retry shortly"
+DRAINING = "the verifier is shutting down; retry on another replica"
+
+
+class Unavailable(Exception):
+    """Nothing can be served now (loading, draining, or a lost rank): the client may retry."""
+
+
+class GenerationFailed(Exception):
+    """The engine failed a request after it started (`unavailable`: retrying elsewhere may work)."""
+
+    def __init__(self, message: str, unavailable: bool) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
+
+
+def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
+    generator = None
+    if not parsed.sampling.greedy:
+        generator = torch.Generator(device=rt.engine.runner.device)
+        if parsed.sampling.seed is not None:
+            generator.manual_seed(parsed.sampling.seed)
+        else:
+            generator.seed()
+    return Sequence(
+        request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
+        stopping=parsed.stopping, spec=SpecState(parsed.speculation),
+        detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop), generator=generator)
+
+
+class Generations:
+    """The runtime as both fronts see it: attached once the model is loaded, failed when a rank is
+    lost, draining on shutdown."""
+
+    def __init__(self, metrics: VerifierMetrics | None = None) -> None:
+        self.metrics = metrics
+        self.runtime: Runtime | None = None
+        self.limits: Limits | None = None
+        self.failure: str | None = None  # set when a rank of a sharded model failed: nothing more is served
+        self.draining = False
+
+    def attach(self, rt: Runtime) -> None:
+        """Serve this runtime from now on."""
+        self.limits = Limits.of(rt)
+        self.runtime = rt
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime is not None and self.failure is None and not self.draining
+
+    def fail(self, reason: str) -> None:
+        """A rank of the sharded model failed and the verifier is about to exit: every request in
+        flight, and every new one, is refused as unavailable (a client may retry on a restarted verifier)."""
+        self.failure = f"the verifier lost a tensor-parallel rank and is restarting ({reason}); retry"
+        if self.runtime is not None:
+            scheduler = self.runtime.engine.scheduler
+            for seq in [*scheduler.running, *scheduler.waiting]:
+                seq.outputs.put_nowait(Output([], "", error=self.failure))
+
+    def check_ready(self) -> tuple[Runtime, Limits]:
+        """Raises Unavailable unless requests can be started."""
+        if self.failure is not None:
+            raise Unavailable(self.failure)
+        if self.runtime is None or self.limits is None:
+            raise Unavailable(LOADING)
+        if self.draining:
+            raise Unavailable(DRAINING)
+        return self.runtime, self.limits
+
+    def start(self, params: verifier_pb2.GenerationParams) -> Sequence:
+        """Parse, check and submit. Raises Unavailable, request_parsing.RequestError or
+        scheduler.QueueFullError."""
+        rt, limits = self.check_ready()
+        seq = new_sequence(rt, parse(params, rt.tokenizer, limits))
+        rt.engine.submit(seq)
+        return seq
+
+    async def outputs(self, seq: Sequence, arrival: float | None = None) -> AsyncIterator[Output]:
+        """The sequence's outputs as the engine emits them, empty ones skipped, until the one that
+        finishes it. Leaving early (a client gone) cancels it: its KV slot and drafter state are
+        freed at the next step. Raises GenerationFailed."""
+        rt = self.runtime
+        assert rt is not None
+        timer = (RequestTimer(self.metrics, len(seq.prompt_ids), time.perf_counter() if arrival is None else arrival)
+                 if self.metrics is not None else None)
+        reason = "abort"
+        try:
+            while True:
+                out = await seq.outputs.get()
+                if out.error:
+                    reason = "error"
+                    raise GenerationFailed(self.failure or out.error, self.failure is not None)
+                if timer is not None:
+                    timer.tokens(len(out.token_ids))
+                if out.finish_reason is not None:
+                    reason = FINISHED_REASON.get(out.finish_reason, "abort")
+                    yield out
+                    return
+                if out.text or out.token_ids:
+                    yield out
+        finally:
+            rt.engine.cancel(seq)
+            if timer is not None:
+                timer.finish(reason)

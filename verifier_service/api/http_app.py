@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API as a FastAPI app over the same Generations the gRPC front uses.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events
+with `stream: true`), GET /v1/models, /health, /metrics, and / (the playground).
+Bodies are read and checked here, not by FastAPI's own validation, so every mistake
+is an OpenAI error object with the status the issue and OpenAI's server give it
+(http_errors.py). /health and the playground page are open; everything else needs
+the bearer token when one is configured, as gRPC does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
+from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
+from verifier_service.api.http_responses import DONE, Choice, Responder, sse
+from verifier_service.api.http_schema import ChatCompletionRequest, CompletionRequest, GenerationBody
+from verifier_service.api.request_parsing import RequestError
+from verifier_service.engine.scheduler import QueueFullError
+from verifier_service.engine.sequence import Output, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HttpState:
+    """What the routes need besides the generations: limits, auth, and the requests in flight
+    (the drain waits for them)."""
+
+    generations: Generations
+    auth_token: str | None
+    max_body_bytes: int
+    served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give; the first is the one reported."""
+        rt = self.generations.runtime
+        if self.served_names or rt is None:
+            return self.served_names
+        return tuple(dict.fromkeys(n for n in (rt.model_name, rt.settings.model) if n))
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+
+def build_app(state: HttpState) -> FastAPI:
+    app = FastAPI(title="splitspec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HttpError)
+    async def http_error(_: Request, exc: HttpError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:  # a bug: still an error object
+        log.exception("HTTP request failed")
+        return HttpError(500, f"internal error: {type(exc).__name__}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, method
+        return HttpError(exc.status_code, str(exc.detail)).response()
+
+    def authorize(request: Request) -> None:
+        if state.auth_token is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.auth_token.encode()):
+            raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                            code="invalid_api_key")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(resources.files("verifier_service.api").joinpath("playground.html").read_text())
+
+    @app.get("/health")
+    async def health() -> Response:
+        gen = state.generations
+        if gen.ready:
+            return JSONResponse({"status": "ok"})
+        reason = gen.failure or ("draining" if gen.draining else "loading")
+        return HttpError(503, f"not serving: {reason}").response()
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def metrics() -> Response:
+        if state.generations.metrics is None:
+            raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
+        return Response(generate_latest(state.generations.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        rt = state.generations.runtime
+        if rt is None:
+            raise HttpError(503, "the model is still loading; retry shortly")
+        created = int(time.time())
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "splitspec", "root": rt.model_name,
+             "max_model_len": rt.max_model_len} for name in state.names()]})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, ChatCompletionRequest, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, CompletionRequest, chat=False)
+
+    return app
+
+
+async def _read_json(request: Request, limit: int) -> object:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise HttpError(413, f"the body has {length} bytes; the limit is {limit} (--max-message-bytes)")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise HttpError(413, f"the body is over the limit of {limit} bytes (--max-message-bytes)")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise HttpError(400, f"the body is not valid JSON: {exc}") from None
+
+
+async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
+    arrival = time.perf_counter()
+    data = await _read_json(request, state.max_body_bytes)
+    if not isinstance(data, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    gen = state.generations
+    try:
+        rt, _ = gen.check_ready()
+    except Unavailable as exc:
+        raise HttpError(503, str(exc)) from None
+    names = state.names()
+    if body.model is not None and body.model not in names:
+        raise HttpError(404, f"the model {body.model!r} is not served here; served: {', '.join(names)}",
+                        param="model", code="model_not_found")
+    seqs = _start(gen, body)
+    responder = Responder(chat, body.model or names[0], rt.tokenizer, body.include_usage)
+    if body.stream:
+        return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    with state.request():
+        collecting = asyncio.ensure_future(_collect(gen, seqs, arrival))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collecting.done():  # the client went away: free its sequences at the next step
+                collecting.cancel()
+                await asyncio.gather(collecting, return_exceptions=True)
+        if collecting.cancelled():
+            return Response(status_code=499)  # nobody is left to read it
+        try:
+            choices = collecting.result()
+        except GenerationFailed as exc:
+            raise HttpError(503 if exc.unavailable else 500, str(exc)) from None
+    return JSONResponse(responder.response(seqs, choices))
+
+
+def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
+    """Start every choice as its own sequence; all or none."""
+    seqs: list[Sequence] = []
+    try:
+        for i in range(body.n):
+            seqs.append(gen.start(body.params(i)))
+    except BaseException as exc:
+        for seq in seqs:
+            gen.runtime.engine.cancel(seq)
+        if isinstance(exc, Unavailable):
+            raise HttpError(503, str(exc)) from None
+        if isinstance(exc, RequestError):
+            raise HttpError(GRPC_TO_HTTP.get(exc.code, 400), exc.message) from None
+        if isinstance(exc, QueueFullError):
+            raise HttpError(429, str(exc)) from None
+        raise
+    return seqs
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _merged(gen: Generations, seqs: list[Sequence], arrival: float) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs as they arrive, tagged with the choice's index. Leaving early (or an
+    error in one choice) closes every choice's stream, which cancels its sequence."""
+    if len(seqs) == 1:  # the common case, without a task in between
+        async with contextlib.aclosing(gen.outputs(seqs[0], arrival)) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, seq: Sequence) -> None:
+        try:
+            async with contextlib.aclosing(gen.outputs(seq, arrival)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, seq)) for i, seq in enumerate(seqs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(gen: Generations, seqs: list[Sequence], arrival: float) -> list[Choice]:
+    choices = [Choice() for _ in seqs]
+    async with contextlib.aclosing(_merged(gen, seqs, arrival)) as outputs:
+        async for i, out in outputs:
+            choices[i].add(out)
+    return choices
+
+
+async def _stream(state: HttpState, seqs: list[Sequence], responder: Responder,
+                  arrival: float) -> AsyncIterator[str]:
+    with state.request():
+        sent = [0] * len(seqs)  # characters per choice so far
+        try:
+            if responder.chat:
+                for i in range(len(seqs)):
+                    yield responder.role_chunk(i)
+            async with contextlib.aclosing(_merged(state.generations, seqs, arrival)) as outputs:
+                async for i, out in outputs:
+                    yield responder.chunk(i, out, sent[i], seqs[i])
+                    sent[i] += len(out.text)
+            if responder.include_usage:
+                yield responder.usage_chunk(seqs)
+        except GenerationFailed as exc:
+            yield sse(HttpError(503 if exc.unavailable else 500, str(exc)).body())
+        finally:  # closed before the outputs were read (client gone at once): free the sequences anyway
+            for seq in seqs:
+                state.generations.runtime.engine.cancel(seq)
+        yield DONE

@@ -1,0 +1,171 @@
+"""OpenAI response bodies and stream chunks, built from the engine's outputs.
+
+Chat (`chat.completion`, `chat.completion.chunk`) and completions (`text_completion`)
+differ only in where the text and the log-probabilities go; both carry `usage` and,
+under vLLM's names, the speculation stats. What speculation did per token rides in
+an extension, `splitspec: {token_ids, drafted, token_text}` on each choice (on each
+chunk's choice when streaming): `drafted[i]` says whether token i was an accepted
+draft token, and `token_text[i]` is the text it released (their concatenation is the
+choice's text), so a client can show exactly which characters the drafter supplied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from verifier_service.engine.sampler import TokenLogprob
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+def speculation(seqs: list[Sequence]) -> dict[str, object]:
+    """The per-request stats (vLLM's names), summed over the request's choices."""
+    per_pos: list[int] = []
+    for seq in seqs:
+        counts = seq.stats.num_accepted_tokens_per_pos
+        per_pos = [a + b for a, b in zip(per_pos + [0] * len(counts), counts + [0] * len(per_pos))]
+    drafts = sum(s.stats.num_drafts for s in seqs)
+    draft_tokens = sum(s.stats.num_draft_tokens for s in seqs)
+    accepted = sum(s.stats.num_accepted_tokens for s in seqs)
+    return {
+        "num_steps": sum(s.stats.num_steps for s in seqs), "num_drafts": drafts, "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "num_drafter_failures": sum(s.stats.num_drafter_failures for s in seqs),
+        "auto_disabled": any(s.spec.auto_disabled for s in seqs),
+    }
+
+
+def usage(seqs: list[Sequence]) -> dict[str, int]:
+    prompt = len(seqs[0].prompt_ids)  # the same prompt for every choice
+    completion = sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class Choice:
+    """One choice's outputs so far."""
+
+    text: list[str] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+
+    def add(self, out: Output) -> None:
+        self.text.append(out.text)
+        self.outputs.append(out)
+
+    def joined(self) -> Output:
+        outs = self.outputs
+        return Output([t for o in outs for t in o.token_ids], "".join(self.text), outs[-1].finish_reason,
+                      outs[-1].stop_reason, drafted=[d for o in outs for d in o.drafted],
+                      logprobs=[lp for o in outs for lp in o.logprobs], pieces=[p for o in outs for p in o.pieces])
+
+
+@dataclass
+class Responder:
+    """Builds the bodies of one request: `chat` or completions, for `model`."""
+
+    chat: bool
+    model: str
+    tokenizer: PreTrainedTokenizerBase
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def _id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def _head(self, obj: str) -> dict[str, object]:
+        return {"id": self._id, "object": obj, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _logprobs(self, out: Output, offset: int) -> dict[str, object] | None:
+        if not out.logprobs:
+            return None
+        if self.chat:
+            return {"content": [self._chat_logprob(lp) for lp in out.logprobs]}
+        offsets, at = [], offset
+        for piece in out.pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": [self._token(lp.token_id) for lp in out.logprobs],
+                "token_logprobs": [lp.logprob for lp in out.logprobs],
+                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in out.logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict[str, object]:
+        def entry(token_id: int, logprob: float) -> dict[str, object]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+    @staticmethod
+    def _extension(out: Output) -> dict[str, object]:
+        return {"token_ids": out.token_ids, "drafted": out.drafted, "token_text": out.pieces}
+
+    def response(self, seqs: list[Sequence], choices: list[Choice]) -> dict[str, object]:
+        """The whole answer (not streaming)."""
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        body["choices"] = []
+        for i, (seq, choice) in enumerate(zip(seqs, choices)):
+            out = choice.joined()
+            c: dict[str, object] = {"index": i}
+            if self.chat:
+                c["message"] = {"role": "assistant", "content": out.text}
+            else:
+                c["text"] = out.text
+            c |= {"logprobs": self._logprobs(out, 0), "finish_reason": FINISH.get(seq.finish_reason),
+                  "stop_reason": seq.stop_reason or None,
+                  "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
+            body["choices"].append(c)
+        body["usage"] = usage(seqs)
+        body["speculation"] = speculation(seqs)
+        return body
+
+    def role_chunk(self, index: int) -> str:
+        """Chat streams open each choice with the assistant's role, as OpenAI's do."""
+        return self._sse({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None})
+
+    def chunk(self, index: int, out: Output, offset: int, seq: Sequence) -> str:
+        """One output of one choice; `offset`: characters of this choice sent before it."""
+        c: dict[str, object] = {"index": index}
+        if self.chat:
+            c["delta"] = {"content": out.text}
+        else:
+            c["text"] = out.text
+        c |= {"logprobs": self._logprobs(out, offset), "finish_reason": FINISH.get(out.finish_reason)}
+        ext = self._extension(out)
+        if out.finish_reason is not None:
+            c["stop_reason"] = out.stop_reason or None
+            ext["speculation"] = speculation([seq])
+        c["splitspec"] = ext
+        return self._sse(c)
+
+    def usage_chunk(self, seqs: list[Sequence]) -> str:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body |= {"choices": [], "usage": usage(seqs), "speculation": speculation(seqs)}
+        return sse(body)
+
+    def _sse(self, choice: dict[str, object]) -> str:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+
+def sse(body: dict[str, object]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

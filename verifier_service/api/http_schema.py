@@ -1,0 +1,155 @@
+"""The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
+
+Field names and meanings are OpenAI's (plus vLLM's `top_k`, `stop_token_ids` and
+`ignore_eos`); unknown fields are ignored, as OpenAI's own server ignores them.
+Only the shape is checked here (types, finite numbers, ranges a field's wire type
+imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
+A per-request speculation override rides in `speculation: {disable, max_draft_len}`
+(the openai client's `extra_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.request_parsing import MAX_LOGPROBS
+
+MAX_CHOICES = 8
+UINT32 = 2**32 - 1
+INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class SpeculationOverride(_Body):
+    disable: bool = False
+    max_draft_len: int | None = Field(None, ge=0, le=UINT32)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class GenerationBody(_Body):
+    """What chat and completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=UINT32)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32)  # vLLM: -1 or 0 = off
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: SpeculationOverride | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        raise NotImplementedError
+
+    def params(self, choice: int) -> verifier_pb2.GenerationParams:
+        """The GenerationParams of choice `choice` (of n): its own seed, so that seeded choices differ."""
+        p = verifier_pb2.GenerationParams()
+        self._input(p)
+        s = p.sampling
+        if self.temperature is not None:
+            s.temperature = self.temperature
+        if self.top_p is not None:
+            s.top_p = self.top_p
+        if self.top_k is not None:
+            s.top_k = max(self.top_k, 0)
+        if self.seed is not None:
+            s.seed = (self.seed + choice) % 2**64
+        st = p.stopping
+        if self.max_new_tokens is not None:
+            st.max_new_tokens = self.max_new_tokens
+        if self.stop is not None:
+            st.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.stop_token_ids:
+            st.stop_token_ids.extend(self.stop_token_ids)
+        st.ignore_eos = self.ignore_eos
+        if self.speculation is not None:
+            p.speculation.disable = self.speculation.disable
+            if self.speculation.max_draft_len is not None:
+                p.speculation.max_draft_len = self.speculation.max_draft_len
+        if self.logprobs_count is not None:
+            p.logprobs = self.logprobs_count
+        return p
+
+    def _input(self, p: verifier_pb2.GenerationParams) -> None:
+        raise NotImplementedError
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(GenerationBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _input(self, p: verifier_pb2.GenerationParams) -> None:
+        # OpenAI's newer "developer" role is what chat templates call "system".
+        p.chat.messages.extend(verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
+                                                        content=m.text) for m in self.messages)
+
+
+class CompletionRequest(GenerationBody):
+    # One prompt: text, or token ids. (A list of one text is accepted, as clients send it.)
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
+                                                                                              max_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Literal[False] = False
+    suffix: None = None
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def _input(self, p: verifier_pb2.GenerationParams) -> None:
+        if isinstance(self.prompt, str):
+            p.prompt = self.prompt
+        elif isinstance(self.prompt[0], str):
+            p.prompt = self.prompt[0]
+        else:
+            p.token_ids.ids.extend(self.prompt)

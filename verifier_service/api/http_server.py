@@ -1,0 +1,91 @@
+"""The HTTP API's server: uvicorn on the verifier's own event loop, beside the grpc.aio server.
+
+One process, one loop: the routes await the same engine outputs the gRPC servicer
+does. The socket is bound here first, so a taken port fails start-up with an
+OSError (as the gRPC and metrics ports do) instead of uvicorn's exit, and port 0
+reports the bound port. uvicorn's own signal handling is off: SIGTERM belongs to
+api/server.py, which drains both fronts together (`stop`: /health answers 503 and
+new requests are refused while the requests in flight finish within the grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+
+import uvicorn
+
+from verifier_service.api.generation import Generations
+from verifier_service.api.http_app import HttpState, build_app
+
+log = logging.getLogger(__name__)
+CLOSE_S = 1.0  # after the drain: for idle keep-alive connections to close
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the verifier handles signals
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port ("[::]" or "::": every address, IPv4 included)."""
+    host = host.strip("[]") or "::"
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    def __init__(self, server: _Server, task: asyncio.Task[None], state: HttpState, port: int, tls: bool) -> None:
+        self._server = server
+        self._task = task
+        self.state = state
+        self.port = port
+        self.tls = tls
+
+    @classmethod
+    async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | None,
+                    max_body_bytes: int, tls_cert: str | None = None, tls_key: str | None = None,
+                    tls_client_ca: str | None = None, served_names: tuple[str, ...] = ()) -> "HttpServer":
+        """Bind and serve (health 503 until the model is attached). Raises OSError if the port is taken."""
+        sock = bind(host, port)
+        state = HttpState(generations, auth_token, max_body_bytes, served_names)
+        config = uvicorn.Config(
+            build_app(state), lifespan="off", access_log=False, log_level="warning", timeout_graceful_shutdown=CLOSE_S,
+            ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE)
+        server = _Server(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http")
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            sock.close()
+            task.result()  # raises what failed
+            raise OSError(f"the HTTP server on {host}:{port} stopped at start-up")
+        bound = sock.getsockname()[1]
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d (%s)", "https" if tls_cert else "http", host, bound,
+                 "bearer auth" if auth_token else "no auth")
+        return cls(server, task, state, bound, tls_cert is not None)
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new generations (the owner set generations.draining), let the ones in flight finish
+        within grace_s, then close."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.state.idle.wait(), grace_s)
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
