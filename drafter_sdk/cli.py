@@ -15,6 +15,7 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.security import (
     add_server_flags,
+    read_named_tokens,
     read_token,
     server_credentials,
     server_flags_problem,
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "re-resolve DNS and reach replicas added since (0: never; default: 300)")
     parser.add_argument("--log-level", default="INFO")
     add_server_flags(parser)
+    parser.add_argument("--auth-tokens-file",
+                        help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
+                             "of a call's token becomes part of its namespace, so clients cannot reach each "
+                             "other's sequences")
     ngram = parser.add_argument_group("ngram drafter")
     ngram.add_argument("--max-draft-len", type=int, default=8)
     ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if problem := server_flags_problem(args):
         parser.error(problem)
+    if args.auth_tokens_file and args.auth_token_file:
+        parser.error("--auth-tokens-file and --auth-token-file exclude each other")
     if args.max_state_mib < 0:
         parser.error("--max-state-mib must be 0 (no limit) or positive")
     if args.max_connection_age_s < 0:
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         drafter = make_drafter(args)
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-        token = read_token(args.auth_token_file)
+        token = read_named_tokens(args.auth_tokens_file) if args.auth_tokens_file else read_token(
+            args.auth_token_file)
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,

@@ -2,6 +2,12 @@
 
 Tokens are only ever read from a file or the environment, never taken from a
 command line (where `ps` and shell histories would show them).
+
+A server takes one token every client shares, or named tokens (`name token` lines
+in a file): a named token, like a client certificate under mutual TLS, tells who is
+calling, and a drafter puts that identity into the namespace of the call
+(`CallerIdentity`), so one client cannot touch another's sequences by sending its
+verifier id.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,8 @@ OPEN_SERVICES = frozenset({
 })
 
 PathLike = str | os.PathLike[str]
+Tokens = str | Mapping[str, str]
+"""One bearer token every client shares, or named tokens (name -> token), each naming its client."""
 
 
 def add_server_flags(parser: argparse.ArgumentParser, title: str = "security") -> None:
@@ -85,6 +93,58 @@ def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR)
     return os.environ.get(env_var, "").strip() or None
 
 
+def read_named_tokens(path: PathLike) -> dict[str, str]:
+    """Named bearer tokens from a file of `name token` lines (blank lines and `#` comments skipped)."""
+    tokens: dict[str, str] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) != 2:
+            raise ValueError(f"{path}:{number}: expected 'name token'")
+        name, token = fields
+        if name in tokens:
+            raise ValueError(f"{path}:{number}: the name {name!r} appears twice")
+        if token in tokens.values():
+            raise ValueError(f"{path}:{number}: {name!r} has the token of another name")
+        tokens[name] = token
+    if not tokens:
+        raise ValueError(f"auth tokens file {path} names no token")
+    return tokens
+
+
+def bearer_name(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: Mapping[str, bytes]) -> str | None:
+    """The name of the token a call carries ("" for a shared one); None without a matching token."""
+    for key, value in metadata or ():
+        if key == AUTH_METADATA_KEY:
+            scheme, _, supplied = str(value).partition(" ")
+            if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 6750)
+                return None
+            found = None
+            for name, token in tokens.items():  # constant time, and every token compared
+                if hmac.compare_digest(supplied.strip().encode(), token):
+                    found = name
+            return found
+    return None
+
+
+class CallerIdentity:
+    """Who a call comes from: the name of its bearer token (named tokens only: a shared token names
+    nobody) and the subject of its client certificate (mutual TLS); "" when nothing identifies it."""
+
+    def __init__(self, tokens: Tokens | None = None) -> None:
+        self._tokens = _encoded(tokens) if isinstance(tokens, Mapping) else None
+
+    def __call__(self, context: grpc.aio.ServicerContext) -> str:
+        parts = []
+        if self._tokens is not None and (name := bearer_name(context.invocation_metadata(), self._tokens)):
+            parts.append(f"token:{name}")
+        subject = (context.auth_context() or {}).get("x509_subject")
+        if subject:
+            parts.append(f"cert:{subject[0].decode(errors='replace')}")
+        return ",".join(parts)
+
+
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Per-call metadata carrying the token; works over plaintext and TLS channels alike."""
     return ((AUTH_METADATA_KEY, f"Bearer {token}"),)
@@ -97,15 +157,15 @@ def call_credentials(token: str) -> grpc.CallCredentials:
 
 
 class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` with UNAUTHENTICATED.
+    """Refuses calls without `authorization: Bearer <token>` (one of the named tokens) with UNAUTHENTICATED.
 
     Services in `open_services` (health, reflection) stay reachable without a token.
     """
 
-    def __init__(self, token: str, open_services: Iterable[str] = OPEN_SERVICES) -> None:
-        if not token:
+    def __init__(self, tokens: Tokens, open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        if not tokens:
             raise ValueError("the bearer token must not be empty")
-        self._token = token.encode()
+        self._tokens = _encoded(tokens)
         self._open_services = frozenset(open_services)
 
     async def intercept_service(
@@ -119,12 +179,7 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
         return _unauthenticated_like(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                scheme, _, supplied = value.partition(" ")
-                # The scheme is case-insensitive (RFC 6750); the token is compared in constant time.
-                return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), self._token)
-        return False
+        return bearer_name(details.invocation_metadata, self._tokens) is not None
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -141,6 +196,13 @@ def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
     }[(handler.request_streaming, handler.response_streaming)]
     return factory(_deny, request_deserializer=handler.request_deserializer,
                    response_serializer=handler.response_serializer)
+
+
+def _encoded(tokens: Tokens) -> dict[str, bytes]:
+    named = {"": tokens} if isinstance(tokens, str) else dict(tokens)
+    if not all(named.values()):
+        raise ValueError("a bearer token must not be empty")
+    return {name: token.encode() for name, token in named.items()}
 
 
 def _read(path: PathLike) -> bytes:

@@ -14,6 +14,7 @@ import grpc
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.security import CallerIdentity, Tokens
 from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
 from drafter_sdk.service import MIB, GrpcService, stop_on_signals
 from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
@@ -108,7 +109,7 @@ async def start_server(
     max_message_bytes: int = 16 * MIB,
     max_concurrent_rpcs: int | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
-    auth_token: str | None = None,
+    auth_token: Tokens | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics_port: int | None = None,
     max_connection_age_s: float | None = 300.0,
@@ -117,7 +118,9 @@ async def start_server(
 
     `server_credentials` (see drafter_sdk.security) switches to TLS; with
     `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
-    (health and reflection stay open for probes). With `metrics_port` (0: any
+    (health and reflection stay open for probes); with named tokens (a mapping
+    name -> token) or client certificates, a call's namespace includes who sent it
+    (security.CallerIdentity). With `metrics_port` (0: any
     free port), Prometheus metrics are served over HTTP at /metrics on `host`.
 
     `max_connection_age_s` (None or 0: never) closes each client connection
@@ -131,7 +134,8 @@ async def start_server(
     """
     metrics = DrafterMetrics() if metrics_port is not None else None
     max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
-    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics)
+    servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics,
+                               identify=CallerIdentity(auth_token))
     connection_age = [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
                       ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000))
                       ] if max_connection_age_s else []

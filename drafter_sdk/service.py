@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from drafter_sdk.metrics import MetricsServer, start_metrics_server
-from drafter_sdk.security import BearerTokenServerInterceptor
+from drafter_sdk.security import BearerTokenServerInterceptor, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class GrpcService:
     @classmethod
     async def start(cls, service_name: str, add_servicers: Callable[[grpc.aio.Server], None], *,
                     host: str, port: int, server_credentials: grpc.ServerCredentials | None = None,
-                    auth_token: str | None = None, max_message_bytes: int = 16 * MIB,
+                    auth_token: Tokens | None = None, max_message_bytes: int = 16 * MIB,
                     max_concurrent_rpcs: int | None = None, options: Sequence[tuple[str, object]] = (),
                     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                     metrics_registry: CollectorRegistry | None = None,
@@ -74,7 +74,7 @@ class GrpcService:
 
     @classmethod
     async def _start_grpc(cls, service_name: str, add_servicers: Callable[[grpc.aio.Server], None], host: str,
-                          port: int, server_credentials: grpc.ServerCredentials | None, auth_token: str | None,
+                          port: int, server_credentials: grpc.ServerCredentials | None, auth_token: Tokens | None,
                           max_message_bytes: int, max_concurrent_rpcs: int | None,
                           options: Sequence[tuple[str, object]], interceptors: Sequence[grpc.aio.ServerInterceptor],
                           metrics_server: MetricsServer | None) -> "GrpcService":

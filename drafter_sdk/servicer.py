@@ -40,8 +40,11 @@ T = TypeVar("T")
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, drafter: Drafter, store: SequenceStore | None = None,
-                 metrics: DrafterMetrics | None = None) -> None:
+                 metrics: DrafterMetrics | None = None,
+                 identify: Callable[[grpc.aio.ServicerContext], str] | None = None) -> None:
         self.drafter = drafter
+        # Who a gRPC call comes from ("" when nothing says): part of its namespace, see `namespace`.
+        self._identify = identify
         self.store = store if store is not None else SequenceStore()
         # Recorded by the gRPC methods only: in-process callers measure for themselves.
         self.metrics = metrics
@@ -66,8 +69,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             name=d.name, version=d.version, max_draft_len=d.max_draft_len,
             vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=list(d.capabilities))
 
-    def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest) -> drafter_pb2.PrepareDraftTokensResponse:
-        """Apply every sequence's delta and draft for those whose context is in sync.
+    def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
+                caller: str = "") -> drafter_pb2.PrepareDraftTokensResponse:
+        """Apply every sequence's delta and draft for those whose context is in sync, in the
+        namespace of the request's verifier_id as sent by `caller` (see `namespace`).
 
         Raises DrafterError: INVALID_ARGUMENT for a malformed request (no state
         is touched then), INTERNAL when the drafter's code fails or answers
@@ -75,11 +80,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """
         self._require_loaded()
         self._validate(request)
+        verifier_id = namespace(request.verifier_id, caller)
         results: list[drafter_pb2.DraftResult | None] = []
         batch: list[DraftRequest] = []
         slots: list[int] = []
         for seq in request.sequences:
-            key = (request.verifier_id, seq.request_id)
+            key = (verifier_id, seq.request_id)
             synced = self.store.sync(key, seq.context_len, seq.new_tokens)
             if synced.discarded:
                 self._forget(key, ReleaseReason.EVICTED)
@@ -93,7 +99,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             results.append(None)
             hints = seq.sampling
             batch.append(DraftRequest(
-                verifier_id=request.verifier_id, request_id=seq.request_id, tokens=synced.tokens,
+                verifier_id=verifier_id, request_id=seq.request_id, tokens=synced.tokens,
                 prompt_len=seq.prompt_len, draft_len=seq.draft_len,
                 last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
@@ -106,7 +112,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft)
         return drafter_pb2.PrepareDraftTokensResponse(results=results)
 
-    def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse:
+    def release(self, request: drafter_pb2.ReleaseRequestsRequest,
+                caller: str = "") -> drafter_pb2.ReleaseRequestsResponse:
         self._require_loaded()
         if not request.verifier_id:
             raise DrafterError(grpc.StatusCode.INVALID_ARGUMENT, "verifier_id must not be empty")
@@ -115,7 +122,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                f"{len(request.request_ids)} request ids")
         released = 0
         for i, request_id in enumerate(request.request_ids):
-            key = (request.verifier_id, request_id)
+            key = (namespace(request.verifier_id, caller), request_id)
             if self.store.release(key):
                 released += 1
                 self._forget(key, _reason(request.reasons[i]) if i < len(request.reasons) else
@@ -167,13 +174,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # --- helpers ---
 
-    async def _handle(self, name: str, method: Callable[[Any], T], request: Any,
+    async def _handle(self, name: str, method: Callable[[Any, str], T], request: Any,
                       context: grpc.aio.ServicerContext) -> T:
         start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
         try:
             # Checked here too so calls during a long load() fail fast instead of queueing behind it.
             self._require_loaded()
-            response = await self.run_in_worker(method, request)
+            caller = self._identify(context) if self._identify is not None else ""
+            response = await self.run_in_worker(method, request, caller)
             code = grpc.StatusCode.OK
             return response
         except DrafterError as err:
@@ -280,6 +288,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except Exception:
             # The SDK's state is gone either way; a failing cleanup must not fail the call.
             log.exception("%s.on_release(%r) failed", type(self.drafter).__name__, key)
+
+
+def namespace(verifier_id: str, caller: str) -> str:
+    """The namespace of a call: its verifier_id, qualified by the caller's identity when the call
+    carries one (a named token, a client certificate), so that an authenticated client cannot
+    reach another's sequences by sending the same verifier_id."""
+    return f"{verifier_id}@{caller}" if caller else verifier_id
 
 
 def _takes_reason(drafter: Drafter) -> bool:

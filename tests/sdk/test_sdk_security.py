@@ -15,7 +15,7 @@ from drafter_sdk import cli
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import (BearerTokenServerInterceptor, auth_metadata, call_credentials, channel_credentials,
-                                  read_token, server_credentials)
+                                  read_named_tokens, read_token, server_credentials)
 from sdk_support import DRAFTER_SCRIPT, RecordingDrafter, seq, serving
 
 TOKEN = "s3cret-token"
@@ -92,6 +92,76 @@ def test_bearer_token_is_required_on_the_drafter_service_only():
     asyncio.run(body())
 
 
+def test_named_tokens_keep_each_clients_sequences_its_own():
+    """Two clients with two named tokens send the same verifier_id and request id: neither can
+    release, overwrite or feed the other's sequence, and a shared verifier_id stays two namespaces."""
+    alice, mallory = auth_metadata("alice-token"), auth_metadata("mallory-token")
+    drafter = RecordingDrafter()
+
+    async def body():
+        async with serving(drafter, auth_token={"alice": "alice-token", "mallory": "mallory-token"}) as c:
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED, metadata=auth_metadata("nobody"))
+            first = await c.prepare("v", seq("r", 0, [1, 2, 3], draft_len=1), metadata=alice)
+            assert list(first.results[0].draft_tokens) == [3]
+            # Mallory, sending Alice's verifier_id: a release finds nothing, a delta is a stranger's.
+            released = await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]),
+                                                    metadata=mallory, timeout=10)
+            assert released.released == 0
+            stranger = await c.prepare("v", seq("r", 3, [9]), metadata=mallory)
+            assert stranger.results[0].status == pb.DRAFT_STATUS_RESYNC_REQUIRED
+            await c.prepare("v", seq("r", 0, [7, 7, 7, 7]), metadata=mallory)  # her own sequence "r"
+            # Alice's sequence is intact: her next delta extends her own history.
+            again = await c.prepare("v", seq("r", 3, [4], draft_len=4), metadata=alice)
+            assert again.results[0].status == pb.DRAFT_STATUS_OK
+            assert drafter.calls[-1][0].tokens == [1, 2, 3, 4]
+            assert drafter.calls[-1][0].key == ("v@token:alice", "r")
+            assert drafter.released == []
+            assert set(c.running.servicer.state_stats().bytes_by_namespace) == {"v@token:alice", "v@token:mallory"}
+
+    asyncio.run(body())
+
+
+def test_a_client_certificate_names_the_namespace(tmp_path):
+    pki = make_pki(tmp_path)
+    drafter = RecordingDrafter()
+
+    async def body():
+        creds = server_credentials(pki.server_cert, pki.server_key, client_ca_file=pki.ca_cert)
+        async with serving(drafter, server_credentials=creds,
+                           channel_credentials=channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)) as c:
+            await assert_ok(c)
+        assert drafter.calls[-1][0].key == ("v@cert:CN=splitspec test client", "r")
+
+    asyncio.run(body())
+
+
+def test_without_identity_the_verifier_id_is_the_namespace():
+    """One shared token identifies nobody: the namespace is the verifier_id as sent."""
+    drafter = RecordingDrafter()
+
+    async def body():
+        async with serving(drafter, auth_token=TOKEN) as c:
+            await assert_ok(c, metadata=auth_metadata(TOKEN))
+        assert drafter.calls[-1][0].key == ("v", "r")
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("alice a-token\nalice b-token\n", "appears twice"),
+    ("alice a-token\nbob a-token\n", "token of another name"),
+    ("alice\n", "expected 'name token'"),
+    ("# nobody\n\n", "names no token"),
+])
+def test_read_named_tokens_refuses_ambiguous_files(tmp_path, text, message):
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_named_tokens(path)
+    path.write_text("# two clients\nalice a-token\n\nbob  b-token  \n")
+    assert read_named_tokens(path) == {"alice": "a-token", "bob": "b-token"}
+
+
 def test_token_as_call_credentials_over_mutual_tls(tmp_path):
     pki = make_pki(tmp_path)
 
@@ -150,6 +220,8 @@ def test_read_token_prefers_the_file_and_strips_whitespace(tmp_path, monkeypatch
     (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
     (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
     (["--auth-token-file", "/nonexistent/token"], "No such file"),
+    (["--auth-tokens-file", "/nonexistent/tokens"], "No such file"),
+    (["--auth-tokens-file", "a", "--auth-token-file", "b"], "exclude each other"),
 ])
 def test_cli_refuses_incomplete_security_flags(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
