@@ -63,13 +63,17 @@ class LocalService:
         else:
             with open(self.current_log, "wb") as log_file:
                 self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        while not port_file.exists() or not port_file.read_text().strip():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} did not bind a port; log:\n{self.tail()}")
-            time.sleep(0.02)
-        self.port = int(port_file.read_text())
-        self._wait_serving(deadline)
+        try:
+            while not port_file.exists() or not port_file.read_text().strip():
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} did not bind a port; log:\n{self.tail()}")
+                time.sleep(0.02)
+            self.port = int(port_file.read_text())
+            self._wait_serving(deadline)
+        except BaseException:
+            self.stop(timeout_s=5.0)  # a start that failed leaves no process behind
+            raise
         return self
 
     def _wait_serving(self, deadline: float) -> None:
