@@ -72,10 +72,18 @@ class NgramConfig(_message.Message):
     def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ...) -> None: ...
 
 class DraftModelConfig(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "device", "dtype", "kv_cache_memory_gb", "draft_ahead")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_GB_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    device: str
+    dtype: str
+    kv_cache_memory_gb: float
+    draft_ahead: bool
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_memory_gb: _Optional[float] = ..., draft_ahead: _Optional[bool] = ...) -> None: ...
 
 class LookaheadConfig(_message.Message):
     __slots__ = ("max_window_size", "max_ngram_size", "max_verification_set_size")
