@@ -192,6 +192,10 @@ class ModelDrafter(Drafter):
         """Nothing is shared between sequences (the weights are not state)."""
         return 0
 
+    def wait_idle(self) -> None:
+        """Return once drafting ahead is done (without stopping it early)."""
+        self._model_thread.submit(lambda: None).result()
+
     @property
     def kv_bytes_used(self) -> int:
         return self._used_bytes
