@@ -11,8 +11,8 @@ from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.tools.local_services import script
 
-SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "transformers generate",
-           "transformers prompt lookup"}
+SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec model remote",
+           "transformers generate", "transformers prompt lookup"}
 
 
 def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
@@ -22,7 +22,8 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "12",
-         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out)],
+         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out),
+         "--draft-model", str(model_dir), "--draft-device", "cpu"],  # the model drafting for itself
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== grounded (1 prompts) ==" in done.stdout and "== serving" in done.stdout
@@ -34,3 +35,8 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
     assert report["serving"][0]["identical"] == report["serving"][0]["requests"]
     assert (out / "chart.png").stat().st_size > 0
+    ahead, no_ahead = report["draft_model"]
+    assert ahead["draft_ahead"] and not no_ahead["draft_ahead"] and ahead["calls"] > 0 and no_ahead["calls"] > 0
+    assert no_ahead["hit_rate"] == 0.0
+    assert ahead["acceptance_rate"] >= 0.9 and no_ahead["acceptance_rate"] >= 0.9  # a model drafting for itself
+    assert "== draft model" in done.stdout

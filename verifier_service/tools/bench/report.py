@@ -34,6 +34,7 @@ class Report:
     summaries: list[SystemSummary] = field(default_factory=list)
     request_bytes: list[tuple[int, int]] = field(default_factory=list)  # (context tokens, bytes per call)
     serving: list[dict] = field(default_factory=list)
+    draft_model: list[dict] = field(default_factory=list)  # bench.draft_model.DraftModelFigures, ahead on / off
 
     def to_json(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from verifier_service.spec.drafter_client import (
     DraftQuery,
     GrpcTransport,
 )
+from verifier_service.tools.bench import draft_model
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
@@ -44,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
+    p.add_argument("--draft-model", metavar="PATH",
+                   help="also bench a draft model ('embedded': SmolLM2 drafting for itself): the system "
+                        "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
+    p.add_argument("--draft-device", default="auto", help="device of the draft model: auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--draft-dtype", default="auto", help="dtype of the draft model (auto: bfloat16 on cuda)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -64,7 +72,32 @@ def main(args: argparse.Namespace) -> int:
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
-    print("starting the drafter and two verifiers ...", flush=True)
+    draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
+    print("starting the drafters and verifiers ...", flush=True)
+    with contextlib.ExitStack() as stack:
+        model_system = []
+        if args.draft_model:
+            drafter_argv = [script("splitspec-drafter"), "model", "--device", args.draft_device, "--dtype",
+                            args.draft_dtype, "--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING",
+                            *(["--model", draft_path] if draft_path else [])]
+            model_drafter = stack.enter_context(LocalService(drafter_argv, name="model-drafter"))
+            model_remote = stack.enter_context(LocalService(
+                [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
+                 model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
+            model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
+        _run_systems(args, common, model, prompts, curve, seconds, report, model_system, draft_path)
+    rep.print_tables(report)
+    report.to_json(out / "results.json")
+    rep.save_chart(report, out / "chart.png")
+    print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
+    return 0
+
+
+def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Module, prompts: list[workloads.Prompt],
+                 curve: step_costs.CostCurve, seconds: dict[int, float], report: rep.Report,
+                 extra_systems: list[VerifierSystem], draft_path: str | None) -> None:
+    """Start the n-gram drafter and two verifiers, run every system (plus `extra_systems`) on every prompt,
+    summarise into `report`; with a draft model, its own figures too."""
     with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                        "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
          LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
@@ -74,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
                       name="verifier-inprocess") as local:
         systems = [VerifierSystem(PLAIN, remote.address, speculate=False),
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
-                   VerifierSystem("splitspec ngram remote", remote.address, speculate=True)]
+                   VerifierSystem("splitspec ngram remote", remote.address, speculate=True), *extra_systems]
         if not args.no_transformers:
             systems += [TransformersSystem("transformers generate", model),
                         TransformersSystem("transformers prompt lookup", model,
@@ -92,11 +125,13 @@ def main(args: argparse.Namespace) -> int:
             report.serving = _serving(remote.address, prompts, args)
         for system in systems:
             system.close()
-    rep.print_tables(report)
-    report.to_json(out / "results.json")
-    rep.save_chart(report, out / "chart.png")
-    print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
-    return 0
+        if args.draft_model:
+            print("replaying plain decoding through the draft model, drafting ahead on and off ...", flush=True)
+            figures = draft_model.measure(
+                draft_path, args.draft_device, args.draft_dtype, prompts, [r.token_ids for r in runs[PLAIN]],
+                args.max_draft_len, lambda tokens: seconds[min(seconds)] * curve(tokens), model.config.vocab_size)
+            report.draft_model = [asdict(f) for f in figures]
+            draft_model.print_table(figures, args.draft_model, args.draft_device)
 
 
 def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, float]:
