@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
     p.add_argument("--draft-device", default="auto", help="device of the draft model: auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--draft-dtype", default="auto", help="dtype of the draft model (auto: bfloat16 on cuda)")
+    p.add_argument("--draft-model-only", action="store_true",
+                   help="with --draft-model: only the draft model's own figures (no services; the target's "
+                        "outputs come from transformers generate())")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -73,6 +76,13 @@ def main(args: argparse.Namespace) -> int:
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
+    if args.draft_model and args.draft_model_only:
+        plain = TransformersSystem("plain", model)
+        _draft_model_figures(args, draft_path, prompts, [plain.run(p, args.max_new_tokens).token_ids for p in prompts],
+                             seconds, curve, model.config.vocab_size, report)
+        report.to_json(out / "results.json")
+        print(f"\nwrote {out / 'results.json'}")
+        return 0
     print("starting the drafters and verifiers ...", flush=True)
     with contextlib.ExitStack() as stack:
         model_system = []
@@ -126,12 +136,18 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
         for system in systems:
             system.close()
         if args.draft_model:
-            print("replaying plain decoding through the draft model, drafting ahead on and off ...", flush=True)
-            figures = draft_model.measure(
-                draft_path, args.draft_device, args.draft_dtype, prompts, [r.token_ids for r in runs[PLAIN]],
-                args.max_draft_len, lambda tokens: seconds[min(seconds)] * curve(tokens), model.config.vocab_size)
-            report.draft_model = [asdict(f) for f in figures]
-            draft_model.print_table(figures, args.draft_model, args.draft_device)
+            _draft_model_figures(args, draft_path, prompts, [r.token_ids for r in runs[PLAIN]], seconds, curve,
+                                 model.config.vocab_size, report)
+
+
+def _draft_model_figures(args: argparse.Namespace, draft_path: str | None, prompts: list[workloads.Prompt],
+                         outputs: list[list[int]], seconds: dict[int, float], curve: step_costs.CostCurve,
+                         vocab_size: int, report: rep.Report) -> None:
+    print("replaying plain decoding through the draft model, drafting ahead on and off ...", flush=True)
+    figures = draft_model.measure(draft_path, args.draft_device, args.draft_dtype, prompts, outputs,
+                                  args.max_draft_len, lambda tokens: seconds[min(seconds)] * curve(tokens), vocab_size)
+    report.draft_model = [asdict(f) for f in figures]
+    draft_model.print_table(figures, args.draft_model, args.draft_device)
 
 
 def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, float]:
