@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -137,6 +137,12 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return step.attend(module.layer_idx, query, key, value, scaling), None
 
 
+def _log_failure(future: Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        # Only a lost head start: the next call rolls back to what it finds and drafts as usual.
+        log.error("drafting ahead failed", exc_info=future.exception())
+
+
 class ModelDrafter(Drafter):
     name = "model"
     version = "1.0"
@@ -162,6 +168,7 @@ class ModelDrafter(Drafter):
         self._model: PreTrainedModel | None = None
         self._sequences: dict[Key, _Sequence] = {}
         self._used_bytes = 0
+        self._kv_shape = (0, 0, 0)  # layers, KV heads, head dim: known once loaded
         self._bytes_per_token = 0
         self._max_positions = 0
         # Bumped by every call from the SDK's worker: drafting ahead stops when it changes.
@@ -176,8 +183,8 @@ class ModelDrafter(Drafter):
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts, answered = self._on_model_thread(self._prepare, requests)
         if self.draft_ahead and answered:
-            generation = self._generation
-            self._model_thread.submit(self._draft_ahead, answered, generation)
+            ahead = self._model_thread.submit(self._draft_ahead, answered, self._generation)
+            ahead.add_done_callback(_log_failure)
         return drafts
 
     def on_release(self, key: Key) -> None:
