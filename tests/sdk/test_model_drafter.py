@@ -150,7 +150,8 @@ def test_splitspec_drafter_model_serves_once_loaded_and_reports_its_tokenizer(tm
             await asyncio.sleep(0.05)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port_file.read_text().strip()}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            while (await health.Check(health_pb2.HealthCheckRequest())).status != health_pb2.HealthCheckResponse.SERVING:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            while (await health.Check(health_pb2.HealthCheckRequest())).status != serving:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             stub = drafter_pb2_grpc.DrafterServiceStub(channel)

@@ -361,7 +361,8 @@ class DrafterClient:
         if not theirs or not ours or theirs == ours:
             return ""
         return (f"tokenizer mismatch: drafter {info.name or '?'} uses {info.tokenizer or 'an unnamed tokenizer'} "
-                f"({theirs}, vocab {info.vocab_size}), the model's is {self.tokenizer_name or 'unnamed'} ({ours}, vocab {self.vocab_size})")
+                f"({theirs}, vocab {info.vocab_size}), the model's is {self.tokenizer_name or 'unnamed'} "
+                f"({ours}, vocab {self.vocab_size})")
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -83,7 +83,8 @@ async def _replay(drafter: ModelDrafter, prompts: list[Prompt], outputs: list[li
 
 def print_table(figures: list[DraftModelFigures], model: str, device: str) -> None:
     print(f"\n== draft model {model} on {device}: the drafter's calls, replaying plain decoding's outputs ==")
-    header = f"{'draft ahead':>11} {'calls':>6} {'p50 ms':>7} {'p99 ms':>7} {'hit rate':>8} {'acc rate':>8} {'mean acc len':>12}"
+    header = (f"{'draft ahead':>11} {'calls':>6} {'p50 ms':>7} {'p99 ms':>7} {'hit rate':>8} {'acc rate':>8} "
+              f"{'mean acc len':>12}")
     print(header)
     print("-" * len(header))
     for f in figures:
