@@ -22,6 +22,8 @@ from drafter_sdk.drafter import DraftRequest, SamplingHints
 from drafter_sdk.drafters.model import ModelDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.servicer import DrafterServicer
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 
 torch.set_num_threads(1)
@@ -175,3 +177,30 @@ def test_the_sdk_and_its_cli_import_without_torch():
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_through_the_sdk_servicer_namespacing_resync_and_idle_eviction(draft_model):
+    """The SDK's protocol logic in front of the model drafter: per-verifier state, a delta the drafter
+    cannot place asks for a resync, and idle eviction frees the KV memory."""
+    now = [0.0]
+    servicer = DrafterServicer(make(draft_model, draft_ahead=False), SequenceStore(idle_timeout_s=10,
+                                                                                   clock=lambda: now[0]))
+    servicer.loaded = True
+    drafter = servicer.drafter
+    reference = tiny_draft_pair()[0]
+
+    def call(verifier: str, context_len: int, tokens: list[int]) -> pb.DraftResult:
+        return servicer.prepare(pb.PrepareDraftTokensRequest(verifier_id=verifier, sequences=[pb.DraftSequence(
+            request_id="r", context_len=context_len, new_tokens=tokens, prompt_len=1, draft_len=3)])).results[0]
+
+    a, b = PROMPTS[0], PROMPTS[1]
+    assert list(call("v1", 0, a).draft_tokens) == greedy(reference, a, 3)
+    assert list(call("v2", 0, b).draft_tokens) == greedy(reference, b, 3)  # same request id, another verifier
+    assert drafter.state_bytes(("v1", "r")) > 0 and drafter.state_bytes(("v2", "r")) > 0
+    assert list(call("v1", len(a), [9]).draft_tokens) == greedy(reference, a + [9], 3)
+    assert call("v1", len(a) + 5, [9]).status == pb.DRAFT_STATUS_RESYNC_REQUIRED  # a gap: resync, state kept
+    assert list(call("v1", 0, a + [9, 4]).draft_tokens) == greedy(reference, a + [9, 4], 3)
+    now[0] = 100.0
+    assert servicer.evict_idle() == 2
+    assert drafter.kv_bytes_used == 0
+    drafter.close()
