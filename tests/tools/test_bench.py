@@ -11,8 +11,8 @@ from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.tools.local_services import script
 
-SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec model remote",
-           "transformers generate", "transformers prompt lookup"}
+SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "transformers generate",
+           "transformers prompt lookup"}
 
 
 def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
@@ -22,8 +22,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "12",
-         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out),
-         "--draft-model", str(model_dir), "--draft-device", "cpu"],  # the model drafting for itself
+         "--workloads", "grounded,open", "--concurrency", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== grounded (1 prompts) ==" in done.stdout and "== serving" in done.stdout
@@ -35,6 +34,20 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     assert max(sizes[1:]) < 2 * min(sizes[1:]), "deltas, not histories: request size stays flat"
     assert report["serving"][0]["identical"] == report["serving"][0]["requests"]
     assert (out / "chart.png").stat().st_size > 0
+
+
+def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "24",
+         "--workloads", "grounded,open", "--out", str(out), "--draft-model", str(model_dir),  # drafting for itself
+         "--draft-device", "cpu", "--draft-model-only"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
     ahead, no_ahead = report["draft_model"]
     assert ahead["draft_ahead"] and not no_ahead["draft_ahead"] and ahead["calls"] > 0 and no_ahead["calls"] > 0
     assert no_ahead["hit_rate"] == 0.0
