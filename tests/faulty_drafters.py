@@ -18,6 +18,9 @@ re-read whenever it changes, so a test switches faults while the process runs:
 - slow_some: every `slow_every`-th call sleeps `slow_s` first, the others are ok.
 - raise: prepare_draft_tokens raises, which the SDK answers with INTERNAL.
 
+FaultyModelDrafter has the same faults but drafts with the SDK's ModelDrafter
+(the model folder named by $FAULTY_DRAFTER_MODEL) instead of the oracle.
+
 Counters go to the JSON file named by $FAULTY_DRAFTER_STATS after every call:
 {"pid", "calls", "calls_by_mode": {...}, "sequences", "released"}.
 
@@ -37,6 +40,7 @@ from drafter_sdk import Drafter, DraftRequest
 
 CONTROL_ENV = "FAULTY_DRAFTER_CONTROL"
 STATS_ENV = "FAULTY_DRAFTER_STATS"
+MODEL_ENV = "FAULTY_DRAFTER_MODEL"
 
 OracleTable = dict[tuple[int, ...], list[int]]
 
@@ -110,6 +114,9 @@ class FaultyDrafter(Drafter):
             time.sleep(float(self.control.get("slow_s", 0.3)))
         elif mode == "raise":
             raise RuntimeError("injected drafter bug")
+        return self.draft(requests)
+
+    def draft(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [oracle_draft(self.table, r.tokens, r.prompt_len, r.draft_len) for r in requests]
 
     def on_release(self, key: tuple[str, str]) -> None:
@@ -122,6 +129,31 @@ class FaultyDrafter(Drafter):
         tmp.write_text(json.dumps({"pid": os.getpid(), "calls": self.calls, "sequences": self.sequences,
                                    "released": self.released, "calls_by_mode": dict(self.by_mode)}))
         tmp.replace(self.stats_path)
+
+
+class FaultyModelDrafter(FaultyDrafter):
+    """The same faults in front of the SDK's ModelDrafter (drafts from the model in $FAULTY_DRAFTER_MODEL,
+    not from the oracle): the draft model's own KV state goes through every fault."""
+
+    name = "faulty-model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from drafter_sdk.drafters.model import ModelDrafter  # torch only for this drafter
+
+        self.model = ModelDrafter(os.environ[MODEL_ENV], device="cpu", dtype="float32", max_draft_len=8)
+
+    def load(self) -> None:
+        self.model.load()
+        self.vocab_size, self.tokenizer = self.model.vocab_size, self.model.tokenizer
+        self.tokenizer_fingerprint = self.model.tokenizer_fingerprint
+
+    def draft(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return self.model.prepare_draft_tokens(requests)
+
+    def on_release(self, key: tuple[str, str]) -> None:
+        super().on_release(key)
+        self.model.on_release(key)
 
 
 def read_stats(path: str | os.PathLike[str]) -> dict:

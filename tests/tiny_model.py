@@ -43,3 +43,16 @@ def tiny_model(seed: int = 0, layers: int = 2, init_std: float = 0.2, max_positi
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = config.eos_token_id
     return model
+
+
+def tiny_draft_pair(seed: int = 0, second_layer_scale: float = 0.3) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(draft, target) sharing the tiny vocabulary: a 2-layer target whose second layer writes
+    `second_layer_scale` of its output, and a 1-layer draft that is the target without it. The draft's
+    greedy choice agrees with the target's on roughly 60% of tokens: drafts are partly accepted."""
+    target = tiny_model(seed=seed, layers=2)
+    with torch.no_grad():
+        target.model.layers[1].self_attn.o_proj.weight.mul_(second_layer_scale)
+        target.model.layers[1].mlp.down_proj.weight.mul_(second_layer_scale)
+    draft = tiny_model(seed=seed, layers=1)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if ".layers.1." not in k})
+    return draft, target

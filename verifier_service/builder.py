@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.scheduler import Scheduler
 from verifier_service.metrics import VerifierMetrics
@@ -41,6 +42,7 @@ class Runtime:
     verifier_id: str  # namespace of its request ids at drafters
     max_model_len: int
     eos_token_ids: frozenset[int]
+    tokenizer_fingerprint: str  # drafters reporting another one get no calls
 
     @property
     def drafter(self) -> DrafterClient | None:
@@ -117,7 +119,10 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     planner = await loop.run_in_executor(model_thread, calibrate, runner, settings)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
-    drafter = build_drafter_client(spec, verifier_id, runner.vocab_size)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    drafter = build_drafter_client(spec, verifier_id, runner.vocab_size, fingerprint, model_name,
+                                   target_device=str(runner.device),
+                                   target_dtype=str(runner.dtype).removeprefix("torch."))
     if drafter is not None:
         await drafter.connect()
     scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner),
@@ -130,4 +135,4 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids)
+    return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint)

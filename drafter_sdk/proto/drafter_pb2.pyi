@@ -32,20 +32,22 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "version", "max_draft_len", "vocab_size", "tokenizer", "capabilities")
+    __slots__ = ("name", "version", "max_draft_len", "vocab_size", "tokenizer", "capabilities", "tokenizer_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     max_draft_len: int
     vocab_size: int
     tokenizer: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SamplingHints(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")

@@ -103,10 +103,18 @@ class SuffixConfig(_message.Message):
     def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ...) -> None: ...
 
 class DraftModelConfig(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "device", "dtype", "kv_cache_memory_gb", "draft_ahead")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_GB_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    device: str
+    dtype: str
+    kv_cache_memory_gb: float
+    draft_ahead: bool
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_memory_gb: _Optional[float] = ..., draft_ahead: _Optional[bool] = ...) -> None: ...
 
 class LookaheadConfig(_message.Message):
     __slots__ = ("max_window_size", "max_ngram_size", "max_verification_set_size")

@@ -20,6 +20,7 @@ class DrafterState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_STATE_NOT_CONFIGURED: _ClassVar[DrafterState]
     DRAFTER_STATE_HEALTHY: _ClassVar[DrafterState]
     DRAFTER_STATE_UNAVAILABLE: _ClassVar[DrafterState]
+    DRAFTER_STATE_INCOMPATIBLE: _ClassVar[DrafterState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -27,6 +28,7 @@ DRAFTER_STATE_UNSPECIFIED: DrafterState
 DRAFTER_STATE_NOT_CONFIGURED: DrafterState
 DRAFTER_STATE_HEALTHY: DrafterState
 DRAFTER_STATE_UNAVAILABLE: DrafterState
+DRAFTER_STATE_INCOMPATIBLE: DrafterState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -191,7 +193,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterHealth(_message.Message):
-    __slots__ = ("state", "target", "name", "version", "calls", "failures", "last_error")
+    __slots__ = ("state", "target", "name", "version", "calls", "failures", "last_error", "disabled_reason")
     STATE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +201,7 @@ class DrafterHealth(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
     state: DrafterState
     target: str
     name: str
@@ -206,10 +209,11 @@ class DrafterHealth(_message.Message):
     calls: int
     failures: int
     last_error: str
-    def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    disabled_reason: str
+    def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size")
+    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +228,7 @@ class GetServerInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -238,4 +243,5 @@ class GetServerInfoResponse(_message.Message):
     device: str
     dtype: str
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...

@@ -31,8 +31,9 @@ DOCKERFILES = {
     "verifier-cpu": DOCKER_DIR / "verifier-cpu.Dockerfile",
     "verifier-cuda": DOCKER_DIR / "verifier-cuda.Dockerfile",
     "drafter": DOCKER_DIR / "drafter.Dockerfile",
+    "model-drafter": DOCKER_DIR / "model-drafter.Dockerfile",
 }
-OVERLAYS = ("cpu", "gpu", "gpu-tp")
+OVERLAYS = ("cpu", "gpu", "gpu-tp", "gpu-model-drafter")
 VERIFIER = "splitspec-verifier"
 DRAFTER = "splitspec-drafter"
 
@@ -181,6 +182,8 @@ def dockerfile_key_for_image(image: str) -> str:
             return "verifier-cuda"
     if name.endswith("/drafter"):
         return "drafter"
+    if name.endswith("/model-drafter"):
+        return "model-drafter"
     raise AssertionError(f"no Dockerfile builds image {image!r}")
 
 

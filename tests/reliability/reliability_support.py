@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from faulty_drafters import CONTROL_ENV, STATS_ENV, read_stats, write_control
+from faulty_drafters import CONTROL_ENV, MODEL_ENV, STATS_ENV, read_stats, write_control
 from tiny_model import tiny_model
 from verifier_harness import (
     VerifierHandle,
@@ -82,12 +82,16 @@ class VerifierProcess(Proc):
 class SdkFaultyDrafter(Proc):
     """tests/faulty_drafters.py:FaultyDrafter served by `splitspec-drafter` (the SDK's real CLI)."""
 
-    def __init__(self, name: str = "sdk-drafter", extra_args: tuple[str, ...] = (), **kwargs: object) -> None:
-        super().__init__([script("splitspec-drafter"), f"{TESTS}/faulty_drafters.py:FaultyDrafter",
+    def __init__(self, name: str = "sdk-drafter", extra_args: tuple[str, ...] = (), draft_model: Path | None = None,
+                 **kwargs: object) -> None:
+        """With `draft_model` (a model folder), the faults sit in front of the SDK's ModelDrafter."""
+        drafter = "FaultyModelDrafter" if draft_model is not None else "FaultyDrafter"
+        super().__init__([script("splitspec-drafter"), f"{TESTS}/faulty_drafters.py:{drafter}",
                           "--log-level", "WARNING", "--grace-period-s", "5", *extra_args], name=name, **kwargs)
         self.control_path = self.workdir / "control.json"
         self.stats_path = self.workdir / f"{name}-stats.json"
-        self.env.update({CONTROL_ENV: str(self.control_path), STATS_ENV: str(self.stats_path)})
+        self.env.update({CONTROL_ENV: str(self.control_path), STATS_ENV: str(self.stats_path),
+                         **({MODEL_ENV: str(draft_model)} if draft_model is not None else {})})
         self._oracle: list = []
         self.set("ok")
 

@@ -196,6 +196,9 @@ def test_queue_and_concurrency_limits_answer_resource_exhausted():
     ("[1, 2]\n", ["must hold a SpeculativeConfig object"]),
     ("mode: USER_PROVIDED\nuser_provided: {drafter_target: 'x:1', auth_token_file: /nonexistent/token}\n",
      ["auth_token_file /nonexistent/token: no such file"]),
+    ("mode: DRAFT_TARGET\ndraft_model: {model: /nonexistent/draft}\n",
+     ["draft_model.model /nonexistent/draft: no such file or folder"]),
+    ("mode: DRAFT_TARGET\ndraft_model: {dtype: float8}\n", ["draft_model.dtype must be one of", "'float8'"]),
 ])
 def test_bad_config_file_is_refused_at_start_up(tmp_path, capsys, config, words):
     path = tmp_path / "speculative.yaml"

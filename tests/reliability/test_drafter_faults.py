@@ -148,9 +148,11 @@ def test_raw_drafter_fault_costs_drafts_only(raw_drafter, workload, fault):
 
 # --- the SDK drafter process: killed, hanging, slow, failing -------------------------------------
 
-@pytest.fixture
-def sdk_drafter(workload):
-    with SdkFaultyDrafter() as d:
+@pytest.fixture(params=["oracle", "model"])
+def sdk_drafter(request, workload, tiny_model_dir):
+    """The SDK drafter process: drafting from the oracle, or with the SDK's ModelDrafter (the target
+    model drafting for itself, so its drafts are accepted)."""
+    with SdkFaultyDrafter(draft_model=tiny_model_dir if request.param == "model" else None) as d:
         d.set("ok", oracle=workload.oracle())
         d.start()
         yield d

@@ -83,3 +83,22 @@ def test_suffix_speed_measures_the_drafter_itself() -> None:
                                  corpus_tokens=5000)
     assert (speed.cached_outputs, speed.sequences, speed.context_len) == (5, 2, 100)
     assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0
+
+
+def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "24",
+         "--workloads", "grounded,open", "--out", str(out), "--draft-model", str(model_dir),  # drafting for itself
+         "--draft-device", "cpu", "--draft-model-only"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    ahead, no_ahead = report["draft_model"]
+    assert ahead["draft_ahead"] and not no_ahead["draft_ahead"] and ahead["calls"] > 0 and no_ahead["calls"] > 0
+    assert no_ahead["hit_rate"] == 0.0
+    assert ahead["acceptance_rate"] >= 0.9 and no_ahead["acceptance_rate"] >= 0.9  # a model drafting for itself
+    assert "== draft model" in done.stdout

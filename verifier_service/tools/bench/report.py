@@ -37,6 +37,7 @@ class Report:
     # Per workload: a system's speed relative to a baseline's (median over prompts of time-per-token ratios).
     comparisons: list[dict] = field(default_factory=list)
     suffix_speed: dict | None = None  # suffix_speed.SuffixSpeed as a dict
+    draft_model: list[dict] = field(default_factory=list)  # bench.draft_model.DraftModelFigures, ahead on / off
 
     def to_json(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from verifier_service.spec.drafter_client import (
     DraftQuery,
     GrpcTransport,
 )
+from verifier_service.tools.bench import draft_model
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
@@ -62,6 +65,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="acceptance only, no timing: replay the n-gram and suffix drafters against transformers' "
                         "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
+    p.add_argument("--draft-model", metavar="PATH",
+                   help="also bench a draft model ('embedded': SmolLM2 drafting for itself): the system "
+                        "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
+    p.add_argument("--draft-device", default="auto", help="device of the draft model: auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--draft-dtype", default="auto", help="dtype of the draft model (auto: bfloat16 on cuda)")
+    p.add_argument("--draft-model-only", action="store_true",
+                   help="with --draft-model: only the draft model's own figures (no services; the target's "
+                        "outputs come from transformers generate())")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -88,7 +99,43 @@ def main(args: argparse.Namespace) -> int:
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
-    print("starting two drafters and four verifiers ...", flush=True)
+    draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
+    if args.draft_model and args.draft_model_only:
+        plain = TransformersSystem("plain", model)
+        _draft_model_figures(args, draft_path, prompts, [plain.run(p, args.max_new_tokens).token_ids for p in prompts],
+                             seconds, curve, model.config.vocab_size, report)
+        report.to_json(out / "results.json")
+        print(f"\nwrote {out / 'results.json'}")
+        return 0
+    print("starting the drafters and verifiers ...", flush=True)
+    with contextlib.ExitStack() as stack:
+        model_system = []
+        if args.draft_model:
+            drafter_argv = [script("splitspec-drafter"), "model", "--device", args.draft_device, "--dtype",
+                            args.draft_dtype, "--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING",
+                            *(["--model", draft_path] if draft_path else [])]
+            model_drafter = stack.enter_context(LocalService(drafter_argv, name="model-drafter"))
+            model_remote = stack.enter_context(LocalService(
+                [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
+                 model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
+            model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
+        _run_systems(args, common, model, tokenizer, prompts, curve, seconds, report, model_system, draft_path)
+    if args.suffix_speed_outputs:
+        print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
+        report.suffix_speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
+    rep.print_tables(report)
+    report.to_json(out / "results.json")
+    rep.save_chart(report, out / "chart.png")
+    print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
+    return 0
+
+
+def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Module,
+                 tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
+                 seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
+                 draft_path: str | None) -> None:
+    """Start the n-gram and suffix drafters and four verifiers, run every system (plus `extra_systems`) on
+    every prompt, summarise into `report`; with a draft model, its own figures too."""
     with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                        "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
          LocalService([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
@@ -106,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
                    VerifierSystem(NGRAM_REMOTE, remote.address, speculate=True),
                    VerifierSystem(SUFFIX_LOCAL, slocal.address, speculate=True),
-                   VerifierSystem(SUFFIX_REMOTE, sremote.address, speculate=True)]
+                   VerifierSystem(SUFFIX_REMOTE, sremote.address, speculate=True), *extra_systems]
         if not args.no_transformers:
             systems += [TransformersSystem("transformers generate", model),
                         TransformersSystem("transformers prompt lookup", model,
@@ -128,14 +175,19 @@ def main(args: argparse.Namespace) -> int:
             report.serving = _serving(remote.address, prompts, args)
         for system in systems:
             system.close()
-    if args.suffix_speed_outputs:
-        print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
-        report.suffix_speed = dataclasses.asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
-    rep.print_tables(report)
-    report.to_json(out / "results.json")
-    rep.save_chart(report, out / "chart.png")
-    print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
-    return 0
+        if args.draft_model:
+            _draft_model_figures(args, draft_path, prompts, [r.token_ids for r in runs[PLAIN]], seconds, curve,
+                                 model.config.vocab_size, report)
+
+
+def _draft_model_figures(args: argparse.Namespace, draft_path: str | None, prompts: list[workloads.Prompt],
+                         outputs: list[list[int]], seconds: dict[int, float], curve: step_costs.CostCurve,
+                         vocab_size: int, report: rep.Report) -> None:
+    print("replaying plain decoding through the draft model, drafting ahead on and off ...", flush=True)
+    figures = draft_model.measure(draft_path, args.draft_device, args.draft_dtype, prompts, outputs,
+                                  args.max_draft_len, lambda tokens: seconds[min(seconds)] * curve(tokens), vocab_size)
+    report.draft_model = [asdict(f) for f in figures]
+    draft_model.print_table(figures, args.draft_model, args.draft_device)
 
 
 def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt],
@@ -150,7 +202,7 @@ def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
     speed = None
     if args.suffix_speed_outputs:
         print(f"\ntiming the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
-        speed = dataclasses.asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
+        speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
         rep.print_suffix_speed(speed)
     (out / "replay.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "max_draft_len": k,
                                                  "results": replay.as_dicts(results), "suffix_speed": speed},

@@ -1,0 +1,158 @@
+"""A draft model (the SDK's ModelDrafter) in front of the verifier, on the tiny draft/target pair:
+in-process (DRAFT_TARGET) and as a real drafter service (USER_PROVIDED), outputs identical to plain
+decoding in mixed batches, across a drafter restart (resyncs) and releases; and a drafter whose
+tokenizer is not the model's gets no calls, with the reason in GetServerInfo."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import pytest
+from tiny_model import tiny_draft_pair, tiny_tokenizer
+from transformers import PreTrainedTokenizerFast
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import (
+    WAIT_S,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    run_together,
+)
+
+from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.proto import verifier_pb2
+from drafter_sdk.server import start_server
+from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+
+# Prompts of different lengths and generation lengths: a mixed batch.
+PROMPTS = [[5, 17, 230, 41], [99, 3, 3, 12, 7, 150, 61, 8, 8, 20], [300, 4], [44] * 6]
+NEW_TOKENS = [40, 24, 56, 32]
+
+
+@functools.cache
+def pair():
+    return tiny_draft_pair()
+
+
+@functools.cache
+def references() -> list[list[int]]:
+    return [reference_greedy(pair()[1], p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft")
+    pair()[0].save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+async def generate_all(v) -> list[verifier_pb2.GenerateResponse]:
+    calls = [functools.partial(v.stub.Generate, token_request(p, n), timeout=WAIT_S)
+             for p, n in zip(PROMPTS, NEW_TOKENS)]
+    return await run_together(v, calls)
+
+
+def check_exact(responses) -> int:
+    """Outputs are plain decoding's; returns the accepted draft tokens."""
+    assert [list(r.output.token_ids) for r in responses] == references()
+    return sum(r.output.stats.num_accepted_tokens for r in responses)
+
+
+def test_draft_target_in_process_is_exact_and_drafts(draft_dir):
+    spec = spec_config("DRAFT_TARGET", 4)
+    spec.draft_model.model = str(draft_dir)
+
+    async def body():
+        async with run_verifier(spec, model=pair()[1]) as v:
+            responses = await generate_all(v)
+            info = await v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())
+            drafter = engine_of(v).drafter.transport._servicer.drafter
+            return responses, info, drafter
+
+    responses, info, drafter = asyncio.run(body())
+    assert check_exact(responses) > 0
+    assert info.drafter.state == verifier_pb2.DRAFTER_STATE_HEALTHY and info.drafter.name == "model"
+    assert info.tokenizer_fingerprint == tokenizer_fingerprint(tiny_tokenizer())
+    assert info.speculative_config.draft_model.draft_ahead and info.speculative_config.draft_model.device == "auto"
+    assert drafter.stats.lookups > 0 and drafter.kv_bytes_used == 0  # every finished request was released
+
+
+def test_remote_model_drafter_restarted_mid_generation_stays_exact(draft_dir):
+    """A real drafter service on port 0; halfway it is replaced by a fresh one on the same port."""
+    def new_drafter() -> ModelDrafter:
+        return ModelDrafter(str(draft_dir), device="cpu", dtype="float32", max_draft_len=4)
+
+    async def body():
+        first = await start_server(new_drafter(), host="127.0.0.1", port=0, grace_period_s=0.0)
+        await first.wait_loaded()
+        port, second = first.port, None
+        spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{port}", deadline_ms=30000)
+        spec.user_provided.delta_overlap_steps = 1
+        try:
+            async with run_verifier(spec, model=pair()[1]) as v:
+                client = engine_of(v).drafter
+                transport = client.transport
+                prepare, calls = transport.prepare, []
+
+                async def restarting_prepare(request, timeout_s):  # noqa: ANN001, ANN202
+                    nonlocal second
+                    calls.append(request)
+                    if len(calls) == 8:
+                        await first.stop(0)
+                        second = await start_server(new_drafter(), host="127.0.0.1", port=port, grace_period_s=0.0)
+                        await second.wait_loaded()
+                        await asyncio.wait_for(transport._channel.channel_ready(), WAIT_S)
+                    return await prepare(request, timeout_s)
+
+                transport.prepare = restarting_prepare
+                responses = await generate_all(v)
+                accepted_after = sum(len(c.sequences) for c in calls[8:])
+                held = second.servicer.drafter
+                await asyncio.sleep(0.2)  # releases are sent in the background
+                return responses, client.stats, held, accepted_after
+        finally:
+            await first.stop(0)
+            if second is not None:
+                await second.stop(0)
+
+    responses, stats, second_drafter, calls_after = asyncio.run(body())
+    assert check_exact(responses) > 0
+    assert stats.resyncs > 0 and calls_after > 0  # the fresh drafter asked for whole contexts, then drafted
+    assert second_drafter.stats.lookups > 0
+    assert second_drafter.kv_bytes_used == 0 and not second_drafter._sequences  # released as requests finished
+
+
+def other_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().backend_tokenizer, eos_token="<eos>")
+    tokenizer.add_tokens(["<extra>"])
+    return tokenizer
+
+
+def test_a_drafter_with_another_tokenizer_gets_no_calls_and_the_server_says_why(caplog):
+    assert tokenizer_fingerprint(other_tokenizer()) != tokenizer_fingerprint(tiny_tokenizer())
+    drafter = ModelDrafter(loaded=(pair()[0], other_tokenizer()), max_draft_len=4)
+
+    async def body():
+        running = await start_server(drafter, host="127.0.0.1", port=0, grace_period_s=0.0)
+        await running.wait_loaded()
+        try:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{running.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=pair()[1]) as v:
+                responses = await generate_all(v)
+                info = await v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())
+            return responses, info
+        finally:
+            await running.stop(0)
+
+    with caplog.at_level(logging.ERROR, logger="verifier_service.spec.drafter_client"):
+        responses, info = asyncio.run(body())
+    assert check_exact(responses) == 0
+    assert info.drafter.state == verifier_pb2.DRAFTER_STATE_INCOMPATIBLE
+    assert "tokenizer mismatch" in info.drafter.disabled_reason
+    assert tokenizer_fingerprint(other_tokenizer()) in info.drafter.disabled_reason
+    assert info.tokenizer_fingerprint in info.drafter.disabled_reason
+    assert drafter.stats.lookups == 0 and info.drafter.calls == 0
+    lines = [r for r in caplog.records if "speculation off" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
