@@ -10,6 +10,8 @@ by swapping the prefix:
                              / rate(splitspec:spec_decode_num_drafts_total[5m])
     per-position rate      rate(splitspec:spec_decode_num_accepted_tokens_per_pos_total[5m])
                          / ignoring(position) group_left rate(splitspec:spec_decode_num_drafts_total[5m])
+    prefix cache hit rate  rate(splitspec:prefix_cache_hits_total[5m])
+                         / rate(splitspec:prefix_cache_queries_total[5m])
 
 The engine reports each decode step (`observe_decode`), the gRPC servicer each
 request (`RequestTimer`), and the queue / running / KV gauges are read at scrape
@@ -98,6 +100,12 @@ class VerifierMetrics:
         self.num_requests_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot", registry=r)
         self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc",
                                     "Share of the KV cache's token capacity holding live entries (0 to 1)", registry=r)
+        # --- prefix caching, in tokens, as vLLM counts them
+        self.prefix_cache_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied",
+                                         registry=r)
+        self._prefix_seen = (0, 0)  # queries, hits at the last observation
         ProcessCollector(registry=r)
         self._drafter_seen = (0, 0, 0, 0)  # calls, failures, skipped, resyncs at the last step
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
@@ -146,6 +154,14 @@ class VerifierMetrics:
             self.drafter_call_failures.inc(failures)
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
+
+
+    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
+        """The prefix cache's running totals (tokens queried, tokens hit)."""
+        queries, hits = queries_total - self._prefix_seen[0], hits_total - self._prefix_seen[1]
+        self._prefix_seen = (queries_total, hits_total)
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
 
 
 class RequestTimer:

@@ -127,7 +127,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return verifier_pb2.GenerateResponse(output=verifier_pb2.GenerationOutput(
             request_id=request.params.request_id or seq.request_id, text="".join(text), token_ids=seq.output_ids,
             finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
-            prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq)))
+            prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq),
+            cached_prompt_tokens=seq.cached_prompt_tokens))
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
@@ -140,6 +141,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 chunk.finish_reason = FINISH[out.finish_reason]
                 chunk.stop_reason = out.stop_reason
                 chunk.prompt_tokens = len(seq.prompt_ids)
+                chunk.cached_prompt_tokens = seq.cached_prompt_tokens
                 chunk.stats.CopyFrom(stats_message(seq))
             elif not out.text and not out.token_ids:
                 continue

@@ -82,6 +82,9 @@ class Engine:
         token plus its draft), commit."""
         plan = self.scheduler.schedule()
         self._release(plan.released)
+        if self.metrics is not None:
+            cache = self.scheduler.prefix_cache
+            self.metrics.observe_prefix_cache(cache.queries, cache.hits)
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         reply = await self._draft(plan)
@@ -109,7 +112,7 @@ class Engine:
         """The packed forward and the verification of every draft, on the model thread."""
         batch, rows = plan.forward_batch(), plan.verify_rows()
         return await asyncio.get_running_loop().run_in_executor(
-            self._model_thread, lambda: verify_batch(self.runner.forward(batch), rows))
+            self._model_thread, lambda: plan.spread(verify_batch(self.runner.forward(batch), rows)))
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
         finished = self.scheduler.update(plan, new_tokens)
