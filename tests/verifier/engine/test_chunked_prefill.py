@@ -54,7 +54,8 @@ def test_every_chunk_size_is_exact_beside_decode_and_verify_rows(budget: int) ->
     expected = refs()
 
     async def main() -> None:
-        async with serve_drafter(OracleDrafter({tuple(p): r for p, r in zip(PROMPTS, expected)}, seed=budget)) as d:
+        oracle = OracleDrafter({tuple(p): r for p, r in zip(PROMPTS, expected)}, seed=budget)
+        async with serve_drafter(oracle) as d:
             spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{d.port}", deadline_ms=30000)
             async with run_verifier(spec, model=shared_model(), max_num_batched_tokens=budget,
                                     enable_prefix_caching=False) as v:
@@ -64,8 +65,9 @@ def test_every_chunk_size_is_exact_beside_decode_and_verify_rows(budget: int) ->
                     assert list(r.output.token_ids) == ref, f"budget {budget}, prompt {i}"
                     assert r.output.cached_prompt_tokens == 0
                 assert sum(r.output.stats.num_accepted_tokens for r in responses) > 0
+                assert oracle.rejected_at and not oracle.feedback_errors
                 # The budget held: no step carried more prompt tokens than it allows (decode rows aside).
-                most = max(max(lengths) for s in spy.steps for _, lengths, _ in s.forwards)
+                most = max(longest for s in spy.steps for _, longest, _ in s.forwards)
                 assert most <= max(budget, 5), most
                 if budget < 41:  # some prompt was split over steps
                     assert any(len(s.forwards) and s.admitted == 0 for s in spy.steps)
