@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from verifier_service.engine.sampler import verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import Sequence
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model.runner import ModelRunner
+from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._forward_s = 0.0  # the last step's runner.forward, timed on the model thread
 
     def start(self) -> None:
         """Run the decoding loop in the background (on the running event loop)."""
@@ -64,11 +68,19 @@ class Engine:
             self._wake.set()
 
     async def _run(self) -> None:
+        previous: float | None = None  # start of the last step, while the loop keeps stepping
         while True:
             if not self.scheduler.has_work():
+                previous = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            started = time.perf_counter()
+            if previous is not None and self.metrics is not None:
+                # Per-step overhead: everything of a step period but the forward itself.
+                self.metrics.step_overhead.observe(started - previous - self._forward_s)
+            previous = started
+            self._forward_s = 0.0
             try:
                 await self.step()
             except asyncio.CancelledError:
@@ -112,7 +124,13 @@ class Engine:
         """The packed forward and the verification of every draft, on the model thread."""
         batch, rows = plan.forward_batch(), plan.verify_rows()
         return await asyncio.get_running_loop().run_in_executor(
-            self._model_thread, lambda: plan.spread(verify_batch(self.runner.forward(batch), rows)))
+            self._model_thread, lambda: plan.spread(verify_batch(self._timed_forward(batch), rows)))
+
+    def _timed_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        started = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self._forward_s = time.perf_counter() - started
+        return logits
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
         finished = self.scheduler.update(plan, new_tokens)
