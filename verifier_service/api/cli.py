@@ -26,7 +26,8 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
 
 
 SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "tensor_parallel_size",
-                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
+                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                 "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s")
 
 

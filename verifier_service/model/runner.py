@@ -156,5 +156,6 @@ class ModelRunner:
         ids = torch.tensor([batch.input_ids], device=self.device)
         out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
                          use_cache=False, **{STEP_KWARG: step})
-        index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)  # may be empty: a mid-prompt chunk
+        # long: may be empty (only mid-prompt chunks this step)
+        index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)
         return self._head(out.last_hidden_state[0].index_select(0, index)).float()

@@ -23,6 +23,7 @@ from verifier_service.spec.drafter_client import (
     DraftQuery,
     GrpcTransport,
 )
+from verifier_service.tools.bench import engine_sections
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
+    engine_sections.add_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -56,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
+    engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
     seconds = _forward_costs(model, args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
@@ -64,9 +67,14 @@ def main(args: argparse.Namespace) -> int:
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
+    drafter_argv = [script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+                    "--max-matching-ngram-size", str(args.ngram_size)]
+    if args.engine_only:
+        with LocalService(drafter_argv, name="drafter") as drafter:
+            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
+        return 0
     print("starting the drafter and two verifiers ...", flush=True)
-    with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
+    with LocalService(drafter_argv, name="drafter") as drafter, \
          LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                        "--drafter-target", drafter.address, *common], name="verifier-remote") as remote, \
          LocalService([script("splitspec-verifier"), "--speculative-mode", "ngram",
@@ -92,6 +100,10 @@ def main(args: argparse.Namespace) -> int:
             report.serving = _serving(remote.address, prompts, args)
         for system in systems:
             system.close()
+        if args.engine_sections:
+            remote.stop()  # the engine sections start their own verifiers
+            local.stop()
+            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
     rep.print_tables(report)
     report.to_json(out / "results.json")
     rep.save_chart(report, out / "chart.png")
