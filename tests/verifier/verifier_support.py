@@ -222,7 +222,8 @@ class EngineSpy:
         def spy_schedule():  # noqa: ANN202
             plan = schedule()
             if self.current is not None:
-                self.current.admitted += len(plan.prefills)
+                # Admitted this step: a first chunk (a later chunk of a long prompt starts past its cached part).
+                self.current.admitted += sum(s.num_prefilled == s.cached_prompt_tokens for s in plan.prefills)
             return plan
 
         def spy_forward(batch):  # noqa: ANN001, ANN202

@@ -13,6 +13,7 @@ import torch
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
     WAIT_S,
+    EngineSpy,
     cached_reference,
     engine_of,
     one_torch_thread,  # noqa: F401 - autouse fixture
@@ -135,12 +136,9 @@ def test_prefix_hit_leaves_the_kv_of_a_fresh_prefill() -> None:
         runner.close()
 
 
-def test_cached_slots_are_evicted_before_a_request_waits_or_is_refused() -> None:
-    """Two slots, no queue: every slot idle with cached prompts, new requests still get in
-    (evicting), never RESOURCE_EXHAUSTED; a request whose cached prefix is evicted while it
-    waits is exact anyway."""
-    doc = tokens(10, 40)
-
+def test_cached_slots_are_evicted_before_a_request_is_refused() -> None:
+    """Two slots, no queue: with every slot idle holding a cached prompt, new requests are admitted
+    (evicting), never RESOURCE_EXHAUSTED."""
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 3), model=shared_model(), max_num_seqs=2,
                                 max_queue_len=0) as v:
@@ -149,22 +147,37 @@ def test_cached_slots_are_evicted_before_a_request_waits_or_is_refused() -> None
             for seed in (11, 12):
                 await generate(v, tokens(seed, 40), 4)
             assert engine.scheduler.prefix_cache.num_idle == 2
-            # Both slots idle and no queue: two requests at once are admitted, not refused.
-            outs = await asyncio.gather(generate(v, doc, 6), generate(v, tokens(13, 40), 6))
-            assert list(outs[0].token_ids) == ref(doc, 6)
-            # doc's slot is idle now; two long runs take both slots (evicting it) while doc + more waits.
-            long_runs = [asyncio.ensure_future(generate(v, tokens(s, 30), 40)) for s in (14, 15)]
-            await wait_until(lambda: engine.scheduler.num_running == 2, "both slots to run")
+            prompts = [tokens(13, 40), tokens(14, 33)]
+            outs = await asyncio.gather(*(generate(v, p, 6) for p in prompts))
+            assert [list(o.token_ids) for o in outs] == [ref(p, 6) for p in prompts]
+            assert all(o.cached_prompt_tokens == 0 for o in outs)
+            no_leak(engine)
+
+    asyncio.run(main())
+
+
+def test_a_cached_prefix_evicted_while_its_request_waits() -> None:
+    """doc's slot is cached; two long runs take both slots (evicting it) while doc + more waits:
+    admitted later, it finds nothing cached and is still exact."""
+    doc = tokens(10, 40)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 3), model=shared_model(), max_num_seqs=2) as v:
+            engine = engine_of(v)
+            await generate(v, doc, 6)
+            await generate(v, tokens(17, 20), 4)
+            assert engine.scheduler.prefix_cache.num_idle == 2
+            spy = EngineSpy(engine)
+            long_runs = [asyncio.ensure_future(generate(v, tokens(s, 30), 60)) for s in (14, 15)]
+            await wait_until(lambda: engine.scheduler.num_running == 2, "both slots to run", *long_runs)
+            spy.gate.clear()  # hold the engine inside a step while the next request arrives
             waiter = doc + tokens(16, 5)
-            max_queue_refused = None
-            try:
-                out = await generate(v, waiter, 6)
-            except grpc.aio.AioRpcError as exc:  # with no queue it may be refused while both slots run
-                max_queue_refused = exc.code()
-                await asyncio.gather(*long_runs)
-                out = await generate(v, waiter, 6)
-            assert max_queue_refused in (None, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            assert list(out.token_ids) == ref(waiter, 6)
+            queued = asyncio.ensure_future(generate(v, waiter, 6))
+            await wait_until(lambda: engine.scheduler.num_waiting == 1, "the request to wait", queued)
+            assert engine.scheduler.prefix_cache.num_idle == 0  # doc's blocks were evicted
+            spy.gate.set()
+            out = await queued
+            assert list(out.token_ids) == ref(waiter, 6) and out.cached_prompt_tokens == 0
             await asyncio.gather(*long_runs)
             no_leak(engine)
 
