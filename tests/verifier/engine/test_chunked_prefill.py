@@ -26,6 +26,8 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.builder import batched_tokens
+from verifier_service.model.step_costs import CostCurve
 
 
 def long_prompt(seed: int, n: int) -> list[int]:
@@ -70,7 +72,7 @@ def test_every_chunk_size_is_exact_beside_decode_and_verify_rows(budget: int) ->
                 most = max(longest for s in spy.steps for _, longest, _ in s.forwards)
                 assert most <= max(budget, 5), most
                 if budget < 41:  # some prompt was split over steps
-                    assert any(len(s.forwards) and s.admitted == 0 for s in spy.steps)
+                    assert any(s.prefills > s.admitted for s in spy.steps)
 
     asyncio.run(main())
 
@@ -96,3 +98,11 @@ def test_cancelled_mid_prefill_frees_its_slot_and_neighbours_stay_exact() -> Non
             assert engine.runner.kv_cache.num_used_slots == 0
 
     asyncio.run(main())
+
+
+def test_default_budget_is_the_most_tokens_within_the_step_cost_target() -> None:
+    # One-token step = 1.0; a step of 64 tokens costs 2x, of 128 tokens 3x (linear in between).
+    curve = CostCurve(((1, 1.0), (64, 2.0), (128, 3.0)))
+    assert batched_tokens(curve, 2048) == 96  # 2.5x
+    assert batched_tokens(curve, 50) == 50  # never past the limit
+    assert batched_tokens(CostCurve(((1, 1.0), (16, 4.0))), 2048) == 16  # at least 16
