@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # Default chunked-prefill budget: a step may cost this many one-token steps, so the running
 # streams' longest gap during a long prefill stays within ~3x their usual one.
 PREFILL_STEP_COST = 2.5
-CHUNK_PROBE_TOKENS = 128  # the cost curve is measured this far (at least) when the budget is derived
+CHUNK_PROBE_TOKENS = 64  # the cost curve is measured this far (at least) when the budget is derived
 MAX_DEFAULT_BATCHED_TOKENS = 2048
 
 

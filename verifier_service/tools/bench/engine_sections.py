@@ -8,12 +8,14 @@
 - multi-turn: time to first token of each turn of a chat over a long document, with prefix
   caching on and off (the outputs must be identical).
 
-Each configuration is its own verifier process, so no cache or budget leaks between them.
+Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching; each section
+uses prompts of its own, so no cached prefix crosses from one section to another.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
@@ -32,6 +34,7 @@ from verifier_service.tools.local_services import LocalService, script
 
 SECTIONS = ("overhead", "prefill-gap", "multi-turn")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
+STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,15 +77,23 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
     chosen = sections(args)
     spec = ["--speculative-mode", "user_provided", "--drafter-target", drafter_address, *common]
     results: dict = {}
-    if "overhead" in chosen:
-        results["overhead"] = _overhead(spec, tokenizer, args, one_token_forward_s)
-    if "prefill-gap" in chosen:
-        long_prompt = document(tokenizer, args.long_prompt_tokens)
-        results["prefill_gap"] = [_prefill_gap(spec, extra, label, long_prompt, tokenizer, args)
-                                  for label, extra in (("chunked (default)", []),
-                                                       ("unchunked", ["--max-num-batched-tokens", str(UNCHUNKED)]))]
-    if "multi-turn" in chosen:
-        results["multi_turn"] = _multi_turn(spec, tokenizer, args)
+    metrics_port = free_port()
+    with contextlib.ExitStack() as stack:
+        def verifier(name: str, *extra: str) -> LocalService:
+            print(f"starting verifier-{name} ...", flush=True)
+            return stack.enter_context(LocalService([script("splitspec-verifier"), *spec, *extra],
+                                                    name=f"verifier-{name}", startup_timeout_s=STARTUP_TIMEOUT_S))
+        default = verifier("default", "--metrics-port", str(metrics_port))
+        if "overhead" in chosen:
+            results["overhead"] = _overhead(default, metrics_port, tokenizer, args, one_token_forward_s)
+        if "prefill-gap" in chosen:
+            long_prompt = document(tokenizer, args.long_prompt_tokens)
+            unchunked = verifier("unchunked", "--max-num-batched-tokens", str(UNCHUNKED))
+            results["prefill_gap"] = [_prefill_gap(v, label, long_prompt, tokenizer, args)
+                                      for label, v in (("chunked (default)", default), ("unchunked", unchunked))]
+        if "multi-turn" in chosen:
+            uncached = verifier("uncached", "--no-prefix-caching")
+            results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
     _print(results)
     (out / "engine.json").write_text(json.dumps(results, indent=2))
     return results
@@ -90,27 +101,24 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
 
 # --- overhead -------------------------------------------------------------------------------------
 
-def _overhead(spec: list[str], tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
+def _overhead(v: LocalService, port: int, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
               one_token_forward_s: float) -> dict:
-    port = free_port()
     prompt = workloads.build(["grounded"], 1, tokenizer)[0].token_ids
     rows = []
-    argv = [script("splitspec-verifier"), *spec, "--metrics-port", str(port)]
-    with LocalService(argv, name="verifier-overhead") as v:
-        client = Client(v.address)
-        client.stream(prompt[:32], 8, speculate=False)  # warm-up
-        for label, speculate in (("plain", False), ("remote n-gram", True)):
-            before = _overhead_buckets(port)
-            started = time.perf_counter()
-            arrivals, _ = client.stream(prompt, args.max_new_tokens, speculate=speculate)
-            seconds = time.perf_counter() - started
-            after = _overhead_buckets(port)
-            delta = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
-            rows.append({"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
-                         "p99_ms": 1000 * _quantile(delta, 0.99),
-                         "tok_s": len(arrivals) / seconds,
-                         "x_ideal": len(arrivals) / seconds * one_token_forward_s})
-        client.close()
+    client = Client(v.address)
+    client.stream(prompt[:32], 8, speculate=False)  # warm-up
+    for label, speculate in (("plain", False), ("remote n-gram", True)):
+        before = _overhead_buckets(port)
+        started = time.perf_counter()
+        arrivals, _ = client.stream(prompt, args.max_new_tokens, speculate=speculate)
+        seconds = time.perf_counter() - started
+        after = _overhead_buckets(port)
+        delta = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+        rows.append({"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
+                     "p99_ms": 1000 * _quantile(delta, 0.99),
+                     "tok_s": len(arrivals) / seconds,
+                     "x_ideal": len(arrivals) / seconds * one_token_forward_s})
+    client.close()
     return {"one_token_forward_ms": 1000 * one_token_forward_s, "rows": rows}
 
 
@@ -139,25 +147,24 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
 
 # --- prefill gap ----------------------------------------------------------------------------------
 
-def _prefill_gap(spec: list[str], extra: list[str], label: str, long_prompt: list[int],
-                 tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
+def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer: PreTrainedTokenizerBase,
+                 args: argparse.Namespace) -> dict:
     streams = [p.token_ids for p in workloads.build(["open"], 3, tokenizer)]
-    with LocalService([script("splitspec-verifier"), *spec, *extra], name="verifier-gap") as v:
-        client = Client(v.address)
-        client.stream(streams[0][:32], 8, speculate=False)  # warm-up
-        arrivals: list[list[float]] = [[] for _ in streams]
-        threads = [threading.Thread(target=lambda i=i: arrivals[i].extend(
-            client.stream(streams[i], args.max_new_tokens, speculate=False)[0])) for i in range(len(streams))]
-        for t in threads:
-            t.start()
-        while min(len(a) for a in arrivals) < 8:
-            time.sleep(0.01)
-        admitted = time.perf_counter()
-        long_arrivals, _ = client.stream(long_prompt, 4, speculate=False)
-        long_first = long_arrivals[0]
-        for t in threads:
-            t.join()
-        client.close()
+    client = Client(v.address)
+    client.stream(streams[0][:32], 8, speculate=False)  # warm-up
+    arrivals: list[list[float]] = [[] for _ in streams]
+    threads = [threading.Thread(target=lambda i=i: arrivals[i].extend(
+        client.stream(streams[i], args.max_new_tokens, speculate=False)[0])) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    while min(len(a) for a in arrivals) < 8:
+        time.sleep(0.01)
+    admitted = time.perf_counter()
+    long_arrivals, _ = client.stream(long_prompt, 4, speculate=False)
+    long_first = long_arrivals[0]
+    for t in threads:
+        t.join()
+    client.close()
     gaps = [b - a for arr in arrivals for a, b in zip(arr, arr[1:])]
     during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > admitted and a < long_first]
     median = statistics.median(gaps)
@@ -168,25 +175,26 @@ def _prefill_gap(spec: list[str], extra: list[str], label: str, long_prompt: lis
 
 # --- multi-turn -----------------------------------------------------------------------------------
 
-def _multi_turn(spec: list[str], tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
-    doc = document(tokenizer, args.document_tokens)
+def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrainedTokenizerBase,
+                args: argparse.Namespace) -> dict:
+    # A document the other sections never sent: nothing of it is cached before turn 1.
+    doc = document(tokenizer, args.document_tokens + 200)[200:]
     questions = [tokenizer(f"\n\nQuestion {k + 1}: what does function {k + 1} above do? Answer:")["input_ids"]
                  for k in range(args.turns)]
     by_config = {}
-    for label, extra in (("caching on", []), ("caching off", ["--no-prefix-caching"])):
-        with LocalService([script("splitspec-verifier"), *spec, *extra], name="verifier-turns") as v:
-            client = Client(v.address)
-            client.stream(doc[:32], 8, speculate=False)  # warm-up (a prefix of nothing later asked)
-            context: list[int] = list(doc)
-            turns = []
-            for q in questions:
-                context += q
-                started = time.perf_counter()
-                arrivals, final = client.stream(context, 24, speculate=True)
-                turns.append({"prompt_tokens": len(context), "ttft_s": arrivals[0] - started,
-                              "cached_prompt_tokens": final.cached_prompt_tokens, "tokens": final.token_ids})
-                context += final.token_ids
-            client.close()
+    for label, v in (("caching on", cached), ("caching off", uncached)):
+        client = Client(v.address)
+        client.stream(doc[:32][::-1], 8, speculate=False)  # warm-up (a prefix of nothing later asked)
+        context: list[int] = list(doc)
+        turns = []
+        for q in questions:
+            context += q
+            started = time.perf_counter()
+            arrivals, final = client.stream(context, 24, speculate=True)
+            turns.append({"prompt_tokens": len(context), "ttft_s": arrivals[0] - started,
+                          "cached_prompt_tokens": final.cached_prompt_tokens, "tokens": list(final.token_ids)})
+            context += final.token_ids
+        client.close()
         by_config[label] = turns
     on, off = by_config["caching on"], by_config["caching off"]
     rows = [{"turn": k + 1, "prompt_tokens": a["prompt_tokens"], "cached_tokens": a["cached_prompt_tokens"],

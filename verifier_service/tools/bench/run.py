@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
     model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
-    seconds = _forward_costs(model, args.max_draft_len)
+    # --engine-only needs the one-token forward alone.
+    seconds = _forward_costs(model, 0 if args.engine_only else args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
                         forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
