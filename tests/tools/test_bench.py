@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.tools.local_services import script
@@ -36,6 +37,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
     assert (out / "chart.png").stat().st_size > 0
 
 
+@pytest.mark.timeout(600)  # three verifiers start one after another
 def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny"
     tiny_model(max_positions=4096).save_pretrained(model_dir)
@@ -51,7 +53,7 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(
     assert [r["system"] for r in report["overhead"]["rows"]] == ["plain", "remote n-gram"]
     assert all(r["steps"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in report["overhead"]["rows"])
     assert [r["config"] for r in report["prefill_gap"]] == ["chunked (default)", "unchunked"]
-    assert all(r["long_prompt_tokens"] == 300 for r in report["prefill_gap"])
+    assert all(r["long_prompt_tokens"] == 300 and r["max_gap_during_prefill_ms"] > 0 for r in report["prefill_gap"])
     turns = report["multi_turn"]["rows"]
     assert len(turns) == 3 and all(t["identical"] for t in turns)
     assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 192 for t in turns[1:])

@@ -153,8 +153,9 @@ def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer:
     client = Client(v.address)
     client.stream(streams[0][:32], 8, speculate=False)  # warm-up
     arrivals: list[list[float]] = [[] for _ in streams]
+    length = max(args.max_new_tokens, 128)  # long enough to outlast the long prompt's prefill
     threads = [threading.Thread(target=lambda i=i: arrivals[i].extend(
-        client.stream(streams[i], args.max_new_tokens, speculate=False)[0])) for i in range(len(streams))]
+        client.stream(streams[i], length, speculate=False)[0])) for i in range(len(streams))]
     for t in threads:
         t.start()
     while min(len(a) for a in arrivals) < 8:
