@@ -154,8 +154,8 @@ def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer:
     client.stream(streams[0][:32], 8, speculate=False)  # warm-up
     arrivals: list[list[float]] = [[] for _ in streams]
     length = max(args.max_new_tokens, 128)  # long enough to outlast the long prompt's prefill
-    threads = [threading.Thread(target=lambda i=i: arrivals[i].extend(
-        client.stream(streams[i], length, speculate=False)[0])) for i in range(len(streams))]
+    threads = [threading.Thread(target=client.stream, args=(streams[i], length, False, arrivals[i]))
+               for i in range(len(streams))]
     for t in threads:
         t.start()
     while min(len(a) for a in arrivals) < 8:
@@ -211,13 +211,14 @@ class Client:
         self._channel = grpc.insecure_channel(address)
         self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
 
-    def stream(self, ids: list[int], max_new_tokens: int, speculate: bool
+    def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None
                ) -> tuple[list[float], verifier_pb2.GenerationOutput]:
+        """Arrival times (appended to `arrivals` as tokens come, if given) and the final output."""
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=ids),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
             speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
-        arrivals: list[float] = []
+        arrivals = [] if arrivals is None else arrivals
         tokens: list[int] = []
         final = verifier_pb2.GenerationOutput()
         for message in self._stub.GenerateStream(request, timeout=1800):
