@@ -46,8 +46,10 @@ async def run_verifier(speculative: speculative_pb2.SpeculativeConfig | None = N
                        **settings: object) -> AsyncIterator[VerifierHandle]:
     model = model if model is not None else tiny_model()
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+    # The step token budget is pinned (whole prompts of this harness's size in one step) unless a test
+    # asks for chunks: derived from a cost curve measured on a busy machine, it would vary run to run.
     options = {"host": "127.0.0.1", "port": 0, "http_port": 0, "max_model_len": 256, "kv_cache_memory_gb": 0.25,
-               "grace_period_s": 1.0, **settings}
+               "grace_period_s": 1.0, "max_num_batched_tokens": 512, **settings}
     running = await start_server(ServerSettings(speculative=speculative or spec_config(), **options))
     try:
         await attach_model(running, model, tokenizer, "tiny")

@@ -2,7 +2,8 @@
 
 Calibration happens here, once, before the engine exists: on CPU it chooses the
 runner's linear layout for each token count, and it measures the forward-cost
-curve the draft planner is constructed with (model/step_costs.py).
+curve the draft planner is constructed with (model/step_costs.py) and the
+default step token budget of chunked prefill is read from.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
+from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.scheduler import Scheduler
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
@@ -29,6 +31,12 @@ from verifier_service.spec.planner import DraftPlanner
 from verifier_service.spec.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
+
+# Default chunked-prefill budget: a step may cost this many one-token steps, so the running
+# streams' longest gap during a long prefill stays within ~3x their usual one.
+PREFILL_STEP_COST = 2.5
+CHUNK_PROBE_TOKENS = 64  # the cost curve is measured this far (at least) when the budget is derived
+MAX_DEFAULT_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -87,19 +95,35 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
     return runner
 
 
-def calibrate(runner: ModelRunner, settings: ServerSettings) -> DraftPlanner | None:
-    """On the model thread, before serving: choose each token count's linear layout (CPU) and,
-    for adaptive draft lengths, measure the forward-cost curve the planner weighs drafts against."""
+def calibrate(runner: ModelRunner, settings: ServerSettings,
+              max_model_len: int) -> tuple[DraftPlanner | None, int | None]:
+    """On the model thread, before serving: choose each token count's linear layout (CPU) and
+    measure the forward-cost curve the planner weighs drafts against (adaptive draft lengths)
+    and the default step token budget is read from. Returns (planner, step token budget)."""
     spec = settings.speculative
     adaptive = spec.policy.adaptive_draft_len and spec.max_draft_len > 0
-    if not adaptive and runner.layouts is None:
-        return None
+    budget = settings.max_num_batched_tokens
+    if not adaptive and runner.layouts is None and budget is not None:
+        return None, budget
+    batch_tokens = runner.kv_cache.num_slots * (spec.max_draft_len + 1)
     points = step_costs.probe_points(spec.max_draft_len,
-                                     runner.kv_cache.num_slots * (spec.max_draft_len + 1))
+                                     batch_tokens if budget is not None else max(batch_tokens, CHUNK_PROBE_TOKENS))
     seconds = step_costs.tune_and_measure(runner, points)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
-    return DraftPlanner(costs) if adaptive else None
+    if budget is None:
+        budget = batched_tokens(costs, min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS))
+        log.info("chunked prefill: --max-num-batched-tokens %d (a step of %d tokens costs %.2fx a one-token step, "
+                 "at most %.1fx)", budget, budget, costs(budget), PREFILL_STEP_COST)
+    return (DraftPlanner(costs) if adaptive else None), budget
+
+
+def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:
+    """The most tokens a step carries within PREFILL_STEP_COST one-token steps (16 to `limit`)."""
+    tokens = min(16, limit)
+    while tokens < limit and costs(tokens + 1) <= PREFILL_STEP_COST:
+        tokens += 1
+    return tokens
 
 
 async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
@@ -116,7 +140,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     runner = await loop.run_in_executor(model_thread, make_runner, model, settings, max_model_len, leader)
     if leader is not None:
         await loop.run_in_executor(model_thread, leader.connect, runner.layouts, model_thread)
-    planner = await loop.run_in_executor(model_thread, calibrate, runner, settings)
+    planner, batch_tokens = await loop.run_in_executor(model_thread, calibrate, runner, settings, max_model_len)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -127,7 +151,11 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
         await drafter.connect()
     scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner),
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len, max_num_batched_tokens=batch_tokens,
+                          # Tensor-parallel followers do not replay copies: reuse by reference only.
+                          prefix_cache=PrefixCache(runner.kv_cache, settings.enable_prefix_caching,
+                                                   allow_copy=settings.tensor_parallel_size == 1))
+    log.info("prefix caching: %s", "on" if settings.enable_prefix_caching else "off (--no-prefix-caching)")
     engine = Engine(runner, scheduler, drafter, model_thread, metrics)
     if metrics is not None:
         metrics.track(lambda: scheduler.num_running, lambda: scheduler.num_waiting, scheduler.kv_usage,

@@ -10,6 +10,8 @@ by swapping the prefix:
                              / rate(splitspec:spec_decode_num_drafts_total[5m])
     per-position rate      rate(splitspec:spec_decode_num_accepted_tokens_per_pos_total[5m])
                          / ignoring(position) group_left rate(splitspec:spec_decode_num_drafts_total[5m])
+    prefix cache hit rate  rate(splitspec:prefix_cache_hits_total[5m])
+                         / rate(splitspec:prefix_cache_queries_total[5m])
 
 The engine reports each decode step (`observe_decode`), the gRPC servicer each
 request (`RequestTimer`), and the queue / running / KV gauges are read at scrape
@@ -35,6 +37,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0)
+# Engine step overhead (seconds): fine around the 1 ms target.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.0025, 0.003, 0.004,
+                    0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -98,6 +103,17 @@ class VerifierMetrics:
         self.num_requests_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot", registry=r)
         self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc",
                                     "Share of the KV cache's token capacity holding live entries (0 to 1)", registry=r)
+        # --- prefix caching, in tokens, as vLLM counts them
+        self.prefix_cache_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied",
+                                         registry=r)
+        self._prefix_seen = (0, 0)  # queries, hits at the last observation
+        # --- engine
+        self.step_overhead = Histogram(
+            f"{p}engine_step_overhead_seconds", "Per step of a busy engine: the step period minus its forward "
+            "(scheduling, drafter call, hand-offs to and from the model thread, sampling, emitting)",
+            buckets=OVERHEAD_BUCKETS, registry=r)
         ProcessCollector(registry=r)
         self._drafter_seen = (0, 0, 0, 0)  # calls, failures, skipped, resyncs at the last step
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
@@ -146,6 +162,14 @@ class VerifierMetrics:
             self.drafter_call_failures.inc(failures)
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
+
+
+    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
+        """The prefix cache's running totals (tokens queried, tokens hit)."""
+        queries, hits = queries_total - self._prefix_seen[0], hits_total - self._prefix_seen[1]
+        self._prefix_seen = (queries_total, hits_total)
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
 
 
 class RequestTimer:

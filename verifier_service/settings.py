@@ -31,6 +31,10 @@ class ServerSettings:
     max_queue_len: int = 64
     kv_cache_memory_gb: float = 4.0  # per rank: each holds its shard of the KV heads
     default_max_new_tokens: int = 256
+    # Tokens one step's forward carries (decode and verify rows first, then prompt chunks).
+    # None: the most a step can carry at PREFILL_STEP_COST times a one-token step's measured cost.
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes
     max_message_bytes: int = 16 * 1024 * 1024
     max_concurrent_rpcs: int = 1024
     # --- speculation (filled in by validation: mode NONE when unset)
@@ -62,6 +66,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"{name} must be within [0, 65535], not {value}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
         if self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:

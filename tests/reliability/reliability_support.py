@@ -299,10 +299,14 @@ class VerifierThread:
 
 def idle(handle: VerifierHandle) -> dict:
     """What the engine still holds: all zero once every request finished or was cancelled (everything
-    else kept for a request lives on its Sequence, and goes with it)."""
+    else kept for a request lives on its Sequence, and goes with it). Slots the prefix cache keeps idle
+    (evictable) are not held; every cached block must belong to one of them."""
     engine = handle.running.runtime.engine
+    cache = engine.scheduler.prefix_cache
+    holders = {slot for slots in cache._holders.values() for slot in slots}
     return {"running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting,
-            "kv_slots": engine.runner.kv_cache.num_used_slots}
+            "kv_slots": engine.runner.kv_cache.num_used_slots - cache.num_idle,
+            "stray_cached_blocks": len(holders - set(cache._idle))}
 
 
 # Figures of the run (fault, requests, failures, drafter calls; fuzz cases), printed by conftest.py.

@@ -102,3 +102,25 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
     assert no_ahead["hit_rate"] == 0.0
     assert ahead["acceptance_rate"] >= 0.9 and no_ahead["acceptance_rate"] >= 0.9  # a model drafting for itself
     assert "== draft model" in done.stdout
+
+
+@pytest.mark.timeout(600)  # three verifiers start one after another
+def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--model", str(model_dir), "--engine-only", "--engine-sections", "all",
+         "--max-new-tokens", "12", "--long-prompt-tokens", "300", "--document-tokens", "200", "--turns", "3",
+         "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Per-step overhead" in done.stdout and "Multi-turn chat" in done.stdout
+    report = json.loads((out / "engine.json").read_text())
+    assert [r["system"] for r in report["overhead"]["rows"]] == ["plain", "remote n-gram"]
+    assert all(r["steps"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in report["overhead"]["rows"])
+    assert [r["config"] for r in report["prefill_gap"]] == ["chunked (default)", "unchunked"]
+    assert all(r["long_prompt_tokens"] == 300 and r["max_gap_during_prefill_ms"] > 0 for r in report["prefill_gap"])
+    turns = report["multi_turn"]["rows"]
+    assert len(turns) == 3 and all(t["identical"] for t in turns)
+    assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 192 for t in turns[1:])

@@ -194,6 +194,7 @@ class StepRecord:
     forwards: list[tuple[int, int, int]] = field(default_factory=list)  # (rows, width, logits)
     prepares: list[int] = field(default_factory=list)  # sequences per PrepareDraftTokens call
     admitted: int = 0
+    prefills: int = 0  # sequences with a prompt chunk in the step (admitted now or earlier)
 
 
 class EngineSpy:
@@ -222,7 +223,9 @@ class EngineSpy:
         def spy_schedule():  # noqa: ANN202
             plan = schedule()
             if self.current is not None:
-                self.current.admitted += len(plan.prefills)
+                # Admitted this step: a first chunk (a later chunk of a long prompt starts past its cached part).
+                self.current.prefills += len(plan.prefills)
+                self.current.admitted += sum(s.num_prefilled == s.cached_prompt_tokens for s in plan.prefills)
             return plan
 
         def spy_forward(batch):  # noqa: ANN001, ANN202

@@ -73,7 +73,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             request_id=request.params.request_id or seq.request_id, text="".join(text), token_ids=seq.output_ids,
             finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
             prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq),
-            logprobs=logprob_messages(seq.output_logprobs), drafted=seq.output_drafted))
+            logprobs=logprob_messages(seq.output_logprobs), drafted=seq.output_drafted,
+            cached_prompt_tokens=seq.cached_prompt_tokens))
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
@@ -87,6 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 chunk.finish_reason = FINISH[out.finish_reason]
                 chunk.stop_reason = out.stop_reason
                 chunk.prompt_tokens = len(seq.prompt_ids)
+                chunk.cached_prompt_tokens = seq.cached_prompt_tokens
                 chunk.stats.CopyFrom(stats_message(seq))
             yield verifier_pb2.GenerateStreamResponse(output=chunk)
 

@@ -20,6 +20,7 @@ class Detokenizer:
         self._text = ""  # decided text, stop strings removed
         self._released = 0  # chars of _text handed out
         self._searched = 0  # stop strings cannot start before this index
+        self._before: str | None = None  # decode of ids[_prefix:_read], kept until they move (one decode per token)
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -28,19 +29,26 @@ class Detokenizer:
     def add(self, token: int) -> None:
         """Append one token; sets `stopped_by` when a stop string completes."""
         self._ids.append(token)
-        before = self._decode(self._ids[self._prefix:self._read])
+        before = self._decoded_before()
         after = self._decode(self._ids[self._prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._text += after[len(before):]
             self._prefix, self._read = self._read, len(self._ids)
+            self._before = None
             self._find_stop()
+
+    def _decoded_before(self) -> str:
+        if self._before is None:
+            self._before = self._decode(self._ids[self._prefix:self._read])
+        return self._before
 
     def flush(self) -> None:
         """At the end: release whatever is left, even an incomplete character."""
         if self._read < len(self._ids) and self.stopped_by is None:
-            before = self._decode(self._ids[self._prefix:self._read])
+            before = self._decoded_before()
             self._text += self._decode(self._ids[self._prefix:])[len(before):]
             self._read = len(self._ids)
+            self._before = None
             self._find_stop()
 
     def _find_stop(self) -> None:

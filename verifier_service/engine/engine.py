@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Sequence
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model.runner import ModelRunner
+from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply, ReleasedRequest
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._forward_s = 0.0  # the last step's runner.forward, timed on the model thread
 
     def start(self) -> None:
         """Run the decoding loop in the background (on the running event loop)."""
@@ -65,11 +69,19 @@ class Engine:
             self._wake.set()
 
     async def _run(self) -> None:
+        previous: float | None = None  # start of the last step, while the loop keeps stepping
         while True:
             if not self.scheduler.has_work():
+                previous = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            started = time.perf_counter()
+            if previous is not None and self.metrics is not None:
+                # Per-step overhead: everything of a step period but the forward itself.
+                self.metrics.step_overhead.observe(started - previous - self._forward_s)
+            previous = started
+            self._forward_s = 0.0
             try:
                 await self.step()
             except asyncio.CancelledError:
@@ -83,6 +95,9 @@ class Engine:
         token plus its draft), commit."""
         plan = self.scheduler.schedule()
         self._release(plan.released)
+        if self.metrics is not None:
+            cache = self.scheduler.prefix_cache
+            self.metrics.observe_prefix_cache(cache.queries, cache.hits)
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         reply = await self._draft(plan)
@@ -112,11 +127,13 @@ class Engine:
         batch, rows = plan.forward_batch(), plan.verify_rows()
 
         def run() -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
-            logits = self.runner.forward(batch)
+            logits = self._timed_forward(batch)
             tokens = verify_batch(logits, rows)
-            return tokens, token_logprobs(logits, rows, tokens)
+            return plan.spread(tokens), plan.spread(token_logprobs(logits, rows, tokens))
 
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, run)
+
+    def _timed_forward(self, batch: ForwardBatch) -> torch.Tensor:
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
         finished = self.scheduler.update(plan, new_tokens)

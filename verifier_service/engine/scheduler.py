@@ -4,6 +4,14 @@
 tokens each may verify); `update()` takes the plan back with the tokens the step
 produced and commits them. Admission is bounded by free KV slots and
 `max_num_seqs`; the waiting queue by `max_queue_len`.
+
+Chunked prefill: a step carries at most `max_num_batched_tokens` tokens. The running
+sequences' decode and verify rows come first; prompts fill what is left, oldest
+first, a chunk per step, so a long prompt no longer stalls every stream for its
+whole prefill. Only a prompt's last chunk asks for logits (its first token).
+
+Prefix caching (engine/prefix_cache.py) gives an admitted prompt the slot and the
+positions it can reuse; its prefill starts after them.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
@@ -24,10 +33,10 @@ class QueueFullError(Exception):
 
 @dataclass
 class StepPlan:
-    """One step. The forward packs every prefill's whole prompt, then every decode's last
+    """One step. The forward packs every prefill's chunk of its prompt, then every decode's last
     committed token (not in its KV slot yet) followed by its draft."""
 
-    prefills: list[Sequence]  # admitted this step
+    prefills: list[Sequence]  # prefilling: a chunk of each prompt this step
     decodes: list[Sequence]  # running since an earlier step
     draft_lens: list[int]  # per decode: draft tokens to verify
     # Per decode: draft tokens to ask the drafter for (>= draft_lens; the rest is a shadow
@@ -39,6 +48,16 @@ class StepPlan:
     # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
     # filled in by the engine with the step's tokens.
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # per prefill: prompt tokens computed (default: the rest)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # cached prefixes to copy first
+
+    def __post_init__(self) -> None:
+        self.chunks = self.chunks or [len(s.prompt_ids) - s.num_prefilled for s in self.prefills]
+
+    @property
+    def finishing(self) -> list[bool]:
+        """Per prefill: does its chunk end the prompt (so it yields the first token)?"""
+        return [s.num_prefilled + n == len(s.prompt_ids) for s, n in zip(self.prefills, self.chunks)]
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -47,23 +66,30 @@ class StepPlan:
     def forward_batch(self) -> ForwardBatch:
         ids: list[int] = []
         logit_index: list[int] = []
-        for seq in self.prefills:  # a prompt needs logits at its last token only
-            ids += seq.prompt_ids
-            logit_index.append(len(ids) - 1)
+        for seq, n, last in zip(self.prefills, self.chunks, self.finishing):
+            ids += seq.prompt_ids[seq.num_prefilled:seq.num_prefilled + n]
+            if last:  # a prompt needs logits at its last token only
+                logit_index.append(len(ids) - 1)
         for seq, draft in zip(self.decodes, self.drafts):  # logits at the last token and every draft token
             first = len(ids)
             ids += [seq.last_token, *draft]
             logit_index += range(first, len(ids))
         return ForwardBatch(
             input_ids=ids, slots=[s.slot for s in self.sequences],
-            starts=[0] * len(self.prefills) + [s.num_cached_tokens for s in self.decodes],
-            lengths=[len(s.prompt_ids) for s in self.prefills] + [len(d) + 1 for d in self.drafts],
-            logit_index=logit_index)
+            starts=[s.num_prefilled for s in self.prefills] + [s.num_cached_tokens for s in self.decodes],
+            lengths=self.chunks + [len(d) + 1 for d in self.drafts],
+            logit_index=logit_index, copies=self.copies)
 
     def verify_rows(self) -> list[VerifyRow]:
         """How to turn each sequence's logits (laid out as in forward_batch) into tokens."""
-        return ([VerifyRow([], s.sampling, s.generator) for s in self.prefills]
+        return ([VerifyRow([], s.sampling, s.generator) for s, last in zip(self.prefills, self.finishing) if last]
                 + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(self.decodes, self.drafts)])
+
+    def spread(self, per_row: list) -> list:
+        """Results per verify row (new tokens, log-probabilities) -> per sequence: [] for a prefill whose
+        chunk does not end its prompt (it has no row)."""
+        rows = iter(per_row)
+        return [next(rows) if last else [] for last in self.finishing] + list(rows)
 
 
 @dataclass
@@ -75,11 +101,17 @@ class Scheduler:
     max_model_len: int
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # oldest first
+    max_num_batched_tokens: int | None = None  # None: whole prompts in one step
+    prefix_cache: PrefixCache | None = None  # None: no reuse (a plain slot allocator)
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.kv_cache, enabled=False)
 
     def add(self, seq: Sequence) -> None:
         # Waiting sequences that free slots will take at the next step boundary are
         # not queued for capacity: only the rest count against the queue limit.
-        free = max(0, min(self.kv_cache.num_free_slots, self.max_num_seqs - len(self.running)))
+        free = max(0, min(self.prefix_cache.num_available, self.max_num_seqs - len(self.running)))
         if len(self.waiting) >= self.max_queue_len + free:
             raise QueueFullError(
                 f"server busy: {len(self.running)} running and {len(self.waiting)} queued "
@@ -92,16 +124,35 @@ class Scheduler:
         for seq in released:
             self._finish(seq)
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
-        decodes = list(self.running)
-        prefills: list[Sequence] = []
-        while self.waiting and self.kv_cache.num_free_slots and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            seq.slot = self.kv_cache.allocate()
-            self.running.append(seq)
-            prefills.append(seq)
+        decodes = [s for s in self.running if not s.prefilling]
         lengths, asks = self.policy.plan([s.spec for s in decodes],
                                          [s.draft_room(self.max_model_len) for s in decodes])
-        return StepPlan(prefills, decodes, lengths, asks, released)
+        budget = self._prefill_budget(sum(lengths) + len(decodes))
+        prefills, chunks, copies = [], [], []
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            prefills.append(seq)
+            chunks.append(min(len(seq.prompt_ids) - seq.num_prefilled, budget))
+            budget -= chunks[-1]
+        while (self.waiting and budget > 0 and self.prefix_cache.num_available
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting.popleft()
+            seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids)
+            seq.cached_prompt_tokens = seq.num_prefilled
+            copies += [copy] if copy is not None else []
+            self.running.append(seq)
+            prefills.append(seq)
+            chunks.append(min(len(seq.prompt_ids) - seq.num_prefilled, budget))
+            budget -= chunks[-1]
+        return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
+
+    def _prefill_budget(self, decode_tokens: int) -> int:
+        """Prompt tokens this step may carry beside `decode_tokens` of decode and verify rows.
+        Prompts always get some (at least 16, or the whole budget if smaller), however many decode."""
+        if self.max_num_batched_tokens is None:
+            return 1 << 62
+        return max(self.max_num_batched_tokens - decode_tokens, min(self.max_num_batched_tokens, 16))
 
     def update(self, plan: StepPlan, new_tokens: list[list[int]]) -> list[Sequence]:
         """Commit each sequence's new tokens (accepted draft tokens, then the target's own),
@@ -115,15 +166,19 @@ class Scheduler:
             seq.stats.record(len(draft), accepted)
             self.policy.observe(seq.spec, len(draft), accepted)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
+        for seq, n in zip(plan.prefills, plan.chunks):
+            seq.num_prefilled += n  # its KV is written, cancelled or not
         finished = []
         logprobs = plan.logprobs or [None] * len(new_tokens)
         for i, (seq, tokens, token_logprobs) in enumerate(zip(plan.sequences, new_tokens, logprobs)):
-            if seq.cancelled:  # cancelled mid-step: dropped at the next boundary
-                continue
-            num_drafted = len(tokens) - 1 if i >= len(plan.prefills) else 0  # all but the target's own
-            seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs))
-            if seq.finished:
-                finished.append(seq)
+            # Cancelled mid-step: dropped at the next boundary. A prefill chunk short of the prompt's end
+            # emits nothing.
+            if not seq.cancelled and tokens:
+                num_drafted = len(tokens) - 1 if i >= len(plan.prefills) else 0  # all but the target's own
+                seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs or None))
+                if seq.finished:
+                    finished.append(seq)
+            self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, seq.kv_len)
         for seq in finished:
             self._finish(seq)
         return finished
@@ -133,14 +188,15 @@ class Scheduler:
         failed = list(self.running)
         for seq in failed:
             seq.outputs.put_nowait(Output([], "", error=error))
-            self._finish(seq)
+            self._finish(seq, keep=False)
+        self.prefix_cache.clear()  # a failed step may have left any slot half-written
         return failed
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, keep: bool = True) -> None:
         if seq.finish_reason is None:
             seq.finish_reason = FinishReason.CANCELLED
         self.running.remove(seq)
-        self.kv_cache.free(seq.slot)
+        self.prefix_cache.release(seq.slot, keep)
         seq.slot = None
 
     @property
@@ -153,7 +209,7 @@ class Scheduler:
 
     def kv_usage(self) -> float:
         """Share of the cache's token capacity holding live entries."""
-        return sum(s.num_cached_tokens for s in self.running) / self.kv_cache.capacity_tokens
+        return sum(s.kv_len for s in self.running) / self.kv_cache.capacity_tokens
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

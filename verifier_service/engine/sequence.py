@@ -97,6 +97,8 @@ class Sequence:
     stop_reason: str = ""
     cancelled: bool = False
     _pieces: list[str] = field(default_factory=list)  # text released per token since the last emit
+    num_prefilled: int = 0  # prompt positions whose KV its slot holds (chunked prefill, cached prefix)
+    cached_prompt_tokens: int = 0  # of those, reused from the prefix cache
 
     @property
     def all_ids(self) -> list[int]:
@@ -122,6 +124,15 @@ class Sequence:
     def num_cached_tokens(self) -> int:
         """Tokens whose keys and values its KV slot holds: all but the last committed one."""
         return self.num_tokens - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Valid positions of its KV slot, in prefill or after."""
+        return self.num_cached_tokens if self.output_ids else self.num_prefilled
 
     def draft_room(self, max_model_len: int) -> int:
         """Draft tokens it can still use: more than it still wants, or past the context, are waste."""

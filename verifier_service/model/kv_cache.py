@@ -76,3 +76,8 @@ class KVCache:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of slot src into slot dst, every layer at once (prefix caching by copy)."""
+        self.k[:, dst, :, :n].copy_(self.k[:, src, :, :n])
+        self.v[:, dst, :, :n].copy_(self.v[:, src, :, :n])

@@ -14,7 +14,7 @@ object still works with transformers' own generate().
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -45,6 +45,9 @@ class ForwardBatch:
     starts: list[int]
     lengths: list[int]
     logit_index: list[int]
+    # (src slot, dst slot, n): copy a cached prefix's first n positions before the forward.
+    # Not sent to tensor-parallel followers: with TP the scheduler plans none.
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class PackedStep:
@@ -147,9 +150,12 @@ class ModelRunner:
             return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        for src, dst, n in batch.copies:
+            self.kv_cache.copy_prefix(src, dst, n)
         step = PackedStep(self.kv_cache, batch, self.device)
         ids = torch.tensor([batch.input_ids], device=self.device)
         out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
                          use_cache=False, **{STEP_KWARG: step})
-        index = torch.tensor(batch.logit_index, device=self.device)
+        # long: may be empty (only mid-prompt chunks this step)
+        index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)
         return self._head(out.last_hidden_state[0].index_select(0, index)).float()

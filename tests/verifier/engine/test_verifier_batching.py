@@ -55,7 +55,7 @@ def test_one_drafter_call_and_one_forward_per_decode_step_with_per_sequence_draf
                 calls = engine.drafter.stats.calls
         for r, ref in zip(responses, refs):
             assert list(r.output.token_ids) == ref
-        decode_steps = [s for s in spy.steps if s.admitted == 0 and s.forwards]
+        decode_steps = [s for s in spy.steps if s.prefills == 0 and s.forwards]
         assert decode_steps
         for s in spy.steps:
             assert len(s.prepares) <= 1, "more than one PrepareDraftTokens call in a step"

@@ -90,7 +90,7 @@ def test_draft_length_schedule_by_batch_size() -> None:
         by_size: dict[int, set[int]] = collections.defaultdict(set)
         for call in oracle.calls:  # draft lengths asked, by the batch size of the step
             by_size[len(call.request_ids)].update(call.draft_lens)
-        rows = [s.forwards[-1][0] for s in spy.steps if s.forwards and not s.admitted]
+        rows = [s.forwards[-1][0] for s in spy.steps if s.forwards and not s.prefills]
         return by_size, rows
 
     by_size, rows = asyncio.run(run(schedules["with-zero"]))

@@ -31,6 +31,7 @@ from verifier_service.spec.drafter_client import (
     GrpcTransport,
 )
 from verifier_service.tools.bench import draft_model
+from verifier_service.tools.bench import engine_sections
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
@@ -74,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --draft-model: only the draft model's own figures (no services; the target's "
                         "outputs come from transformers generate())")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
+    engine_sections.add_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -89,7 +91,9 @@ def main(args: argparse.Namespace) -> int:
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     if args.replay:
         return _replay(model, tokenizer, prompts, args, out)
-    seconds = _forward_costs(model, args.max_draft_len)
+    engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
+    # --engine-only needs the one-token forward alone.
+    seconds = _forward_costs(model, 0 if args.engine_only else args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
                         forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
@@ -99,6 +103,11 @@ def main(args: argparse.Namespace) -> int:
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
+    if args.engine_only:
+        with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+                           "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter:
+            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
+        return 0
     draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
     if args.draft_model and args.draft_model_only:
         plain = TransformersSystem("plain", model)
@@ -119,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
                 [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
-        _run_systems(args, common, model, tokenizer, prompts, curve, seconds, report, model_system, draft_path)
+        _run_systems(args, common, model, tokenizer, prompts, curve, seconds, report, model_system, draft_path,
+                     out)
     if args.suffix_speed_outputs:
         print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
         report.suffix_speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
@@ -133,9 +143,10 @@ def main(args: argparse.Namespace) -> int:
 def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Module,
                  tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
                  seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
-                 draft_path: str | None) -> None:
+                 draft_path: str | None, out: Path) -> None:
     """Start the n-gram and suffix drafters and four verifiers, run every system (plus `extra_systems`) on
-    every prompt, summarise into `report`; with a draft model, its own figures too."""
+    every prompt, summarise into `report`; with a draft model, its own figures too; then the engine
+    sections asked for."""
     with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                        "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
          LocalService([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
@@ -178,6 +189,10 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
         if args.draft_model:
             _draft_model_figures(args, draft_path, prompts, [r.token_ids for r in runs[PLAIN]], seconds, curve,
                                  model.config.vocab_size, report)
+        if args.engine_sections:
+            for verifier in (remote, local, sremote, slocal):
+                verifier.stop()  # the engine sections start their own verifiers
+            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
 
 
 def _draft_model_figures(args: argparse.Namespace, draft_path: str | None, prompts: list[workloads.Prompt],

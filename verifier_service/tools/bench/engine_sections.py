@@ -1,0 +1,260 @@
+"""`splitspec bench --engine-sections ...`: what the engine adds around the model's forward.
+
+- overhead: per-step overhead (the step period minus its forward, read from the verifier's
+  splitspec:engine_step_overhead_seconds histogram) at batch 1, plain and with the remote
+  n-gram drafter, and plain decoding's speed against 1 / (one-token forward time);
+- prefill-gap: three plain streams' inter-token gaps while a long prompt is admitted, with the
+  default chunked prefill and with the whole prompt in one step;
+- multi-turn: time to first token of each turn of a chat over a long document, with prefix
+  caching on and off (the outputs must be identical).
+
+Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching; each section
+uses prompts of its own, so no cached prefix crosses from one section to another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import PreTrainedTokenizerBase
+
+from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+from verifier_service.tools.bench import workloads
+from verifier_service.tools.local_services import LocalService, script
+
+SECTIONS = ("overhead", "prefill-gap", "multi-turn")
+UNCHUNKED = 1 << 20  # a step budget no prompt reaches
+STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-sections", default="",
+                   help=f"also measure the engine: comma list of {', '.join(SECTIONS)}, or all")
+    p.add_argument("--engine-only", action="store_true", help="run only --engine-sections")
+    p.add_argument("--long-prompt-tokens", type=int, default=1800, help="prefill-gap: the long prompt")
+    p.add_argument("--document-tokens", type=int, default=1500, help="multi-turn: the shared document")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns of the chat")
+
+
+def sections(args: argparse.Namespace) -> list[str]:
+    names = [s for s in args.engine_sections.split(",") if s]
+    names = list(SECTIONS) if names == ["all"] else names
+    unknown = set(names) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--engine-sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def document(tokenizer: PreTrainedTokenizerBase, tokens: int) -> list[int]:
+    """`tokens` tokens of HumanEval prompts one after another (text nobody here wrote)."""
+    ids: list[int] = []
+    for _, text in workloads.code(164):
+        ids += tokenizer(text)["input_ids"]
+        if len(ids) >= tokens:
+            break
+    return ids[:tokens]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: list[str], drafter_address: str,
+        one_token_forward_s: float, out: Path) -> dict:
+    """Run the chosen sections; print their tables; write out/engine.json."""
+    chosen = sections(args)
+    spec = ["--speculative-mode", "user_provided", "--drafter-target", drafter_address, *common]
+    results: dict = {}
+    metrics_port = free_port()
+    with contextlib.ExitStack() as stack:
+        def verifier(name: str, *extra: str) -> LocalService:
+            print(f"starting verifier-{name} ...", flush=True)
+            return stack.enter_context(LocalService([script("splitspec-verifier"), *spec, *extra],
+                                                    name=f"verifier-{name}", startup_timeout_s=STARTUP_TIMEOUT_S))
+        default = verifier("default", "--metrics-port", str(metrics_port))
+        if "overhead" in chosen:
+            results["overhead"] = _overhead(default, metrics_port, tokenizer, args, one_token_forward_s)
+        if "prefill-gap" in chosen:
+            long_prompt = document(tokenizer, args.long_prompt_tokens)
+            unchunked = verifier("unchunked", "--max-num-batched-tokens", str(UNCHUNKED))
+            results["prefill_gap"] = [_prefill_gap(v, label, long_prompt, tokenizer, args)
+                                      for label, v in (("chunked (default)", default), ("unchunked", unchunked))]
+        if "multi-turn" in chosen:
+            uncached = verifier("uncached", "--no-prefix-caching")
+            results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
+    _print(results)
+    (out / "engine.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+# --- overhead -------------------------------------------------------------------------------------
+
+def _overhead(v: LocalService, port: int, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
+              one_token_forward_s: float) -> dict:
+    prompt = workloads.build(["grounded"], 1, tokenizer)[0].token_ids
+    rows = []
+    client = Client(v.address)
+    client.stream(prompt[:32], 8, speculate=False)  # warm-up
+    for label, speculate in (("plain", False), ("remote n-gram", True)):
+        before = _overhead_buckets(port)
+        started = time.perf_counter()
+        arrivals, _ = client.stream(prompt, args.max_new_tokens, speculate=speculate)
+        seconds = time.perf_counter() - started
+        after = _overhead_buckets(port)
+        delta = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+        rows.append({"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
+                     "p99_ms": 1000 * _quantile(delta, 0.99),
+                     "tok_s": len(arrivals) / seconds,
+                     "x_ideal": len(arrivals) / seconds * one_token_forward_s})
+    client.close()
+    return {"one_token_forward_ms": 1000 * one_token_forward_s, "rows": rows}
+
+
+def _overhead_buckets(port: int) -> list[tuple[float, float]]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "splitspec:engine_step_overhead_seconds":
+            return [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
+    raise RuntimeError("the verifier exports no splitspec:engine_step_overhead_seconds")
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket holding the q-th observation."""
+    total = buckets[-1][1]
+    if not total:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = le, count
+    return lower
+
+
+# --- prefill gap ----------------------------------------------------------------------------------
+
+def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer: PreTrainedTokenizerBase,
+                 args: argparse.Namespace) -> dict:
+    streams = [p.token_ids for p in workloads.build(["open"], 3, tokenizer)]
+    client = Client(v.address)
+    client.stream(streams[0][:32], 8, speculate=False)  # warm-up
+    arrivals: list[list[float]] = [[] for _ in streams]
+    length = max(args.max_new_tokens, 128)  # long enough to outlast the long prompt's prefill
+    threads = [threading.Thread(target=client.stream, args=(streams[i], length, False, arrivals[i]))
+               for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    while min(len(a) for a in arrivals) < 8:
+        time.sleep(0.01)
+    admitted = time.perf_counter()
+    long_arrivals, _ = client.stream(long_prompt, 4, speculate=False)
+    long_first = long_arrivals[0]
+    for t in threads:
+        t.join()
+    client.close()
+    gaps = [b - a for arr in arrivals for a, b in zip(arr, arr[1:])]
+    during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b > admitted and a < long_first]
+    median = statistics.median(gaps)
+    return {"config": label, "long_prompt_tokens": len(long_prompt), "median_gap_ms": 1000 * median,
+            "max_gap_during_prefill_ms": 1000 * max(during, default=0.0),
+            "max_over_median": max(during, default=0.0) / median, "long_ttft_s": long_first - admitted}
+
+
+# --- multi-turn -----------------------------------------------------------------------------------
+
+def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrainedTokenizerBase,
+                args: argparse.Namespace) -> dict:
+    # A document the other sections never sent: nothing of it is cached before turn 1.
+    doc = document(tokenizer, args.document_tokens + 200)[200:]
+    questions = [tokenizer(f"\n\nQuestion {k + 1}: what does function {k + 1} above do? Answer:")["input_ids"]
+                 for k in range(args.turns)]
+    by_config = {}
+    for label, v in (("caching on", cached), ("caching off", uncached)):
+        client = Client(v.address)
+        client.stream(doc[:32][::-1], 8, speculate=False)  # warm-up (a prefix of nothing later asked)
+        context: list[int] = list(doc)
+        turns = []
+        for q in questions:
+            context += q
+            started = time.perf_counter()
+            arrivals, final = client.stream(context, 24, speculate=True)
+            turns.append({"prompt_tokens": len(context), "ttft_s": arrivals[0] - started,
+                          "cached_prompt_tokens": final.cached_prompt_tokens, "tokens": list(final.token_ids)})
+            context += final.token_ids
+        client.close()
+        by_config[label] = turns
+    on, off = by_config["caching on"], by_config["caching off"]
+    rows = [{"turn": k + 1, "prompt_tokens": a["prompt_tokens"], "cached_tokens": a["cached_prompt_tokens"],
+             "ttft_on_s": a["ttft_s"], "ttft_off_s": b["ttft_s"], "speedup": b["ttft_s"] / a["ttft_s"],
+             "identical": a["tokens"] == b["tokens"]} for k, (a, b) in enumerate(zip(on, off))]
+    return {"document_tokens": len(doc), "rows": rows}
+
+
+class Client:
+    """Streams a request and notes when each token arrives."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
+
+    def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None
+               ) -> tuple[list[float], verifier_pb2.GenerationOutput]:
+        """Arrival times (appended to `arrivals` as tokens come, if given) and the final output."""
+        request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
+            token_ids=verifier_pb2.TokenIds(ids=ids),
+            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+            speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
+        arrivals = [] if arrivals is None else arrivals
+        tokens: list[int] = []
+        final = verifier_pb2.GenerationOutput()
+        for message in self._stub.GenerateStream(request, timeout=1800):
+            now = time.perf_counter()
+            arrivals += [now] * len(message.output.token_ids)
+            tokens += message.output.token_ids
+            final = message.output
+        del final.token_ids[:]
+        final.token_ids.extend(tokens)
+        return arrivals, final
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _print(results: dict) -> None:
+    if "overhead" in results:
+        o = results["overhead"]
+        print(f"\nPer-step overhead at batch 1 (step period - forward; one-token forward "
+              f"{o['one_token_forward_ms']:.1f} ms)")
+        print(f"{'system':<16}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}")
+        for r in o["rows"]:
+            print(f"{r['system']:<16}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
+                  f"{r['x_ideal']:>13.2f}")
+    if "prefill_gap" in results:
+        print("\nThree plain streams while a long prompt is prefilled")
+        print(f"{'config':<20}{'prompt':>7}{'median gap ms':>15}{'max gap ms':>12}{'max/median':>12}"
+              f"{'long TTFT s':>13}")
+        for r in results["prefill_gap"]:
+            print(f"{r['config']:<20}{r['long_prompt_tokens']:>7}{r['median_gap_ms']:>15.1f}"
+                  f"{r['max_gap_during_prefill_ms']:>12.1f}{r['max_over_median']:>12.1f}{r['long_ttft_s']:>13.2f}")
+    if "multi_turn" in results:
+        m = results["multi_turn"]
+        print(f"\nMulti-turn chat over a {m['document_tokens']}-token document: time to first token")
+        print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'caching on s':>14}{'caching off s':>15}{'speedup':>9}"
+              f"{'identical':>11}")
+        for r in m["rows"]:
+            print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_on_s']:>14.3f}"
+                  f"{r['ttft_off_s']:>15.3f}{r['speedup']:>9.1f}{str(r['identical']):>11}")
