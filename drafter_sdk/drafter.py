@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from drafter_sdk.tree import DraftTree
+
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
 
@@ -35,6 +37,10 @@ class DraftRequest:
     last_num_drafted: int
     last_num_accepted: int
     sampling: SamplingHints
+    # Largest token tree (in nodes) the verifier checks for this sequence; 0: chains only.
+    # A tree's depth stays within draft_len. Nonzero only for drafters that list
+    # TREE_CAPABILITY in `capabilities`.
+    max_draft_nodes: int = 0
 
     @property
     def key(self) -> Key:
@@ -72,11 +78,14 @@ class Drafter(ABC):
         """Heavy initialisation (weights, indexes). Health reports NOT_SERVING until it returns."""
 
     @abstractmethod
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """Return one draft (a list of token ids) per request, in the same order.
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        """Return one draft per request, in the same order: a list of token ids (a chain), or,
+        where `max_draft_nodes` allows, a `DraftTree`.
 
         Drafts longer than a request's `draft_len` (or the drafter's
-        `max_draft_len`) are trimmed by the SDK; an empty list means "no draft".
+        `max_draft_len`) are trimmed by the SDK, trees to `max_draft_nodes`
+        nodes and `draft_len` depth; a tree for a request that wants a chain
+        becomes its first branch. An empty list means "no draft".
         """
 
     def on_release(self, key: Key) -> None:

@@ -61,7 +61,7 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
     """Size the cache: each slot holds a full context plus a draft; the memory
     budget decides how many slots (sequences) run at once. Sharded, the budget is each
     rank's, and a rank's slot holds only its share of the KV heads."""
-    max_draft_len = settings.speculative.max_draft_len
+    max_draft_len = max(settings.speculative.max_draft_len, settings.max_draft_nodes)  # a chain's or a tree's
     shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1,
                                    tensor_parallel_size=settings.tensor_parallel_size)
     per_slot = shape.bytes_per_slot(model.dtype)
@@ -120,7 +120,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     drafter = build_drafter_client(spec, verifier_id, runner.vocab_size)
     if drafter is not None:
         await drafter.connect()
-    scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner),
+    scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner, settings.max_draft_nodes),
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
                           max_model_len=max_model_len)
     engine = Engine(runner, scheduler, drafter, model_thread, metrics)

@@ -27,7 +27,8 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
 
 SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "tensor_parallel_size",
                  "max_model_len", "max_num_seqs", "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
-                 "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s")
+                 "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
+                 "max_draft_nodes")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     _setting(c, "max_concurrent_rpcs", "calls served at once, health included; more are refused with "
                                        "RESOURCE_EXHAUSTED", type=int)
     config.add_flags(p)
+    _setting(p, "max_draft_nodes", "largest token tree verified per sequence, for drafters that draft trees "
+                                   "(capability token-tree); the planner sizes each up to it; 0: chains only",
+             type=int)
     add_server_flags(p, "security (of this server; the drafter connection has --drafter-tls-* flags)")
     o = p.add_argument_group("operations")
     _setting(o, "grace_period_s", "drain time on SIGTERM", type=float)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from verifier_service.engine import tree_verify
 from verifier_service.engine.sampler import VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
@@ -36,6 +37,8 @@ class StepPlan:
     released: list[Sequence]  # cancelled since the last step: their slots are free already
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+    # Per decode, filled in by the engine: its draft's token-tree parents ([] = a chain).
+    parents: list[list[int]] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -51,16 +54,28 @@ class StepPlan:
             first = len(ids)
             ids += [seq.last_token, *draft]
             logit_index += range(first, len(ids))
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=ids, slots=[s.slot for s in self.sequences],
             starts=[0] * len(self.prefills) + [s.num_cached_tokens for s in self.decodes],
             lengths=[len(s.prompt_ids) for s in self.prefills] + [len(d) + 1 for d in self.drafts],
             logit_index=logit_index)
+        batch.kv_moves = [(s.slot, a, b) for s in self.decodes for a, b in s.kv_moves]
+        if any(self.tree_parents):
+            batch.parents = [p for s in self.prefills for p in range(-1, len(s.prompt_ids) - 1)]
+            for draft, parents in zip(self.drafts, self.tree_parents):
+                batch.parents += tree_verify.row_parents(parents or range(-1, len(draft) - 1))
+        return batch
+
+    @property
+    def tree_parents(self) -> list[list[int]]:
+        """Per decode, its token tree's parents ([] = a chain)."""
+        return self.parents or [[] for _ in self.decodes]
 
     def verify_rows(self) -> list[VerifyRow]:
         """How to turn each sequence's logits (laid out as in forward_batch) into tokens."""
         return ([VerifyRow([], s.sampling, s.generator) for s in self.prefills]
-                + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(self.decodes, self.drafts)])
+                + [VerifyRow(d, s.sampling, s.generator, p)
+                   for s, d, p in zip(self.decodes, self.drafts, self.tree_parents)])
 
 
 @dataclass
@@ -106,12 +121,15 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        for seq, draft, shadow, tokens in zip(plan.decodes, plan.drafts, plan.shadows,
-                                              new_tokens[len(plan.prefills):]):
+        for seq, draft, parents, shadow, tokens in zip(plan.decodes, plan.drafts, plan.tree_parents, plan.shadows,
+                                                       new_tokens[len(plan.prefills):]):
             accepted = len(tokens) - 1
-            seq.stats.record(len(draft), accepted)
-            self.policy.observe(seq.spec, len(draft), accepted)
+            depth = tree_verify.depth(draft, parents)
+            seq.stats.record(depth, accepted, len(draft))
+            self.policy.observe(seq.spec, depth, accepted)
+            self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
+            seq.kv_moves = tree_verify.accepted_moves(seq.num_cached_tokens, draft, parents, tokens)
         finished = []
         for seq, tokens in zip(plan.sequences, new_tokens):
             if seq.cancelled:  # cancelled mid-step: dropped at the next boundary

@@ -38,13 +38,16 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafter_failures: int = 0
+    num_draft_nodes: int = 0  # draft tokens verified, every node of a tree counted
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
+        """`drafted`: a chain's length or a tree's depth; `nodes`: a tree's size (None: a chain)."""
         self.num_steps += 1
         if drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += drafted
+        self.num_draft_nodes += drafted if nodes is None else nodes
         self.num_accepted_tokens += accepted
         if len(self.num_accepted_tokens_per_pos) < drafted:
             self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
@@ -88,6 +91,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     cancelled: bool = False
+    # (from, to) K/V positions of its slot to copy at the next forward: its last accepted tree path.
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -14,7 +14,7 @@ object still works with transformers' own generate().
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
+from verifier_service.model.tree_attention import apply_kv_moves, is_chain_row, tree_mask
 
 ATTENTION = "splitspec_packed"
 STEP_KWARG = "splitspec_step"
@@ -45,6 +46,11 @@ class ForwardBatch:
     starts: list[int]
     lengths: list[int]
     logit_index: list[int]
+    # Token trees (model/tree_attention.py): per packed token, the row-local index of the token it
+    # follows, -1 for a row's first; empty when no row is a tree. Chain rows keep causal attention.
+    parents: list[int] = field(default_factory=list)
+    # (slot, from, to) K/V positions to copy before this step writes: earlier accepted tree paths.
+    kv_moves: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class PackedStep:
@@ -59,11 +65,16 @@ class PackedStep:
             if start + n > cache.shape.capacity:
                 raise ValueError(f"slot {slot} would hold {start + n} tokens, above its capacity")
             mask = None
-            if n > 1:  # queries see keys up to their own position (bottom-right aligned causal)
-                keys = torch.arange(start + n, device=device)
-                mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+            tree = batch.parents[offset:offset + n]
+            if tree and not is_chain_row(tree):  # a token tree: context plus own ancestors
+                mask, row_positions = tree_mask(tree, start, device)
+                positions += row_positions
+            else:
+                if n > 1:  # queries see keys up to their own position (bottom-right aligned causal)
+                    keys = torch.arange(start + n, device=device)
+                    mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+                positions += range(start, start + n)
             self.rows.append((offset, n, slot, start, mask))
-            positions += range(start, start + n)
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
@@ -147,6 +158,7 @@ class ModelRunner:
             return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        apply_kv_moves(self.kv_cache, batch.kv_moves)
         step = PackedStep(self.kv_cache, batch, self.device)
         ids = torch.tensor([batch.input_ids], device=self.device)
         out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
