@@ -269,8 +269,8 @@ class DrafterClient:
         if len(history) > self.overlap_steps:
             history.popleft()
         tokens = list(result.draft_tokens)
-        limit = query.draft_len if not result.draft_parents else max(query.max_draft_nodes, query.draft_len)
-        if len(tokens) > limit or any(t < 0 or t >= self.vocab_size for t in tokens):
+        too_long = len(tokens) > query.draft_len and not result.draft_parents  # a tree's size: _accept_tree
+        if too_long or any(t < 0 or t >= self.vocab_size for t in tokens):
             return [], True
         return tokens, False
 

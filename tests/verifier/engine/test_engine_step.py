@@ -66,6 +66,7 @@ class FakeDrafter:
     propose_fn: object = None
     queries: list[list[DraftQuery]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    supports_trees: bool = False
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         self.queries.append(queries)
