@@ -18,15 +18,18 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.server import RunningDrafter, serve, start_server
 from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 __all__ = [
     "DraftRequest",
+    "DraftTree",
     "Drafter",
     "DrafterError",
     "DrafterServicer",
     "NgramDrafter",
     "RunningDrafter",
     "SamplingHints",
+    "TREE_CAPABILITY",
     "serve",
     "start_server",
 ]
