@@ -24,6 +24,7 @@ from verifier_service.spec.drafter_client import (
     GrpcTransport,
 )
 from verifier_service.tools.bench import report as rep
+from verifier_service.tools.bench import trees as bench_trees
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script
@@ -44,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
     p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for both verifiers")
+    p.add_argument("--trees", type=int, default=0, metavar="N",
+                   help="instead: n-gram chains vs token trees at N verified tokens per step, and as the planner "
+                        "sizes them (writes trees.json)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.set_defaults(func=main)
 
@@ -56,6 +60,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     model, tokenizer = model_loader.load(source, torch.float32, model_loader.pick_device("auto"))
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
+    if args.trees:
+        del model
+        rows = bench_trees.run(args, prompts, _run_all)
+        bench_trees.print_table(rows, args.trees)
+        bench_trees.to_json(rows, out / "trees.json")
+        print(f"\nwrote {out / 'trees.json'}")
+        return 0
     seconds = _forward_costs(model, args.max_draft_len)
     curve = step_costs.CostCurve.from_seconds(seconds)
     report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
