@@ -17,7 +17,6 @@ import random
 
 import pytest
 import torch
-from tiny_model import tiny_tokenizer
 from test_verifier_sampling import (
     ALPHA,
     PARAMS,
@@ -27,6 +26,7 @@ from test_verifier_sampling import (
     exact_joint,
     sampled_request,
 )
+from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
     LOOPING_SEEDS,
@@ -321,7 +321,8 @@ def test_the_client_discards_each_kind_of_invalid_tree(kind: str) -> None:
 
 # --- sampling ----------------------------------------------------------------------------------
 
-def markov_tree_samples(params: SamplingParams, make_tree, n_samples: int, n_tokens: int = 3) -> collections.Counter:  # noqa: ANN001
+def markov_tree_samples(params: SamplingParams, make_tree, n_samples: int,  # noqa: ANN001
+                        n_tokens: int = 3) -> collections.Counter:
     """The Markov model of test_verifier_sampling, verified through trees: a node's row is the
     next-token logits after its own token (the root's after the last emitted one)."""
     counts: collections.Counter = collections.Counter()

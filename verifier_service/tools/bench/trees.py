@@ -42,8 +42,10 @@ def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, a
                                   "ngram": {"maxMatchingNgramSize": args.ngram_size},
                                   "policy": {"adaptiveDraftLen": adaptive}}))
     extra = ["--model", args.model] if args.model else []
+    # One request at a time: one KV slot, so start-up measures forwards of up to one draft only.
     return LocalService([script("splitspec-verifier"), "--speculative-config", str(config),
-                         "--max-draft-nodes", str(nodes), "--log-level", "WARNING", *extra], name=name)
+                         "--max-draft-nodes", str(nodes), "--max-num-seqs", "1", "--log-level", "WARNING", *extra],
+                        name=name, startup_timeout_s=1200)
 
 
 def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> list[TreeRow]:  # noqa: ANN001
