@@ -34,9 +34,9 @@ class DraftTree:
     tokens: Sequence[int]
     parents: Sequence[int]
 
-    @classmethod
-    def chain(cls, tokens: Sequence[int]) -> "DraftTree":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+    def __len__(self) -> int:
+        """Its nodes: an empty tree is falsy, like an empty chain."""
+        return len(self.tokens)
 
 
 def depths(parents: Sequence[int]) -> list[int]:
