@@ -94,6 +94,8 @@ def calibrate(runner: ModelRunner, settings: ServerSettings) -> DraftPlanner | N
         return None
     points = step_costs.probe_points(spec.max_draft_len,
                                      runner.kv_cache.num_slots * (spec.max_draft_len + 1))
+    if settings.max_draft_nodes > spec.max_draft_len:  # a full token tree's forward, measured, not extrapolated
+        points = sorted({*points, settings.max_draft_nodes + 1})
     seconds = step_costs.tune_and_measure(runner, points)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
