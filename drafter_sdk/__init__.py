@@ -19,10 +19,12 @@ from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.server import RunningDrafter, serve, start_server
 from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 __all__ = [
     "LEARNS_FROM_FINISHED",
     "DraftRequest",
+    "DraftTree",
     "Drafter",
     "DrafterError",
     "DrafterServicer",
@@ -31,6 +33,7 @@ __all__ = [
     "RunningDrafter",
     "SamplingHints",
     "SuffixDrafter",
+    "TREE_CAPABILITY",
     "serve",
     "start_server",
 ]

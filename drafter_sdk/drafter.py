@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from drafter_sdk.proto import drafter_pb2
+from drafter_sdk.tree import DraftTree
 
 TOKEN_TYPECODE = "i"  # the `array` type of DraftRequest.tokens: int32, as token ids travel on the wire
 
@@ -59,6 +60,10 @@ class DraftRequest:
     last_num_drafted: int
     last_num_accepted: int
     sampling: SamplingHints
+    # Largest token tree (in nodes) the verifier checks for this sequence; 0: chains only.
+    # A tree's depth stays within draft_len. Nonzero only for drafters that list
+    # TREE_CAPABILITY in `capabilities`.
+    max_draft_nodes: int = 0
 
     @property
     def key(self) -> Key:
@@ -100,11 +105,14 @@ class Drafter(ABC):
         """Heavy initialisation (weights, indexes). Health reports NOT_SERVING until it returns."""
 
     @abstractmethod
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """Return one draft (a list of token ids) per request, in the same order.
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        """Return one draft per request, in the same order: a list of token ids (a chain), or,
+        where `max_draft_nodes` allows, a `DraftTree`.
 
         Drafts longer than a request's `draft_len` (or the drafter's
-        `max_draft_len`) are trimmed by the SDK; an empty list means "no draft".
+        `max_draft_len`) are trimmed by the SDK, trees to `max_draft_nodes`
+        nodes and `draft_len` depth; a tree for a request that wants a chain
+        becomes its first branch. An empty list means "no draft".
         """
 
     def state_bytes(self, key: Key) -> int:

@@ -27,6 +27,7 @@ from drafter_sdk.errors import DrafterError
 from drafter_sdk.metrics import DrafterMetrics, StateStats
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.tree import DraftTree, first_branch, is_chain, tree_problem, trim
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 prompt_len=seq.prompt_len, draft_len=seq.draft_len,
                 last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
-                sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k)))
+                sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k),
+                max_draft_nodes=seq.max_draft_nodes))
         try:
             drafts = self._draft(batch)
         finally:  # the deltas are applied even when the drafter fails: the budget holds either way
             self._enforce_budget([req.key for req in batch])
-        for slot, req, draft in zip(slots, batch, drafts):
-            results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft)
+        for slot, req, (draft, parents) in zip(slots, batch, drafts):
+            results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft,
+                                                    draft_parents=parents)
         return drafter_pb2.PrepareDraftTokensResponse(results=results)
 
     def release(self, request: drafter_pb2.ReleaseRequestsRequest,
@@ -227,8 +230,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 raise invalid(f"request {rid!r}: prompt_len {seq.prompt_len} exceeds the context length "
                               f"{seq.context_len + len(seq.new_tokens)}")
 
-    def _draft(self, batch: list[DraftRequest]) -> list[list[int]]:
-        """Call the user's drafter and return its drafts trimmed and checked."""
+    def _draft(self, batch: list[DraftRequest]) -> list[tuple[list[int], list[int]]]:
+        """Call the user's drafter and return its drafts trimmed and checked, as (tokens, parents);
+        parents are empty for a chain."""
         if not batch:
             return []
         try:
@@ -246,10 +250,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return [self._checked(req, draft, min(req.draft_len, cap) if cap else req.draft_len)
                 for req, draft in zip(batch, drafts)]
 
-    def _checked(self, req: DraftRequest, draft: Any, limit: int) -> list[int]:
+    def _checked(self, req: DraftRequest, draft: Any, limit: int) -> tuple[list[int], list[int]]:
+        if isinstance(draft, DraftTree):
+            return self._checked_tree(req, draft, limit)
+        return self._checked_ids(req, itertools.islice(draft, limit)), []
+
+    def _checked_tree(self, req: DraftRequest, tree: DraftTree, limit: int) -> tuple[list[int], list[int]]:
+        """A tree: refused if malformed; trimmed to the budget; its first branch if a chain was asked."""
+        tokens = self._checked_ids(req, tree.tokens)
+        try:
+            parents = [operator.index(p) for p in tree.parents]
+        except TypeError as exc:
+            details = f"tree for request {req.request_id!r}: parents are not ints ({exc})"
+            log.error(details)
+            raise DrafterError(grpc.StatusCode.INTERNAL, details) from exc
+        problem = tree_problem(tokens, parents, max_depth=len(tokens), max_nodes=len(tokens))
+        if problem:
+            details = f"tree for request {req.request_id!r} is malformed: {problem}"
+            log.error(details)
+            raise DrafterError(grpc.StatusCode.INTERNAL, details)
+        if not req.max_draft_nodes:
+            return first_branch(tokens, parents)[:limit], []
+        tokens, parents = trim(tokens, parents, limit, req.max_draft_nodes)
+        return (tokens, []) if is_chain(parents) else (tokens, parents)
+
+    def _checked_ids(self, req: DraftRequest, draft: Any) -> list[int]:
         bound = self.drafter.vocab_size or _INT32_LIMIT
         try:
-            tokens = [operator.index(t) for t in itertools.islice(draft, limit)]
+            tokens = [operator.index(t) for t in draft]
         except TypeError as exc:
             details = f"draft for request {req.request_id!r} is not a sequence of int token ids ({exc})"
             log.error(details)

@@ -71,7 +71,7 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
     """Size the cache: each slot holds a full context plus a draft; the memory
     budget decides how many slots (sequences) run at once. Sharded, the budget is each
     rank's, and a rank's slot holds only its share of the KV heads."""
-    max_draft_len = settings.speculative.max_draft_len
+    max_draft_len = max(settings.speculative.max_draft_len, settings.max_draft_nodes)  # a chain's or a tree's
     shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1,
                                    tensor_parallel_size=settings.tensor_parallel_size)
     per_slot = shape.bytes_per_slot(model.dtype)
@@ -108,6 +108,8 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     batch_tokens = runner.kv_cache.num_slots * (spec.max_draft_len + 1)
     points = step_costs.probe_points(spec.max_draft_len,
                                      batch_tokens if budget is not None else max(batch_tokens, CHUNK_PROBE_TOKENS))
+    if settings.max_draft_nodes > spec.max_draft_len:  # a full token tree's forward, measured, not extrapolated
+        points = sorted({*points, settings.max_draft_nodes + 1})
     seconds = step_costs.tune_and_measure(runner, points)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
@@ -149,7 +151,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                                    target_dtype=str(runner.dtype).removeprefix("torch."))
     if drafter is not None:
         await drafter.connect()
-    scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner),
+    scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner, settings.max_draft_nodes),
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
                           max_model_len=max_model_len, max_num_batched_tokens=batch_tokens,
                           # Tensor-parallel followers do not replay copies: reuse by reference only.

@@ -54,7 +54,10 @@ class VerifierMetrics:
         # --- speculative decoding (per decode step, summed over the batch's sequences)
         self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Sequence-steps that verified a non-empty draft",
                                   registry=r)
-        self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens",
+                                        "Draft tokens verified (a token tree counted by its depth)", registry=r)
+        self.num_draft_nodes = Counter(f"{p}spec_decode_num_draft_nodes",
+                                       "Draft tokens verified, every node of a token tree counted", registry=r)
         self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                            registry=r)
         self.num_accepted_tokens_per_pos = Counter(
@@ -139,15 +142,17 @@ class VerifierMetrics:
 
     def observe_decode(self, drafted: Seq[int], accepted: Seq[int], auto_disabled: Set[str],
                        drafter_totals: tuple[int, int, int, int] | None = None,
-                       call_latency_s: float | None = None) -> None:
-        """One decode step: per sequence, the draft length verified and how many were accepted;
-        the ids of the step's sequences whose drafting is auto-disabled; the drafter client's running
-        totals (calls, failures, skipped, resyncs) and this step's call latency, if it called."""
-        for n, a in zip(drafted, accepted):
+                       call_latency_s: float | None = None, draft_nodes: Seq[int] | None = None) -> None:
+        """One decode step: per sequence, the draft length verified (a token tree's depth) and how many
+        were accepted; the ids of the step's sequences whose drafting is auto-disabled; the drafter
+        client's running totals (calls, failures, skipped, resyncs) and this step's call latency, if it
+        called; per sequence, the draft tokens verified counting every tree node (None: as drafted)."""
+        for n, a, nodes in zip(drafted, accepted, drafted if draft_nodes is None else draft_nodes):
             if n == 0:
                 continue
             self.num_drafts.inc()
             self.num_draft_tokens.inc(n)
+            self.num_draft_nodes.inc(nodes)
             self.num_accepted_tokens.inc(a)
             for pos in range(a):
                 self.num_accepted_tokens_per_pos.labels(str(pos)).inc()

@@ -39,6 +39,9 @@ class ServerSettings:
     max_concurrent_rpcs: int = 1024
     # --- speculation (filled in by validation: mode NONE when unset)
     speculative: speculative_pb2.SpeculativeConfig = field(default_factory=speculative_pb2.SpeculativeConfig)
+    # Largest token tree verified per sequence, in nodes, for drafters that draft trees (their max depth
+    # is the draft length); with adaptive draft lengths the planner sizes each tree up to it. 0: chains.
+    max_draft_nodes: int = 16
     # --- serving
     host: str = "[::]"
     port: int = 50051  # 0: a free port
@@ -68,6 +71,8 @@ class ServerSettings:
                 raise ConfigError(f"{name} must be within [0, 65535], not {value}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
+        if self.max_draft_nodes < 0:
+            raise ConfigError(f"max_draft_nodes must be >= 0, not {self.max_draft_nodes}")
         if self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:

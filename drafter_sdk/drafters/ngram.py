@@ -31,23 +31,44 @@ token at the default sizes. A public pool outlives requests, so it copies each
 recorded pattern + continuation once into its own token arena instead; it grows
 with the distinct n-grams of all requests, so past `max_public_pool_mib` it
 starts afresh (drafts only cost speed; forgetting old n-grams costs a few).
+
+Token trees (when the verifier allows some, `max_draft_nodes` > 0): every
+earlier occurrence of the history's last 1..max_matching_ngram_size tokens
+offers its continuation, weighted by how long the match is (x4 per token), how
+recent the occurrence is (x0.8 per newer one before it) and, by summing, how
+often a continuation recurs. The continuations are merged as a trie and the
+tree keeps the nodes most likely to lie on the true path (their share of the
+weight, discounted by depth): where the occurrences agree the tree is one deep
+chain, where they disagree it branches. Trees draw on the request's own history
+only (the knobs above shape chains). Their index is built on a request's first
+tree, compactly as well: per pattern size, a table of each pattern's latest
+occurrence and an array linking every occurrence to the previous one (4 bytes
+per token and size).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import TOKEN_TYPECODE, Drafter, DraftRequest, Key
+from drafter_sdk.tree import ROOT, TREE_CAPABILITY, DraftTree
 
 log = logging.getLogger(__name__)
 
 _EMPTY = -1
 # Python objects of one request's state besides its tables' arrays (the state object, its dict entry).
 _REQUEST_OVERHEAD_BYTES = 200
+# Tree weights (see the module docstring): per extra matched token, per newer occurrence, per depth.
+MATCH_WEIGHT = 4.0
+RECENCY = 0.8
+DEPTH_DISCOUNT = 0.9
+MAX_OCCURRENCES = 16  # newest occurrences of each suffix length that offer a continuation
 
 
 class OffsetTable:
@@ -128,16 +149,68 @@ class _Pool:
 
 
 @dataclass
+class _Occurrences:
+    """Every occurrence of every pattern of sizes 1..k in a history, newest first on demand:
+    `latest[s - 1]` maps an s-token pattern to its latest start, `previous[s - 1][l]` is the start of
+    the occurrence before the one at l (-1: none). Covers the patterns ending at or before `indexed_len`."""
+
+    latest: list[OffsetTable]
+    previous: list[array]
+    indexed_len: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.latest) + sum(sys.getsizeof(a) for a in self.previous)
+
+    def extend(self, tokens: array) -> None:
+        for size, (table, previous) in enumerate(zip(self.latest, self.previous), 1):
+            for l in range(max(0, self.indexed_len - size + 1), len(tokens) - size + 1):
+                slot, offset = table.find(tokens, tokens[l:l + size])
+                previous.append(offset)  # previous[l]: patterns are indexed in order of start
+                table.store(tokens, slot, l)
+        self.indexed_len = len(tokens)
+
+    def newest(self, tokens: array, size: int, before: int) -> Iterator[int]:
+        """Starts of the suffix's `size`-token pattern earlier than `before`, newest first, at most
+        MAX_OCCURRENCES of them."""
+        _, at = self.latest[size - 1].find(tokens, tokens[len(tokens) - size:])
+        previous, found = self.previous[size - 1], 0
+        while at != _EMPTY and found < MAX_OCCURRENCES:
+            if at < before:
+                yield at
+                found += 1
+            at = previous[at]
+
+
+@dataclass
 class _RequestState:
     pool: _Pool | None  # None with a public pool
     # Length of the history whose complete continuations are recorded in the pool.
     recorded_len: int = field(default=0)
+    occurrences: _Occurrences | None = None  # built on the first tree asked for
+
+
+class _Trie:
+    """Continuations merged: per node, the summed weight of the continuations through it."""
+
+    __slots__ = ("weight", "children")
+
+    def __init__(self) -> None:
+        self.weight = 0.0
+        self.children: dict[int, _Trie] = {}
+
+    def add(self, tokens: Sequence[int], weight: float) -> None:
+        node = self
+        node.weight += weight
+        for t in tokens:
+            node = node.children.setdefault(t, _Trie())
+            node.weight += weight
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
     version = "1.1"
-    capabilities = ("ngram",)
+    capabilities = ("ngram", TREE_CAPABILITY)
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0) -> None:
@@ -154,9 +227,10 @@ class NgramDrafter(Drafter):
         self._public_pool = self._new_pool(public=True) if is_public_pool else None
         self._requests: dict[Key, _RequestState] = {}
 
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
         # Requests wanting no draft are skipped: the next draft catches up on their history.
-        return [self.draft(r.key, r.tokens, r.draft_len) if r.draft_len else [] for r in requests]
+        return [([] if not r.draft_len else self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
+                 else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes)) for r in requests]
 
     def on_release(self, key: Key) -> None:
         self._requests.pop(key, None)
@@ -165,7 +239,8 @@ class NgramDrafter(Drafter):
         state = self._requests.get(key)
         if state is None:
             return 0
-        return _REQUEST_OVERHEAD_BYTES + (state.pool.nbytes if state.pool is not None else 0)
+        return (_REQUEST_OVERHEAD_BYTES + (state.pool.nbytes if state.pool is not None else 0)
+                + (state.occurrences.nbytes if state.occurrences is not None else 0))
 
     def shared_state_bytes(self) -> int:
         return self._public_pool.nbytes if self._public_pool is not None else 0
@@ -191,6 +266,26 @@ class NgramDrafter(Drafter):
         self._record(pool, tokens, state.recorded_len)
         state.recorded_len = len(tokens)
         return self._lookup(pool, tokens)[:draft_len]
+
+    def draft_tree(self, key: Key, tokens: Sequence[int], max_depth: int, max_nodes: int) -> DraftTree:
+        """A token tree of at most `max_nodes` nodes and `max_depth` depth for `tokens`, the key's
+        whole history (it must only grow between releases of the key)."""
+        if not (isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE):
+            tokens = array(TOKEN_TYPECODE, tokens)
+        state = self._requests.get(key)
+        if state is None:
+            state = self._requests[key] = _RequestState(None if self.is_public_pool else self._new_pool(public=False))
+        if state.occurrences is None:
+            sizes = range(1, self.max_matching_ngram_size + 1)
+            state.occurrences = _Occurrences([OffsetTable(s) for s in sizes], [array(TOKEN_TYPECODE) for _ in sizes])
+        state.occurrences.extend(tokens)
+        n, depth = len(tokens), min(max_depth, self.max_draft_len)
+        trie = _Trie()
+        for size in range(min(self.max_matching_ngram_size, n - 1), 0, -1):
+            # Occurrences before the suffix itself (which starts at n - size).
+            for rank, l in enumerate(state.occurrences.newest(tokens, size, n - size)):
+                trie.add(tokens[l + size:l + size + depth], MATCH_WEIGHT ** (size - 1) * RECENCY ** rank)
+        return _best_nodes(trie, max_nodes)
 
     def _new_pool(self, public: bool) -> _Pool:
         return _Pool.empty(self.max_matching_ngram_size, self.max_draft_len,
@@ -251,3 +346,25 @@ def _append(arena: array, window: array) -> int:
     offset = len(arena)
     arena.extend(window)
     return offset
+
+
+def _best_nodes(trie: _Trie, budget: int) -> DraftTree:
+    """The `budget` nodes most likely on the true path (weight share x DEPTH_DISCOUNT^depth), best
+    first, so that parents come before children."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    if trie.weight <= 0:
+        return DraftTree(tokens, parents)
+    order = itertools.count()  # ties: first offered first
+    heap = [(-child.weight / trie.weight, next(order), ROOT, token, child, 1)
+            for token, child in trie.children.items()]
+    heapq.heapify(heap)
+    while heap and len(tokens) < budget:
+        _, _, parent, token, node, depth = heapq.heappop(heap)
+        parents.append(parent)
+        tokens.append(token)
+        index = len(tokens) - 1
+        for t, child in node.children.items():
+            score = child.weight / trie.weight * DEPTH_DISCOUNT ** depth
+            heapq.heappush(heap, (-score, next(order), index, t, child, depth + 1))
+    return DraftTree(tokens, parents)

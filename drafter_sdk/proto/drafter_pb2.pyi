@@ -60,7 +60,7 @@ class SamplingHints(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftSequence(_message.Message):
-    __slots__ = ("request_id", "context_len", "new_tokens", "prompt_len", "draft_len", "sampling", "last_num_drafted", "last_num_accepted")
+    __slots__ = ("request_id", "context_len", "new_tokens", "prompt_len", "draft_len", "sampling", "last_num_drafted", "last_num_accepted", "max_draft_nodes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class DraftSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LAST_NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LAST_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +78,8 @@ class DraftSequence(_message.Message):
     sampling: SamplingHints
     last_num_drafted: int
     last_num_accepted: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., draft_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingHints, _Mapping]] = ..., last_num_drafted: _Optional[int] = ..., last_num_accepted: _Optional[int] = ...) -> None: ...
+    max_draft_nodes: int
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., draft_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingHints, _Mapping]] = ..., last_num_drafted: _Optional[int] = ..., last_num_accepted: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ...) -> None: ...
 
 class PrepareDraftTokensRequest(_message.Message):
     __slots__ = ("verifier_id", "sequences")
@@ -88,14 +90,16 @@ class PrepareDraftTokensRequest(_message.Message):
     def __init__(self, verifier_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[DraftSequence, _Mapping]]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("request_id", "status", "draft_tokens")
+    __slots__ = ("request_id", "status", "draft_tokens", "draft_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: DraftStatus
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[DraftStatus, str]] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[DraftStatus, str]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareDraftTokensResponse(_message.Message):
     __slots__ = ("results",)

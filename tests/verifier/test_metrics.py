@@ -86,7 +86,7 @@ def hold_after_prefill(engine) -> Callable[[], None]:  # noqa: ANN001
     return release
 
 
-COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_draft_nodes_total",
             "spec_decode_num_accepted_tokens_total", "spec_decode_auto_disabled_total", "prompt_tokens_total",
             "generation_tokens_total", "drafter_call_failures_total", "drafter_calls_skipped_total",
             "drafter_resyncs_total")
@@ -148,6 +148,9 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
             assert value(after, "spec_decode_num_drafts_total") == sum(s.num_drafts for s in stats)
             assert value(after, "spec_decode_num_draft_tokens_total") == sum(s.num_draft_tokens for s in stats)
             assert value(after, "spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
+            # The in-process n-gram drafter drafts token trees: every node counted, depth in draft tokens.
+            assert value(after, "spec_decode_num_draft_nodes_total") == sum(s.num_draft_nodes for s in stats)
+            assert sum(s.num_draft_nodes for s in stats) > sum(s.num_draft_tokens for s in stats)
             expected_pos = {pos: 0 for pos in range(max_draft_len)}
             for s in stats:
                 for pos, n in enumerate(s.num_accepted_tokens_per_pos):

@@ -29,7 +29,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
-                 "http_port", "served_model_names")
+                 "http_port", "served_model_names", "max_draft_nodes")
 
 
 def _http_port(value: str) -> int | None:
@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     _setting(c, "max_concurrent_rpcs", "calls served at once, health included; more are refused with "
                                        "RESOURCE_EXHAUSTED", type=int)
     config.add_flags(p)
+    _setting(p, "max_draft_nodes", "largest token tree verified per sequence, for drafters that draft trees "
+                                   "(capability token-tree); the planner sizes each up to it; 0: chains only",
+             type=int)
     add_server_flags(p, "security (of this server; the drafter connection has --drafter-tls-* flags)")
     o = p.add_argument_group("operations")
     _setting(o, "grace_period_s", "drain time on SIGTERM", type=float)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from drafter_sdk.proto import drafter_pb2
+from verifier_service.engine import tree_verify
 from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Sequence
@@ -108,16 +109,20 @@ class Engine:
         """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
         fills in the plan's drafts to verify and its shadow drafts (asked for, not verified)."""
         none: list[list[int]] = [[] for _ in plan.decodes]
-        plan.drafts, plan.shadows = none, none
+        plan.drafts, plan.shadows, plan.parents = none, none, none
         if self.drafter is None or not any(plan.draft_asks):
             return None
+        # Token trees where the drafter drafts them: a tree's depth is its draft length.
+        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens)
+                 if self.drafter.supports_trees else [0] * len(plan.decodes))
         reply = await self.drafter.propose([
             DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.drafter_sync, s.spec.last_num_drafted,
-                       s.spec.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k)
-            for s, k in zip(plan.decodes, plan.draft_asks)])
+                       s.spec.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, m)
+            for s, k, m in zip(plan.decodes, plan.draft_asks, nodes)])
         for seq, failed in zip(plan.decodes, reply.failed):
             seq.stats.num_drafter_failures += failed
-        plan.drafts = [d[:k] for d, k in zip(reply.drafts, plan.draft_lens)]
+        plan.parents = reply.parents or none
+        plan.drafts = [d if p else d[:k] for d, p, k in zip(reply.drafts, plan.parents, plan.draft_lens)]
         plan.shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, plan.draft_lens)]
         return reply
 
@@ -141,10 +146,11 @@ class Engine:
         if self.metrics is not None and plan.decodes:
             stats = self.drafter.stats if self.drafter is not None else None
             self.metrics.observe_decode(
-                [len(d) for d in plan.drafts], [len(t) - 1 for t in new_tokens[len(plan.prefills):]],
+                [tree_verify.depth(d, p) for d, p in zip(plan.drafts, plan.tree_parents)],
+                [len(t) - 1 for t in new_tokens[len(plan.prefills):]],
                 {s.request_id for s in plan.decodes if s.spec.auto_disabled},
                 (stats.calls, stats.failures, stats.skipped, stats.resyncs) if stats is not None else None,
-                reply.latency_s if reply is not None else None)
+                reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
         self._release(finished)
 
     def _release(self, seqs: list[Sequence], failed: bool = False) -> None:

@@ -12,13 +12,37 @@ given y != x is distributed as p without x, renormalised. That is one draw per
 emitted token, in order, exactly as plain decoding draws, so a seeded request
 gives the same output whatever the drafter proposed, whether its drafts arrived
 in time and however the batch around it was drafted.
+
+Token trees (tree_verify.py) are walked from the root: at each node, the
+target's token y (argmax, or one draw y ~ p with the request's generator); if
+a child of the node carries y, y is accepted and the walk moves to that child,
+else y is emitted as the target's own token and the walk stops (at a leaf it
+always stops: the bonus token). Greedy, that emits exactly plain decoding's
+tokens. Sampled, it is lossless for any tree and any drafter: suppose the walk
+is at a node whose path equals the tokens emitted so far. That node's logits
+are the target's conditional given the context and those tokens (the tree
+mask shows a node its ancestors only, at their plain-decoding positions), and
+the next emitted token is a fresh draw from exactly that conditional, whatever
+the children carry: they only decide whether the walk continues, at the child
+carrying the drawn token, whose row is the conditional given one more emitted
+token, or stops. By induction every emitted token is distributed as the
+target's conditional given all tokens emitted before it, which is the target's
+distribution over sequences. Siblings carry distinct tokens, so at most one
+child matches and no choice is left to the drafter; and the walk spends one
+draw per emitted token, in order, as plain decoding does, so a seeded request
+emits the same tokens with a tree, a chain or no draft. (This is SpecInfer's
+multi-step speculative sampling for point-mass drafts: trying sibling x with
+acceptance p(x), then the next sibling under p renormalised without x, and so
+on, is one draw from p followed by a lookup among the siblings.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from verifier_service.engine.tree_verify import walk
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,7 @@ class VerifyRow:
     draft: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    parents: list[int] = field(default_factory=list)  # a token tree's (drafter_sdk/tree.py); [] = a chain
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,6 +113,15 @@ def verify_sampled(logits: torch.Tensor, row: VerifyRow) -> list[int]:
     return out
 
 
+def verify_tree(logits: torch.Tensor, row: VerifyRow) -> list[int]:
+    """logits [len(draft)+1, V] (the root, then the tree's nodes) -> accepted path plus one token:
+    the tree walk of the module docstring."""
+    if row.params.greedy:
+        return walk(row.draft, row.parents, logits.argmax(dim=-1).tolist().__getitem__)
+    probs = target_probs(logits, row.params)
+    return walk(row.draft, row.parents, lambda r: _sample(probs[r], row.generator))
+
+
 def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
     """logits [sum(len(draft)+1), V], rows laid out one after another -> new tokens per row."""
     argmax = logits.argmax(dim=-1).tolist()
@@ -95,7 +129,9 @@ def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]
     offset = 0
     for row in rows:
         n = len(row.draft) + 1
-        if row.params.greedy:
+        if row.parents:
+            out.append(verify_tree(logits[offset:offset + n], row))
+        elif row.params.greedy:
             target = argmax[offset:offset + n]
             accepted = 0
             while accepted < len(row.draft) and row.draft[accepted] == target[accepted]:

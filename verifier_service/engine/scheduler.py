@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from verifier_service.engine import tree_verify
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -45,6 +46,8 @@ class StepPlan:
     released: list[Sequence]  # cancelled since the last step: their slots are free already
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
+    # Per decode, filled in by the engine: its draft's token-tree parents ([] = a chain).
+    parents: list[list[int]] = field(default_factory=list)
     # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
     # filled in by the engine with the step's tokens.
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
@@ -74,16 +77,28 @@ class StepPlan:
             first = len(ids)
             ids += [seq.last_token, *draft]
             logit_index += range(first, len(ids))
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=ids, slots=[s.slot for s in self.sequences],
             starts=[s.num_prefilled for s in self.prefills] + [s.num_cached_tokens for s in self.decodes],
             lengths=self.chunks + [len(d) + 1 for d in self.drafts],
             logit_index=logit_index, copies=self.copies)
+        batch.kv_moves = [(s.slot, a, b) for s in self.decodes for a, b in s.kv_moves]
+        if any(self.tree_parents):
+            batch.parents = [p for n in self.chunks for p in range(-1, n - 1)]
+            for draft, parents in zip(self.drafts, self.tree_parents):
+                batch.parents += tree_verify.row_parents(parents or range(-1, len(draft) - 1))
+        return batch
+
+    @property
+    def tree_parents(self) -> list[list[int]]:
+        """Per decode, its token tree's parents ([] = a chain)."""
+        return self.parents or [[] for _ in self.decodes]
 
     def verify_rows(self) -> list[VerifyRow]:
         """How to turn each sequence's logits (laid out as in forward_batch) into tokens."""
         return ([VerifyRow([], s.sampling, s.generator) for s, last in zip(self.prefills, self.finishing) if last]
-                + [VerifyRow(d, s.sampling, s.generator) for s, d in zip(self.decodes, self.drafts)])
+                + [VerifyRow(d, s.sampling, s.generator, p)
+                   for s, d, p in zip(self.decodes, self.drafts, self.tree_parents)])
 
     def spread(self, per_row: list) -> list:
         """Results per verify row (new tokens, log-probabilities) -> per sequence: [] for a prefill whose
@@ -160,12 +175,15 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        for seq, draft, shadow, tokens in zip(plan.decodes, plan.drafts, plan.shadows,
-                                              new_tokens[len(plan.prefills):]):
+        for seq, draft, parents, shadow, tokens in zip(plan.decodes, plan.drafts, plan.tree_parents, plan.shadows,
+                                                       new_tokens[len(plan.prefills):]):
             accepted = len(tokens) - 1
-            seq.stats.record(len(draft), accepted)
-            self.policy.observe(seq.spec, len(draft), accepted)
+            depth = tree_verify.depth(draft, parents)
+            seq.stats.record(depth, accepted, len(draft))
+            self.policy.observe(seq.spec, depth, accepted)
+            self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
+            seq.kv_moves = tree_verify.accepted_moves(seq.num_cached_tokens, draft, parents, tokens)
         for seq, n in zip(plan.prefills, plan.chunks):
             seq.num_prefilled += n  # its KV is written, cancelled or not
         finished = []
@@ -178,7 +196,10 @@ class Scheduler:
                 seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs or None))
                 if seq.finished:
                     finished.append(seq)
-            self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, seq.kv_len)
+            # An accepted tree path's K/V reach their positions at the sequence's next forward: the
+            # positions from the first move on are not yet what the tokens say, so not yet shareable.
+            valid = min([seq.kv_len, *(to for _, to in seq.kv_moves)])
+            self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, valid)
         for seq in finished:
             self._finish(seq)
         return finished

@@ -38,13 +38,16 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafter_failures: int = 0
+    num_draft_nodes: int = 0  # draft tokens verified, every node of a tree counted
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
+        """`drafted`: a chain's length or a tree's depth; `nodes`: a tree's size (None: a chain)."""
         self.num_steps += 1
         if drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += drafted
+        self.num_draft_nodes += drafted if nodes is None else nodes
         self.num_accepted_tokens += accepted
         if len(self.num_accepted_tokens_per_pos) < drafted:
             self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
@@ -99,6 +102,8 @@ class Sequence:
     _pieces: list[str] = field(default_factory=list)  # text released per token since the last emit
     num_prefilled: int = 0  # prompt positions whose KV its slot holds (chunked prefill, cached prefix)
     cached_prompt_tokens: int = 0  # of those, reused from the prefix cache
+    # (from, to) K/V positions of its slot to copy at the next forward: its last accepted tree path.
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
+from verifier_service.model.tree_attention import apply_kv_moves, is_chain_row, tree_mask
 
 ATTENTION = "splitspec_packed"
 STEP_KWARG = "splitspec_step"
@@ -48,6 +49,11 @@ class ForwardBatch:
     # (src slot, dst slot, n): copy a cached prefix's first n positions before the forward.
     # Not sent to tensor-parallel followers: with TP the scheduler plans none.
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Token trees (model/tree_attention.py): per packed token, the row-local index of the token it
+    # follows, -1 for a row's first; empty when no row is a tree. Chain rows keep causal attention.
+    parents: list[int] = field(default_factory=list)
+    # (slot, from, to) K/V positions to copy before this step writes: earlier accepted tree paths.
+    kv_moves: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class PackedStep:
@@ -62,11 +68,16 @@ class PackedStep:
             if start + n > cache.shape.capacity:
                 raise ValueError(f"slot {slot} would hold {start + n} tokens, above its capacity")
             mask = None
-            if n > 1:  # queries see keys up to their own position (bottom-right aligned causal)
-                keys = torch.arange(start + n, device=device)
-                mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+            tree = batch.parents[offset:offset + n]
+            if tree and not is_chain_row(tree):  # a token tree: context plus own ancestors
+                mask, row_positions = tree_mask(tree, start, device)
+                positions += row_positions
+            else:
+                if n > 1:  # queries see keys up to their own position (bottom-right aligned causal)
+                    keys = torch.arange(start + n, device=device)
+                    mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+                positions += range(start, start + n)
             self.rows.append((offset, n, slot, start, mask))
-            positions += range(start, start + n)
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
@@ -150,6 +161,7 @@ class ModelRunner:
             return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        apply_kv_moves(self.kv_cache, batch.kv_moves)
         for src, dst, n in batch.copies:
             self.kv_cache.copy_prefix(src, dst, n)
         step = PackedStep(self.kv_cache, batch, self.device)

@@ -14,7 +14,8 @@ Rank 0's messages go over a separate gloo group, the control channel: a few inte
 device synchronisation, and gloo fails a send to a dead rank at once and to a stuck one within
 its timeout. Each message is a header [kind, three counts, payload length], then its payload:
 
-- FORWARD: the ForwardBatch's five integer lists, one after another;
+- FORWARD: the ForwardBatch's five integer lists, one after another, then its token trees'
+  parents (count first) and K/V moves;
 - LAYOUTS: on CPU, the linear-layout table rank 0 measured and chose (model/linear_layout.py),
   so that every rank runs the same kernels, during the start-up measurements too;
 - HEARTBEAT: sent when idle, so a follower waiting for the next step never times out and a dead
@@ -123,13 +124,20 @@ class Channel:
 
 def _encode(batch: ForwardBatch) -> tuple[tuple[int, int, int], list[int]]:
     counts = (len(batch.input_ids), len(batch.slots), len(batch.logit_index))
-    return counts, [*batch.input_ids, *batch.slots, *batch.starts, *batch.lengths, *batch.logit_index]
+    moves = [x for move in batch.kv_moves for x in move]
+    return counts, [*batch.input_ids, *batch.slots, *batch.starts, *batch.lengths, *batch.logit_index,
+                    len(batch.parents), *batch.parents, *moves]
 
 
 def _decode(counts: list[int], payload: list[int]) -> ForwardBatch:
     tokens, rows, logits = counts
     cuts = [0, *itertools.accumulate([tokens, rows, rows, rows, logits])]
-    return ForwardBatch(*(payload[a:b] for a, b in zip(cuts, cuts[1:])))
+    batch = ForwardBatch(*(payload[a:b] for a, b in zip(cuts, cuts[1:])))
+    trees = payload[cuts[-1]]  # then the token trees' parents, then the K/V moves as triples
+    batch.parents = payload[cuts[-1] + 1:cuts[-1] + 1 + trees]
+    moves = payload[cuts[-1] + 1 + trees:]
+    batch.kv_moves = [tuple(moves[i:i + 3]) for i in range(0, len(moves), 3)]
+    return batch
 
 
 def _layout_message(layouts: LinearLayouts) -> tuple[tuple[int, int, int], list[int]]:

@@ -30,6 +30,7 @@ import grpc
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
 from verifier_service.spec.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class DraftQuery:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    max_draft_nodes: int = 0  # token-tree budget (draft_len is then its depth); 0 = chains only
 
 
 @dataclass
@@ -79,6 +81,8 @@ class DraftReply:
     drafts: list[list[int]]  # one per query; [] = no draft
     failed: list[bool]  # the drafter failed or misbehaved for this query
     latency_s: float = 0.0
+    # Per query, a token tree's parents (drafter_sdk/tree.py; [] = a chain); empty = all chains.
+    parents: list[list[int]] = field(default_factory=list)
 
 
 class Transport(Protocol):
@@ -193,6 +197,7 @@ class DrafterClientStats:
     failures: int = 0
     skipped: int = 0  # steps with the breaker open
     resyncs: int = 0
+    invalid_trees: int = 0  # token trees discarded (malformed, too deep or over the node budget)
     last_error: str = ""
     request_bytes: int = 0
     last_request_bytes: int = 0
@@ -268,22 +273,26 @@ class DrafterClient:
         problem = _check_shape(response, request)
         if problem:
             return self._fail(queries, problem, latency)
-        drafts, failed, lost_state = [], [], False
+        drafts, parents, failed, lost_state, tree_error = [], [], [], False, ""
         for query, result in zip(queries, response.results):
             lost_state |= result.status == drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED and bool(query.history.lengths)
             draft, bad = self._accept(query, result)
-            drafts.append(draft)
-            failed.append(bad)
+            tree, problem = self._accept_tree(query, result, draft)
+            drafts.append([] if problem else draft)
+            parents.append(tree)
+            failed.append(bad or bool(problem))
+            tree_error = tree_error or problem
         recovered = self.breaker.is_open  # it answered again after the breaker had opened
         if any(failed):
             self.stats.failures += 1
-            self.stats.last_error = "drafter returned invalid draft tokens"
+            self.stats.last_error = (f"drafter returned an invalid token tree: {tree_error}" if tree_error
+                                     else "drafter returned invalid draft tokens")
             self.breaker.record_failure()
         else:
             self.breaker.record_success()
         if self.info is None or recovered or lost_state:  # possibly another drafter now: ask who it is
             self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
-        return DraftReply(drafts, failed, latency)
+        return DraftReply(drafts, failed, latency, parents)
 
     def _build_request(self, queries: list[DraftQuery]) -> drafter_pb2.PrepareDraftTokensRequest:
         request = drafter_pb2.PrepareDraftTokensRequest(verifier_id=self.verifier_id)
@@ -296,7 +305,8 @@ class DrafterClient:
                 request_id=q.request_id, context_len=start, new_tokens=q.tokens[start:],
                 prompt_len=q.prompt_len, draft_len=q.draft_len,
                 sampling=drafter_pb2.SamplingHints(temperature=q.temperature, top_p=q.top_p, top_k=q.top_k),
-                last_num_drafted=q.last_num_drafted, last_num_accepted=q.last_num_accepted))
+                last_num_drafted=q.last_num_drafted, last_num_accepted=q.last_num_accepted,
+                max_draft_nodes=q.max_draft_nodes))
         return request
 
     def _accept(self, query: DraftQuery, result: drafter_pb2.DraftResult) -> tuple[list[int], bool]:
@@ -312,9 +322,31 @@ class DrafterClient:
         if len(history) > self.overlap_steps:
             history.popleft()
         tokens = list(result.draft_tokens)
-        if len(tokens) > query.draft_len or any(t < 0 or t >= self.vocab_size for t in tokens):
+        too_long = len(tokens) > query.draft_len and not result.draft_parents  # a tree's size: _accept_tree
+        if too_long or any(t < 0 or t >= self.vocab_size for t in tokens):
             return [], True
         return tokens, False
+
+    def _accept_tree(self, query: DraftQuery, result: drafter_pb2.DraftResult,
+                     draft: list[int]) -> tuple[list[int], str]:
+        """A draft's tree parents ([] for a chain), or why the tree is discarded: malformed, deeper
+        than draft_len, over the node budget, or sent where a chain was asked for."""
+        parents = list(result.draft_parents)
+        if not parents or not draft or (is_chain(parents) and len(parents) == len(draft)
+                                        and len(draft) <= query.draft_len):
+            return [], ""  # a chain, possibly spelt as a tree
+        problem = ("a token tree where the verifier asked for a chain" if not query.max_draft_nodes else
+                   tree_problem(draft, parents, query.draft_len, query.max_draft_nodes))
+        if not problem:
+            return parents, ""
+        self.stats.invalid_trees += 1
+        log.debug("discarded the token tree for %s: %s", query.request_id, problem)
+        return [], problem
+
+    @property
+    def supports_trees(self) -> bool:
+        """The drafter said it may answer token trees (GetDrafterInfo capabilities)."""
+        return self.info is not None and TREE_CAPABILITY in self.info.capabilities
 
     def _fail(self, queries: list[DraftQuery], error: str, latency: float) -> DraftReply:
         self.stats.failures += 1

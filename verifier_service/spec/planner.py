@@ -13,6 +13,14 @@ drafting still asks the drafter for a "shadow" draft that is never verified:
 whether its first token equals the token the target then produced keeps the
 first-position estimate honest for free, so drafting resumes as soon as the
 text becomes predictable.
+
+Token trees are sized on top of the chosen chain lengths (`plan_nodes`): a
+node beyond a sequence's chain is worth the extra accepted tokens per extra
+node that its earlier trees earned over their first branch (the chain the tree
+would have been), and nodes are added, most rewarding request first, while the
+expected tokens per unit of forward time still rise. Where verifying more
+tokens is dear (a large batch on a CPU) or side branches have not been paying,
+no node is added and the sequence drafts a chain.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ DECAY = 0.85
 # Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
+# Extra accepted tokens per tree node beyond the first branch, before any tree was verified: enough
+# to try a tree where a node costs little (a GPU, a small batch), not where it costs a step's 5%.
+BRANCH_PRIOR = (0.15, 1.0)
 
 
 @dataclass
@@ -38,8 +49,12 @@ class Rate:
     trials: float
 
     def add(self, hit: bool) -> None:
-        self.hits = DECAY * self.hits + hit
-        self.trials = DECAY * self.trials + 1
+        self.add_many(hit, 1)
+
+    def add_many(self, hits: float, trials: float) -> None:
+        """One step's evidence of `trials` trials at once (decayed once)."""
+        self.hits = DECAY * self.hits + hits
+        self.trials = DECAY * self.trials + trials
 
     @property
     def value(self) -> float:
@@ -53,6 +68,7 @@ class AcceptanceEstimate:
 
     first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
+    branch: Rate = field(default_factory=lambda: Rate(*BRANCH_PRIOR))  # per tree node off the first branch
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -72,6 +88,12 @@ class AcceptanceEstimate:
     def observe_shadow(self, first_token_matched: bool) -> None:
         """An unverified draft's first token against the token the target produced."""
         self.first.add(first_token_matched)
+
+    def observe_branches(self, extra_nodes: int, extra_accepted: int) -> None:
+        """A verified tree: `extra_nodes` nodes off its first branch bought `extra_accepted` tokens
+        beyond what the first branch alone would have had accepted."""
+        if extra_nodes > 0:
+            self.branch.add_many(extra_accepted, extra_nodes)
 
 
 @dataclass(frozen=True)
@@ -100,3 +122,20 @@ class DraftPlanner:
             if lengths[i] < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][lengths[i]], i))
         return best
+
+    def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
+        """Token-tree sizes (nodes, at most max_nodes; 0 = a chain) for the chain lengths `plan` chose."""
+        tokens = len(lengths) + sum(lengths)
+        expected = len(lengths) + sum(sum(e.gains(k)) for e, k in zip(estimates, lengths))
+        best_rate = expected / self.costs(tokens)
+        extra, best = [0] * len(lengths), [0] * len(lengths)
+        for i in sorted((i for i, k in enumerate(lengths) if 0 < k < max_nodes),
+                        key=lambda i: -estimates[i].branch.value):
+            for _ in range(max_nodes - lengths[i]):
+                extra[i] += 1
+                tokens += 1
+                expected += estimates[i].branch.value
+                rate = expected / self.costs(tokens)
+                if rate > best_rate:
+                    best_rate, best = rate, list(extra)
+        return [k + e if e else 0 for k, e in zip(lengths, best)]

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
+from drafter_sdk.tree import first_branch
 from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
 
 
@@ -50,10 +51,11 @@ class SpeculationPolicy:
     min_acceptance_rate: float = 0.0
     probe_interval_steps: int = 0
     planner: DraftPlanner | None = None  # adaptive draft lengths; None = always the cap
+    max_draft_nodes: int = 0  # token-tree budget per sequence (drafters that draft trees); 0 = chains
 
     @classmethod
     def from_config(cls, config: speculative_pb2.SpeculativeConfig,
-                    planner: DraftPlanner | None = None) -> "SpeculationPolicy":
+                    planner: DraftPlanner | None = None, max_draft_nodes: int = 0) -> "SpeculationPolicy":
         """`planner`: built by the builder from the measured cost curve when adaptive_draft_len is on."""
         p = config.policy
         return cls(
@@ -63,6 +65,7 @@ class SpeculationPolicy:
             min_acceptance_rate=p.auto_disable.min_acceptance_rate,
             probe_interval_steps=p.auto_disable.probe_interval_steps,
             planner=planner,
+            max_draft_nodes=max_draft_nodes,
         )
 
     def plan(self, states: list[SpecState], rooms: list[int]) -> tuple[list[int], list[int]]:
@@ -78,6 +81,15 @@ class SpeculationPolicy:
             return caps, caps
         lengths = self.planner.plan([s.acceptance for s in states], caps)
         return lengths, [k or cap for k, cap in zip(lengths, caps)]
+
+    def plan_nodes(self, states: list[SpecState], lengths: list[int]) -> list[int]:
+        """Token-tree budgets (nodes; 0 = a chain) for a step whose drafter drafts trees, given the
+        draft lengths (now maximum depths) `plan` chose: with the planner, only where they pay."""
+        if not self.max_draft_nodes:
+            return [0] * len(lengths)
+        if self.planner is None:
+            return [self.max_draft_nodes if k else 0 for k in lengths]
+        return self.planner.plan_nodes([s.acceptance for s in states], lengths, self.max_draft_nodes)
 
     def _cap(self, state: SpecState, batch_size: int, room: int) -> int:
         if state.params.disable:
@@ -121,6 +133,16 @@ class SpeculationPolicy:
                 state.disabled = True
                 state.steps_since_disabled = 0
                 state.auto_disabled = True
+
+    def observe_tree(self, state: SpecState, draft: list[int], parents: list[int], new_tokens: list[int]) -> None:
+        """A verified token tree: what its nodes off the first branch added (for the planner)."""
+        if self.planner is None or not parents:
+            return
+        chain = first_branch(draft, parents)
+        on_chain = 0
+        while on_chain < min(len(chain), len(new_tokens) - 1) and chain[on_chain] == new_tokens[on_chain]:
+            on_chain += 1
+        state.acceptance.observe_branches(len(draft) - len(chain), len(new_tokens) - 1 - on_chain)
 
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
         """A draft asked for but not verified: its first token against the token the target produced."""

@@ -32,6 +32,7 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
 
 def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
     return (f"steps={stats.num_steps} drafts={stats.num_drafts} draft_tokens={stats.num_draft_tokens} "
+            f"draft_nodes={stats.num_draft_nodes} "
             f"accepted={stats.num_accepted_tokens} mean_acceptance_length={stats.mean_acceptance_length:.2f} "
             f"acceptance_rate={stats.acceptance_rate:.2f} per_position={list(stats.num_accepted_tokens_per_pos)}")
 

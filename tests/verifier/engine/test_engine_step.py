@@ -68,6 +68,7 @@ class FakeDrafter:
     queries: list[list[DraftQuery]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     reasons: list[int] = field(default_factory=list)
+    supports_trees: bool = False
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         self.queries.append(queries)

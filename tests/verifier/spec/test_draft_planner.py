@@ -99,3 +99,37 @@ def test_one_requests_history_does_not_stop_a_new_request_from_drafting() -> Non
     p = planner(costs)
     p.plan([trained(8, 1, 20)], [8])
     assert p.plan([AcceptanceEstimate()], [8]) == [8]
+
+
+def branchy(extra_accepted: float, steps: int = 10) -> AcceptanceEstimate:
+    """An estimate whose trees' 8 side nodes earned `extra_accepted` tokens each step."""
+    estimate = trained(4, 3, 10)
+    for _ in range(steps):
+        estimate.observe_branches(8, extra_accepted)
+    return estimate
+
+
+def test_trees_where_side_branches_pay_and_verifying_is_cheap() -> None:
+    assert planner(FLAT).plan_nodes([branchy(2)], [4], 12) == [12]
+    assert planner(LINEAR).plan_nodes([branchy(2)], [4], 12) == [0], "a node costs a whole step"
+    assert planner(FLAT).plan_nodes([branchy(0)], [4], 12) == [0], "side branches never accepted"
+    assert planner(FLAT).plan_nodes([branchy(2)], [0], 12) == [0], "no chain, no tree"
+    # A batch: the request whose branches pay gets the nodes first.
+    mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
+    nodes = planner(mid).plan_nodes([branchy(0.1), branchy(3)], [4, 4], 16)
+    assert nodes[1] > 4 and nodes[0] == 0
+
+
+def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
+    fixed = SpeculationPolicy(max_draft_len=4, max_draft_nodes=10)
+    assert fixed.plan_nodes([SpecState(), SpecState()], [4, 0]) == [10, 0]
+    assert SpeculationPolicy(max_draft_len=4).plan_nodes([SpecState()], [4]) == [0], "trees off: chains"
+    adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=10)
+    state = SpecState()
+    before = state.acceptance.branch.value
+    # First branch [1, 2]; the target went 1, 5, 6: the side node 5 bought one more token.
+    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 6])
+    assert state.acceptance.branch.value > before
+    state = SpecState()
+    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 2, 6])  # the first branch alone did it
+    assert state.acceptance.branch.value < before

@@ -34,6 +34,7 @@ from verifier_service.tools.bench import draft_model
 from verifier_service.tools.bench import engine_sections
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import replay, suffix_speed, workloads
+from verifier_service.tools.bench import trees as bench_trees
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script
 
@@ -74,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model-only", action="store_true",
                    help="with --draft-model: only the draft model's own figures (no services; the target's "
                         "outputs come from transformers generate())")
+    p.add_argument("--trees", type=int, default=0, metavar="N",
+                   help="instead: n-gram chains vs token trees at N verified tokens per step, and as the planner "
+                        "sizes them (writes trees.json)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     engine_sections.add_arguments(p)
     p.set_defaults(func=main)
@@ -91,6 +95,13 @@ def main(args: argparse.Namespace) -> int:
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     if args.replay:
         return _replay(model, tokenizer, prompts, args, out)
+    if args.trees:
+        del model
+        rows = bench_trees.run(args, prompts, lambda systems, ps, a: _run_all(systems, ps, a, tokenizer))
+        bench_trees.print_table(rows, args.trees)
+        bench_trees.to_json(rows, out / "trees.json")
+        print(f"\nwrote {out / 'trees.json'}")
+        return 0
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
     # --engine-only needs the one-token forward alone.
     seconds = _forward_costs(model, 0 if args.engine_only else args.max_draft_len)

@@ -1,0 +1,112 @@
+"""Token trees in the SDK: a drafter returns a DraftTree; the SDK checks it, trims it to the
+verifier's budget, and reduces it to its first branch where a chain was asked for. The n-gram
+drafter branches where its history offers different continuations."""
+
+import asyncio
+
+import pytest
+
+from drafter_sdk import TREE_CAPABILITY, DraftTree, NgramDrafter
+from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.tree import accepted_path, depths, first_branch, tree_problem, trim
+from sdk_support import RecordingDrafter, seq, serving
+
+KEY = ("v", "r")
+#        0   1   2   3   4   5   6
+TREE = DraftTree([10, 11, 12, 13, 14, 15, 16], [-1, 0, -1, 1, 2, 0, 3])  # depths 1 2 1 3 2 2 4
+
+
+def test_tree_helpers():
+    assert depths(TREE.parents) == [1, 2, 1, 3, 2, 2, 4]
+    assert first_branch(TREE.tokens, TREE.parents) == [10, 11, 13, 16]
+    assert accepted_path(TREE.tokens, TREE.parents, [10, 15, 99]) == [0, 5]
+    assert accepted_path(TREE.tokens, TREE.parents, [12, 14]) == [2, 4]
+    assert trim(TREE.tokens, TREE.parents, max_depth=2, max_nodes=4) == ([10, 11, 12, 14], [-1, 0, -1, 2])
+    assert trim(TREE.tokens, TREE.parents, max_depth=9, max_nodes=3) == ([10, 11, 12], [-1, 0, -1])
+    assert tree_problem(TREE.tokens, TREE.parents, 4, 7) == ""
+
+
+@pytest.mark.parametrize(("tokens", "parents", "depth", "nodes", "words"), [
+    ([1, 2], [-1, 2], 4, 4, "not -1 or an earlier node"),
+    ([1, 2], [1, -1], 4, 4, "not -1 or an earlier node"),
+    ([1, 2], [-1, -2], 4, 4, "not -1 or an earlier node"),
+    ([1, 2, 3], [-1, 0, 1], 2, 4, "depth 3"),
+    ([1, 2, 3], [-1, -1, -1], 4, 2, "above the budget"),
+    ([1, 1], [-1, -1], 4, 4, "already has a child with token 1"),
+    ([1, 2], [-1], 4, 4, "1 parents for 2"),
+])
+def test_tree_problems_are_named(tokens, parents, depth, nodes, words):
+    assert words in tree_problem(tokens, parents, depth, nodes)
+
+
+def test_the_sdk_trims_trees_to_the_budget_and_answers_chains_when_asked():
+    async def body():
+        budgets = []
+        drafter = RecordingDrafter(lambda r: budgets.append(r.max_draft_nodes) or TREE)
+        async with serving(drafter) as c:
+            response = await c.prepare("v", seq("a", 0, [1], draft_len=4, max_draft_nodes=5),
+                                       seq("b", 0, [1], draft_len=2, max_draft_nodes=16),
+                                       seq("c", 0, [1], draft_len=3, max_draft_nodes=0),
+                                       seq("d", 0, [1], draft_len=4, max_draft_nodes=2))
+        a, b, chain, tiny = response.results
+        assert (list(a.draft_tokens), list(a.draft_parents)) == ([10, 11, 12, 13, 14], [-1, 0, -1, 1, 2])
+        assert (list(b.draft_tokens), list(b.draft_parents)) == ([10, 11, 12, 14, 15], [-1, 0, -1, 2, 0])
+        assert (list(chain.draft_tokens), list(chain.draft_parents)) == ([10, 11, 13], [])
+        assert (list(tiny.draft_tokens), list(tiny.draft_parents)) == ([10, 11], []), "a chain-shaped tree is a chain"
+        assert budgets == [5, 16, 0, 2]
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("bad", [DraftTree([1, 2], [-1, 5]), DraftTree([1, 1], [-1, -1]), DraftTree([1, 2], [-1]),
+                                 DraftTree([1, -3], [-1, 0]), DraftTree([1, 2], [-1, "x"])])
+def test_a_malformed_tree_fails_the_call_with_internal(bad):
+    async def body():
+        async with serving(RecordingDrafter(lambda r: bad)) as c:
+            with pytest.raises(Exception) as err:
+                await c.prepare("v", seq("a", 0, [1], draft_len=4, max_draft_nodes=8))
+        assert "INTERNAL" in str(err.value)
+
+    asyncio.run(body())
+
+
+def test_ngram_drafter_advertises_trees_and_branches_where_its_history_disagrees():
+    assert TREE_CAPABILITY in NgramDrafter.capabilities
+    history = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 7, 8, 9, 1, 2, 3]
+    tree = NgramDrafter(max_draft_len=8).draft_tree(KEY, history, 4, 8)
+    assert tree_problem(tree.tokens, tree.parents, 4, 8) == ""
+    roots = [t for t, p in zip(tree.tokens, tree.parents) if p == -1]
+    assert roots[:2] == [7, 4], "both continuations of [1, 2, 3], the newest first"
+    assert first_branch(tree.tokens, tree.parents) == [7, 8, 9, 1]
+    assert accepted_path(tree.tokens, tree.parents, [4, 5, 6, 9]) != []
+    # Where every occurrence agrees the tree is one chain, as deep as allowed.
+    same = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]
+    tree = NgramDrafter(max_draft_len=8).draft_tree(KEY, same, 3, 3)
+    assert (tree.tokens, tree.parents) == ([4, 5, 6], [-1, 0, 1])
+    # Budget 0: the chain drafter, unchanged.
+    drafter = NgramDrafter(max_draft_len=8)
+    assert drafter.draft(KEY, history, 4) == NgramDrafter(max_draft_len=8).draft(("v", "other"), history, 4)
+
+
+def test_ngram_drafter_grows_its_tree_index_incrementally():
+    history = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 5, 6]
+    incremental = NgramDrafter(max_draft_len=4)
+    for n in range(2, len(history) + 1):
+        step = incremental.draft_tree(KEY, history[:n], 3, 6)
+    fresh = NgramDrafter(max_draft_len=4).draft_tree(KEY, history, 3, 6)
+    assert step == fresh and fresh.tokens
+
+
+def test_ngram_trees_over_the_wire():
+    async def body():
+        async with serving(NgramDrafter(max_draft_len=4)) as c:
+            info = await c.stub.GetDrafterInfo(pb.GetDrafterInfoRequest())
+            history = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]
+            response = await c.prepare("v", seq("t", 0, history, draft_len=3, max_draft_nodes=6),
+                                       seq("c", 0, history, draft_len=3))
+        assert TREE_CAPABILITY in info.capabilities
+        tree, chain = response.results
+        assert len(tree.draft_parents) == len(tree.draft_tokens) > 3
+        assert list(chain.draft_parents) == [] and len(chain.draft_tokens) == 3
+
+    asyncio.run(body())
