@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter_sdk.tree import accepted_path
 from verifier_service.engine.tree_verify import walk
 
 
@@ -148,8 +149,8 @@ def token_logprobs(logits: torch.Tensor, rows: list[VerifyRow],
     """Log-probabilities of each row's emitted tokens (None for rows that asked for none).
 
     From the raw logits' log-softmax, before temperature, top-k and top-p (vLLM's default), at the
-    positions the tokens were emitted from: an accepted draft token's comes from the verify
-    forward, exactly where plain decoding would have computed it.
+    positions the tokens were emitted from (a tree's: its accepted path's): an accepted draft
+    token's comes from the verify forward, exactly where plain decoding would have computed it.
     """
     out: list[list[TokenLogprob] | None] = []
     offset = 0
@@ -158,7 +159,12 @@ def token_logprobs(logits: torch.Tensor, rows: list[VerifyRow],
         if n is None:
             out.append(None)
         else:
-            logp = torch.log_softmax(logits[offset:offset + len(emitted)].float(), dim=-1)
+            if row.parents:  # a tree: token j came from the root's row, then from its path's nodes' rows
+                path = accepted_path(row.draft, row.parents, emitted[:-1])
+                emitted_from = logits[[offset, *(offset + 1 + node for node in path)]]
+            else:
+                emitted_from = logits[offset:offset + len(emitted)]
+            logp = torch.log_softmax(emitted_from.float(), dim=-1)
             chosen = logp.gather(-1, torch.tensor(emitted, device=logp.device)[:, None])[:, 0].tolist()
             top_v, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
             out.append([TokenLogprob(t, lp, tuple(zip(ids, vals)))
