@@ -156,9 +156,9 @@ def test_release_reasons_reach_the_drafter() -> None:
         async with serve_drafter(SuffixDrafter()) as running:
             release = running.servicer.release
 
-            def spy(request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse:
+            def spy(request: drafter_pb2.ReleaseRequestsRequest, caller: str) -> drafter_pb2.ReleaseRequestsResponse:
                 seen.append(request)
-                return release(request)
+                return release(request, caller)
 
             running.servicer.release = spy
             async with run_verifier(remote_config(4, running.port), model=shared_model()) as v:
