@@ -253,11 +253,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def _checked(self, req: DraftRequest, draft: Any, limit: int) -> tuple[list[int], list[int]]:
         if isinstance(draft, DraftTree):
             return self._checked_tree(req, draft, limit)
-        return self._checked_ids(req, itertools.islice(draft, limit)), []
+        return self._checked_ids(req, draft, limit), []
 
     def _checked_tree(self, req: DraftRequest, tree: DraftTree, limit: int) -> tuple[list[int], list[int]]:
         """A tree: refused if malformed; trimmed to the budget; its first branch if a chain was asked."""
-        tokens = self._checked_ids(req, tree.tokens)
+        tokens = self._checked_ids(req, tree.tokens, _INT32_LIMIT)
         try:
             parents = [operator.index(p) for p in tree.parents]
         except TypeError as exc:
@@ -274,10 +274,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         tokens, parents = trim(tokens, parents, limit, req.max_draft_nodes)
         return (tokens, []) if is_chain(parents) else (tokens, parents)
 
-    def _checked_ids(self, req: DraftRequest, draft: Any) -> list[int]:
+    def _checked_ids(self, req: DraftRequest, draft: Any, limit: int) -> list[int]:
         bound = self.drafter.vocab_size or _INT32_LIMIT
         try:
-            tokens = [operator.index(t) for t in draft]
+            tokens = [operator.index(t) for t in itertools.islice(draft, limit)]
         except TypeError as exc:
             details = f"draft for request {req.request_id!r} is not a sequence of int token ids ({exc})"
             log.error(details)
