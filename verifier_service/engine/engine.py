@@ -139,6 +139,10 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, run)
 
     def _timed_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        started = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self._forward_s = time.perf_counter() - started
+        return logits
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
         finished = self.scheduler.update(plan, new_tokens)
