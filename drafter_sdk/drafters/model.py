@@ -31,7 +31,6 @@ grown in blocks; a sequence that does not fit gets no draft instead of an error.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field

@@ -91,7 +91,7 @@ class SuffixIndex:
         tokens = _ints(tokens)
         if not tokens:
             return
-        buf, base = self._buf, self._base
+        buf = self._buf
         start, pos = self._spans[-1]
         if pos > start:
             buf.pop()  # the separator after the sequence: it goes on
