@@ -169,6 +169,7 @@ class ModelDrafter(Drafter):
         self._used_bytes = 0
         self._kv_shape = (0, 0, 0)  # layers, KV heads, head dim: known once loaded
         self._bytes_per_token = 0
+        self._host_kv = True
         self._max_positions = 0
         # Bumped by every call from the SDK's worker: drafting ahead stops when it changes.
         self._generation = 0
@@ -190,9 +191,9 @@ class ModelDrafter(Drafter):
         self._on_model_thread(self._drop, key)
 
     def state_bytes(self, key: Key) -> int:
-        """KV memory held for `key`."""
+        """Host KV memory held for `key` (0 on a GPU)."""
         seq = self._sequences.get(key)
-        return seq.capacity * self._bytes_per_token if seq is not None else 0
+        return seq.capacity * self._bytes_per_token if seq is not None and self._host_kv else 0
 
     def shared_state_bytes(self) -> int:
         """Nothing is shared between sequences (the weights are not state)."""
@@ -234,6 +235,8 @@ class ModelDrafter(Drafter):
                           getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         layers, kv_heads, head_dim = self._kv_shape
         self._bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+        # The SDK's state budget protects host memory: a GPU's KV is bounded by --kv-cache-memory-gb alone.
+        self._host_kv = model.device.type == "cpu"
         self._max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         self._model = model
         self._base = model.base_model

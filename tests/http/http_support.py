@@ -37,11 +37,13 @@ class HttpVerifier:
         return tiny_tokenizer()
 
     def idle(self) -> bool:
-        """No sequence left in the engine, every KV slot free, no drafter state held."""
+        """No sequence left in the engine, every KV slot free (or kept idle by the prefix cache, evictable),
+        no drafter state held."""
         scheduler = self.v.running.runtime.engine.scheduler
         held = len(self.drafter.servicer.store) if self.drafter is not None else 0
+        kv = scheduler.kv_cache
         return (not scheduler.running and not scheduler.waiting
-                and scheduler.kv_cache.num_free_slots == scheduler.kv_cache.shape.num_slots and held == 0)
+                and kv.num_free_slots + scheduler.prefix_cache.num_idle == kv.shape.num_slots and held == 0)
 
 
 @contextlib.asynccontextmanager

@@ -188,7 +188,7 @@ def test_queue_and_concurrency_limits_answer_resource_exhausted():
 
 @pytest.mark.parametrize("config, words", [
     ("mode: TURBO\n", ["unknown speculation mode 'TURBO'", "known modes", "USER_PROVIDED"]),
-    ("mode: EAGLE3\ndraft_model: {model: heads}\n", ["EAGLE3 is not supported", "NONE, NGRAM, USER_PROVIDED"]),
+    ("mode: EAGLE3\ndraft_model: {model: heads}\n", ["EAGLE3 is not supported", "NONE, NGRAM, SUFFIX, USER_PROVIDED, DRAFT_TARGET"]),
     ("mode: NGRAM\nuser_provided: {drafter_target: 'x:1'}\n", ["mode NGRAM does not take a `user_provided`"]),
     ("mode: USER_PROVIDED\n", ["needs user_provided.drafter_target"]),
     ("mode: NGRAM\nmax_draft_len: 1000\n", ["max_draft_len 1000 is above the limit"]),

@@ -17,9 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.spec.drafter_client import DeltaHistory, DrafterClient, DraftQuery, InProcessTransport
+from verifier_service.spec.drafter_client import (
+    DeltaHistory,
+    DrafterClient,
+    DraftQuery,
+    InProcessTransport,
+    ReleasedRequest,
+)
 from verifier_service.tools.bench.workloads import Prompt
 
 
@@ -68,7 +75,8 @@ async def _replay(drafter: ModelDrafter, prompts: list[Prompt], outputs: list[li
                 context += new
                 done += len(new)
                 await asyncio.sleep(forward_cost_s(len(draft) + 1))  # the target verifies meanwhile
-            client.release([request_id])
+            client.release([ReleasedRequest(request_id, drafter_pb2.RELEASE_REASON_FINISHED, context,
+                                            len(prompt.token_ids), history)])
     finally:
         await client.close()
     latencies.sort()
