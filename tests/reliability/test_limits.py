@@ -64,8 +64,10 @@ def test_verifier_copes_with_a_drafter_refusing_its_calls_for_size(limited_draft
     limited_drafter.set("ok", oracle=workload.oracle())
 
     async def body():
+        # A step budget above the six prompts together: they are admitted in one step, so the first call
+        # carries all six contexts (chunked one by one, each call could stay under the limit).
         async with run_verifier(spec_config("USER_PROVIDED", 4, limited_drafter.address, deadline_ms=2000),
-                                max_model_len=512) as v:
+                                max_model_len=512, max_num_batched_tokens=4096) as v:
             replies = await asyncio.gather(*(v.stub.Generate(workload.request(i)) for i in range(6)))
             info = await v.stub.GetServerInfo(pb.GetServerInfoRequest())
         return replies, info
