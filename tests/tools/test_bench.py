@@ -17,11 +17,17 @@ SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram rem
            "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
 
 
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """The tiny test model and tokenizer saved as a model folder, as `--model` takes it."""
+    path = tmp_path / "tiny"
+    tiny_model(max_positions=4096).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 @pytest.mark.timeout(600)  # seven systems, six services
-def test_bench_runs_every_system_and_reports(tmp_path: Path) -> None:
-    model_dir = tmp_path / "tiny"
-    tiny_model(max_positions=4096).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "8",
@@ -62,11 +68,8 @@ def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: 
     assert budgeted["peak_rss_mib"] - budgeted["baseline_rss_mib"] <= budgeted["max_state_mib"] + 64
 
 
-def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path) -> None:
+def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_dir: Path) -> None:
     """The recurring rounds after the first: the suffix drafter remembers the first round, n-gram cannot."""
-    model_dir = tmp_path / "tiny"
-    tiny_model(max_positions=4096).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens",
@@ -85,10 +88,7 @@ def test_suffix_speed_measures_the_drafter_itself() -> None:
     assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0
 
 
-def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path) -> None:
-    model_dir = tmp_path / "tiny"
-    tiny_model(max_positions=4096).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "24",
@@ -105,10 +105,7 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
 
 
 @pytest.mark.timeout(600)  # three verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(tmp_path: Path) -> None:
-    model_dir = tmp_path / "tiny"
-    tiny_model(max_positions=4096).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--engine-only", "--engine-sections", "all",
