@@ -14,13 +14,18 @@ whether its first token equals the token the target then produced keeps the
 first-position estimate honest for free, so drafting resumes as soon as the
 text becomes predictable.
 
-Token trees are sized on top of the chosen chain lengths (`plan_nodes`): a
-node beyond a sequence's chain is worth the extra accepted tokens per extra
-node that its earlier trees earned over their first branch (the chain the tree
-would have been), and nodes are added, most rewarding request first, while the
-expected tokens per unit of forward time still rise. Where verifying more
-tokens is dear (a large batch on a CPU) or side branches have not been paying,
-no node is added and the sequence drafts a chain.
+Token trees are sized on top of the chosen chain lengths (`plan_nodes`). A
+tree drafter orders its nodes best first, so the first j nodes of a verified
+tree are the tree it would have drafted with a budget of j: one verified tree
+tells, for every j up to its budget, how many tokens a j-node tree would have
+had accepted. Per request the planner keeps that curve (decayed like the rates
+above) and, request by request, most rewarding first, replaces a chain by the
+tree size whose expected tokens per unit of forward time beat it, if any. So
+a node is verified only where the curve says it pays at the measured cost of
+one more token: on a GPU trees grow to the budget, on a busy CPU they stay
+small or become chains again. A fresh request's curve starts from its chain
+estimate plus BRANCH_PRIOR per node beyond it, optimistic enough that its
+first trees are drafted in full and measure the whole curve.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ DECAY = 0.85
 # Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
-# Extra accepted tokens per tree node beyond the first branch, before any tree was verified: enough
-# to try a tree where a node costs little (a GPU, a small batch), not where it costs a step's 5%.
-BRANCH_PRIOR = (0.15, 1.0)
+# Before any tree was verified: accepted tokens per tree node beyond the chain's length, and the weight
+# of this guess against the evidence (in verified trees): optimistic, so that trees get measured.
+BRANCH_PRIOR = 0.15
+PRIOR_WEIGHT = 0.5
 
 
 @dataclass
@@ -68,7 +74,8 @@ class AcceptanceEstimate:
 
     first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
-    branch: Rate = field(default_factory=lambda: Rate(*BRANCH_PRIOR))  # per tree node off the first branch
+    # tree[j - 1]: tokens accepted from the first j nodes of the verified trees (evidence only).
+    tree: list[Rate] = field(default_factory=list)
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -89,11 +96,23 @@ class AcceptanceEstimate:
         """An unverified draft's first token against the token the target produced."""
         self.first.add(first_token_matched)
 
-    def observe_branches(self, extra_nodes: int, extra_accepted: int) -> None:
-        """A verified tree: `extra_nodes` nodes off its first branch bought `extra_accepted` tokens
-        beyond what the first branch alone would have had accepted."""
-        if extra_nodes > 0:
-            self.branch.add_many(extra_accepted, extra_nodes)
+    def observe_tree(self, accepted_by_nodes: list[int]) -> None:
+        """A verified tree: `accepted_by_nodes[j - 1]`, the tokens its first j nodes had accepted, for
+        every j up to the node budget it was drafted under."""
+        self.tree.extend(Rate(0.0, 0.0) for _ in range(len(accepted_by_nodes) - len(self.tree)))
+        for rate, accepted in zip(self.tree, accepted_by_nodes):
+            rate.add_many(accepted, 1)
+
+    def tree_gains(self, depth: int, max_nodes: int) -> list[float]:
+        """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the
+        evidence, weighed against a prior of the chain's expectation plus BRANCH_PRIOR per extra node."""
+        chain = self.gains(depth)
+        prior, out = 0.0, []
+        for j in range(1, max_nodes + 1):
+            prior += chain[j - 1] if j <= depth else BRANCH_PRIOR
+            seen = self.tree[j - 1] if j <= len(self.tree) else Rate(0.0, 0.0)
+            out.append((seen.hits + PRIOR_WEIGHT * prior) / (seen.trials + PRIOR_WEIGHT))
+        return out
 
 
 @dataclass(frozen=True)
@@ -124,18 +143,22 @@ class DraftPlanner:
         return best
 
     def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
-        """Token-tree sizes (nodes, at most max_nodes; 0 = a chain) for the chain lengths `plan` chose."""
+        """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree
+        depths) `plan` chose: a request's chain becomes the tree that most raises the batch's expected
+        tokens per forward cost, if one does."""
+        chains = [sum(e.gains(k)) for e, k in zip(estimates, lengths)]
         tokens = len(lengths) + sum(lengths)
-        expected = len(lengths) + sum(sum(e.gains(k)) for e, k in zip(estimates, lengths))
-        best_rate = expected / self.costs(tokens)
-        extra, best = [0] * len(lengths), [0] * len(lengths)
-        for i in sorted((i for i, k in enumerate(lengths) if 0 < k < max_nodes),
-                        key=lambda i: -estimates[i].branch.value):
-            for _ in range(max_nodes - lengths[i]):
-                extra[i] += 1
-                tokens += 1
-                expected += estimates[i].branch.value
-                rate = expected / self.costs(tokens)
+        expected = len(lengths) + sum(chains)
+        curves = {i: estimates[i].tree_gains(k, max_nodes) for i, k in enumerate(lengths) if k}
+        nodes = [0] * len(lengths)
+        for i in sorted(curves, key=lambda i: chains[i] - curves[i][-1]):  # most to gain from a tree first
+            best_rate, best = expected / self.costs(tokens), None
+            for j, gain in enumerate(curves[i], 1):
+                rate = (expected + gain - chains[i]) / self.costs(tokens + j - lengths[i])
                 if rate > best_rate:
-                    best_rate, best = rate, list(extra)
-        return [k + e if e else 0 for k, e in zip(lengths, best)]
+                    best_rate, best = rate, j
+            if best is not None:
+                nodes[i] = best
+                tokens += best - lengths[i]
+                expected += curves[i][best - 1] - chains[i]
+        return nodes

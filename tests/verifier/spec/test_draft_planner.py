@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
@@ -101,35 +102,61 @@ def test_one_requests_history_does_not_stop_a_new_request_from_drafting() -> Non
     assert p.plan([AcceptanceEstimate()], [8]) == [8]
 
 
-def branchy(extra_accepted: float, steps: int = 10) -> AcceptanceEstimate:
-    """An estimate whose trees' 8 side nodes earned `extra_accepted` tokens each step."""
+def tree_curve(per_node: float, nodes: int = 16, steps: int = 10) -> AcceptanceEstimate:
+    """An estimate whose 4-token chains had 3 tokens accepted, and whose trees' first 4 nodes did as
+    well as the chain would have, every node after adding `per_node` accepted tokens."""
     estimate = trained(4, 3, 10)
+    chain = list(itertools.accumulate(estimate.gains(4)))
     for _ in range(steps):
-        estimate.observe_branches(8, extra_accepted)
+        estimate.observe_tree([chain[min(j, 4) - 1] + per_node * max(0, j - 4) for j in range(1, nodes + 1)])
     return estimate
 
 
-def test_trees_where_side_branches_pay_and_verifying_is_cheap() -> None:
-    assert planner(FLAT).plan_nodes([branchy(2)], [4], 12) == [12]
-    assert planner(LINEAR).plan_nodes([branchy(2)], [4], 12) == [0], "a node costs a whole step"
-    assert planner(FLAT).plan_nodes([branchy(0)], [4], 12) == [0], "side branches never accepted"
-    assert planner(FLAT).plan_nodes([branchy(2)], [0], 12) == [0], "no chain, no tree"
-    # A batch: the request whose branches pay gets the nodes first.
+# A CPU-like curve: flat to 6 tokens, then each token costs 5% of a step.
+CPU = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0 + 0.05 * t for t in range(1, 60)]
+
+
+def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
+    assert planner(FLAT).plan_nodes([tree_curve(0.2)], [4], 12) == [12]
+    assert planner(LINEAR).plan_nodes([tree_curve(0.2)], [4], 12) == [1], "a token costs a step: the surest one only"
+    assert planner(FLAT).plan_nodes([tree_curve(0.0)], [4], 12) == [0], "side branches never accepted"
+    assert planner(FLAT).plan_nodes([tree_curve(0.01)], [4], 12) == [0], "0.01 tokens a node do not pay 1% of a step"
+    assert planner(FLAT).plan_nodes([tree_curve(0.2)], [0], 12) == [0], "no chain, no tree"
+    # Where the cost curve is flat, a tree as large as the flat part, not beyond, where each token
+    # costs 5% of a step.
+    assert planner(CPU).plan_nodes([tree_curve(0.02)], [4], 16) == [5]
+    # A batch: the request whose trees pay gets the nodes.
     mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
-    nodes = planner(mid).plan_nodes([branchy(0.1), branchy(3)], [4, 4], 16)
+    nodes = planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.3)], [4, 4], 16)
     assert nodes[1] > 4 and nodes[0] == 0
+
+
+def test_a_fresh_request_tries_a_full_tree_and_learns_the_curve_from_it() -> None:
+    cpu = planner(CPU)
+    assert cpu.plan_nodes([trained(4, 3, 10)], [4], 16) == [5], "good chains: only nodes that cost nothing"
+    estimate = trained(4, 1, 10)
+    assert cpu.plan_nodes([estimate], [4], 16) == [16], "weak chains: a full tree is tried, and measured"
+    for _ in range(5):  # trees that did no better than the first node
+        estimate.observe_tree([1] * 16)
+    assert cpu.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
 
 
 def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
     fixed = SpeculationPolicy(max_draft_len=4, max_draft_nodes=10)
     assert fixed.plan_nodes([SpecState(), SpecState()], [4, 0]) == [10, 0]
     assert SpeculationPolicy(max_draft_len=4).plan_nodes([SpecState()], [4]) == [0], "trees off: chains"
-    adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=10)
+    adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=6)
     state = SpecState()
-    before = state.acceptance.branch.value
-    # First branch [1, 2]; the target went 1, 5, 6: the side node 5 bought one more token.
-    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 6])
-    assert state.acceptance.branch.value > before
-    state = SpecState()
-    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 2, 6])  # the first branch alone did it
-    assert state.acceptance.branch.value < before
+    assert adaptive.plan_nodes([state], [4]) == [6] and state.node_budget == 6
+    # Nodes best first: 1, 2 | 5 (sibling of 2), 7 (child of 5). The target went 1, 5, 7, 8: the first
+    # node alone had 1 accepted, the first three 2, all four 3; a budget of 6 got 4 nodes.
+    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 7, 8])
+    assert [r.hits for r in state.acceptance.tree] == [1, 1, 2, 3, 3, 3]
+    assert state.node_budget == 0
+    # A chain-shaped tree arrives as a chain; it still counts as the tree it was asked for.
+    adaptive.plan_nodes([state], [4])
+    adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:3] == [1.85, 2.85, 3.7]
+    # A chain asked for (budget 0) teaches the tree curve nothing.
+    adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:3] == [1.85, 2.85, 3.7]
