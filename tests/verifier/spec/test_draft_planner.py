@@ -128,7 +128,7 @@ def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
     # A batch: the request whose trees pay gets the nodes.
     mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
     nodes = planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.3)], [4, 4], 16)
-    assert nodes[1] > 4 and nodes[0] == 0
+    assert nodes[1] > 4 and nodes[0] <= 4, "only the request whose side nodes pay grows beyond its chain"
 
 
 def test_a_fresh_request_tries_a_full_tree_and_learns_the_curve_from_it() -> None:
