@@ -74,7 +74,7 @@ MAX_MATCH = 12  # matched tokens counted, at most
 RECENCY = 0.8  # an occurrence's vote, per newer occurrence
 # The chance that a node's true child is among the candidates: (one matched token, per extra one, at most).
 CONFIDENCE = (0.25, 0.12, 0.95)
-MAX_OCCURRENCES = 16  # newest occurrences of each pattern size that offer a child
+MAX_OCCURRENCES = 4  # newest occurrences of each pattern size that offer a child
 # The back-off below every pattern: the most frequent tokens of the history's recent window, sharing
 # UNIGRAM_SHARE of the chance the occurrences leave (open text often says what no pattern predicted).
 UNIGRAM_WINDOW = 512
@@ -356,7 +356,9 @@ class _TreeGrower:
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
 
         def offer(parent: int, path: tuple[int, ...], probability: float) -> None:
-            for token, p in self.children(path):
+            # Only the children that could still make the budget: the likeliest, as many as there is room.
+            children = sorted(self.children(path), key=lambda child: -child[1])[:max_nodes - len(tokens)]
+            for token, p in children:
                 heapq.heappush(heap, (-probability * p, next(order), parent, token, path))
 
         offer(ROOT, (), 1.0)
