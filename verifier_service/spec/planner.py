@@ -16,16 +16,20 @@ text becomes predictable.
 
 Token trees are sized on top of the chosen chain lengths (`plan_nodes`). A
 tree drafter orders its nodes best first, so the first j nodes of a verified
-tree are the tree it would have drafted with a budget of j: one verified tree
-tells, for every j up to its budget, how many tokens a j-node tree would have
-had accepted. Per request the planner keeps that curve (decayed like the rates
-above) and, request by request, most rewarding first, replaces a chain by the
-tree size whose expected tokens per unit of forward time beat it, if any. So
-a node is verified only where the curve says it pays at the measured cost of
-one more token: on a GPU trees grow to the budget, on a busy CPU they stay
-small or become chains again. A fresh request's curve starts from its chain
-estimate plus BRANCH_PRIOR per node beyond it, optimistic enough that its
-first trees are drafted in full and measure the whole curve.
+tree are the tree it would have drafted with a budget of j, and its first
+branch (first child after first child) is the chain it would have drafted.
+One verified tree thus tells, for every j up to its budget, how many more (or
+fewer) tokens a j-node tree had accepted than that chain: a paired comparison,
+steady even where acceptance itself swings from step to step. Per request the
+planner keeps this curve (decayed like the rates above), and the tree's first
+branch counts as a verified chain for the chain estimate. Request by request,
+most rewarding first, it replaces a chain by the tree size whose expected
+tokens per unit of forward time beat it, if any; so a node is verified only
+where the curve says it pays at the measured cost of one more token: on a GPU
+trees grow to the budget, on a busy CPU they stay small or become chains. A
+fresh request's curve starts optimistic (BRANCH_PRIOR per node beyond the
+chain), and a request on chains for PROBE_STEPS steps verifies one full tree,
+so the curve is measured, and re-measured as the text changes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ LATER_PRIOR = (1.6, 2.0)
 # of this guess against the evidence (in verified trees): optimistic, so that trees get measured.
 BRANCH_PRIOR = 0.15
 PRIOR_WEIGHT = 0.5
+# After this many verified chains in a row, one full tree, so that the tree curve does not go stale.
+PROBE_STEPS = 32
+# A tree must beat the chain's expected tokens per forward cost by this factor: its curve rests on
+# fewer, noisier steps than the chain's estimate, and a lucky step must not buy many costly ones.
+TREE_MARGIN = 1.1
 
 
 @dataclass
@@ -74,8 +83,9 @@ class AcceptanceEstimate:
 
     first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
-    # tree[j - 1]: tokens accepted from the first j nodes of the verified trees (evidence only).
+    # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
     tree: list[Rate] = field(default_factory=list)
+    chains_in_a_row: int = 0  # verified chains since the last verified tree
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -86,6 +96,7 @@ class AcceptanceEstimate:
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
+        """A verified chain (or a tree's first branch)."""
         if drafted == 0:
             return
         self.first.add(accepted >= 1)
@@ -96,22 +107,28 @@ class AcceptanceEstimate:
         """An unverified draft's first token against the token the target produced."""
         self.first.add(first_token_matched)
 
-    def observe_tree(self, accepted_by_nodes: list[int]) -> None:
-        """A verified tree: `accepted_by_nodes[j - 1]`, the tokens its first j nodes had accepted, for
-        every j up to the node budget it was drafted under."""
-        self.tree.extend(Rate(0.0, 0.0) for _ in range(len(accepted_by_nodes) - len(self.tree)))
-        for rate, accepted in zip(self.tree, accepted_by_nodes):
-            rate.add_many(accepted, 1)
+    def observe_tree(self, extra_by_nodes: list[int]) -> None:
+        """A verified tree: `extra_by_nodes[j - 1]`, the tokens its first j nodes had accepted minus
+        those its first branch had, for every j up to the node budget it was drafted under."""
+        self.chains_in_a_row = 0
+        self.tree.extend(Rate(0.0, 0.0) for _ in range(len(extra_by_nodes) - len(self.tree)))
+        for rate, extra in zip(self.tree, extra_by_nodes):
+            rate.add_many(extra, 1)
+
+    def observe_chain_step(self) -> None:
+        self.chains_in_a_row += 1
 
     def tree_gains(self, depth: int, max_nodes: int) -> list[float]:
-        """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the
-        evidence, weighed against a prior of the chain's expectation plus BRANCH_PRIOR per extra node."""
-        chain = self.gains(depth)
+        """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the chain's
+        expectation plus the extra the evidence shows, weighed against a prior of the chain's own
+        first j tokens plus BRANCH_PRIOR per node beyond them."""
+        gains = self.gains(depth)
+        chain = sum(gains)
         prior, out = 0.0, []
         for j in range(1, max_nodes + 1):
-            prior += chain[j - 1] if j <= depth else BRANCH_PRIOR
+            prior += gains[j - 1] if j <= depth else BRANCH_PRIOR
             seen = self.tree[j - 1] if j <= len(self.tree) else Rate(0.0, 0.0)
-            out.append((seen.hits + PRIOR_WEIGHT * prior) / (seen.trials + PRIOR_WEIGHT))
+            out.append(chain + (seen.hits + PRIOR_WEIGHT * (prior - chain)) / (seen.trials + PRIOR_WEIGHT))
         return out
 
 
@@ -144,20 +161,23 @@ class DraftPlanner:
 
     def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
         """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree
-        depths) `plan` chose: a request's chain becomes the tree that most raises the batch's expected
-        tokens per forward cost, if one does."""
+        depths) `plan` chose: a request's chain becomes the tree (of as many nodes or more) that most
+        raises the batch's expected tokens per forward cost, if one does; a request long on chains
+        verifies a full tree."""
         chains = [sum(e.gains(k)) for e, k in zip(estimates, lengths)]
         tokens = len(lengths) + sum(lengths)
         expected = len(lengths) + sum(chains)
         curves = {i: estimates[i].tree_gains(k, max_nodes) for i, k in enumerate(lengths) if k}
         nodes = [0] * len(lengths)
         for i in sorted(curves, key=lambda i: chains[i] - curves[i][-1]):  # most to gain from a tree first
-            best_rate, best = expected / self.costs(tokens), None
-            for j, gain in enumerate(curves[i], 1):
+            best_rate, best = TREE_MARGIN * expected / self.costs(tokens), 0
+            for j, gain in enumerate(curves[i][lengths[i]:], lengths[i] + 1):  # never fewer nodes than the chain
                 rate = (expected + gain - chains[i]) / self.costs(tokens + j - lengths[i])
                 if rate > best_rate:
                     best_rate, best = rate, j
-            if best is not None:
+            if estimates[i].chains_in_a_row >= PROBE_STEPS:
+                best = max_nodes  # a full tree measures the whole curve
+            if best:
                 nodes[i] = best
                 tokens += best - lengths[i]
                 expected += curves[i][best - 1] - chains[i]

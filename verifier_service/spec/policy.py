@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
-from drafter_sdk.tree import accepted_path
+from drafter_sdk.tree import accepted_path, first_branch
 from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
 
 
@@ -118,8 +118,9 @@ class SpeculationPolicy:
     def observe(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `drafted` tokens were kept."""
         state.last_num_drafted, state.last_num_accepted = drafted, accepted
-        if self.planner is not None:
+        if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
+            state.acceptance.observe_chain_step()
         if drafted == 0 or not self.window_tokens:
             return
         if state.disabled:  # this was a probe: resume only if it paid
@@ -140,14 +141,19 @@ class SpeculationPolicy:
                 state.auto_disabled = True
 
     def observe_tree(self, state: SpecState, draft: list[int], parents: list[int], new_tokens: list[int]) -> None:
-        """A verified draft asked for as a tree (a chain-shaped one arrives as a chain): how many tokens
-        its first j nodes had accepted, for every j up to its budget (for the planner)."""
+        """A verified draft asked for as a tree (a chain-shaped one arrives as a chain), for the planner:
+        what its first j nodes had accepted beyond its first branch, for every j up to its budget."""
         budget, state.node_budget = state.node_budget, 0
         if self.planner is None or not budget or not draft:
             return
-        path = accepted_path(draft, parents or range(-1, len(draft) - 1), new_tokens[:-1])
+        parents = parents or list(range(-1, len(draft) - 1))
+        branch = first_branch(draft, parents)
+        on_branch = 0
+        while on_branch < min(len(branch), len(new_tokens) - 1) and branch[on_branch] == new_tokens[on_branch]:
+            on_branch += 1
+        path = accepted_path(draft, parents, new_tokens[:-1])
         # Path nodes come in index order (parents first): the first j nodes hold those below j.
-        state.acceptance.observe_tree([sum(1 for i in path if i < j) for j in range(1, budget + 1)])
+        state.acceptance.observe_tree([sum(1 for i in path if i < j) - on_branch for j in range(1, budget + 1)])
 
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
         """A draft asked for but not verified: its first token against the token the target produced."""

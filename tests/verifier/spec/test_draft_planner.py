@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import pytest
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_support import shared_model
 
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
+from verifier_service.spec.planner import PROBE_STEPS, AcceptanceEstimate, DraftPlanner
 from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
@@ -103,12 +102,11 @@ def test_one_requests_history_does_not_stop_a_new_request_from_drafting() -> Non
 
 
 def tree_curve(per_node: float, nodes: int = 16, steps: int = 10) -> AcceptanceEstimate:
-    """An estimate whose 4-token chains had 3 tokens accepted, and whose trees' first 4 nodes did as
-    well as the chain would have, every node after adding `per_node` accepted tokens."""
+    """An estimate whose 4-token chains had 3 tokens accepted, and whose verified trees had
+    `per_node` tokens accepted beyond their first branch for every node after the fourth."""
     estimate = trained(4, 3, 10)
-    chain = list(itertools.accumulate(estimate.gains(4)))
     for _ in range(steps):
-        estimate.observe_tree([chain[min(j, 4) - 1] + per_node * max(0, j - 4) for j in range(1, nodes + 1)])
+        estimate.observe_tree([per_node * max(0, j - 4) for j in range(1, nodes + 1)])
     return estimate
 
 
@@ -118,27 +116,34 @@ CPU = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0 + 0.05 * t for t in range(1, 60
 
 def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
     assert planner(FLAT).plan_nodes([tree_curve(0.2)], [4], 12) == [12]
-    assert planner(LINEAR).plan_nodes([tree_curve(0.2)], [4], 12) == [1], "a token costs a step: the surest one only"
+    assert planner(LINEAR).plan_nodes([tree_curve(0.2)], [4], 12) == [0], "a node costs a whole step"
     assert planner(FLAT).plan_nodes([tree_curve(0.0)], [4], 12) == [0], "side branches never accepted"
-    assert planner(FLAT).plan_nodes([tree_curve(0.01)], [4], 12) == [0], "0.01 tokens a node do not pay 1% of a step"
     assert planner(FLAT).plan_nodes([tree_curve(0.2)], [0], 12) == [0], "no chain, no tree"
-    # Where the cost curve is flat, a tree as large as the flat part, not beyond, where each token
-    # costs 5% of a step.
-    assert planner(CPU).plan_nodes([tree_curve(0.02)], [4], 16) == [5]
-    # A batch: the request whose trees pay gets the nodes.
+    assert planner(FLAT).plan_nodes([tree_curve(0.01)], [4], 12) == [0], "0.01 tokens a node do not pay 1% of a step"
+    # Each token beyond 6 costs 5% of a step: 0.2 tokens a node pay for 16 nodes; 0.15 would pay without
+    # TREE_MARGIN, not with it.
+    assert planner(CPU).plan_nodes([tree_curve(0.2)], [4], 16) == [16]
+    assert planner(CPU).plan_nodes([tree_curve(0.15)], [4], 16) == [0]
+    # A batch: the request whose trees pay gets the nodes, as many as still pay where a batch's
+    # tokens beyond 16 cost 20% of a step each.
     mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
-    nodes = planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.3)], [4, 4], 16)
-    assert nodes[1] > 4 and nodes[0] <= 4, "only the request whose side nodes pay grows beyond its chain"
+    assert planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.5)], [4, 4], 16) == [0, 11]
 
 
-def test_a_fresh_request_tries_a_full_tree_and_learns_the_curve_from_it() -> None:
-    cpu = planner(CPU)
-    assert cpu.plan_nodes([trained(4, 3, 10)], [4], 16) == [5], "good chains: only nodes that cost nothing"
-    estimate = trained(4, 1, 10)
-    assert cpu.plan_nodes([estimate], [4], 16) == [16], "weak chains: a full tree is tried, and measured"
-    for _ in range(5):  # trees that did no better than the first node
-        estimate.observe_tree([1] * 16)
-    assert cpu.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
+def test_a_fresh_request_tries_a_tree_and_a_request_long_on_chains_probes_one() -> None:
+    flat = planner(FLAT)
+    estimate = trained(4, 2, 10)
+    assert flat.plan_nodes([estimate], [4], 16) == [16], "optimistic prior: a full tree is measured"
+    for _ in range(5):  # trees whose side nodes earned nothing
+        estimate.observe_tree([0] * 16)
+    assert flat.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
+    for _ in range(PROBE_STEPS - 1):
+        estimate.observe_chain_step()
+    assert flat.plan_nodes([estimate], [4], 16) == [0]
+    estimate.observe_chain_step()
+    assert flat.plan_nodes([estimate], [4], 16) == [16], "a probe, to measure the curve again"
+    estimate.observe_tree([0] * 16)
+    assert flat.plan_nodes([estimate], [4], 16) == [0]
 
 
 def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
@@ -148,15 +153,21 @@ def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
     adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=6)
     state = SpecState()
     assert adaptive.plan_nodes([state], [4]) == [6] and state.node_budget == 6
-    # Nodes best first: 1, 2 | 5 (sibling of 2), 7 (child of 5). The target went 1, 5, 7, 8: the first
-    # node alone had 1 accepted, the first three 2, all four 3; a budget of 6 got 4 nodes.
+    # Nodes best first: 1, 2 | 5 (sibling of 2), 7 (child of 5); first branch 1, 2. The target went
+    # 1, 5, 7, 8: the first branch had 1 accepted, the first node alone 1, the first three 2, all four
+    # 3; a budget of 6 got 4 nodes.
+    first = state.acceptance.first.value
+    adaptive.observe(state, 3, 3)  # the scheduler reports the tree's depth and path ...
     adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 7, 8])
-    assert [r.hits for r in state.acceptance.tree] == [1, 1, 2, 3, 3, 3]
-    assert state.node_budget == 0
+    assert state.acceptance.first.value == first, "... which the chain estimate does not take"
+    assert [r.hits for r in state.acceptance.tree] == [0, 0, 1, 2, 2, 2]
+    assert state.node_budget == 0 and state.acceptance.chains_in_a_row == 0
     # A chain-shaped tree arrives as a chain; it still counts as the tree it was asked for.
     adaptive.plan_nodes([state], [4])
     adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
-    assert [round(r.hits, 2) for r in state.acceptance.tree][:3] == [1.85, 2.85, 3.7]
-    # A chain asked for (budget 0) teaches the tree curve nothing.
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:4] == [-1, 0, 0.85, 1.7]
+    # A chain asked for (budget 0) feeds the chain estimate, not the tree curve.
+    adaptive.observe(state, 2, 2)
     adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
-    assert [round(r.hits, 2) for r in state.acceptance.tree][:3] == [1.85, 2.85, 3.7]
+    assert state.acceptance.first.value > first and state.acceptance.chains_in_a_row == 1
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:4] == [-1, 0, 0.85, 1.7]
