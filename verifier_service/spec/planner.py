@@ -28,8 +28,9 @@ tokens per unit of forward time beat it, if any; so a node is verified only
 where the curve says it pays at the measured cost of one more token: on a GPU
 trees grow to the budget, on a busy CPU they stay small or become chains. A
 fresh request's curve starts optimistic (BRANCH_PRIOR per node beyond the
-chain), and a request on chains for PROBE_STEPS steps verifies one full tree,
-so the curve is measured, and re-measured as the text changes.
+chain), and a request on chains for PROBE_STEPS steps verifies one tree as
+large as costs little more than its chain, so the curve is measured, and
+re-measured as the text changes.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ LATER_PRIOR = (1.6, 2.0)
 # of this guess against the evidence (in verified trees): optimistic, so that trees get measured.
 BRANCH_PRIOR = 0.15
 PRIOR_WEIGHT = 0.5
-# After this many verified chains in a row, one full tree, so that the tree curve does not go stale.
+# After this many verified chains in a row, one tree as large as costs at most PROBE_COST times the
+# chain's forward, so that the tree curve does not go stale (nor cost much where trees do not pay).
 PROBE_STEPS = 32
+PROBE_COST = 1.1
 # A tree must beat the chain's expected tokens per forward cost by this factor: its curve rests on
 # fewer, noisier steps than the chain's estimate, and a lucky step must not buy many costly ones.
 TREE_MARGIN = 1.1
@@ -163,7 +166,7 @@ class DraftPlanner:
         """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree
         depths) `plan` chose: a request's chain becomes the tree (of as many nodes or more) that most
         raises the batch's expected tokens per forward cost, if one does; a request long on chains
-        verifies a full tree."""
+        verifies a cheap tree (PROBE_COST)."""
         chains = [sum(e.gains(k)) for e, k in zip(estimates, lengths)]
         tokens = len(lengths) + sum(lengths)
         expected = len(lengths) + sum(chains)
@@ -175,8 +178,9 @@ class DraftPlanner:
                 rate = (expected + gain - chains[i]) / self.costs(tokens + j - lengths[i])
                 if rate > best_rate:
                     best_rate, best = rate, j
-            if estimates[i].chains_in_a_row >= PROBE_STEPS:
-                best = max_nodes  # a full tree measures the whole curve
+            if estimates[i].chains_in_a_row >= PROBE_STEPS:  # the largest tree that costs little more
+                best = max(j for j in range(lengths[i], max_nodes + 1)
+                           if self.costs(tokens + j - lengths[i]) <= PROBE_COST * self.costs(tokens))
             if best:
                 nodes[i] = best
                 tokens += best - lengths[i]
