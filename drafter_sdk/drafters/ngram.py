@@ -38,11 +38,14 @@ next node is always the candidate most likely to lie on the target's path, so
 nodes go where the drafter is unsure (siblings) or sure (deep chains) as the
 history says, and any first m nodes are the best m-node tree (the verifier's
 planner relies on this to size trees). A node's candidate children come from
-every earlier occurrence of its context's last 1..max_matching_ngram_size
+the newest earlier occurrences of its context's last 1..max_matching_ngram_size
 tokens (the history plus the node's path, so a branch that leaves the copied
 text re-matches elsewhere): each occurrence votes for the token that followed
 it with weight MATCH_WEIGHT^(tokens matched) x RECENCY^(newer occurrences), and
-the votes are shared out of a confidence that grows with the longest match.
+the votes share a confidence that grows with the longest match. What that
+confidence leaves is partly backed off to the most frequent tokens of the
+recent history: on open text the next token often follows no earlier pattern,
+and these fill the nodes the occurrences do not need.
 Trees draw on the request's own history only (the knobs above shape chains).
 Their index is built on a request's first tree, compactly as well: per pattern
 size, a table of each pattern's latest occurrence and an array linking every
@@ -393,12 +396,11 @@ class _TreeGrower:
 
     def _matched(self, end: int, path: tuple[int, ...]) -> int:
         """How many tokens before `end` equal the last ones of the history + `path` (at most MAX_MATCH)."""
-        history, n = self.tokens, len(self.tokens)
+        history, n, p = self.tokens, len(self.tokens), len(path)
         matched = 0
-        while matched < MAX_MATCH and matched < end:
+        while matched < min(MAX_MATCH, end, n + p):
             back = matched + 1
-            ours = path[-back] if back <= len(path) else history[n - back + len(path)] if back - len(path) <= n else None
-            if ours is None or history[end - back] != ours:
+            if history[end - back] != (path[-back] if back <= p else history[n + p - back]):
                 break
             matched = back
         return matched

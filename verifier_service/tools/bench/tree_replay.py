@@ -100,11 +100,12 @@ def main() -> None:
     n = args.nodes
     chains = replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0)
     trees = replay(records, lambda: NgramDrafter(max_draft_len=n), n, n)
-    print(f"{'workload':<10} {'chain t/step':>12} {'tree t/step':>11} {'vs chain':>8} {'verified':>13} {'draft ms':>11}")
+    print(f"{'workload':<10} {'chain t/step':>12} {'tree t/step':>11} {'vs chain':>8} {'verified':>13} "
+          f"{'draft ms':>11}")
     for c, t in zip(chains, trees):
         print(f"{c.workload:<10} {c.tokens_per_step:>12.3f} {t.tokens_per_step:>11.3f} "
-              f"{t.tokens_per_step / c.tokens_per_step:>7.3f}x {c.verified_per_step:>5.1f} / {t.verified_per_step:<5.1f} "
-              f"{c.draft_ms:>4.2f} / {t.draft_ms:<4.2f}")
+              f"{t.tokens_per_step / c.tokens_per_step:>7.3f}x {c.verified_per_step:>5.1f} / "
+              f"{t.verified_per_step:<5.1f} {c.draft_ms:>4.2f} / {t.draft_ms:<4.2f}")
 
 
 if __name__ == "__main__":
