@@ -21,8 +21,8 @@ branch (first child after first child) is the chain it would have drafted.
 One verified tree thus tells, for every j up to its budget, how many more (or
 fewer) tokens a j-node tree had accepted than that chain: a paired comparison,
 steady even where acceptance itself swings from step to step. Per request the
-planner keeps this curve (decayed like the rates above), and the tree's first
-branch counts as a verified chain for the chain estimate. Request by request,
+planner keeps this curve (decayed like the rates above); the chain estimate
+learns from verified chains only. Request by request,
 most rewarding first, it replaces a chain by the tree size whose expected
 tokens per unit of forward time beat it, if any; so a node is verified only
 where the curve says it pays at the measured cost of one more token: on a GPU
@@ -99,9 +99,10 @@ class AcceptanceEstimate:
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A verified chain (or a tree's first branch)."""
+        """A verified chain."""
         if drafted == 0:
             return
+        self.chains_in_a_row += 1
         self.first.add(accepted >= 1)
         for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
             self.later.add(accepted >= j)
@@ -117,9 +118,6 @@ class AcceptanceEstimate:
         self.tree.extend(Rate(0.0, 0.0) for _ in range(len(extra_by_nodes) - len(self.tree)))
         for rate, extra in zip(self.tree, extra_by_nodes):
             rate.add_many(extra, 1)
-
-    def observe_chain_step(self) -> None:
-        self.chains_in_a_row += 1
 
     def tree_gains(self, depth: int, max_nodes: int) -> list[float]:
         """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the chain's

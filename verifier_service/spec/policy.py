@@ -120,7 +120,6 @@ class SpeculationPolicy:
         state.last_num_drafted, state.last_num_accepted = drafted, accepted
         if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
-            state.acceptance.observe_chain_step()
         if drafted == 0 or not self.window_tokens:
             return
         if state.disabled:  # this was a probe: resume only if it paid

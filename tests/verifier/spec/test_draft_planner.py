@@ -138,9 +138,9 @@ def test_a_fresh_request_tries_a_tree_and_a_request_long_on_chains_probes_one() 
         estimate.observe_tree([0] * 16)
     assert flat.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
     for _ in range(PROBE_STEPS - 1):
-        estimate.observe_chain_step()
+        estimate.observe(4, 2)
     assert flat.plan_nodes([estimate], [4], 16) == [0]
-    estimate.observe_chain_step()
+    estimate.observe(4, 2)
     # A probe, to measure the curve again: as large a tree as costs at most 10% more than the chain.
     assert flat.plan_nodes([estimate], [4], 16) == [14]
     assert planner(CPU).plan_nodes([estimate], [4], 16) == [7]
