@@ -32,18 +32,24 @@ recorded pattern + continuation once into its own token arena instead; it grows
 with the distinct n-grams of all requests, so past `max_public_pool_mib` it
 starts afresh (drafts only cost speed; forgetting old n-grams costs a few).
 
-Token trees (when the verifier allows some, `max_draft_nodes` > 0): every
-earlier occurrence of the history's last 1..max_matching_ngram_size tokens
-offers its continuation, weighted by how long the match is (x4 per token), how
-recent the occurrence is (x0.8 per newer one before it) and, by summing, how
-often a continuation recurs. The continuations are merged as a trie and the
-tree keeps the nodes most likely to lie on the true path (their share of the
-weight, discounted by depth): where the occurrences agree the tree is one deep
-chain, where they disagree it branches. Trees draw on the request's own history
-only (the knobs above shape chains). Their index is built on a request's first
-tree, compactly as well: per pattern size, a table of each pattern's latest
-occurrence and an array linking every occurrence to the previous one (4 bytes
-per token and size).
+Token trees (when the verifier allows some, `max_draft_nodes` > 0) are grown
+best-first by estimated path probability, as EAGLE-2's dynamic trees are: the
+next node is always the candidate most likely to lie on the target's path, so
+nodes go where the drafter is unsure (siblings) or sure (deep chains) as the
+history says, and any first m nodes are the best m-node tree (the verifier's
+planner relies on this to size trees). A node's candidate children come from
+the newest earlier occurrences of its context's last 1..max_matching_ngram_size
+tokens (the history plus the node's path, so a branch that leaves the copied
+text re-matches elsewhere): each occurrence votes for the token that followed
+it with weight MATCH_WEIGHT^(tokens matched) x RECENCY^(newer occurrences), and
+the votes share a confidence that grows with the longest match. What that
+confidence leaves is partly backed off to the most frequent tokens of the
+recent history: on open text the next token often follows no earlier pattern,
+and these fill the nodes the occurrences do not need.
+Trees draw on the request's own history only (the knobs above shape chains).
+Their index is built on a request's first tree, compactly as well: per pattern
+size, a table of each pattern's latest occurrence and an array linking every
+occurrence to the previous one (4 bytes per token and size).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import itertools
 import logging
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -64,11 +71,18 @@ log = logging.getLogger(__name__)
 _EMPTY = -1
 # Python objects of one request's state besides its tables' arrays (the state object, its dict entry).
 _REQUEST_OVERHEAD_BYTES = 200
-# Tree weights (see the module docstring): per extra matched token, per newer occurrence, per depth.
-MATCH_WEIGHT = 4.0
-RECENCY = 0.8
-DEPTH_DISCOUNT = 0.9
-MAX_OCCURRENCES = 16  # newest occurrences of each suffix length that offer a continuation
+# Tree scoring (see the module docstring), tuned by replaying SmolLM2's greedy outputs offline.
+MATCH_WEIGHT = 2.0  # an occurrence's vote, per token it matches
+MAX_MATCH = 12  # matched tokens counted, at most
+RECENCY = 0.8  # an occurrence's vote, per newer occurrence
+# The chance that a node's true child is among the candidates: (one matched token, per extra one, at most).
+CONFIDENCE = (0.25, 0.12, 0.95)
+MAX_OCCURRENCES = 4  # newest occurrences of each pattern size that offer a child
+# The back-off below every pattern: the most frequent tokens of the history's recent window, sharing
+# UNIGRAM_SHARE of the chance the occurrences leave (open text often says what no pattern predicted).
+UNIGRAM_WINDOW = 512
+UNIGRAM_TOP = 16
+UNIGRAM_SHARE = 0.3
 
 
 class OffsetTable:
@@ -170,14 +184,15 @@ class _Occurrences:
                 table.store(tokens, slot, l)
         self.indexed_len = len(tokens)
 
-    def newest(self, tokens: array, size: int, before: int) -> Iterator[int]:
-        """Starts of the suffix's `size`-token pattern earlier than `before`, newest first, at most
-        MAX_OCCURRENCES of them."""
-        _, at = self.latest[size - 1].find(tokens, tokens[len(tokens) - size:])
-        previous, found = self.previous[size - 1], 0
+    def ends(self, tokens: array, pattern: array) -> Iterator[int]:
+        """Where the token after each earlier occurrence of `pattern` lies in `tokens` (before its
+        end), newest first, at most MAX_OCCURRENCES of them."""
+        size = len(pattern)
+        _, at = self.latest[size - 1].find(tokens, pattern)
+        previous, found, last = self.previous[size - 1], 0, len(tokens) - size
         while at != _EMPTY and found < MAX_OCCURRENCES:
-            if at < before:
-                yield at
+            if at < last:
+                yield at + size
                 found += 1
             at = previous[at]
 
@@ -188,23 +203,6 @@ class _RequestState:
     # Length of the history whose complete continuations are recorded in the pool.
     recorded_len: int = field(default=0)
     occurrences: _Occurrences | None = None  # built on the first tree asked for
-
-
-class _Trie:
-    """Continuations merged: per node, the summed weight of the continuations through it."""
-
-    __slots__ = ("weight", "children")
-
-    def __init__(self) -> None:
-        self.weight = 0.0
-        self.children: dict[int, _Trie] = {}
-
-    def add(self, tokens: Sequence[int], weight: float) -> None:
-        node = self
-        node.weight += weight
-        for t in tokens:
-            node = node.children.setdefault(t, _Trie())
-            node.weight += weight
 
 
 class NgramDrafter(Drafter):
@@ -279,13 +277,8 @@ class NgramDrafter(Drafter):
             sizes = range(1, self.max_matching_ngram_size + 1)
             state.occurrences = _Occurrences([OffsetTable(s) for s in sizes], [array(TOKEN_TYPECODE) for _ in sizes])
         state.occurrences.extend(tokens)
-        n, depth = len(tokens), min(max_depth, self.max_draft_len)
-        trie = _Trie()
-        for size in range(min(self.max_matching_ngram_size, n - 1), 0, -1):
-            # Occurrences before the suffix itself (which starts at n - size).
-            for rank, l in enumerate(state.occurrences.newest(tokens, size, n - size)):
-                trie.add(tokens[l + size:l + size + depth], MATCH_WEIGHT ** (size - 1) * RECENCY ** rank)
-        return _best_nodes(trie, max_nodes)
+        return _TreeGrower(tokens, state.occurrences, self.max_matching_ngram_size).grow(
+            min(max_depth, self.max_draft_len), max_nodes)
 
     def _new_pool(self, public: bool) -> _Pool:
         return _Pool.empty(self.max_matching_ngram_size, self.max_draft_len,
@@ -348,23 +341,66 @@ def _append(arena: array, window: array) -> int:
     return offset
 
 
-def _best_nodes(trie: _Trie, budget: int) -> DraftTree:
-    """The `budget` nodes most likely on the true path (weight share x DEPTH_DISCOUNT^depth), best
-    first, so that parents come before children."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    if trie.weight <= 0:
+class _TreeGrower:
+    """Grows one token tree for a history, best-first (module docstring)."""
+
+    def __init__(self, tokens: array, occurrences: _Occurrences, max_size: int) -> None:
+        self.tokens, self.occurrences, self.max_size = tokens, occurrences, max_size
+        frequent = Counter(tokens[-UNIGRAM_WINDOW:]).most_common(UNIGRAM_TOP)
+        total = sum(count for _, count in frequent)
+        self.unigram = [(token, count / total) for token, count in frequent]
+
+    def grow(self, max_depth: int, max_nodes: int) -> DraftTree:
+        """Parents come before children, and nodes in order of path probability: the first m nodes
+        are the tree this would grow with a budget of m."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        order = itertools.count()  # ties: first offered first
+        heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+
+        def offer(parent: int, path: tuple[int, ...], probability: float) -> None:
+            # Only the children that could still make the budget: the likeliest, as many as there is room.
+            children = sorted(self.children(path), key=lambda child: -child[1])[:max_nodes - len(tokens)]
+            for token, p in children:
+                heapq.heappush(heap, (-probability * p, next(order), parent, token, path))
+
+        offer(ROOT, (), 1.0)
+        while heap and len(tokens) < max_nodes:
+            negative, _, parent, token, path = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            if len(path) + 1 < max_depth:
+                offer(len(tokens) - 1, (*path, token), -negative)
         return DraftTree(tokens, parents)
-    order = itertools.count()  # ties: first offered first
-    heap = [(-child.weight / trie.weight, next(order), ROOT, token, child, 1)
-            for token, child in trie.children.items()]
-    heapq.heapify(heap)
-    while heap and len(tokens) < budget:
-        _, _, parent, token, node, depth = heapq.heappop(heap)
-        parents.append(parent)
-        tokens.append(token)
-        index = len(tokens) - 1
-        for t, child in node.children.items():
-            score = child.weight / trie.weight * DEPTH_DISCOUNT ** depth
-            heapq.heappush(heap, (-score, next(order), index, t, child, depth + 1))
-    return DraftTree(tokens, parents)
+
+    def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
+        """(token, probability) of the candidate children of the node that `path` leads to."""
+        history, n = self.tokens, len(self.tokens)
+        context = history[max(0, n - max(0, self.max_size - len(path))):] + array(TOKEN_TYPECODE, path[-self.max_size:])
+        ends: dict[int, None] = {}  # occurrences, by where their next token lies
+        for size in range(min(self.max_size, len(context)), 0, -1):
+            ends.update(dict.fromkeys(self.occurrences.ends(history, context[len(context) - size:])))
+        votes: dict[int, float] = {}
+        longest = 0
+        for rank, end in enumerate(sorted(ends, reverse=True)):
+            matched = self._matched(end, path)
+            longest = max(longest, matched)
+            votes[history[end]] = votes.get(history[end], 0.0) + MATCH_WEIGHT ** matched * RECENCY ** rank
+        base, step, cap = CONFIDENCE
+        confidence = min(cap, base + step * (longest - 1)) if votes else 0.0
+        total = sum(votes.values())
+        out = {token: confidence * vote / total for token, vote in votes.items()}
+        for token, share in self.unigram:
+            out[token] = out.get(token, 0.0) + UNIGRAM_SHARE * (1.0 - confidence) * share
+        return list(out.items())
+
+    def _matched(self, end: int, path: tuple[int, ...]) -> int:
+        """How many tokens before `end` equal the last ones of the history + `path` (at most MAX_MATCH)."""
+        history, n, p = self.tokens, len(self.tokens), len(path)
+        matched = 0
+        while matched < min(MAX_MATCH, end, n + p):
+            back = matched + 1
+            if history[end - back] != (path[-back] if back <= p else history[n + p - back]):
+                break
+            matched = back
+        return matched

@@ -3,10 +3,13 @@ verifier's budget, and reduces it to its first branch where a chain was asked fo
 drafter branches where its history offers different continuations."""
 
 import asyncio
+import random
+from array import array
 
 import pytest
 
 from drafter_sdk import TREE_CAPABILITY, DraftTree, NgramDrafter
+from drafter_sdk.drafter import DraftRequest, SamplingHints
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.tree import accepted_path, depths, first_branch, tree_problem, trim
 from sdk_support import RecordingDrafter, seq, serving
@@ -110,3 +113,54 @@ def test_ngram_trees_over_the_wire():
         assert list(chain.draft_parents) == [] and len(chain.draft_tokens) == 3
 
     asyncio.run(body())
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        out.append((*(out[parent] if parent >= 0 else ()), token))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_trees_keep_the_budget_and_the_depth_and_grow_best_first(seed):
+    """Any budget's tree is valid and the first nodes of a larger budget's tree: nodes are ordered
+    best first, which the verifier's planner relies on to size trees."""
+    rng = random.Random(seed)
+    history = [rng.choice([1, 2, 3, 4, 5, 6]) if rng.random() < 0.8 else rng.randrange(100) for _ in range(300)]
+    for depth in (1, 3, 8):
+        full = NgramDrafter(max_draft_len=8).draft_tree(KEY, history, depth, 32)
+        assert tree_problem(full.tokens, full.parents, depth, 32) == ""
+        assert len(full) == 32 or depth == 1, "the back-off to frequent tokens fills the budget"
+        for budget in (1, 2, 5, 16):
+            tree = NgramDrafter(max_draft_len=8).draft_tree(KEY, history, depth, budget)
+            assert (list(tree.tokens), list(tree.parents)) == (list(full.tokens[:budget]), list(full.parents[:budget]))
+        assert len(set(_paths(full))) == len(full), "no path twice"
+
+
+def test_ngram_tree_puts_the_likelier_branch_and_its_continuation_first():
+    # [1, 2, 3] was followed by 7, 8 once, then by 4, 5 twice (newer): 4 then 5 come before 7.
+    history = [1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    tree = NgramDrafter(max_draft_len=8).draft_tree(KEY, history, 4, 8)
+    paths = _paths(tree)
+    assert paths[:3] == [(4,), (4, 5), (4, 5, 9)]
+    assert (7,) in paths, "the older continuation is a branch"
+
+
+def test_ngram_tree_backs_off_to_the_most_frequent_tokens_where_nothing_matches():
+    history = [5, 9, 5, 9, 5, 6, 5, 8]  # 8 was never seen before: no pattern, frequent tokens only
+    tree = NgramDrafter(max_draft_len=4).draft_tree(KEY, history, 2, 3)
+    assert list(tree.tokens[:2]) == [5, 9] and list(tree.parents[:2]) == [-1, -1]
+
+
+def test_ngram_budget_zero_drafts_the_unchanged_chain():
+    """max_draft_nodes 0: the chain drafter's answer, the same whether or not trees were drafted for
+    the key before."""
+    rng = random.Random(7)
+    history = [rng.randrange(8) for _ in range(200)]
+    mixed, chains = NgramDrafter(max_draft_len=6), NgramDrafter(max_draft_len=6)
+    for n in range(10, len(history), 7):
+        mixed.draft_tree(KEY, history[:n], 6, 16)
+        ask = DraftRequest(*KEY, array("i", history[:n]), prompt_len=1, draft_len=6, last_num_drafted=0,
+                           last_num_accepted=0, sampling=SamplingHints(), max_draft_nodes=0)
+        assert mixed.prepare_draft_tokens([ask]) == [chains.draft(KEY, history[:n], 6)]

@@ -102,7 +102,7 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
 
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", max_draft_len), model=shared_model(), metrics_port=0,
-                                max_num_seqs=4) as v:
+                                max_num_seqs=4, max_draft_nodes=16) as v:
             port = v.running.metrics_port
             assert isinstance(port, int) and port > 0
             before = await scrape(v)

@@ -14,13 +14,23 @@ whether its first token equals the token the target then produced keeps the
 first-position estimate honest for free, so drafting resumes as soon as the
 text becomes predictable.
 
-Token trees are sized on top of the chosen chain lengths (`plan_nodes`): a
-node beyond a sequence's chain is worth the extra accepted tokens per extra
-node that its earlier trees earned over their first branch (the chain the tree
-would have been), and nodes are added, most rewarding request first, while the
-expected tokens per unit of forward time still rise. Where verifying more
-tokens is dear (a large batch on a CPU) or side branches have not been paying,
-no node is added and the sequence drafts a chain.
+Token trees are sized on top of the chosen chain lengths (`plan_nodes`). A
+tree drafter orders its nodes best first, so the first j nodes of a verified
+tree are the tree it would have drafted with a budget of j, and its first
+branch (first child after first child) is the chain it would have drafted.
+One verified tree thus tells, for every j up to its budget, how many more (or
+fewer) tokens a j-node tree had accepted than that chain: a paired comparison,
+steady even where acceptance itself swings from step to step. Per request the
+planner keeps this curve (decayed like the rates above); the chain estimate
+learns from verified chains only. Request by request,
+most rewarding first, it replaces a chain by the tree size whose expected
+tokens per unit of forward time beat it, if any; so a node is verified only
+where the curve says it pays at the measured cost of one more token: on a GPU
+trees grow to the budget, on a busy CPU they stay small or become chains. A
+fresh request's curve starts optimistic (BRANCH_PRIOR per node beyond the
+chain), and a request on chains for PROBE_STEPS steps verifies one tree as
+large as costs little more than its chain, so the curve is measured, and
+re-measured as the text changes.
 """
 
 from __future__ import annotations
@@ -36,9 +46,17 @@ DECAY = 0.85
 # Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
-# Extra accepted tokens per tree node beyond the first branch, before any tree was verified: enough
-# to try a tree where a node costs little (a GPU, a small batch), not where it costs a step's 5%.
-BRANCH_PRIOR = (0.15, 1.0)
+# Before any tree was verified: accepted tokens per tree node beyond the chain's length, and the weight
+# of this guess against the evidence (in verified trees): optimistic, so that trees get measured.
+BRANCH_PRIOR = 0.15
+PRIOR_WEIGHT = 0.5
+# After this many verified chains in a row, one tree as large as costs at most PROBE_COST times the
+# chain's forward, so that the tree curve does not go stale (nor cost much where trees do not pay).
+PROBE_STEPS = 32
+PROBE_COST = 1.1
+# A tree must beat the chain's expected tokens per forward cost by this factor: its curve rests on
+# fewer, noisier steps than the chain's estimate, and a lucky step must not buy many costly ones.
+TREE_MARGIN = 1.1
 
 
 @dataclass
@@ -68,7 +86,9 @@ class AcceptanceEstimate:
 
     first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
-    branch: Rate = field(default_factory=lambda: Rate(*BRANCH_PRIOR))  # per tree node off the first branch
+    # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
+    tree: list[Rate] = field(default_factory=list)
+    chains_in_a_row: int = 0  # verified chains since the last verified tree
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -79,8 +99,10 @@ class AcceptanceEstimate:
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
+        """A verified chain."""
         if drafted == 0:
             return
+        self.chains_in_a_row += 1
         self.first.add(accepted >= 1)
         for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
             self.later.add(accepted >= j)
@@ -89,11 +111,26 @@ class AcceptanceEstimate:
         """An unverified draft's first token against the token the target produced."""
         self.first.add(first_token_matched)
 
-    def observe_branches(self, extra_nodes: int, extra_accepted: int) -> None:
-        """A verified tree: `extra_nodes` nodes off its first branch bought `extra_accepted` tokens
-        beyond what the first branch alone would have had accepted."""
-        if extra_nodes > 0:
-            self.branch.add_many(extra_accepted, extra_nodes)
+    def observe_tree(self, extra_by_nodes: list[int]) -> None:
+        """A verified tree: `extra_by_nodes[j - 1]`, the tokens its first j nodes had accepted minus
+        those its first branch had, for every j up to the node budget it was drafted under."""
+        self.chains_in_a_row = 0
+        self.tree.extend(Rate(0.0, 0.0) for _ in range(len(extra_by_nodes) - len(self.tree)))
+        for rate, extra in zip(self.tree, extra_by_nodes):
+            rate.add_many(extra, 1)
+
+    def tree_gains(self, depth: int, max_nodes: int) -> list[float]:
+        """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the chain's
+        expectation plus the extra the evidence shows, weighed against a prior of the chain's own
+        first j tokens plus BRANCH_PRIOR per node beyond them."""
+        gains = self.gains(depth)
+        chain = sum(gains)
+        prior, out = 0.0, []
+        for j in range(1, max_nodes + 1):
+            prior += gains[j - 1] if j <= depth else BRANCH_PRIOR
+            seen = self.tree[j - 1] if j <= len(self.tree) else Rate(0.0, 0.0)
+            out.append(chain + (seen.hits + PRIOR_WEIGHT * (prior - chain)) / (seen.trials + PRIOR_WEIGHT))
+        return out
 
 
 @dataclass(frozen=True)
@@ -124,18 +161,26 @@ class DraftPlanner:
         return best
 
     def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
-        """Token-tree sizes (nodes, at most max_nodes; 0 = a chain) for the chain lengths `plan` chose."""
+        """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree
+        depths) `plan` chose: a request's chain becomes the tree (of as many nodes or more) that most
+        raises the batch's expected tokens per forward cost, if one does; a request long on chains
+        verifies a cheap tree (PROBE_COST)."""
+        chains = [sum(e.gains(k)) for e, k in zip(estimates, lengths)]
         tokens = len(lengths) + sum(lengths)
-        expected = len(lengths) + sum(sum(e.gains(k)) for e, k in zip(estimates, lengths))
-        best_rate = expected / self.costs(tokens)
-        extra, best = [0] * len(lengths), [0] * len(lengths)
-        for i in sorted((i for i, k in enumerate(lengths) if 0 < k < max_nodes),
-                        key=lambda i: -estimates[i].branch.value):
-            for _ in range(max_nodes - lengths[i]):
-                extra[i] += 1
-                tokens += 1
-                expected += estimates[i].branch.value
-                rate = expected / self.costs(tokens)
+        expected = len(lengths) + sum(chains)
+        curves = {i: estimates[i].tree_gains(k, max_nodes) for i, k in enumerate(lengths) if k}
+        nodes = [0] * len(lengths)
+        for i in sorted(curves, key=lambda i: chains[i] - curves[i][-1]):  # most to gain from a tree first
+            best_rate, best = TREE_MARGIN * expected / self.costs(tokens), 0
+            for j, gain in enumerate(curves[i][lengths[i]:], lengths[i] + 1):  # never fewer nodes than the chain
+                rate = (expected + gain - chains[i]) / self.costs(tokens + j - lengths[i])
                 if rate > best_rate:
-                    best_rate, best = rate, list(extra)
-        return [k + e if e else 0 for k, e in zip(lengths, best)]
+                    best_rate, best = rate, j
+            if estimates[i].chains_in_a_row >= PROBE_STEPS:  # the largest tree that costs little more
+                best = max(j for j in range(lengths[i], max_nodes + 1)
+                           if self.costs(tokens + j - lengths[i]) <= PROBE_COST * self.costs(tokens))
+            if best:
+                nodes[i] = best
+                tokens += best - lengths[i]
+                expected += curves[i][best - 1] - chains[i]
+        return nodes

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
-from drafter_sdk.tree import first_branch
+from drafter_sdk.tree import accepted_path, first_branch
 from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
 
 
@@ -41,6 +41,7 @@ class SpecState:
     # Of the previous verified draft: fed back to the drafter.
     last_num_drafted: int = 0
     last_num_accepted: int = 0
+    node_budget: int = 0  # of the draft asked for this step: its tree's nodes, 0 for a chain
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,14 @@ class SpeculationPolicy:
         """Token-tree budgets (nodes; 0 = a chain) for a step whose drafter drafts trees, given the
         draft lengths (now maximum depths) `plan` chose: with the planner, only where they pay."""
         if not self.max_draft_nodes:
-            return [0] * len(lengths)
-        if self.planner is None:
-            return [self.max_draft_nodes if k else 0 for k in lengths]
-        return self.planner.plan_nodes([s.acceptance for s in states], lengths, self.max_draft_nodes)
+            nodes = [0] * len(lengths)
+        elif self.planner is None:
+            nodes = [self.max_draft_nodes if k else 0 for k in lengths]
+        else:
+            nodes = self.planner.plan_nodes([s.acceptance for s in states], lengths, self.max_draft_nodes)
+        for state, m in zip(states, nodes):
+            state.node_budget = m
+        return nodes
 
     def _cap(self, state: SpecState, batch_size: int, room: int) -> int:
         if state.params.disable:
@@ -113,7 +118,7 @@ class SpeculationPolicy:
     def observe(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `drafted` tokens were kept."""
         state.last_num_drafted, state.last_num_accepted = drafted, accepted
-        if self.planner is not None:
+        if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
         if drafted == 0 or not self.window_tokens:
             return
@@ -135,14 +140,19 @@ class SpeculationPolicy:
                 state.auto_disabled = True
 
     def observe_tree(self, state: SpecState, draft: list[int], parents: list[int], new_tokens: list[int]) -> None:
-        """A verified token tree: what its nodes off the first branch added (for the planner)."""
-        if self.planner is None or not parents:
+        """A verified draft asked for as a tree (a chain-shaped one arrives as a chain), for the planner:
+        what its first j nodes had accepted beyond its first branch, for every j up to its budget."""
+        budget, state.node_budget = state.node_budget, 0
+        if self.planner is None or not budget or not draft:
             return
-        chain = first_branch(draft, parents)
-        on_chain = 0
-        while on_chain < min(len(chain), len(new_tokens) - 1) and chain[on_chain] == new_tokens[on_chain]:
-            on_chain += 1
-        state.acceptance.observe_branches(len(draft) - len(chain), len(new_tokens) - 1 - on_chain)
+        parents = parents or list(range(-1, len(draft) - 1))
+        branch = first_branch(draft, parents)
+        on_branch = 0
+        while on_branch < min(len(branch), len(new_tokens) - 1) and branch[on_branch] == new_tokens[on_branch]:
+            on_branch += 1
+        path = accepted_path(draft, parents, new_tokens[:-1])
+        # Path nodes come in index order (parents first): the first j nodes hold those below j.
+        state.acceptance.observe_tree([sum(1 for i in path if i < j) - on_branch for j in range(1, budget + 1)])
 
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
         """A draft asked for but not verified: its first token against the token the target produced."""

@@ -9,7 +9,7 @@ from verifier_harness import reference_greedy, run_verifier, spec_config, token_
 from verifier_support import shared_model
 
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
+from verifier_service.spec.planner import PROBE_STEPS, AcceptanceEstimate, DraftPlanner
 from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
@@ -101,35 +101,75 @@ def test_one_requests_history_does_not_stop_a_new_request_from_drafting() -> Non
     assert p.plan([AcceptanceEstimate()], [8]) == [8]
 
 
-def branchy(extra_accepted: float, steps: int = 10) -> AcceptanceEstimate:
-    """An estimate whose trees' 8 side nodes earned `extra_accepted` tokens each step."""
+def tree_curve(per_node: float, nodes: int = 16, steps: int = 10) -> AcceptanceEstimate:
+    """An estimate whose 4-token chains had 3 tokens accepted, and whose verified trees had
+    `per_node` tokens accepted beyond their first branch for every node after the fourth."""
     estimate = trained(4, 3, 10)
     for _ in range(steps):
-        estimate.observe_branches(8, extra_accepted)
+        estimate.observe_tree([per_node * max(0, j - 4) for j in range(1, nodes + 1)])
     return estimate
 
 
-def test_trees_where_side_branches_pay_and_verifying_is_cheap() -> None:
-    assert planner(FLAT).plan_nodes([branchy(2)], [4], 12) == [12]
-    assert planner(LINEAR).plan_nodes([branchy(2)], [4], 12) == [0], "a node costs a whole step"
-    assert planner(FLAT).plan_nodes([branchy(0)], [4], 12) == [0], "side branches never accepted"
-    assert planner(FLAT).plan_nodes([branchy(2)], [0], 12) == [0], "no chain, no tree"
-    # A batch: the request whose branches pay gets the nodes first.
+# A CPU-like curve: flat to 6 tokens, then each token costs 5% of a step.
+CPU = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0 + 0.05 * t for t in range(1, 60)]
+
+
+def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
+    assert planner(FLAT).plan_nodes([tree_curve(0.2)], [4], 12) == [12]
+    assert planner(LINEAR).plan_nodes([tree_curve(0.2)], [4], 12) == [0], "a node costs a whole step"
+    assert planner(FLAT).plan_nodes([tree_curve(0.0)], [4], 12) == [0], "side branches never accepted"
+    assert planner(FLAT).plan_nodes([tree_curve(0.2)], [0], 12) == [0], "no chain, no tree"
+    assert planner(FLAT).plan_nodes([tree_curve(0.01)], [4], 12) == [0], "0.01 tokens a node do not pay 1% of a step"
+    # Each token beyond 6 costs 5% of a step: 0.2 tokens a node pay for 16 nodes; 0.15 would pay without
+    # TREE_MARGIN, not with it.
+    assert planner(CPU).plan_nodes([tree_curve(0.2)], [4], 16) == [16]
+    assert planner(CPU).plan_nodes([tree_curve(0.15)], [4], 16) == [0]
+    # A batch: the request whose trees pay gets the nodes, as many as still pay where a batch's
+    # tokens beyond 16 cost 20% of a step each.
     mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
-    nodes = planner(mid).plan_nodes([branchy(0.1), branchy(3)], [4, 4], 16)
-    assert nodes[1] > 4 and nodes[0] == 0
+    assert planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.5)], [4, 4], 16) == [0, 11]
+
+
+def test_a_fresh_request_tries_a_tree_and_a_request_long_on_chains_probes_one() -> None:
+    flat = planner(FLAT)
+    estimate = trained(4, 2, 10)
+    assert flat.plan_nodes([estimate], [4], 16) == [16], "optimistic prior: a full tree is measured"
+    for _ in range(5):  # trees whose side nodes earned nothing
+        estimate.observe_tree([0] * 16)
+    assert flat.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
+    for _ in range(PROBE_STEPS - 1):
+        estimate.observe(4, 2)
+    assert flat.plan_nodes([estimate], [4], 16) == [0]
+    estimate.observe(4, 2)
+    # A probe, to measure the curve again: as large a tree as costs at most 10% more than the chain.
+    assert flat.plan_nodes([estimate], [4], 16) == [14]
+    assert planner(CPU).plan_nodes([estimate], [4], 16) == [7]
+    estimate.observe_tree([0] * 14)
+    assert flat.plan_nodes([estimate], [4], 16) == [0]
 
 
 def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
     fixed = SpeculationPolicy(max_draft_len=4, max_draft_nodes=10)
     assert fixed.plan_nodes([SpecState(), SpecState()], [4, 0]) == [10, 0]
     assert SpeculationPolicy(max_draft_len=4).plan_nodes([SpecState()], [4]) == [0], "trees off: chains"
-    adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=10)
+    adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=6)
     state = SpecState()
-    before = state.acceptance.branch.value
-    # First branch [1, 2]; the target went 1, 5, 6: the side node 5 bought one more token.
-    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 6])
-    assert state.acceptance.branch.value > before
-    state = SpecState()
-    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 2, 6])  # the first branch alone did it
-    assert state.acceptance.branch.value < before
+    assert adaptive.plan_nodes([state], [4]) == [6] and state.node_budget == 6
+    # Nodes best first: 1, 2 | 5 (sibling of 2), 7 (child of 5); first branch 1, 2. The target went
+    # 1, 5, 7, 8: the first branch had 1 accepted, the first node alone 1, the first three 2, all four
+    # 3; a budget of 6 got 4 nodes.
+    first = state.acceptance.first.value
+    adaptive.observe(state, 3, 3)  # the scheduler reports the tree's depth and path ...
+    adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 7, 8])
+    assert state.acceptance.first.value == first, "... which the chain estimate does not take"
+    assert [r.hits for r in state.acceptance.tree] == [0, 0, 1, 2, 2, 2]
+    assert state.node_budget == 0 and state.acceptance.chains_in_a_row == 0
+    # A chain-shaped tree arrives as a chain; it still counts as the tree it was asked for.
+    adaptive.plan_nodes([state], [4])
+    adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:4] == [-1, 0, 0.85, 1.7]
+    # A chain asked for (budget 0) feeds the chain estimate, not the tree curve.
+    adaptive.observe(state, 2, 2)
+    adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
+    assert state.acceptance.first.value > first and state.acceptance.chains_in_a_row == 1
+    assert [round(r.hits, 2) for r in state.acceptance.tree][:4] == [-1, 0, 0.85, 1.7]

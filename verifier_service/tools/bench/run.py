@@ -96,6 +96,9 @@ def main(args: argparse.Namespace) -> int:
     if args.replay:
         return _replay(model, tokenizer, prompts, args, out)
     if args.trees:
+        seconds = _forward_costs(model, args.trees)  # what the verifiers' planners weigh trees against
+        print("target forward cost (ms) by tokens in one forward: "
+              + ", ".join(f"{t}:{s * 1e3:.1f}" for t, s in sorted(seconds.items())), flush=True)
         del model
         rows = bench_trees.run(args, prompts, lambda systems, ps, a: _run_all(systems, ps, a, tokenizer))
         bench_trees.print_table(rows, args.trees)

@@ -1,0 +1,17 @@
+"""The offline tree replay: exact tokens per step from recorded greedy outputs, no model."""
+
+from drafter_sdk.drafters.ngram import NgramDrafter
+from verifier_service.tools.bench.tree_replay import replay
+
+
+def test_replay_counts_accepted_paths_against_the_recorded_output():
+    # The output repeats its prompt: a chain copies 4 tokens a step, plus the target's own.
+    records = [{"workload": "copy", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "output": [1, 2, 3, 4, 5, 6, 7, 8, 9]}]
+    (chain,) = replay(records, lambda: NgramDrafter(max_draft_len=4), 4, 0)
+    assert chain.workload == "copy" and chain.tokens_per_step == 8 / 2 and chain.verified_per_step == 4
+    # [1, 2] was followed by 3 and, later, by 7; the output takes the older branch, which the newest-first
+    # chain misses (3 tokens in 2 steps) and the tree holds (3, 9 accepted, then the target's 4: 1 step).
+    records = [{"workload": "branch", "prompt": [1, 2, 3, 9, 1, 2, 7, 9, 1], "output": [2, 3, 9, 4]}]
+    (chain,) = replay(records, lambda: NgramDrafter(max_draft_len=2, is_use_oldest=False), 2, 0)
+    (tree,) = replay(records, lambda: NgramDrafter(max_draft_len=2), 2, 8)
+    assert (chain.tokens_per_step, tree.tokens_per_step) == (1.5, 3.0) and tree.verified_per_step <= 8
