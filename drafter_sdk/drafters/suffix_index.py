@@ -48,6 +48,8 @@ _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair 
 _VECTOR_MIN = 48
 # A walk groups occurrences by what follows them, in plain Python up to this many; numpy above.
 _WALK_VECTOR_MIN = 256
+# Matches through up to this many places are drafted from a trie of what follows them; more, by numpy walks.
+_TRIE_MAX = 4096
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
 
@@ -205,33 +207,96 @@ class SuffixIndex:
         best: tuple[list[int], int] | None = None  # tokens, match length
         best_score = beat
         top = len(pairs) + 1  # no match is longer
-        while top >= 2 and max(budget[2:top + 1]) > best_score:  # a draft of n tokens scores at most n
+        while True:
+            while top >= 2 and budget[top] <= best_score:  # a draft of n tokens scores at most n
+                top -= 1
+            if top < 2:
+                break
             # A match of m tokens holds every pair of the context's last m: the rarest pair among the last
             # `top` tokens, j before the end, lists every match of j + 2 to `top` tokens. Shorter ones,
             # needed only while they could still beat the best, come from the next rarest.
             j = sizes.index(min(sizes[:top - 1]))
             ends, lengths = self._match_lengths(pairs[j], j, pattern, top)
-            found = sorted(set(lengths), reverse=True) if isinstance(lengths, list) else np.unique(lengths)[::-1].tolist()
+            if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
+                best, best_score = self._best_by_trie(ends, lengths, j + 2, budget, min_token_prob, best, best_score)
+                top = j + 1
+                continue
+            found = np.unique(lengths)[::-1].tolist()
             for i, length in enumerate(found):
                 # Matches of `shortest` to `length` tokens end at the same places: one walk serves them all.
                 shortest = found[i + 1] + 1 if i + 1 < len(found) else j + 2
                 most = max(budget[shortest:length + 1])
                 if most <= best_score:
                     continue
-                tokens, probs = self._walk(_select(ends, lengths, length), most, 1.0, min_token_prob)
-                total = list(accumulate(probs, initial=0.0))  # total[c]: the score of the first c tokens
-                drafted = len(probs)
-                score = total[min(most, drafted)]  # the best any of these lengths scores
-                if score > best_score:
-                    # The longest match that scores it: a tie keeps the longer match.
-                    k = next(k for k in range(length, shortest - 1, -1) if total[min(budget[k], drafted)] == score)
-                    best, best_score = (tokens[:budget[k]], k), score
+                tokens, probs = self._walk(ends[lengths >= length], most, 1.0, min_token_prob)
+                best, best_score = _keep_best(tokens, probs, length, shortest, budget, best, best_score)
             top = j + 1
         if budget[1] > best_score:
             tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
             if sum(probs) > best_score:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
+
+    def _best_by_trie(self, ends: Any, lengths: Any, shortest: int, budget: list[int], min_prob: float,
+                      best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+        """The best draft over matches of `shortest` or more tokens, given where they end and how long each is.
+
+        Longest first, each distinct length adds its ends to a trie of what follows them (a node: how many
+        pass through it, the latest of them, its children), and the greedy walk reads that trie: the
+        occurrences are read once, not once for each length."""
+        if not isinstance(ends, list):
+            ends, lengths = ends.tolist(), lengths.tolist()
+        by_length: dict[int, list[int]] = {}
+        for e, length in zip(ends, lengths):
+            by_length.setdefault(length, []).append(e)
+        if not by_length:
+            return best, best_score
+        found = sorted(by_length, reverse=True)
+        depth = max(budget[shortest:found[0] + 1])
+        buf, base = self._buf, self._base
+        root: list[Any] = [0, -1, {}]
+        for i, length in enumerate(found):
+            # Ends with the same next `depth` tokens go in as one (the separator ending a sequence ends a path).
+            paths: dict[bytes, list[int]] = {}
+            for p in by_length[length]:
+                key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
+                seen = paths.get(key)
+                if seen is None:
+                    paths[key] = [1, p]
+                else:
+                    seen[0] += 1
+                    seen[1] = max(seen[1], p)
+            for key, (weight, latest) in paths.items():
+                node = root
+                node[0] += weight
+                node[1] = max(node[1], latest)
+                for t in array("i", key):
+                    if t == SEP:
+                        break
+                    child = node[2].get(t)
+                    if child is None:
+                        child = node[2][t] = [0, -1, {}]
+                    child[0] += weight
+                    child[1] = max(child[1], latest)
+                    node = child
+            # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
+            low = found[i + 1] + 1 if i + 1 < len(found) else shortest
+            most = max(budget[low:length + 1])
+            if most <= best_score:
+                continue
+            tokens: list[int] = []
+            probs: list[float] = []
+            node, prob = root, 1.0
+            while len(tokens) < most and node[2]:
+                t, child = max(node[2].items(), key=_count_then_latest)  # ties: the most recent
+                prob *= child[0] / node[0]
+                if prob < min_prob:
+                    break
+                tokens.append(t)
+                probs.append(prob)
+                node = child
+            best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
+        return best, best_score
 
     def _match_lengths(self, positions: array, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
         """The ends of the matches through a pair j tokens before the pattern's end (its second token at
@@ -252,6 +317,7 @@ class SuffixIndex:
                 return ends.tolist(), lengths.tolist()
             return ends, lengths
         whole = array("i", pattern[len(pattern) - top:])
+        backwards = pattern[::-1]
         least = whole[top - need:]
         ends, lengths = [], []
         for q in positions:
@@ -262,14 +328,10 @@ class SuffixIndex:
                 length = top
             elif buf[e - need:e] != least:
                 continue
-            else:  # matches are nested: the longest is the last length that still matches
-                length, up = need, top - 1
-                while length < up:
-                    mid = (length + up + 1) // 2
-                    if buf[e - mid:e] == whole[top - mid:]:
-                        length = mid
-                    else:
-                        up = mid - 1
+            else:
+                length = need
+                while buf[e - 1 - length] == backwards[length]:  # stops within top: the whole window differs
+                    length += 1
             ends.append(e - 1 + base)
             lengths.append(length)
         return ends, lengths
@@ -378,11 +440,21 @@ def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: i
     return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
 
 
-def _select(ends: Any, lengths: Any, m: int) -> Any:
-    """The ends that match at least m tokens, ascending."""
-    if isinstance(ends, list):
-        return [e for e, length in zip(ends, lengths) if length >= m]
-    return ends[lengths >= m]
+def _count_then_latest(item: tuple[int, list]) -> tuple[int, int]:
+    return item[1][0], item[1][1]
+
+
+def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],
+               best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+    """The better of `best` and a greedy path drafted after matches of `shortest` to `longest` tokens
+    (each cut to its own budget); a tie keeps the earlier (longer) match."""
+    total = list(accumulate(probs, initial=0.0))  # total[c]: the score of the first c tokens
+    drafted = len(probs)
+    score = total[min(max(budget[shortest:longest + 1]), drafted)]  # the best any of these lengths scores
+    if score <= best_score:
+        return best, best_score
+    k = next(k for k in range(longest, shortest - 1, -1) if total[min(budget[k], drafted)] == score)
+    return (tokens[:budget[k]], k), score
 
 
 def _occurrences(positions: array) -> Any:

@@ -67,6 +67,7 @@ def vectorized(request, monkeypatch):  # noqa: ANN001, ANN201
     if request.param == "numpy-always":
         monkeypatch.setattr(suffix_index, "_VECTOR_MIN", 0)
         monkeypatch.setattr(suffix_index, "_WALK_VECTOR_MIN", 0)
+        monkeypatch.setattr(suffix_index, "_TRIE_MAX", 0)
     return request.param
 
 
