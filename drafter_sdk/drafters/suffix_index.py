@@ -11,12 +11,19 @@ A trie with a node per (position, depth) costs about max_depth nodes per token,
 far too many Python objects for a global tree over thousands of outputs, and
 the C++ original compresses paths to avoid it. Here the same counts come from
 occurrence lists: for every pair of adjacent tokens, the ascending positions of
-its second token. The node of P is the set of places P ends at (the pair list
-of P's last two tokens, filtered by comparing the earlier tokens of P); its
-count is that set's size and its children are the tokens after each place.
-Single tokens use running counts. Memory is a few words per token whatever
-`max_depth` is; a lookup costs the occurrences of the context's last pair,
-which shrink with every earlier token compared.
+its second token. The node of P is the set of places P ends at; its count is
+that set's size and its children are the tokens after each place. Single
+tokens use running counts. Memory is a few words per token whatever
+`max_depth` is.
+
+A lookup reads the list of the rarest pair among the context's last tokens:
+every match through that pair is in it, and one comparison of each listed
+place against the context (a slice compare, or numpy for long lists) says how
+many tokens match there. Drafting then adds the places to a small trie of what
+follows them, longest match first, and walks that trie once per distinct match
+length: the places are read once per call, not once per length and step.
+Shorter matches, which only a more frequent pair lists, are looked up only
+while their draft could still beat the best one found.
 
 Sequences sit in one int32 buffer, each after a separator (-1, never a token),
 so no match or continuation crosses from one sequence into another.
@@ -193,6 +200,8 @@ class SuffixIndex:
         if last not in self._counts:
             return NO_DRAFT
         budget = _budgets(n, max_tokens, max_spec_factor, max_spec_offset, self.max_depth)
+        if max(budget[1:]) <= beat:  # a draft of n tokens scores at most n
+            return NO_DRAFT
         # pairs[j]: where the context's pair ending j tokens before its end occurs; a missing pair bounds the match.
         pairs: list[array] = []
         sizes: list[int] = []
