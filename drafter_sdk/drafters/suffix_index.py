@@ -11,12 +11,19 @@ A trie with a node per (position, depth) costs about max_depth nodes per token,
 far too many Python objects for a global tree over thousands of outputs, and
 the C++ original compresses paths to avoid it. Here the same counts come from
 occurrence lists: for every pair of adjacent tokens, the ascending positions of
-its second token. The node of P is the set of places P ends at (the pair list
-of P's last two tokens, filtered by comparing the earlier tokens of P); its
-count is that set's size and its children are the tokens after each place.
-Single tokens use running counts. Memory is a few words per token whatever
-`max_depth` is; a lookup costs the occurrences of the context's last pair,
-which shrink with every earlier token compared.
+its second token. The node of P is the set of places P ends at; its count is
+that set's size and its children are the tokens after each place. Single
+tokens use running counts. Memory is a few words per token whatever
+`max_depth` is.
+
+A lookup reads the list of the rarest pair among the context's last tokens:
+every match through that pair is in it, and one comparison of each listed
+place against the context (a slice compare, or numpy for long lists) says how
+many tokens match there. Drafting then adds the places to a small trie of what
+follows them, longest match first, and walks that trie once per distinct match
+length: the places are read once per call, not once per length and step.
+Shorter matches, which only a more frequent pair lists, are looked up only
+while their draft could still beat the best one found.
 
 Sequences sit in one int32 buffer, each after a separator (-1, never a token),
 so no match or continuation crosses from one sequence into another.
@@ -32,6 +39,9 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 try:
@@ -43,6 +53,10 @@ SEP = -1
 _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair key
 # Above this many occurrences a step runs on numpy arrays (when installed); below, plain Python is faster.
 _VECTOR_MIN = 48
+# A walk groups occurrences by what follows them, in plain Python up to this many; numpy above.
+_WALK_VECTOR_MIN = 256
+# Matches through up to this many places are drafted from a trie of what follows them; more, by numpy walks.
+_TRIE_MAX = 4096
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
 
@@ -185,58 +199,151 @@ class SuffixIndex:
         last = pattern[-1]
         if last not in self._counts:
             return NO_DRAFT
-        occurrences = self._match(pattern)  # occurrences[i]: where the last i + 2 tokens end
-        # budget[m]: the most a match of m tokens may draft.
-        budget = [min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6), self.max_depth - m)
-                  for m in range(len(occurrences) + 2)]
+        budget = _budgets(n, max_tokens, max_spec_factor, max_spec_offset, self.max_depth)
+        if max(budget[1:]) <= beat:  # a draft of n tokens scores at most n
+            return NO_DRAFT
+        # pairs[j]: where the context's pair ending j tokens before its end occurs; a missing pair bounds the match.
+        pairs: list[array] = []
+        sizes: list[int] = []
+        get = self._pairs.get
+        for j in range(n - 1):
+            positions = get((pattern[-j - 2] << _SHIFT) | pattern[-j - 1])
+            if positions is None:
+                break
+            pairs.append(positions)
+            sizes.append(len(positions))
 
-        best, best_score = NO_DRAFT, beat
-        m = len(occurrences) + 1
-        while m >= 2:
-            # Shorter matches that end at the same places (the sets are nested: the same size is the
-            # same set) reach the same node's children: one walk serves them all.
-            occ, low = occurrences[m - 2], m
-            while low > 2 and len(occurrences[low - 3]) == len(occ):
-                low -= 1
-            lengths = range(m, low - 1, -1)  # longest first: a tie keeps the longer match
-            most = max(budget[k] for k in lengths)
-            if most > best_score:  # a draft of n tokens scores at most n
-                tokens, probs = self._walk(occ, most, 1.0, min_token_prob)
-                for k in lengths:
-                    n = budget[k]
-                    score = sum(probs[:n])
-                    if score > best_score:
-                        best, best_score = Draft(tokens[:n], score, k), score
-            m = low - 1
+        best: tuple[list[int], int] | None = None  # tokens, match length
+        best_score = beat
+        top = len(pairs) + 1  # no match is longer
+        while True:
+            while top >= 2 and budget[top] <= best_score:  # a draft of n tokens scores at most n
+                top -= 1
+            if top < 2:
+                break
+            # A match of m tokens holds every pair of the context's last m: the rarest pair among the last
+            # `top` tokens, j before the end, lists every match of j + 2 to `top` tokens. Shorter ones,
+            # needed only while they could still beat the best, come from the next rarest.
+            j = sizes.index(min(sizes[:top - 1]))
+            ends, lengths = self._match_lengths(pairs[j], j, pattern, top)
+            if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
+                best, best_score = self._best_by_trie(ends, lengths, j + 2, budget, min_token_prob, best, best_score)
+                top = j + 1
+                continue
+            found = np.unique(lengths)[::-1].tolist()
+            for i, length in enumerate(found):
+                # Matches of `shortest` to `length` tokens end at the same places: one walk serves them all.
+                shortest = found[i + 1] + 1 if i + 1 < len(found) else j + 2
+                most = max(budget[shortest:length + 1])
+                if most <= best_score:
+                    continue
+                tokens, probs = self._walk(ends[lengths >= length], most, 1.0, min_token_prob)
+                best, best_score = _keep_best(tokens, probs, length, shortest, budget, best, best_score)
+            top = j + 1
         if budget[1] > best_score:
             tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
             if sum(probs) > best_score:
-                best = Draft(tokens, sum(probs), 1)
-        return best
+                best, best_score = (tokens, 1), sum(probs)
+        return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
 
-    def _match(self, pattern: list[int]) -> list[Any]:
-        """Where the pattern's last 2, 3, ... tokens end, as long as they occur at all."""
-        if len(pattern) < 2:
-            return []
-        positions = self._pairs.get((pattern[-2] << _SHIFT) | pattern[-1])
-        if positions is None:
-            return []
+    def _best_by_trie(self, ends: Any, lengths: Any, shortest: int, budget: list[int], min_prob: float,
+                      best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+        """The best draft over matches of `shortest` or more tokens, given where they end and how long each is.
+
+        Longest first, each distinct length adds its ends to a trie of what follows them (a node: how many
+        pass through it, the latest of them, its children), and the greedy walk reads that trie: the
+        occurrences are read once, not once for each length."""
+        if not isinstance(ends, list):
+            ends, lengths = ends.tolist(), lengths.tolist()
+        by_length: dict[int, list[int]] = {}
+        for e, length in zip(ends, lengths):
+            by_length.setdefault(length, []).append(e)
+        if not by_length:
+            return best, best_score
+        found = sorted(by_length, reverse=True)
+        depth = max(budget[shortest:found[0] + 1])
         buf, base = self._buf, self._base
-        occ = _occurrences(positions)
-        found = [occ]
-        for back in range(2, len(pattern)):
-            want = pattern[-1 - back]
-            if not isinstance(occ, list):
-                view = np.frombuffer(buf, np.int32)
-                occ = occ[view[occ - (base + back)] == want]
-                if len(occ) <= _VECTOR_MIN:
-                    occ = occ.tolist()
+        root: list[Any] = [0, -1, {}]
+        for i, length in enumerate(found):
+            # Ends with the same next `depth` tokens go in as one (the separator ending a sequence ends a path).
+            paths: dict[bytes, list[int]] = {}
+            for p in by_length[length]:
+                key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
+                seen = paths.get(key)
+                if seen is None:
+                    paths[key] = [1, p]
+                else:
+                    seen[0] += 1
+                    seen[1] = max(seen[1], p)
+            for key, (weight, latest) in paths.items():
+                node = root
+                node[0] += weight
+                node[1] = max(node[1], latest)
+                for t in array("i", key):
+                    if t == SEP:
+                        break
+                    child = node[2].get(t)
+                    if child is None:
+                        child = node[2][t] = [0, -1, {}]
+                    child[0] += weight
+                    child[1] = max(child[1], latest)
+                    node = child
+            # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
+            low = found[i + 1] + 1 if i + 1 < len(found) else shortest
+            most = max(budget[low:length + 1])
+            if most <= best_score:
+                continue
+            tokens: list[int] = []
+            probs: list[float] = []
+            node, prob = root, 1.0
+            while len(tokens) < most and node[2]:
+                t, child = max(node[2].items(), key=_count_then_latest)  # ties: the most recent
+                prob *= child[0] / node[0]
+                if prob < min_prob:
+                    break
+                tokens.append(t)
+                probs.append(prob)
+                node = child
+            best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
+        return best, best_score
+
+    def _match_lengths(self, positions: array, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
+        """The ends of the matches through a pair j tokens before the pattern's end (its second token at
+        each of `positions`) that match at least j + 2 tokens, and how many each matches, up to `top`."""
+        buf, base, need = self._buf, self._base, j + 2
+        if np is not None and len(positions) > _VECTOR_MIN:
+            view = np.frombuffer(buf, np.int32)
+            ends = np.frombuffer(positions, np.int64) + (j - base)
+            # The token `back` places before each end (clipped: the buffer starts and ends with a separator,
+            # which matches nothing), against the pattern's.
+            rows = ends[:, None] - np.arange(top)
+            np.clip(rows, 0, len(buf) - 1, out=rows)
+            same = view[rows] == np.array(pattern[::-1][:top], np.int32)
+            lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)
+            keep = lengths >= need
+            ends, lengths = ends[keep] + base, lengths[keep]
+            if len(ends) <= _VECTOR_MIN:
+                return ends.tolist(), lengths.tolist()
+            return ends, lengths
+        whole = array("i", pattern[len(pattern) - top:])
+        backwards = pattern[::-1]
+        least = whole[top - need:]
+        ends, lengths = [], []
+        for q in positions:
+            e = q + j - base + 1  # one past the end, in the buffer
+            # A window reaching before the buffer's start slices short (a negative start wraps past the end)
+            # and so never equals the pattern.
+            if buf[e - top:e] == whole:
+                length = top
+            elif buf[e - need:e] != least:
+                continue
             else:
-                occ = [p for p in occ if buf[p - base - back] == want]
-            if len(occ) == 0:
-                break
-            found.append(occ)
-        return found
+                length = need
+                while buf[e - 1 - length] == backwards[length]:  # stops within top: the whole window differs
+                    length += 1
+            ends.append(e - 1 + base)
+            lengths.append(length)
+        return ends, lengths
 
     def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
         """A draft after a single-token match: the first step from the running counts."""
@@ -255,46 +362,108 @@ class SuffixIndex:
 
     def _walk(self, occ: Any, budget: int, prob: float,
               min_prob: float) -> tuple[list[int], list[float]]:
-        """Greedy path down from the node whose occurrences end at `occ`: its tokens and their
+        """Greedy path down from the node whose occurrences end at `occ` (ascending): its tokens and their
         estimated probabilities (each the product of child count / parent count down to it)."""
+        if budget <= 0:
+            return [], []
+        if not isinstance(occ, list) and len(occ) > _WALK_VECTOR_MIN:
+            return self._walk_vectorized(occ, budget, prob, min_prob)
         buf, base = self._buf, self._base
+        # The next `budget` tokens after each occurrence (they may run past its sequence's separator, which
+        # ends the path): occurrences with the same ones walk together, as one weight and its latest place.
+        paths: dict[bytes, list[int]] = {}
+        for p in (occ if isinstance(occ, list) else occ.tolist()):
+            i = p + 1 - base
+            key = buf[i:i + budget].tobytes()
+            seen = paths.get(key)
+            if seen is None:
+                paths[key] = [1, p]
+            else:
+                seen[0] += 1
+                seen[1] = p
+        if len(paths) == 1:  # every occurrence goes on the same way: each step has probability 1
+            if prob < min_prob:
+                return [], []
+            path = array("i", next(iter(paths))).tolist()
+            if SEP in path:
+                del path[path.index(SEP):]
+            return path, [prob] * len(path)
+        alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
+        total = len(occ)
         tokens: list[int] = []
         probs: list[float] = []
-        while len(tokens) < budget:
-            if not isinstance(occ, list):
-                view = np.frombuffer(buf, np.int32)
-                following = view[occ - (base - 1)]
-                values, counts = np.unique(following[following != SEP], return_counts=True)
-                if len(values) == 0:
-                    break
-                top = int(counts.max())
-                tied = values[counts == top]
-                # Ties go to the most recent occurrence (occ is ascending).
-                child = int(tied[0]) if len(tied) == 1 else int(following[np.flatnonzero(np.isin(following, tied))[-1]])
-                prob *= top / len(occ)
-                if prob < min_prob:
-                    break
-                occ = occ[following == child] + 1
-                if len(occ) <= _VECTOR_MIN:
-                    occ = occ.tolist()
-            else:
-                tally: dict[int, int] = {}
-                for p in occ:
-                    t = buf[p + 1 - base]
-                    if t != SEP:
-                        # Re-inserting moves the key last, so among equal counts the last is the most recent.
-                        tally[t] = tally.pop(t, 0) + 1
-                if not tally:
-                    break
-                top = max(tally.values())
-                child = [t for t, c in tally.items() if c == top][-1]
-                prob *= top / len(occ)
-                if prob < min_prob:
-                    break
-                occ = [p + 1 for p in occ if buf[p + 1 - base] == child]
+        for depth in range(budget):
+            tally: dict[int, list[int]] = {}
+            for path, weight, latest in alive:
+                if depth < len(path) and path[depth] != SEP:
+                    t = path[depth]
+                    counted = tally.get(t)
+                    if counted is None:
+                        tally[t] = [weight, latest]
+                    else:
+                        counted[0] += weight
+                        counted[1] = max(counted[1], latest)
+            if not tally:
+                break
+            child, (count, _) = max(tally.items(), key=itemgetter(1))  # ties: the most recent
+            prob *= count / total
+            if prob < min_prob:
+                break
+            alive = [a for a in alive if len(a[0]) > depth and a[0][depth] == child]
+            total = count
             tokens.append(child)
             probs.append(prob)
         return tokens, probs
+
+    def _walk_vectorized(self, occ: Any, budget: int, prob: float,
+                         min_prob: float) -> tuple[list[int], list[float]]:
+        """_walk on a numpy array of many occurrences, a step at a time."""
+        view = np.frombuffer(self._buf, np.int32)
+        shift = self._base - 1
+        tokens: list[int] = []
+        probs: list[float] = []
+        while len(tokens) < budget:
+            if len(occ) <= _WALK_VECTOR_MIN:
+                more, more_probs = self._walk(occ.tolist(), budget - len(tokens), prob, min_prob)
+                return tokens + more, probs + more_probs
+            following = view[occ - shift]
+            values, counts = np.unique(following[following != SEP], return_counts=True)
+            if len(values) == 0:
+                break
+            top = int(counts.max())
+            tied = values[counts == top]
+            # Ties go to the most recent occurrence (occ is ascending).
+            child = int(tied[0]) if len(tied) == 1 else int(following[np.flatnonzero(np.isin(following, tied))[-1]])
+            prob *= top / len(occ)
+            if prob < min_prob:
+                break
+            occ = occ[following == child] + 1
+            tokens.append(child)
+            probs.append(prob)
+        return tokens, probs
+
+
+@lru_cache(maxsize=256)
+def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: int) -> list[int]:
+    """budget[m]: the most a match of m <= n tokens may draft (read only: it is shared)."""
+    return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
+
+
+def _count_then_latest(item: tuple[int, list]) -> tuple[int, int]:
+    return item[1][0], item[1][1]
+
+
+def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],
+               best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+    """The better of `best` and a greedy path drafted after matches of `shortest` to `longest` tokens
+    (each cut to its own budget); a tie keeps the earlier (longer) match."""
+    total = list(accumulate(probs, initial=0.0))  # total[c]: the score of the first c tokens
+    drafted = len(probs)
+    score = total[min(max(budget[shortest:longest + 1]), drafted)]  # the best any of these lengths scores
+    if score <= best_score:
+        return best, best_score
+    k = next(k for k in range(longest, shortest - 1, -1) if total[min(budget[k], drafted)] == score)
+    return (tokens[:budget[k]], k), score
 
 
 def _occurrences(positions: array) -> Any:

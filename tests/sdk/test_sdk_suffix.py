@@ -58,11 +58,16 @@ def reference(seqs: list[list[int]], context: list[int], depth: int, max_tokens:
     return best
 
 
-@pytest.fixture(params=["numpy", "pure-python"])
+@pytest.fixture(params=["numpy", "numpy-always", "pure-python"])
 def vectorized(request, monkeypatch):  # noqa: ANN001, ANN201
-    """Run a test with numpy's path for frequent patterns, and without numpy at all."""
+    """Run a test with numpy's path for frequent patterns, with it for every pattern (each match and walk
+    on arrays), and without numpy at all."""
     if request.param == "pure-python":
         monkeypatch.setattr(suffix_index, "np", None)
+    if request.param == "numpy-always":
+        monkeypatch.setattr(suffix_index, "_VECTOR_MIN", 0)
+        monkeypatch.setattr(suffix_index, "_WALK_VECTOR_MIN", 0)
+        monkeypatch.setattr(suffix_index, "_TRIE_MAX", 0)
     return request.param
 
 
@@ -84,6 +89,29 @@ def test_the_index_drafts_exactly_what_a_suffix_trie_would(vectorized) -> None: 
             context = tail or [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
             knobs = (rng.randint(1, 12), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 1.0, 2.5]),
                      rng.choice([0.0, 0.1, 0.4]))
+            got = index.speculate(context, *knobs)
+            tokens, score, match_len = reference(seqs, context, depth, *knobs)
+            assert (got.tokens, got.match_len) == (tokens, match_len)
+            assert got.score == pytest.approx(score)
+
+
+def test_recurring_phrases_draft_exactly_what_a_suffix_trie_would(vectorized) -> None:  # noqa: ANN001
+    """Text stitched from a few phrases: long matches that branch, so the best draft often comes from a
+    shorter match than the longest (the index then looks again through a more frequent pair)."""
+    rng = random.Random(11)
+    for _ in range(25):
+        phrases = [[rng.randrange(12) for _ in range(rng.randint(2, 9))] for _ in range(rng.randint(2, 6))]
+        depth = rng.choice([6, 12, 24])
+        index, seqs = SuffixIndex(depth), []
+        for _ in range(rng.randint(2, 6)):
+            s = [t for _ in range(rng.randint(1, 25)) for t in rng.choice(phrases)]
+            index.add(s)
+            seqs.append(s)
+        for _ in range(8):
+            context = [t for _ in range(rng.randint(1, 6)) for t in rng.choice(phrases)]
+            if rng.random() < 0.3:  # starting within a phrase
+                context = context[rng.randrange(len(context)):]
+            knobs = (rng.randint(1, 10), rng.choice([1.0, 2.0]), rng.choice([0.0, 1.0]), rng.choice([0.0, 0.1, 0.3]))
             got = index.speculate(context, *knobs)
             tokens, score, match_len = reference(seqs, context, depth, *knobs)
             assert (got.tokens, got.match_len) == (tokens, match_len)

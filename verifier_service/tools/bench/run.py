@@ -35,6 +35,7 @@ from verifier_service.tools.bench import engine_sections
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench import trees as bench_trees
+from verifier_service.tools.bench.engine_sections import STARTUP_TIMEOUT_S
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script
 
@@ -43,6 +44,12 @@ PLAIN = "splitspec plain"
 NGRAM_REMOTE = "splitspec ngram remote"
 SUFFIX_REMOTE = "splitspec suffix remote"
 SUFFIX_LOCAL = "splitspec suffix in-process"
+
+
+def _service(argv: list[str], name: str) -> LocalService:
+    """A drafter or verifier for the bench, given as long to start as the engine sections give theirs: a
+    verifier's start-up measures its cost curve, which takes minutes on a busy CPU."""
+    return LocalService(argv, name=name, startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -118,8 +125,8 @@ def main(args: argparse.Namespace) -> int:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
     if args.engine_only:
-        with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                           "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter:
+        with _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter:
             engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
         return 0
     draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
@@ -137,8 +144,8 @@ def main(args: argparse.Namespace) -> int:
             drafter_argv = [script("splitspec-drafter"), "model", "--device", args.draft_device, "--dtype",
                             args.draft_dtype, "--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING",
                             *(["--model", draft_path] if draft_path else [])]
-            model_drafter = stack.enter_context(LocalService(drafter_argv, name="model-drafter"))
-            model_remote = stack.enter_context(LocalService(
+            model_drafter = stack.enter_context(_service(drafter_argv, name="model-drafter"))
+            model_remote = stack.enter_context(_service(
                 [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
@@ -161,18 +168,18 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
     """Start the n-gram and suffix drafters and four verifiers, run every system (plus `extra_systems`) on
     every prompt, summarise into `report`; with a draft model, its own figures too; then the engine
     sections asked for."""
-    with LocalService([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
-         LocalService([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
-         LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                       "--drafter-target", drafter.address, *common], name="verifier-remote") as remote, \
-         LocalService([script("splitspec-verifier"), "--speculative-mode", "ngram",
-                       "--max-matching-ngram-size", str(args.ngram_size), *common],
-                      name="verifier-inprocess") as local, \
-         LocalService([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                       "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote") as sremote, \
-         LocalService([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
-                      name="verifier-suffix-inprocess") as slocal:
+    with _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+                   "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
+         _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
+         _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
+                   "--drafter-target", drafter.address, *common], name="verifier-remote") as remote, \
+         _service([script("splitspec-verifier"), "--speculative-mode", "ngram",
+                   "--max-matching-ngram-size", str(args.ngram_size), *common],
+                  name="verifier-inprocess") as local, \
+         _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
+                   "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote") as sremote, \
+         _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
+                  name="verifier-suffix-inprocess") as slocal:
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         systems = [VerifierSystem(PLAIN, remote.address, speculate=False),
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
