@@ -108,7 +108,7 @@ def test_remote_model_drafter_restarted_mid_generation_stays_exact(draft_dir):
                     calls.append(request)  # on the engine's loop (the model thread), where the channel lives
                     if len(calls) == 8:
                         await on_loop(test_loop, restart())
-                        await asyncio.wait_for(transport._channel.channel_ready(), WAIT_S)
+                        await transport.ready(WAIT_S)
                     return await prepare(request, timeout_s)
 
                 transport.prepare = restarting_prepare

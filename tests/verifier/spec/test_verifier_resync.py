@@ -64,7 +64,7 @@ def test_drafter_restart_mid_generation(overlap: int, restart_at: int, fail_firs
                         await on_loop(test_loop, old.stop(0))
                     if len(sent) == restart_at + (2 if fail_first else 0):
                         await on_loop(test_loop, start_new())
-                        await asyncio.wait_for(transport._channel.channel_ready(), WAIT_S)
+                        await transport.ready(WAIT_S)
                     sent.append(request)
                     try:
                         response = await prepare(request, timeout_s)
