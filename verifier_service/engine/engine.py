@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -53,7 +54,7 @@ class Engine:
     def start(self) -> None:
         """Run the decoding loop on the model thread; outputs are delivered to the calling loop."""
         self._front = asyncio.get_running_loop()
-        self._model_thread.run_coroutine(self._run())
+        self._model_thread.run_coroutine(self._run()).add_done_callback(_log_crash)
 
     async def stop(self) -> None:
         """Stop the loop and give the model back; later calls do nothing."""
@@ -196,6 +197,11 @@ class Engine:
         if self.drafter is not None and seqs:
             self.drafter.release([ReleasedRequest(s.request_id, _release_reason(s, failed), s.all_ids,
                                                   len(s.prompt_ids), s.drafter_sync) for s in seqs])
+
+
+def _log_crash(loop: Future[None]) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.critical("the engine's loop stopped", exc_info=loop.exception())
 
 
 def _deliver(outputs: list[tuple[Sequence, Output]]) -> None:
