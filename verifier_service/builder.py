@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
+from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.scheduler import Scheduler
 from verifier_service.metrics import VerifierMetrics
@@ -134,10 +134,9 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
     max_model_len = model_len(model, settings)
-    # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included:
-    # on CPU, one OpenMP parallel region on the event loop's (main) thread made every later forward
-    # on another thread about 2x slower (SmolLM2 one-token step 30 -> 60 ms, measured).
-    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included,
+    # and so does the engine's step loop (engine/model_thread.py).
+    model_thread = ModelThread()
     loop = asyncio.get_running_loop()
     runner = await loop.run_in_executor(model_thread, make_runner, model, settings, max_model_len, leader)
     if leader is not None:
@@ -146,11 +145,18 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
     fingerprint = tokenizer_fingerprint(tokenizer)
-    drafter = build_drafter_client(spec, verifier_id, runner.vocab_size, fingerprint, model_name,
-                                   target_device=str(runner.device),
-                                   target_dtype=str(runner.dtype).removeprefix("torch."))
-    if drafter is not None:
-        await drafter.connect()
+
+
+    async def connect_drafter() -> DrafterClient | None:
+        # On the model thread's loop, where the engine calls it: its gRPC channel belongs to that loop.
+        client = build_drafter_client(spec, verifier_id, runner.vocab_size, fingerprint, model_name,
+                                      target_device=str(runner.device),
+                                      target_dtype=str(runner.dtype).removeprefix("torch."))
+        if client is not None:
+            await client.connect()
+        return client
+
+    drafter = await asyncio.wrap_future(model_thread.run_coroutine(connect_drafter()))
     scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner, settings.max_draft_nodes),
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
                           max_model_len=max_model_len, max_num_batched_tokens=batch_tokens,

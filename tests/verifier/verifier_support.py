@@ -8,8 +8,9 @@ import contextlib
 import functools
 import random
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.server import RunningDrafter, start_server
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
+T = TypeVar("T")
 
 
 
@@ -248,6 +250,12 @@ class EngineSpy:
                 return await prepare(request, timeout_s)
 
             transport.prepare = spy_prepare
+
+
+async def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Await `coro` on `loop`: e.g. restart a drafter server of the test's loop from a hook that runs
+    on the engine's loop (the model thread)."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, *watch: asyncio.Future,

@@ -1,25 +1,31 @@
-"""The decoding loop. Each step: plan it, draft and verify in one batched forward, commit.
+"""The decoding loop. Each step: schedule, run (draft and verify in one batched forward), commit.
 
-Runs as an asyncio task beside the servers: the drafter call is awaited on the
-event loop and the model work runs on the one model thread (see builder.py), so
-the servers keep answering (health, new requests, cancellations) during a
-forward pass.
+The loop runs on the model thread's own event loop (engine/model_thread.py), so a step makes
+no thread hand-off: the scheduler plans, the drafter is called (in-process: inline; remote:
+the gRPC call is sent and awaited from the model thread), the forward and verification run
+inline, and the scheduler commits. What crosses to the servers' event loop is the step's
+outputs, handed over once per step (`call_soon_threadsafe`), and what comes back is new
+requests and cancellations (`submit`, `cancel`, under one lock with the scheduler's own
+boundaries). The servers keep answering (health, new requests, cancellations) during a
+forward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine import tree_verify
+from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
-from verifier_service.engine.sequence import FinishReason, Sequence
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply, ReleasedRequest
@@ -29,47 +35,63 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, drafter: DrafterClient | None,
-                 model_thread: ThreadPoolExecutor, metrics: VerifierMetrics | None = None) -> None:
+                 model_thread: ModelThread, metrics: VerifierMetrics | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.drafter = drafter
         self.metrics = metrics
-        self._model_thread = model_thread  # every torch op of the verifier runs here
+        self._model_thread = model_thread  # every torch op of the verifier, and this loop, run here
         self.decode_steps = 0  # steps that decoded running sequences (not only prefills)
-        self._wake = asyncio.Event()
+        # The scheduler's queues change on two threads: submit() on the servers' loop, the step's
+        # boundaries (schedule, commit) on the model thread.
+        self._lock = threading.Lock()
+        self._wake = asyncio.Event()  # set on the model thread's loop only
+        self._front: asyncio.AbstractEventLoop | None = None  # the servers' loop: outputs go there
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._forward_s = 0.0  # the last step's runner.forward, timed on the model thread
+        self._forward_s = 0.0  # the last step's runner.forward
 
     def start(self) -> None:
-        """Run the decoding loop in the background (on the running event loop)."""
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+        """Run the decoding loop on the model thread; outputs are delivered to the calling loop."""
+        self._front = asyncio.get_running_loop()
+        self._model_thread.run_coroutine(self._run()).add_done_callback(_log_crash)
 
     async def stop(self) -> None:
         """Stop the loop and give the model back; later calls do nothing."""
         if self._stopped:
             return
         self._stopped = True
+        await asyncio.wrap_future(self._model_thread.run_coroutine(self._shutdown()))
+        self._model_thread.shutdown(wait=True)
+
+    async def _shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.close)
-        self._model_thread.shutdown(wait=True)
+        self.runner.close()
         if self.drafter is not None:
             await self.drafter.close()
 
     def submit(self, seq: Sequence) -> None:
-        """Queue a request (raises QueueFullError past the queue limit)."""
-        self.scheduler.add(seq)
-        self._wake.set()
+        """Queue a request (raises QueueFullError past the queue limit). Any thread."""
+        with self._lock:
+            self.scheduler.add(seq)
+        self._wake_up()
 
     def cancel(self, seq: Sequence) -> None:
-        """The client went away: its KV is freed at the next step boundary."""
+        """The client went away: its KV is freed at the next step boundary. Any thread."""
         if not seq.finished:
             seq.cancelled = True
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._front is None:  # not started (tests drive step() themselves)
             self._wake.set()
+        else:
+            self._model_thread.loop.call_soon_threadsafe(self._wake.set)
 
     async def _run(self) -> None:
+        self._task = asyncio.current_task()
         previous: float | None = None  # start of the last step, while the loop keeps stepping
         while True:
             if not self.scheduler.has_work():
@@ -89,12 +111,18 @@ class Engine:
                 raise
             except Exception:  # a bug or OOM fails the running requests, not the server
                 log.exception("engine step failed; failing the running requests")
-                self._release(self.scheduler.fail_running("internal error in the decoding step"), failed=True)
+                with self._lock:
+                    failed = self.scheduler.fail_running()
+                self._release(failed, failed=True)
+                self._post([(s, Output([], "", error="internal error in the decoding step")) for s in failed])
+            # Let calls queued on the model thread (tensor-parallel heartbeats, shutdown) run between steps.
+            await asyncio.sleep(0)
 
     async def step(self) -> None:
         """Plan, draft and verify in ONE forward (new prompts, and every running sequence's last
         token plus its draft), commit."""
-        plan = self.scheduler.schedule()
+        with self._lock:
+            plan = self.scheduler.schedule()
         self._release(plan.released)
         if self.metrics is not None:
             cache = self.scheduler.prefix_cache
@@ -102,7 +130,7 @@ class Engine:
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         reply = await self._draft(plan)
-        new_tokens, plan.logprobs = await self._verify(plan)
+        new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
 
     async def _draft(self, plan: StepPlan) -> DraftReply | None:
@@ -126,17 +154,12 @@ class Engine:
         plan.shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, plan.draft_lens)]
         return reply
 
-    async def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
-        """The packed forward, the verification of every draft and the log-probabilities asked for,
-        on the model thread."""
-        batch, rows = plan.forward_batch(), plan.verify_rows()
-
-        def run() -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
-            logits = self._timed_forward(batch)
-            tokens = verify_batch(logits, rows)
-            return plan.spread(tokens), plan.spread(token_logprobs(logits, rows, tokens))
-
-        return await asyncio.get_running_loop().run_in_executor(self._model_thread, run)
+    def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """The packed forward, the verification of every draft and the log-probabilities asked for."""
+        rows = plan.verify_rows()
+        logits = self._timed_forward(plan.forward_batch())
+        tokens = verify_batch(logits, rows)
+        return plan.spread(tokens), plan.spread(token_logprobs(logits, rows, tokens))
 
     def _timed_forward(self, batch: ForwardBatch) -> torch.Tensor:
         started = time.perf_counter()
@@ -145,7 +168,8 @@ class Engine:
         return logits
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
-        finished = self.scheduler.update(plan, new_tokens)
+        with self._lock:
+            finished = self.scheduler.update(plan, new_tokens)
         self.decode_steps += bool(plan.decodes)
         if self.metrics is not None and plan.decodes:
             stats = self.drafter.stats if self.drafter is not None else None
@@ -156,6 +180,16 @@ class Engine:
                 (stats.calls, stats.failures, stats.skipped, stats.resyncs) if stats is not None else None,
                 reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
         self._release(finished)
+        self._post(plan.outputs)  # last: a request sees its end once the engine is done with it
+
+    def _post(self, outputs: list[tuple[Sequence, Output]]) -> None:
+        """Hand a step's outputs to their requests' queues, on the servers' loop, in one hop."""
+        if not outputs:
+            return
+        if self._front is None:  # not started: the caller's loop is the one stepping
+            _deliver(outputs)
+        else:
+            self._front.call_soon_threadsafe(_deliver, outputs)
 
     def _release(self, seqs: list[Sequence], failed: bool = False) -> None:
         """The sequences left the engine (their slots are free): the drafter may drop their state,
@@ -163,6 +197,16 @@ class Engine:
         if self.drafter is not None and seqs:
             self.drafter.release([ReleasedRequest(s.request_id, _release_reason(s, failed), s.all_ids,
                                                   len(s.prompt_ids), s.drafter_sync) for s in seqs])
+
+
+def _log_crash(loop: Future[None]) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.critical("the engine's loop stopped", exc_info=loop.exception())
+
+
+def _deliver(outputs: list[tuple[Sequence, Output]]) -> None:
+    for seq, out in outputs:
+        seq.outputs.put_nowait(out)
 
 
 def _release_reason(seq: Sequence, failed: bool) -> int:

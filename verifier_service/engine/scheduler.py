@@ -53,6 +53,9 @@ class StepPlan:
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)  # per prefill: prompt tokens computed (default: the rest)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # cached prefixes to copy first
+    # Filled in by Scheduler.update: what each sequence receives from this step (the engine hands
+    # them to the servers' loop in one go).
+    outputs: list[tuple[Sequence, Output]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.chunks = self.chunks or [len(s.prompt_ids) - s.num_prefilled for s in self.prefills]
@@ -170,8 +173,9 @@ class Scheduler:
         return max(self.max_num_batched_tokens - decode_tokens, min(self.max_num_batched_tokens, 16))
 
     def update(self, plan: StepPlan, new_tokens: list[list[int]]) -> list[Sequence]:
-        """Commit each sequence's new tokens (accepted draft tokens, then the target's own),
-        emit them, and learn from the drafts; return the sequences that finished (slots freed).
+        """Commit each sequence's new tokens (accepted draft tokens, then the target's own), put
+        their outputs in `plan.outputs`, and learn from the drafts; return the sequences that
+        finished (slots freed).
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
@@ -193,7 +197,8 @@ class Scheduler:
             # emits nothing.
             if not seq.cancelled and tokens:
                 num_drafted = len(tokens) - 1 if i >= len(plan.prefills) else 0  # all but the target's own
-                seq.emit(seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs or None))
+                kept = seq.append_tokens(tokens, self.max_model_len, num_drafted, token_logprobs or None)
+                plan.outputs.append((seq, seq.emit(kept)))
                 if seq.finished:
                     finished.append(seq)
             # An accepted tree path's K/V reach their positions at the sequence's next forward: the
@@ -204,11 +209,10 @@ class Scheduler:
             self._finish(seq)
         return finished
 
-    def fail_running(self, error: str) -> list[Sequence]:
-        """The step failed: end every running sequence with `error`; return them (slots freed)."""
+    def fail_running(self) -> list[Sequence]:
+        """The step failed: end every running sequence; return them (slots freed)."""
         failed = list(self.running)
         for seq in failed:
-            seq.outputs.put_nowait(Output([], "", error=error))
             self._finish(seq, keep=False)
         self.prefix_cache.clear()  # a failed step may have left any slot half-written
         return failed

@@ -95,7 +95,7 @@ class Sequence:
     slot: int | None = None  # its KV cache slot while it runs
     drafter_sync: DeltaHistory = field(default_factory=DeltaHistory)  # what the drafter was sent of it
     stats: SpecStats = field(default_factory=SpecStats)
-    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)  # on the servers' loop
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     cancelled: bool = False
@@ -175,12 +175,12 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def emit(self, tokens: list[int]) -> None:
-        """Hand the tokens just appended (and their text) to the request's queue."""
+    def emit(self, tokens: list[int]) -> Output:
+        """The output for the tokens just appended (and their text), for the request's queue."""
         n = len(tokens)
         pieces, self._pieces = self._pieces, []
-        self.outputs.put_nowait(Output(
+        return Output(
             tokens, "".join(pieces), self.finish_reason, self.stop_reason,
             drafted=self.output_drafted[len(self.output_drafted) - n:],
             logprobs=self.output_logprobs[len(self.output_logprobs) - n:] if self.output_logprobs else [],
-            pieces=pieces))
+            pieces=pieces)

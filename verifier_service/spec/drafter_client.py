@@ -99,12 +99,21 @@ class Transport(Protocol):
 
 
 class GrpcTransport:
-    """A DrafterService over gRPC; `dns:///name:port` plus round_robin spreads calls over replicas."""
+    """A DrafterService over gRPC; `dns:///name:port` plus round_robin spreads calls over replicas.
+
+    Calls are made with gRPC's threaded API and awaited as futures. With `block`, the verifier's
+    case (its engine loop runs on the model thread, apart from the servers' loop), a step's
+    PrepareDraftTokens call blocks: the thread sends it and reads the answer itself, no hop (the
+    step has nothing else to do meanwhile). grpc.aio would hand every answer to the process's
+    first event loop (the servers') and from there to the engine's: two thread hops per step.
+    Never block on a loop that serves the drafter itself."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  auth_token: str | None = None, load_balancing_policy: str = "round_robin",
-                 max_message_bytes: int = 16 * 1024 * 1024, server_name_override: str = "") -> None:
+                 max_message_bytes: int = 16 * 1024 * 1024, server_name_override: str = "",
+                 block: bool = False) -> None:
         self.target = target
+        self._block = block
         options = [
             ("grpc.lb_policy_name", load_balancing_policy or "round_robin"),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -116,25 +125,50 @@ class GrpcTransport:
         if server_name_override:
             options.append(("grpc.ssl_target_name_override", server_name_override))
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+            self._channel = grpc.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        return await self._stub.PrepareDraftTokens(request, timeout=timeout_s, metadata=self._metadata)
+        if self._block:
+            return self._stub.PrepareDraftTokens(request, timeout=timeout_s, metadata=self._metadata)
+        return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
+                                                                     metadata=self._metadata))
 
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None:
-        await self._stub.ReleaseRequests(request, timeout=timeout_s, metadata=self._metadata)
+        await _awaitable(self._stub.ReleaseRequests.future(request, timeout=timeout_s, metadata=self._metadata))
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
-        return await self._stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=timeout_s,
-                                               metadata=self._metadata)
+        return await _awaitable(self._stub.GetDrafterInfo.future(
+            drafter_pb2.GetDrafterInfoRequest(), timeout=timeout_s, metadata=self._metadata))
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait until the channel is connected (raises grpc.FutureTimeoutError)."""
+        await asyncio.get_running_loop().run_in_executor(None, grpc.channel_ready_future(self._channel).result,
+                                                         timeout_s)
 
     async def close(self) -> None:
-        await self._channel.close()
+        self._channel.close()
+
+
+def _awaitable(call: grpc.Future) -> asyncio.Future[Any]:
+    """A gRPC future as an asyncio one of the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(_: grpc.Future) -> None:
+        if future.done():
+            return
+        if call.exception() is not None:
+            future.set_exception(call.exception())
+        else:
+            future.set_result(call.result())
+
+    call.add_done_callback(lambda _: loop.call_soon_threadsafe(settle, call))
+    return future
 
 
 class InProcessTransport:
@@ -396,7 +430,7 @@ class DrafterClient:
         try:
             info = await self.transport.info(timeout_s)
         except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
-            if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED):
+            if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
                             self.transport.target, _describe(exc))
                 return
@@ -452,6 +486,12 @@ def _check_shape(response: drafter_pb2.PrepareDraftTokensResponse,
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
+    code = _status(exc)
+    if code is not None:
+        return f"{code.name}: {exc.details()}"  # type: ignore[attr-defined]
     return f"{type(exc).__name__}: {exc}"
+
+
+def _status(exc: BaseException) -> grpc.StatusCode | None:
+    """A failed call's status code (blocking or asyncio), else None."""
+    return exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None

@@ -51,7 +51,8 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
     transport = GrpcTransport(
         up.drafter_target, credentials=credentials,
         auth_token=read_token(up.auth_token_file or None) if up.auth_token_file else None,
-        load_balancing_policy=up.load_balancing_policy, server_name_override=up.tls.server_name_override)
+        load_balancing_policy=up.load_balancing_policy, server_name_override=up.tls.server_name_override,
+        block=True)  # called from the engine's own thread (engine/model_thread.py)
     return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9,
                          overlap_steps=up.delta_overlap_steps, tokenizer_fingerprint=tokenizer_fingerprint,
                          tokenizer_name=tokenizer_name)

@@ -8,7 +8,6 @@ fake drafter proposes scripted drafts and records what it was asked and told.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.engine import Engine
+from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.scheduler import Scheduler
 from verifier_service.engine.sequence import (
@@ -102,7 +102,7 @@ def make_engine(runner: CountingRunner, drafter: FakeDrafter | None, max_draft_l
     policy = SpeculationPolicy(max_draft_len=max_draft_len if drafter else 0)
     scheduler = Scheduler(runner.kv_cache, policy, max_num_seqs=runner.kv_cache.num_slots, max_queue_len=8,
                           max_model_len=MAX_MODEL_LEN)
-    return Engine(runner, scheduler, drafter, ThreadPoolExecutor(1, thread_name_prefix="model"))
+    return Engine(runner, scheduler, drafter, ModelThread())
 
 
 def sequence(request_id: str, prompt: list[int], max_new_tokens: int, disable: bool = False) -> Sequence:

@@ -210,3 +210,32 @@ def test_cancelled_and_disconnected_streams_leak_no_cached_slot() -> None:
             no_leak(engine)
 
     asyncio.run(main())
+
+
+def test_every_turn_of_a_speculative_chat_reuses_the_whole_previous_turn() -> None:
+    """Turn k+1's prompt is turn k's prompt, its answer and a question: all of turn k's full blocks
+    are reused (not only the document's), with token trees from a remote drafter, outputs exact."""
+    r = random.Random(3)
+    document = [r.randrange(5, 400) for _ in range(200)]
+
+    async def main() -> list[tuple[int, int, int]]:
+        async with serve_drafter(NgramDrafter(max_draft_len=4)) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}")
+            async with run_verifier(spec, model=shared_model(), max_model_len=512, max_num_batched_tokens=48) as v:
+                context, turns = list(document), []
+                for _ in range(4):
+                    previous = len(context)
+                    context += [r.randrange(5, 400) for _ in range(11)]
+                    out = (await v.stub.Generate(token_request(context, 20), timeout=WAIT_S)).output
+                    assert list(out.token_ids) == list(cached_reference(tuple(context), 20))
+                    turns.append((previous, out.cached_prompt_tokens, out.stats.num_draft_tokens))
+                    context += out.token_ids
+        return turns
+
+    turns = asyncio.run(main())
+    assert turns[0][1] == 0
+    for previous, cached, _ in turns[1:]:
+        # All of the last turn's full blocks but one at most (an accepted tree path's K/V, moved into
+        # place only at a next forward, is not shared).
+        assert cached >= (previous - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, turns
+    assert sum(drafted for _, _, drafted in turns) > 0

@@ -16,6 +16,7 @@ from verifier_harness import reference_greedy, run_verifier, spec_config, token_
 from verifier_support import (
     WAIT_S,
     engine_of,
+    on_loop,
     one_torch_thread,  # noqa: F401 - autouse fixture
     run_together,
 )
@@ -95,15 +96,19 @@ def test_remote_model_drafter_restarted_mid_generation_stays_exact(draft_dir):
                 client = engine_of(v).drafter
                 transport = client.transport
                 prepare, calls = transport.prepare, []
+                test_loop = asyncio.get_running_loop()
+
+                async def restart() -> None:  # on the test's loop, where the drafter servers run
+                    nonlocal second
+                    await first.stop(0)
+                    second = await start_server(new_drafter(), host="127.0.0.1", port=port, grace_period_s=0.0)
+                    await second.wait_loaded()
 
                 async def restarting_prepare(request, timeout_s):  # noqa: ANN001, ANN202
-                    nonlocal second
-                    calls.append(request)
+                    calls.append(request)  # on the engine's loop (the model thread), where the channel lives
                     if len(calls) == 8:
-                        await first.stop(0)
-                        second = await start_server(new_drafter(), host="127.0.0.1", port=port, grace_period_s=0.0)
-                        await second.wait_loaded()
-                        await asyncio.wait_for(transport._channel.channel_ready(), WAIT_S)
+                        await on_loop(test_loop, restart())
+                        await transport.ready(WAIT_S)
                     return await prepare(request, timeout_s)
 
                 transport.prepare = restarting_prepare

@@ -16,6 +16,7 @@ from verifier_support import (
     OracleDrafter,
     cached_reference,
     engine_of,
+    on_loop,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
     run_together,
@@ -50,15 +51,20 @@ def test_drafter_restart_mid_generation(overlap: int, restart_at: int, fail_firs
                 prepare = transport.prepare
                 sent: list[drafter_pb2.PrepareDraftTokensRequest] = []
                 outcomes: list[str] = []
+                test_loop = asyncio.get_running_loop()
+
+                async def start_new() -> None:  # on the test's loop, where the drafter servers run
+                    nonlocal new
+                    new = await start_server(second, host="127.0.0.1", port=port, grace_period_s=0.0)
+                    await new.wait_loaded()
 
                 async def restarting_prepare(request, timeout_s):  # noqa: ANN001, ANN202
-                    nonlocal new
+                    # On the engine's loop (the model thread), where the drafter channel lives.
                     if len(sent) == restart_at:
-                        await old.stop(0)
+                        await on_loop(test_loop, old.stop(0))
                     if len(sent) == restart_at + (2 if fail_first else 0):
-                        new = await start_server(second, host="127.0.0.1", port=port, grace_period_s=0.0)
-                        await new.wait_loaded()
-                        await asyncio.wait_for(transport._channel.channel_ready(), WAIT_S)
+                        await on_loop(test_loop, start_new())
+                        await transport.ready(WAIT_S)
                     sent.append(request)
                     try:
                         response = await prepare(request, timeout_s)

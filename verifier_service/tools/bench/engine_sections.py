@@ -182,21 +182,25 @@ def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrai
     doc = document(tokenizer, args.document_tokens + 200)[200:]
     questions = [tokenizer(f"\n\nQuestion {k + 1}: what does function {k + 1} above do? Answer:")["input_ids"]
                  for k in range(args.turns)]
-    by_config = {}
-    for label, v in (("caching on", cached), ("caching off", uncached)):
-        client = Client(v.address)
+    configs = (("caching on", cached), ("caching off", uncached))
+    clients = {label: Client(v.address) for label, v in configs}
+    contexts = {label: list(doc) for label, _ in configs}
+    by_config: dict[str, list[dict]] = {label: [] for label, _ in configs}
+    for client in clients.values():
         client.stream(doc[:32][::-1], 8, speculate=False)  # warm-up (a prefix of nothing later asked)
-        context: list[int] = list(doc)
-        turns = []
-        for q in questions:
+    # Turn by turn, on then off: both see the same moment's load (the machine may be shared).
+    for q in questions:
+        for label, _ in configs:
+            context = contexts[label]
             context += q
             started = time.perf_counter()
-            arrivals, final = client.stream(context, 24, speculate=True)
-            turns.append({"prompt_tokens": len(context), "ttft_s": arrivals[0] - started,
-                          "cached_prompt_tokens": final.cached_prompt_tokens, "tokens": list(final.token_ids)})
+            arrivals, final = clients[label].stream(context, 24, speculate=True)
+            by_config[label].append({"prompt_tokens": len(context), "ttft_s": arrivals[0] - started,
+                                     "cached_prompt_tokens": final.cached_prompt_tokens,
+                                     "tokens": list(final.token_ids)})
             context += final.token_ids
+    for client in clients.values():
         client.close()
-        by_config[label] = turns
     on, off = by_config["caching on"], by_config["caching off"]
     rows = [{"turn": k + 1, "prompt_tokens": a["prompt_tokens"], "cached_tokens": a["cached_prompt_tokens"],
              "ttft_on_s": a["ttft_s"], "ttft_off_s": b["ttft_s"], "speedup": b["ttft_s"] / a["ttft_s"],

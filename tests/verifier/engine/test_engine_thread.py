@@ -1,0 +1,94 @@
+"""The step loop runs on the model thread (engine/model_thread.py): the servers' event loop stays free
+during a forward, and a step's work never leaves the model thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    EngineSpy,
+    cached_reference,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    serve_drafter,
+    shared_model,
+    stream_request,
+    wait_until,
+)
+
+from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.proto import verifier_pb2
+
+PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:3]]
+
+
+def test_health_new_requests_and_cancellations_are_served_while_a_forward_runs() -> None:
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model()) as v:
+            engine = engine_of(v)
+            spy = EngineSpy(engine)
+            spy.gate.clear()  # the next forward blocks until the gate opens
+            held = asyncio.ensure_future(v.stub.Generate(token_request(PROMPTS[0], 12), timeout=WAIT_S))
+            await wait_until(lambda: engine.scheduler.num_running == 1, "the first request to be admitted")
+            # The engine is inside that request's first forward now; the servers answer meanwhile.
+            health = health_pb2_grpc.HealthStub(v.channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert (await v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)).model
+            queued = asyncio.ensure_future(v.stub.Generate(token_request(PROMPTS[1], 6), timeout=WAIT_S))
+            cancelled = v.stub.GenerateStream(stream_request(PROMPTS[2], 40), timeout=WAIT_S)
+            await wait_until(lambda: engine.scheduler.num_waiting == 2, "both requests to be queued")
+            cancelled.cancel()
+            await wait_until(lambda: any(s.cancelled for s in engine.scheduler.waiting), "the cancellation")
+            spy.gate.set()
+            first, second = await held, await queued
+            try:
+                await cancelled.read()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+            await wait_until(lambda: not engine.scheduler.has_work(), "the engine to go idle")
+        assert list(first.output.token_ids) == list(cached_reference(tuple(PROMPTS[0]), 12))
+        assert list(second.output.token_ids) == list(cached_reference(tuple(PROMPTS[1]), 6))
+
+    asyncio.run(main())
+
+
+def test_a_step_runs_on_the_model_thread_with_a_remote_drafter() -> None:
+    """Schedule, the drafter call, the forward and commit all run on one thread, not the servers'."""
+    async def main() -> None:
+        async with serve_drafter(NgramDrafter(max_draft_len=4)) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}")
+            async with run_verifier(spec, model=shared_model()) as v:
+                engine = engine_of(v)
+                threads: list[str] = []
+                schedule, update = engine.scheduler.schedule, engine.scheduler.update
+                transport = engine.drafter.transport
+                prepare = transport.prepare
+
+                def on_schedule():  # noqa: ANN202
+                    threads.append(threading.current_thread().name)
+                    return schedule()
+
+                def on_update(plan, tokens):  # noqa: ANN001, ANN202
+                    threads.append(threading.current_thread().name)
+                    return update(plan, tokens)
+
+                async def on_prepare(request, timeout_s):  # noqa: ANN001, ANN202
+                    threads.append(threading.current_thread().name)
+                    return await prepare(request, timeout_s)
+
+                engine.scheduler.schedule, engine.scheduler.update = on_schedule, on_update
+                transport.prepare = on_prepare
+                reply = await v.stub.Generate(token_request(PROMPTS[0], 24), timeout=WAIT_S)
+                assert reply.output.stats.num_draft_tokens > 0  # the drafter was called and drafted
+        assert list(reply.output.token_ids) == list(cached_reference(tuple(PROMPTS[0]), 24))
+        assert threads and set(threads) == {"model"}
+
+    asyncio.run(main())
