@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
                                        "RESOURCE_EXHAUSTED", type=int)
     config.add_flags(p)
     _setting(p, "max_draft_nodes", "largest token tree verified per sequence, for drafters that draft trees "
-                                   "(capability token-tree); the planner sizes each up to it; 0 (default): chains only",
+                                   "(capability token-tree); the planner sizes each up to it; 0: chains only",
              type=int)
     add_server_flags(p, "security (of this server; the drafter connection has --drafter-tls-* flags)")
     o = p.add_argument_group("operations")
