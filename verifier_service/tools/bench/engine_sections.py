@@ -111,7 +111,7 @@ def _overhead(v: LocalService, port: int, tokenizer: PreTrainedTokenizerBase, ar
         before = _overhead_buckets(port)
         arrivals, _ = client.stream(prompt, args.max_new_tokens, speculate=speculate)
         # Decoding's own rate: tokens after the first over the time after the first (prefill excluded).
-        seconds = arrivals[-1] - arrivals[0]
+        seconds = max(arrivals[-1] - arrivals[0], 1e-9)
         after = _overhead_buckets(port)
         delta = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
         rows.append({"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
