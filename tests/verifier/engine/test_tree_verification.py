@@ -24,6 +24,7 @@ from test_verifier_sampling import (
     V,
     chi_square_p,
     exact_joint,
+    in_process_drafter,
     sampled_request,
 )
 from tiny_model import tiny_tokenizer
@@ -199,10 +200,7 @@ def test_greedy_trees_in_mixed_batches_equal_generate() -> None:
     async def main() -> list:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=12) as v:
             engine = engine_of(v)
-            servicer = DrafterServicer(oracle, SequenceStore())
-            servicer.load()
-            engine.drafter = DrafterClient(InProcessTransport(servicer), "v", engine.drafter.vocab_size,
-                                           deadline_s=float("inf"), overlap_steps=1)
+            in_process_drafter(engine, oracle)
             await engine.drafter.connect()
             # Staggered: later requests are prefilled while earlier ones verify trees and chains.
             calls = [v.stub.Generate(token_request(p, n), timeout=WAIT_S) for p, n in zip(PROMPTS, lengths)]
@@ -404,10 +402,7 @@ def test_a_seed_gives_the_same_output_with_trees_as_without_speculation() -> Non
         oracle = TreeOracle(refs, ("path", "all-wrong"), seed=2)
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
             engine = engine_of(v)
-            servicer = DrafterServicer(oracle, SequenceStore())
-            servicer.load()
-            engine.drafter = DrafterClient(InProcessTransport(servicer), "v", engine.drafter.vocab_size,
-                                           deadline_s=float("inf"), overlap_steps=1)
+            in_process_drafter(engine, oracle)
             await engine.drafter.connect()
             treed = await run_together(v, [functools.partial(v.stub.Generate, sampled_request(p, 11, params, 16),
                                                              timeout=WAIT_S) for p in prompts])
