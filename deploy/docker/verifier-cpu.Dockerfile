@@ -33,12 +33,15 @@ RUN groupadd --gid 10001 splitspec \
 COPY --from=build /opt/venv /opt/venv
 # The root filesystem is read-only in Kubernetes: every cache lives under /tmp
 # (an emptyDir there). Models come from the image or a mounted volume only.
+# SPLITSPEC_CACHE_DIR=off: a .gguf's float32 conversion (4 bytes a parameter) on the /tmp emptyDir
+# would outgrow its sizeLimit for a large model and get the pod evicted; a pod loads a GGUF directly.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     XDG_CACHE_HOME=/tmp/cache \
     HF_HOME=/tmp/hf \
+    SPLITSPEC_CACHE_DIR=off \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 USER 10001:10001

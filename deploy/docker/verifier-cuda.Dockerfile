@@ -42,6 +42,8 @@ RUN apt-get update \
  && groupadd --gid 10001 splitspec \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin splitspec
 COPY --from=build /opt/venv /opt/venv
+# SPLITSPEC_CACHE_DIR=off: a .gguf's float32 conversion (4 bytes a parameter) on the /tmp emptyDir
+# would outgrow its sizeLimit for a large model and get the pod evicted; a pod loads a GGUF directly.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -49,6 +51,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/tmp/cache \
     TRITON_CACHE_DIR=/tmp/triton \
     HF_HOME=/tmp/hf \
+    SPLITSPEC_CACHE_DIR=off \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_NO_ADVISORY_WARNINGS=1 \
     NVIDIA_VISIBLE_DEVICES=all \
