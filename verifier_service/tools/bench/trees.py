@@ -1,8 +1,8 @@
 """`splitspec bench --trees N`: token trees against chains, same prompts, same model, one run.
 
 Four in-process n-gram verifiers side by side (prompts rotate between them): an N-token chain
-and an N-node tree at a fixed size (the same number of verified tokens per step), and the
-chain and the tree as the planner sizes them (adaptive draft lengths, trees up to N nodes).
+and an N-node tree at a fixed size (the same budget of verified tokens per step), and the
+chain and the tree as the planner sizes them (adaptive draft lengths up to N, trees up to N nodes).
 Each prints mean tokens per step (emitted tokens / forward passes after the prefill, the
 figure trees exist to raise), median tokens/s, and whether every output equals plain decoding.
 """
@@ -52,9 +52,9 @@ def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, a
 def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> list[TreeRow]:  # noqa: ANN001
     """`run_all(systems, prompts, args)`: bench/run.py's rotating runner."""
     n = args.trees
+    # The planner's chains and trees may reach as deep as the fixed ones: it only ever shortens them.
     setups = [(f"chain {n}", n, 0, False), (f"tree {n}", n, n, False),
-              ("chain planner", args.max_draft_len, 0, True), (f"tree planner (<= {n} nodes)", args.max_draft_len, n,
-                                                                True)]
+              ("chain planner", n, 0, True), (f"tree planner (<= {n} nodes)", n, n, True)]
     print(f"starting {len(setups)} verifiers (chains and trees) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         services = [stack.enter_context(_verifier(name.split(" (")[0].replace(" ", "-"), args, k, m, adaptive,
