@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
+    ngram.add_argument("--tree-min-prob", type=float, default=0.0,
+                       help="token trees: leave out nodes whose estimated chance of lying on the target's path is "
+                            "below this (0: fill the verifier's node budget; 0.05 paid best on a CPU offline)")
     ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
                        help="a public pool past this size starts afresh (it is state of no single sequence)")
     # Unset flags keep SuffixDrafter's own defaults (vLLM's).
@@ -126,7 +129,8 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
     if args.drafter == "ngram":
         return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
                             is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
-                            is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib)
+                            is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib,
+                            tree_min_prob=args.tree_min_prob)
     if args.drafter == "suffix":
         return SuffixDrafter(**{name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)})
     if args.drafter == "model":

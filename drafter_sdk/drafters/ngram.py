@@ -45,7 +45,9 @@ it with weight MATCH_WEIGHT^(tokens matched) x RECENCY^(newer occurrences), and
 the votes share a confidence that grows with the longest match. What that
 confidence leaves is partly backed off to the most frequent tokens of the
 recent history: on open text the next token often follows no earlier pattern,
-and these fill the nodes the occurrences do not need.
+and these fill the nodes the occurrences do not need. `tree_min_prob` stops the growth at the
+first node whose estimated path probability is below it: where verifying one more token costs
+a noticeable share of a step (a CPU), a node that is rarely on the target's path does not pay.
 Trees draw on the request's own history only (the knobs above shape chains).
 Their index is built on a request's first tree, compactly as well: per pattern
 size, a table of each pattern's latest occurrence and an array linking every
@@ -211,11 +213,16 @@ class NgramDrafter(Drafter):
     capabilities = ("ngram", TREE_CAPABILITY)
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
-                 is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0) -> None:
+                 is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0,
+                 tree_min_prob: float = 0.0) -> None:
         if max_draft_len < 1 or max_matching_ngram_size < 1:
             raise ValueError("max_draft_len and max_matching_ngram_size must be at least 1")
         if max_public_pool_mib <= 0:
             raise ValueError("max_public_pool_mib must be positive")
+        if not 0.0 <= tree_min_prob <= 1.0:
+            raise ValueError(f"tree_min_prob must be within [0, 1], not {tree_min_prob}")
+        # A tree node whose estimated path probability is below this is not drafted (0: fill the budget).
+        self.tree_min_prob = tree_min_prob
         self.max_public_pool_bytes = round(max_public_pool_mib * (1 << 20))
         self.max_draft_len = max_draft_len
         self.max_matching_ngram_size = max_matching_ngram_size
@@ -278,7 +285,7 @@ class NgramDrafter(Drafter):
             state.occurrences = _Occurrences([OffsetTable(s) for s in sizes], [array(TOKEN_TYPECODE) for _ in sizes])
         state.occurrences.extend(tokens)
         return _TreeGrower(tokens, state.occurrences, self.max_matching_ngram_size).grow(
-            min(max_depth, self.max_draft_len), max_nodes)
+            min(max_depth, self.max_draft_len), max_nodes, self.tree_min_prob)
 
     def _new_pool(self, public: bool) -> _Pool:
         return _Pool.empty(self.max_matching_ngram_size, self.max_draft_len,
@@ -350,9 +357,10 @@ class _TreeGrower:
         total = sum(count for _, count in frequent)
         self.unigram = [(token, count / total) for token, count in frequent]
 
-    def grow(self, max_depth: int, max_nodes: int) -> DraftTree:
+    def grow(self, max_depth: int, max_nodes: int, min_prob: float = 0.0) -> DraftTree:
         """Parents come before children, and nodes in order of path probability: the first m nodes
-        are the tree this would grow with a budget of m."""
+        are the tree this would grow with a budget of m. Growth stops before the first node whose
+        path probability is below `min_prob`."""
         tokens: list[int] = []
         parents: list[int] = []
         order = itertools.count()  # ties: first offered first
@@ -367,6 +375,8 @@ class _TreeGrower:
         offer(ROOT, (), 1.0)
         while heap and len(tokens) < max_nodes:
             negative, _, parent, token, path = heapq.heappop(heap)
+            if -negative < min_prob:  # best first: every node left is less likely still
+                break
             tokens.append(token)
             parents.append(parent)
             if len(path) + 1 < max_depth:

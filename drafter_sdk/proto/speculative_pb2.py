@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitspec/v1/speculative.proto\x12\x0csplitspec.v1\x1a\x1egoogle/protobuf/duration.proto\"d\n\tTlsConfig\x12\x14\n\x0c\x63\x61_cert_file\x18\x01 \x01(\t\x12\x11\n\tcert_file\x18\x02 \x01(\t\x12\x10\n\x08key_file\x18\x03 \x01(\t\x12\x1c\n\x14server_name_override\x18\x04 \x01(\t\"\xd9\x01\n\x12UserProvidedConfig\x12\x16\n\x0e\x64rafter_target\x18\x01 \x01(\t\x12\x30\n\rcall_deadline\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12$\n\x03tls\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.TlsConfig\x12\x1d\n\x15load_balancing_policy\x18\x04 \x01(\t\x12\x17\n\x0f\x61uth_token_file\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65lta_overlap_steps\x18\x06 \x01(\r\"\xb6\x01\n\x0bNgramConfig\x12\x1f\n\x17max_matching_ngram_size\x18\x01 \x01(\r\x12\x18\n\x0bis_keep_all\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\ris_use_oldest\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0eis_public_pool\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x0e\n\x0c_is_keep_allB\x10\n\x0e_is_use_oldestB\x11\n\x0f_is_public_pool\"\xc0\x02\n\x0cSuffixConfig\x12\x16\n\x0emax_tree_depth\x18\x01 \x01(\r\x12 \n\x13max_cached_requests\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_offset\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x15\n\rcache_prompts\x18\x06 \x01(\x08\x12\x33\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\x0e\x32\x1e.splitspec.v1.SuffixCacheScopeB\x16\n\x14_max_cached_requestsB\x12\n\x10_max_spec_factorB\x12\n\x10_max_spec_offsetB\x11\n\x0f_min_token_prob\"\x86\x01\n\x10\x44raftModelConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x1a\n\x12kv_cache_memory_gb\x18\x04 \x01(\x01\x12\x18\n\x0b\x64raft_ahead\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_draft_ahead\"e\n\x0fLookaheadConfig\x12\x17\n\x0fmax_window_size\x18\x01 \x01(\r\x12\x16\n\x0emax_ngram_size\x18\x02 \x01(\r\x12!\n\x19max_verification_set_size\x18\x03 \x01(\r\"<\n\x0f\x44raftLengthRule\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\x11\n\tdraft_len\x18\x02 \x01(\r\"e\n\x11\x41utoDisablePolicy\x12\x15\n\rwindow_tokens\x18\x01 \x01(\r\x12\x1b\n\x13min_acceptance_rate\x18\x02 \x01(\x01\x12\x1c\n\x14probe_interval_steps\x18\x03 \x01(\r\"\xbd\x01\n\x11SpeculationPolicy\x12\x39\n\x12\x64raft_len_schedule\x18\x01 \x03(\x0b\x32\x1d.splitspec.v1.DraftLengthRule\x12\x35\n\x0c\x61uto_disable\x18\x02 \x01(\x0b\x32\x1f.splitspec.v1.AutoDisablePolicy\x12\x1f\n\x12\x61\x64\x61ptive_draft_len\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_adaptive_draft_len\"\x9f\x03\n\x11SpeculativeConfig\x12\x33\n\x04mode\x18\x01 \x01(\x0e\x32%.splitspec.v1.SpeculativeDecodingMode\x12\x15\n\rmax_draft_len\x18\x02 \x01(\r\x12\x39\n\ruser_provided\x18\n \x01(\x0b\x32 .splitspec.v1.UserProvidedConfigH\x00\x12*\n\x05ngram\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.NgramConfigH\x00\x12\x35\n\x0b\x64raft_model\x18\x0c \x01(\x0b\x32\x1e.splitspec.v1.DraftModelConfigH\x00\x12\x32\n\tlookahead\x18\r \x01(\x0b\x32\x1d.splitspec.v1.LookaheadConfigH\x00\x12,\n\x06suffix\x18\x0e \x01(\x0b\x32\x1a.splitspec.v1.SuffixConfigH\x00\x12/\n\x06policy\x18\x14 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\r\n\x0bmode_config*\xa4\x03\n\x17SpeculativeDecodingMode\x12)\n%SPECULATIVE_DECODING_MODE_UNSPECIFIED\x10\x00\x12\"\n\x1eSPECULATIVE_DECODING_MODE_NONE\x10\x01\x12+\n\'SPECULATIVE_DECODING_MODE_USER_PROVIDED\x10\x02\x12#\n\x1fSPECULATIVE_DECODING_MODE_NGRAM\x10\x03\x12*\n&SPECULATIVE_DECODING_MODE_DRAFT_TARGET\x10\x04\x12$\n SPECULATIVE_DECODING_MODE_EAGLE3\x10\x05\x12$\n SPECULATIVE_DECODING_MODE_MEDUSA\x10\x06\x12!\n\x1dSPECULATIVE_DECODING_MODE_MTP\x10\x07\x12\'\n#SPECULATIVE_DECODING_MODE_LOOKAHEAD\x10\x08\x12$\n SPECULATIVE_DECODING_MODE_SUFFIX\x10\t*\x96\x01\n\x10SuffixCacheScope\x12\"\n\x1eSUFFIX_CACHE_SCOPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19SUFFIX_CACHE_SCOPE_GLOBAL\x10\x01\x12\x1f\n\x1bSUFFIX_CACHE_SCOPE_VERIFIER\x10\x02\x12\x1e\n\x1aSUFFIX_CACHE_SCOPE_REQUEST\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitspec/v1/speculative.proto\x12\x0csplitspec.v1\x1a\x1egoogle/protobuf/duration.proto\"d\n\tTlsConfig\x12\x14\n\x0c\x63\x61_cert_file\x18\x01 \x01(\t\x12\x11\n\tcert_file\x18\x02 \x01(\t\x12\x10\n\x08key_file\x18\x03 \x01(\t\x12\x1c\n\x14server_name_override\x18\x04 \x01(\t\"\xd9\x01\n\x12UserProvidedConfig\x12\x16\n\x0e\x64rafter_target\x18\x01 \x01(\t\x12\x30\n\rcall_deadline\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12$\n\x03tls\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.TlsConfig\x12\x1d\n\x15load_balancing_policy\x18\x04 \x01(\t\x12\x17\n\x0f\x61uth_token_file\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65lta_overlap_steps\x18\x06 \x01(\r\"\xcd\x01\n\x0bNgramConfig\x12\x1f\n\x17max_matching_ngram_size\x18\x01 \x01(\r\x12\x18\n\x0bis_keep_all\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\ris_use_oldest\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0eis_public_pool\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x15\n\rtree_min_prob\x18\x05 \x01(\x02\x42\x0e\n\x0c_is_keep_allB\x10\n\x0e_is_use_oldestB\x11\n\x0f_is_public_pool\"\xc0\x02\n\x0cSuffixConfig\x12\x16\n\x0emax_tree_depth\x18\x01 \x01(\r\x12 \n\x13max_cached_requests\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_offset\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x15\n\rcache_prompts\x18\x06 \x01(\x08\x12\x33\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\x0e\x32\x1e.splitspec.v1.SuffixCacheScopeB\x16\n\x14_max_cached_requestsB\x12\n\x10_max_spec_factorB\x12\n\x10_max_spec_offsetB\x11\n\x0f_min_token_prob\"\x86\x01\n\x10\x44raftModelConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x1a\n\x12kv_cache_memory_gb\x18\x04 \x01(\x01\x12\x18\n\x0b\x64raft_ahead\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_draft_ahead\"e\n\x0fLookaheadConfig\x12\x17\n\x0fmax_window_size\x18\x01 \x01(\r\x12\x16\n\x0emax_ngram_size\x18\x02 \x01(\r\x12!\n\x19max_verification_set_size\x18\x03 \x01(\r\"<\n\x0f\x44raftLengthRule\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\x11\n\tdraft_len\x18\x02 \x01(\r\"e\n\x11\x41utoDisablePolicy\x12\x15\n\rwindow_tokens\x18\x01 \x01(\r\x12\x1b\n\x13min_acceptance_rate\x18\x02 \x01(\x01\x12\x1c\n\x14probe_interval_steps\x18\x03 \x01(\r\"\xbd\x01\n\x11SpeculationPolicy\x12\x39\n\x12\x64raft_len_schedule\x18\x01 \x03(\x0b\x32\x1d.splitspec.v1.DraftLengthRule\x12\x35\n\x0c\x61uto_disable\x18\x02 \x01(\x0b\x32\x1f.splitspec.v1.AutoDisablePolicy\x12\x1f\n\x12\x61\x64\x61ptive_draft_len\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_adaptive_draft_len\"\x9f\x03\n\x11SpeculativeConfig\x12\x33\n\x04mode\x18\x01 \x01(\x0e\x32%.splitspec.v1.SpeculativeDecodingMode\x12\x15\n\rmax_draft_len\x18\x02 \x01(\r\x12\x39\n\ruser_provided\x18\n \x01(\x0b\x32 .splitspec.v1.UserProvidedConfigH\x00\x12*\n\x05ngram\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.NgramConfigH\x00\x12\x35\n\x0b\x64raft_model\x18\x0c \x01(\x0b\x32\x1e.splitspec.v1.DraftModelConfigH\x00\x12\x32\n\tlookahead\x18\r \x01(\x0b\x32\x1d.splitspec.v1.LookaheadConfigH\x00\x12,\n\x06suffix\x18\x0e \x01(\x0b\x32\x1a.splitspec.v1.SuffixConfigH\x00\x12/\n\x06policy\x18\x14 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\r\n\x0bmode_config*\xa4\x03\n\x17SpeculativeDecodingMode\x12)\n%SPECULATIVE_DECODING_MODE_UNSPECIFIED\x10\x00\x12\"\n\x1eSPECULATIVE_DECODING_MODE_NONE\x10\x01\x12+\n\'SPECULATIVE_DECODING_MODE_USER_PROVIDED\x10\x02\x12#\n\x1fSPECULATIVE_DECODING_MODE_NGRAM\x10\x03\x12*\n&SPECULATIVE_DECODING_MODE_DRAFT_TARGET\x10\x04\x12$\n SPECULATIVE_DECODING_MODE_EAGLE3\x10\x05\x12$\n SPECULATIVE_DECODING_MODE_MEDUSA\x10\x06\x12!\n\x1dSPECULATIVE_DECODING_MODE_MTP\x10\x07\x12\'\n#SPECULATIVE_DECODING_MODE_LOOKAHEAD\x10\x08\x12$\n SPECULATIVE_DECODING_MODE_SUFFIX\x10\t*\x96\x01\n\x10SuffixCacheScope\x12\"\n\x1eSUFFIX_CACHE_SCOPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19SUFFIX_CACHE_SCOPE_GLOBAL\x10\x01\x12\x1f\n\x1bSUFFIX_CACHE_SCOPE_VERIFIER\x10\x02\x12\x1e\n\x1aSUFFIX_CACHE_SCOPE_REQUEST\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.speculative_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEDECODINGMODE']._serialized_start=1926
-  _globals['_SPECULATIVEDECODINGMODE']._serialized_end=2346
-  _globals['_SUFFIXCACHESCOPE']._serialized_start=2349
-  _globals['_SUFFIXCACHESCOPE']._serialized_end=2499
+  _globals['_SPECULATIVEDECODINGMODE']._serialized_start=1949
+  _globals['_SPECULATIVEDECODINGMODE']._serialized_end=2369
+  _globals['_SUFFIXCACHESCOPE']._serialized_start=2372
+  _globals['_SUFFIXCACHESCOPE']._serialized_end=2522
   _globals['_TLSCONFIG']._serialized_start=80
   _globals['_TLSCONFIG']._serialized_end=180
   _globals['_USERPROVIDEDCONFIG']._serialized_start=183
   _globals['_USERPROVIDEDCONFIG']._serialized_end=400
   _globals['_NGRAMCONFIG']._serialized_start=403
-  _globals['_NGRAMCONFIG']._serialized_end=585
-  _globals['_SUFFIXCONFIG']._serialized_start=588
-  _globals['_SUFFIXCONFIG']._serialized_end=908
-  _globals['_DRAFTMODELCONFIG']._serialized_start=911
-  _globals['_DRAFTMODELCONFIG']._serialized_end=1045
-  _globals['_LOOKAHEADCONFIG']._serialized_start=1047
-  _globals['_LOOKAHEADCONFIG']._serialized_end=1148
-  _globals['_DRAFTLENGTHRULE']._serialized_start=1150
-  _globals['_DRAFTLENGTHRULE']._serialized_end=1210
-  _globals['_AUTODISABLEPOLICY']._serialized_start=1212
-  _globals['_AUTODISABLEPOLICY']._serialized_end=1313
-  _globals['_SPECULATIONPOLICY']._serialized_start=1316
-  _globals['_SPECULATIONPOLICY']._serialized_end=1505
-  _globals['_SPECULATIVECONFIG']._serialized_start=1508
-  _globals['_SPECULATIVECONFIG']._serialized_end=1923
+  _globals['_NGRAMCONFIG']._serialized_end=608
+  _globals['_SUFFIXCONFIG']._serialized_start=611
+  _globals['_SUFFIXCONFIG']._serialized_end=931
+  _globals['_DRAFTMODELCONFIG']._serialized_start=934
+  _globals['_DRAFTMODELCONFIG']._serialized_end=1068
+  _globals['_LOOKAHEADCONFIG']._serialized_start=1070
+  _globals['_LOOKAHEADCONFIG']._serialized_end=1171
+  _globals['_DRAFTLENGTHRULE']._serialized_start=1173
+  _globals['_DRAFTLENGTHRULE']._serialized_end=1233
+  _globals['_AUTODISABLEPOLICY']._serialized_start=1235
+  _globals['_AUTODISABLEPOLICY']._serialized_end=1336
+  _globals['_SPECULATIONPOLICY']._serialized_start=1339
+  _globals['_SPECULATIONPOLICY']._serialized_end=1528
+  _globals['_SPECULATIVECONFIG']._serialized_start=1531
+  _globals['_SPECULATIVECONFIG']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

@@ -73,16 +73,18 @@ class UserProvidedConfig(_message.Message):
     def __init__(self, drafter_target: _Optional[str] = ..., call_deadline: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tls: _Optional[_Union[TlsConfig, _Mapping]] = ..., load_balancing_policy: _Optional[str] = ..., auth_token_file: _Optional[str] = ..., delta_overlap_steps: _Optional[int] = ...) -> None: ...
 
 class NgramConfig(_message.Message):
-    __slots__ = ("max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")
+    __slots__ = ("max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool", "tree_min_prob")
     MAX_MATCHING_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     IS_KEEP_ALL_FIELD_NUMBER: _ClassVar[int]
     IS_USE_OLDEST_FIELD_NUMBER: _ClassVar[int]
     IS_PUBLIC_POOL_FIELD_NUMBER: _ClassVar[int]
+    TREE_MIN_PROB_FIELD_NUMBER: _ClassVar[int]
     max_matching_ngram_size: int
     is_keep_all: bool
     is_use_oldest: bool
     is_public_pool: bool
-    def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ...) -> None: ...
+    tree_min_prob: float
+    def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ..., tree_min_prob: _Optional[float] = ...) -> None: ...
 
 class SuffixConfig(_message.Message):
     __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")

@@ -150,10 +150,11 @@ def test_cli_rejects_what_is_not_a_drafter(spec, message, capsys):
 
 def test_cli_builds_the_ngram_drafter_from_its_flags():
     args = cli.build_parser().parse_args(["ngram", "--max-draft-len", "5", "--max-matching-ngram-size", "2",
-                                          "--no-is-keep-all", "--no-is-use-oldest", "--is-public-pool"])
+                                          "--no-is-keep-all", "--no-is-use-oldest", "--is-public-pool",
+                                          "--tree-min-prob", "0.05"])
     drafter = cli.make_drafter(args)
     assert (drafter.max_draft_len, drafter.max_matching_ngram_size, drafter.is_keep_all, drafter.is_use_oldest,
-            drafter.is_public_pool) == (5, 2, False, False, True)
+            drafter.is_public_pool, drafter.tree_min_prob) == (5, 2, False, False, True, 0.05)
 
 
 def test_the_sdk_imports_without_torch_or_numpy():

@@ -138,6 +138,26 @@ def test_ngram_trees_keep_the_budget_and_the_depth_and_grow_best_first(seed):
         assert len(set(_paths(full))) == len(full), "no path twice"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_ngram_tree_min_prob_keeps_the_likeliest_nodes_only(seed):
+    """A probability floor cuts the best-first tree short: a prefix of the full tree, shorter as the
+    floor rises; text that repeats itself keeps its deep copy, a guess among many does not."""
+    rng = random.Random(seed)
+    history = [rng.choice([1, 2, 3, 4, 5, 6]) if rng.random() < 0.8 else rng.randrange(100) for _ in range(300)]
+    full = NgramDrafter(max_draft_len=8).draft_tree(KEY, history, 8, 16)
+    sizes = []
+    for floor in (0.0, 0.02, 0.05, 0.2, 1.0):
+        tree = NgramDrafter(max_draft_len=8, tree_min_prob=floor).draft_tree(KEY, history, 8, 16)
+        assert (list(tree.tokens), list(tree.parents)) == (list(full.tokens[:len(tree)]), list(full.parents[:len(tree)]))
+        sizes.append(len(tree))
+    assert sizes[0] == 16 and sizes == sorted(sizes, reverse=True) and sizes[1] < 16 and sizes[-1] == 0
+    copy = list(range(10, 30)) * 6 + list(range(10, 15))
+    tree = NgramDrafter(max_draft_len=8, tree_min_prob=0.2).draft_tree(KEY, copy, 8, 16)
+    assert first_branch(tree.tokens, tree.parents)[:6] == list(range(15, 21)), "a sure copy stays deep"
+    with pytest.raises(ValueError, match="tree_min_prob"):
+        NgramDrafter(tree_min_prob=1.5)
+
+
 def test_ngram_tree_puts_the_likelier_branch_and_its_continuation_first():
     # [1, 2, 3] was followed by 7, 8 once, then by 4, 5 twice (newer): 4 then 5 come before 7.
     history = [1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3]

@@ -1,6 +1,7 @@
 """The offline tree replay: exact tokens per step from recorded greedy outputs, no model."""
 
 from drafter_sdk.drafters.ngram import NgramDrafter
+from verifier_service.model.step_costs import CostCurve
 from verifier_service.tools.bench.tree_replay import replay
 
 
@@ -9,6 +10,9 @@ def test_replay_counts_accepted_paths_against_the_recorded_output():
     records = [{"workload": "copy", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "output": [1, 2, 3, 4, 5, 6, 7, 8, 9]}]
     (chain,) = replay(records, lambda: NgramDrafter(max_draft_len=4), 4, 0)
     assert chain.workload == "copy" and chain.tokens_per_step == 8 / 2 and chain.verified_per_step == 4
+    # Two steps of 1 + 4 tokens, at 20 ms each when one token costs 10 ms: 8 tokens in 40 ms.
+    (timed,) = replay(records, lambda: NgramDrafter(max_draft_len=4), 4, 0, CostCurve.from_seconds({1: 10, 5: 20}), 10)
+    assert timed.modelled_tok_s == 8 / 0.040
     # [1, 2] was followed by 3 and, later, by 7; the output takes the older branch, which the newest-first
     # chain misses (3 tokens in 2 steps) and the tree holds (3, 9 accepted, then the target's 4: 1 step).
     records = [{"workload": "branch", "prompt": [1, 2, 3, 9, 1, 2, 7, 9, 1], "output": [2, 3, 9, 4]}]

@@ -161,6 +161,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
         for knob, default in (("is_keep_all", True), ("is_use_oldest", True), ("is_public_pool", False)):
             if not ng.HasField(knob):
                 setattr(ng, knob, default)
+        if not 0.0 <= ng.tree_min_prob <= 1.0:  # NaN fails too
+            raise ConfigError(f"ngram.tree_min_prob must be within [0, 1], not {ng.tree_min_prob}")
     if config.mode == SUFFIX:
         _fill_suffix(config.suffix)
     if config.mode == DRAFT_TARGET:

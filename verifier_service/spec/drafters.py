@@ -64,7 +64,8 @@ def _in_process_drafter(config: speculative_pb2.SpeculativeConfig, target_device
         ng = config.ngram
         return NgramDrafter(
             max_draft_len=config.max_draft_len, max_matching_ngram_size=ng.max_matching_ngram_size,
-            is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool)
+            is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool,
+            tree_min_prob=ng.tree_min_prob)
     if config.mode == SUFFIX:
         return suffix_drafter(config.suffix)
     from drafter_sdk.drafters.model import ModelDrafter  # torch: only when a draft model is configured

@@ -51,6 +51,7 @@ from verifier_service.engine.sampler import SamplingParams, VerifyRow, verify_ba
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.model.tree_attention import apply_kv_moves
+from verifier_service.spec.config import ConfigError, validate
 from verifier_service.spec.drafter_client import DeltaHistory, DrafterClient, DraftQuery, InProcessTransport
 
 GREEDY = SamplingParams()
@@ -412,3 +413,24 @@ def test_a_seed_gives_the_same_output_with_trees_as_without_speculation() -> Non
     for a, b in zip(plain, treed):
         assert list(a.output.token_ids) == list(b.output.token_ids)
     assert oracle.trees > 0
+
+
+def test_in_process_ngram_tree_min_prob_verifies_fewer_nodes_and_changes_no_token() -> None:
+    prompts = [repetitive_prompt(s) for s in LOOPING_SEEDS[:4]]
+    refs = [list(cached_reference(tuple(p), 24)) for p in prompts]
+
+    async def run(floor: float) -> list:
+        config = spec_config("NGRAM", 6)
+        config.ngram.tree_min_prob = floor
+        async with run_verifier(config, model=shared_model(), max_draft_nodes=12) as v:
+            return [await v.stub.Generate(token_request(p, 24), timeout=WAIT_S) for p in prompts]
+
+    full, floored = asyncio.run(run(0.0)), asyncio.run(run(0.3))
+    for responses in (full, floored):
+        assert [list(r.output.token_ids) for r in responses] == refs
+    nodes = [sum(r.output.stats.num_draft_nodes for r in responses) for responses in (full, floored)]
+    assert 0 < nodes[1] < nodes[0]
+    bad = spec_config("NGRAM", 6)
+    bad.ngram.tree_min_prob = 1.5
+    with pytest.raises(ConfigError, match="tree_min_prob"):
+        validate(bad)

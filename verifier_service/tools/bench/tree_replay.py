@@ -9,6 +9,8 @@ seconds, and prints the tokens verified per step the forward cost depends on.
 
     python -m verifier_service.tools.bench.tree_replay record outputs.json --prompts 8
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --nodes 16
+    python -m verifier_service.tools.bench.tree_replay replay outputs.json --min-node-prob 0,0.05 \
+        --costs 1:30,9:43,17:55
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from drafter_sdk.drafter import TOKEN_TYPECODE
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.tree import ROOT, accepted_path
+from verifier_service.model.step_costs import CostCurve
 
 
 @dataclass
@@ -32,11 +35,15 @@ class Replay:
     tokens_per_step: float  # emitted tokens after the first / steps, as `splitspec bench --trees` counts
     verified_per_step: float  # draft tokens (nodes) verified per step
     draft_ms: float  # the drafter's mean time per step
+    modelled_tok_s: float  # emitted tokens / the cost curve's time of every step's forward (0 without one)
 
 
-def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int, nodes: int) -> list[Replay]:
-    """Each record: {"workload", "prompt", "output"} (token ids). `nodes` 0 replays chains."""
+def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int, nodes: int,
+           costs: CostCurve | None = None, one_token_ms: float = 1.0) -> list[Replay]:
+    """Each record: {"workload", "prompt", "output"} (token ids). `nodes` 0 replays chains. With a
+    cost curve, each step's forward (1 + verified tokens) is charged to a modelled tokens/s."""
     totals: dict[str, list[float]] = {}
+    forward_ms: dict[str, float] = {}
     for i, record in enumerate(records):
         d, out = drafter(), record["output"]
         history = array(TOKEN_TYPECODE, record["prompt"] + out[:1])
@@ -53,10 +60,14 @@ def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int,
             emitted = min(len(accepted_path(tokens, parents, out[pos:pos + depth])) + 1, len(out) - pos)
             history.extend(out[pos:pos + emitted])
             pos, steps, verified = pos + emitted, steps + 1, verified + len(tokens)
+            if costs is not None:
+                forward_ms[record["workload"]] = (forward_ms.get(record["workload"], 0.0)
+                                                  + one_token_ms * costs(1 + len(tokens)))
         total = totals.setdefault(record["workload"], [0.0, 0.0, 0.0, 0.0])
         for k, v in enumerate((len(out) - 1, steps, verified, seconds)):
             total[k] += v
-    return [Replay(w, emitted / steps, verified / steps, seconds / steps * 1e3)
+    return [Replay(w, emitted / steps, verified / steps, seconds / steps * 1e3,
+                   emitted / forward_ms[w] * 1e3 if w in forward_ms else 0.0)
             for w, (emitted, steps, verified, seconds) in totals.items() if steps]
 
 
@@ -92,20 +103,31 @@ def main() -> None:
     q = sub.add_parser("replay")
     q.add_argument("file", type=Path)
     q.add_argument("--nodes", type=int, default=16, help="tree budget, and the chain's length")
+    q.add_argument("--min-node-prob", default="0",
+                   help="comma-separated tree_min_prob values: one tree row each (0: fill the budget)")
+    q.add_argument("--costs", help="forward cost by tokens in one forward, as 'tokens:ms,...' (the verifier logs its "
+                                   "curve at start-up): adds a modelled tokens/s column")
     args = p.parse_args()
     if args.command == "record":
         record(args.file, args.workloads.split(","), args.prompts, args.max_new_tokens)
         return
     records = json.loads(args.file.read_text())
     n = args.nodes
-    chains = replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0)
-    trees = replay(records, lambda: NgramDrafter(max_draft_len=n), n, n)
-    print(f"{'workload':<10} {'chain t/step':>12} {'tree t/step':>11} {'vs chain':>8} {'verified':>13} "
-          f"{'draft ms':>11}")
-    for c, t in zip(chains, trees):
-        print(f"{c.workload:<10} {c.tokens_per_step:>12.3f} {t.tokens_per_step:>11.3f} "
-              f"{t.tokens_per_step / c.tokens_per_step:>7.3f}x {c.verified_per_step:>5.1f} / "
-              f"{t.verified_per_step:<5.1f} {c.draft_ms:>4.2f} / {t.draft_ms:<4.2f}")
+    ms = {int(t): float(c) for t, c in (point.split(":") for point in args.costs.split(","))} if args.costs else {}
+    costs = CostCurve.from_seconds(ms) if ms else None
+    one_token_ms = ms[min(ms)] if ms else 1.0
+    rows = {"chain": replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms)}
+    for floor in (float(f) for f in args.min_node_prob.split(",")):
+        rows[f"tree p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor), n, n,
+                                            costs, one_token_ms)
+    print(f"{'workload':<10} {'drafts':<14} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
+          + (f" {'model tok/s':>11} {'vs chain':>8}" if costs else ""))
+    for i, chain in enumerate(rows["chain"]):
+        for name, replays in rows.items():
+            r = replays[i]
+            print(f"{r.workload:<10} {name:<14} {r.tokens_per_step:>11.3f} "
+                  f"{r.tokens_per_step / chain.tokens_per_step:>7.3f}x {r.verified_per_step:>8.1f} {r.draft_ms:>8.2f}"
+                  + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x" if costs else ""))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`splitspec bench --trees N`: token trees against chains, same prompts, same model, one run.
 
-Four in-process n-gram verifiers side by side (prompts rotate between them): an N-token chain
-and an N-node tree at a fixed size (the same budget of verified tokens per step), and the
-chain and the tree as the planner sizes them (adaptive draft lengths up to N, trees up to N nodes).
+Five in-process n-gram verifiers side by side (prompts rotate between them): an N-token chain
+and an N-node tree at a fixed size (the same budget of verified tokens per step), the same tree
+without the nodes the drafter thinks less likely than `--tree-min-prob`, and the chain and the
+tree as the planner sizes them (adaptive draft lengths up to N, trees up to N nodes).
 Each prints mean tokens per step (emitted tokens / forward passes after the prefill, the
 figure trees exist to raise), median tokens/s, and whether every output equals plain decoding.
 """
@@ -35,11 +36,11 @@ class TreeRow:
     prompts: int
 
 
-def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, adaptive: bool,
+def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, adaptive: bool, min_prob: float,
               folder: Path) -> LocalService:
     config = folder / f"{name}.json"
     config.write_text(json.dumps({"mode": "NGRAM", "maxDraftLen": draft_len,
-                                  "ngram": {"maxMatchingNgramSize": args.ngram_size},
+                                  "ngram": {"maxMatchingNgramSize": args.ngram_size, "treeMinProb": min_prob},
                                   "policy": {"adaptiveDraftLen": adaptive}}))
     extra = ["--model", args.model] if args.model else []
     # One request at a time: one KV slot, so start-up measures forwards of up to one draft only.
@@ -53,13 +54,14 @@ def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> l
     """`run_all(systems, prompts, args)`: bench/run.py's rotating runner."""
     n = args.trees
     # The planner's chains and trees may reach as deep as the fixed ones: it only ever shortens them.
-    setups = [(f"chain {n}", n, 0, False), (f"tree {n}", n, n, False),
-              ("chain planner", n, 0, True), (f"tree planner (<= {n} nodes)", n, n, True)]
+    p = args.tree_min_prob
+    setups = [(f"chain {n}", n, 0, False, 0.0), (f"tree {n}", n, n, False, 0.0),
+              (f"tree {n}, p >= {p:g}", n, n, False, p),
+              ("chain planner", n, 0, True, 0.0), (f"tree planner (<= {n} nodes)", n, n, True, 0.0)]
     print(f"starting {len(setups)} verifiers (chains and trees) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        services = [stack.enter_context(_verifier(name.split(" (")[0].replace(" ", "-"), args, k, m, adaptive,
-                                                  Path(tmp)))
-                    for name, k, m, adaptive in setups]
+        services = [stack.enter_context(_verifier(f"v{i}", args, k, m, adaptive, floor, Path(tmp)))
+                    for i, (name, k, m, adaptive, floor) in enumerate(setups)]
         systems = [VerifierSystem(PLAIN, services[0].address, speculate=False)] + [
             VerifierSystem(name, service.address, speculate=True) for (name, *_), service in zip(setups, services)]
         runs = run_all(systems, prompts, args)
