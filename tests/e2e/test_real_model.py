@@ -4,8 +4,11 @@ transformers generate(), through the in-process n-gram drafter and a real drafte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -80,8 +83,15 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
 
 def test_demo_runs_end_to_end() -> None:
     """`splitspec demo`: both services start, outputs are identical, drafts are accepted, clean shutdown."""
-    done = subprocess.run([script("splitspec"), "demo", "--max-new-tokens", "48"], capture_output=True,
-                          text=True, timeout=600)
+    # Its own process group: if the test times out, the demo's verifier and drafter go with it.
+    demo = subprocess.Popen([script("splitspec"), "demo", "--max-new-tokens", "48"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = demo.communicate(timeout=280)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+    done = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines()
             if re.match(r"^(rewrite code|repeat text|open question)\s+\d", line)]
