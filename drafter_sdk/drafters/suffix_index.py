@@ -227,7 +227,7 @@ class SuffixIndex:
             j = sizes.index(min(sizes[:top - 1]))
             ends, lengths = self._match_lengths(pairs[j], j, pattern, top)
             if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
-                best, best_score = self._best_by_trie(ends, lengths, j + 2, budget, min_token_prob, best, best_score)
+                best, best_score = self._best_by_paths(ends, lengths, j + 2, budget, min_token_prob, best, best_score)
                 top = j + 1
                 continue
             found = np.unique(lengths)[::-1].tolist()
@@ -246,13 +246,14 @@ class SuffixIndex:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
 
-    def _best_by_trie(self, ends: Any, lengths: Any, shortest: int, budget: list[int], min_prob: float,
-                      best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+    def _best_by_paths(self, ends: Any, lengths: Any, shortest: int, budget: list[int], min_prob: float,
+                       best: tuple[list[int], int] | None, best_score: float
+                       ) -> tuple[tuple[list[int], int] | None, float]:
         """The best draft over matches of `shortest` or more tokens, given where they end and how long each is.
 
-        Longest first, each distinct length adds its ends to a trie of what follows them (a node: how many
-        pass through it, the latest of them, its children), and the greedy walk reads that trie: the
-        occurrences are read once, not once for each length."""
+        Longest first, each distinct length adds its ends to the paths of what follows them (ends with the
+        same next tokens merged into one: how many, the latest of them), and a greedy walk reads the paths:
+        the occurrences are read once, not once for each length."""
         if not isinstance(ends, list):
             ends, lengths = ends.tolist(), lengths.tolist()
         by_length: dict[int, list[int]] = {}
@@ -263,47 +264,26 @@ class SuffixIndex:
         found = sorted(by_length, reverse=True)
         depth = max(budget[shortest:found[0] + 1])
         buf, base = self._buf, self._base
-        root: list[Any] = [0, -1, {}]
+        paths: dict[bytes, list[int]] = {}  # the next `depth` tokens -> [ends with them, the latest]
         for i, length in enumerate(found):
-            # Ends with the same next `depth` tokens go in as one (the separator ending a sequence ends a path).
-            paths: dict[bytes, list[int]] = {}
+            if max(budget[shortest:length + 1]) <= best_score:
+                break  # no match this short or shorter can win
             for p in by_length[length]:
                 key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
                 seen = paths.get(key)
                 if seen is None:
                     paths[key] = [1, p]
+                elif p > seen[1]:
+                    seen[0] += 1
+                    seen[1] = p
                 else:
                     seen[0] += 1
-                    seen[1] = max(seen[1], p)
-            for key, (weight, latest) in paths.items():
-                node = root
-                node[0] += weight
-                node[1] = max(node[1], latest)
-                for t in array("i", key):
-                    if t == SEP:
-                        break
-                    child = node[2].get(t)
-                    if child is None:
-                        child = node[2][t] = [0, -1, {}]
-                    child[0] += weight
-                    child[1] = max(child[1], latest)
-                    node = child
             # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
             low = found[i + 1] + 1 if i + 1 < len(found) else shortest
             most = max(budget[low:length + 1])
             if most <= best_score:
                 continue
-            tokens: list[int] = []
-            probs: list[float] = []
-            node, prob = root, 1.0
-            while len(tokens) < most and node[2]:
-                t, child = max(node[2].items(), key=_count_then_latest)  # ties: the most recent
-                prob *= child[0] / node[0]
-                if prob < min_prob:
-                    break
-                tokens.append(t)
-                probs.append(prob)
-                node = child
+            tokens, probs = _walk_paths(paths, most, min_prob)
             best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
         return best, best_score
 
@@ -449,8 +429,46 @@ def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: i
     return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
 
 
-def _count_then_latest(item: tuple[int, list]) -> tuple[int, int]:
-    return item[1][0], item[1][1]
+def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """The greedy walk over weighted paths (each the next tokens of its ends, as int32 bytes; a separator
+    ends it): at most `most` tokens, each the most frequent next token (ties: the latest end), stopping
+    before the estimated probability falls below `min_prob`."""
+    if len(paths) == 1:  # every end goes on the same way: each step has probability 1
+        path = array("i", next(iter(paths)))[:most].tolist()
+        if SEP in path:
+            del path[path.index(SEP):]
+        return path, [1.0] * len(path)
+    alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
+    total = sum(weight for _, weight, _ in alive)
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    for depth in range(most):
+        tally: dict[int, list[int]] = {}
+        for path, weight, latest in alive:
+            if depth < len(path):
+                t = path[depth]
+                if t == SEP:
+                    continue
+                counted = tally.get(t)
+                if counted is None:
+                    tally[t] = [weight, latest]
+                else:
+                    counted[0] += weight
+                    if latest > counted[1]:
+                        counted[1] = latest
+        if not tally:
+            break
+        child, (count, _) = max(tally.items(), key=itemgetter(1))  # ties: the most recent
+        prob *= count / total
+        if prob < min_prob:
+            break
+        tokens.append(child)
+        probs.append(prob)
+        if count != total:  # some went another way or ended here
+            alive = [a for a in alive if depth < len(a[0]) and a[0][depth] == child]
+        total = count
+    return tokens, probs
 
 
 def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],
