@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
-from drafter_sdk.drafters.suffix_index import SuffixIndex
+from drafter_sdk.drafters.suffix_index import Cursor, SuffixIndex
 
 CACHE_SCOPES = ("global", "verifier", "request")
 
@@ -40,6 +40,9 @@ CACHE_SCOPES = ("global", "verifier", "request")
 class _Request:
     tree: SuffixIndex  # its whole context, prompt first
     prompt_len: int
+    # Its matches in its own tree and in its global tree, carried from step to step.
+    own: Cursor = field(default_factory=Cursor)
+    shared: Cursor = field(default_factory=Cursor)
 
 
 class SuffixDrafter(Drafter):
@@ -116,13 +119,12 @@ class SuffixDrafter(Drafter):
     def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
         """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
         state = self._requests[key]
-        context = tokens[-self.max_tree_depth:]
         knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
-        best = state.tree.speculate(context, draft_len, *knobs)
+        best = state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own)
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
         if shared is not None:
-            theirs = shared.speculate(context, draft_len, *knobs, beat=best.score)
+            theirs = shared.speculate(tokens, draft_len, *knobs, beat=best.score, cursor=state.shared)
             if theirs.score > best.score:
                 best = theirs
         return best.tokens
