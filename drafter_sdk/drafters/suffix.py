@@ -26,6 +26,7 @@ request before releasing it to drafters that advertise `LEARNS_FROM_FINISHED`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,14 +121,15 @@ class SuffixDrafter(Drafter):
         """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
         state = self._requests[key]
         knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
-        best = state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own)
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
-        if shared is not None:
-            theirs = shared.speculate(tokens, draft_len, *knobs, beat=best.score, cursor=state.shared)
-            if theirs.score > best.score:
-                best = theirs
-        return best.tokens
+        theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else None
+        if theirs is None or not theirs.tokens:
+            return state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own).tokens
+        # The own tree wins a tie: it need only score at least as much (just above the next lower float).
+        mine = state.tree.speculate(tokens, draft_len, *knobs, beat=math.nextafter(theirs.score, -math.inf),
+                                    cursor=state.own)
+        return (mine if mine.tokens else theirs).tokens
 
     @property
     def cached_requests(self) -> int:
