@@ -55,8 +55,8 @@ _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair 
 _VECTOR_MIN = 48
 # A walk groups occurrences by what follows them, in plain Python up to this many; numpy above.
 _WALK_VECTOR_MIN = 256
-# Matches through up to this many places are drafted from a trie of what follows them; more, by numpy walks.
-_TRIE_MAX = 4096
+# Up to this many matches are drafted from the paths of what follows them; more, by numpy walks.
+_TRIE_MAX = 256
 # A cursor keeps at most this many matches (the longest), so that carrying them costs little.
 _CURSOR_MAX = 256
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
@@ -361,12 +361,23 @@ class SuffixIndex:
         if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
             return self._best_by_paths(ends, lengths, shortest, cap, budget, min_prob, best, best_score)
         lengths = np.minimum(lengths, cap)
-        found = np.unique(lengths)[::-1].tolist()
+        found = np.unique(lengths)[::-1]
+        # Every step's probability is at most the first one's, the most frequent next token's share: a
+        # walk of `most` tokens scores at most most * that, so most groups of many ends need no walk.
+        group = np.searchsorted(-found, -lengths)  # the group of each end: those of found[group] tokens
+        following, ids = np.unique(np.frombuffer(self._buf, np.int32)[ends - (self._base - 1)], return_inverse=True)
+        counts = np.bincount(ids.ravel() * len(found) + group, minlength=len(following) * len(found))
+        counts = counts.reshape(len(following), len(found)).cumsum(axis=1)  # by next token, ends of each group or longer
+        totals = counts.sum(axis=0)
+        if following[0] == SEP:  # the end of a sequence: no next token
+            counts[0] = 0
+        shares = (counts.max(axis=0) / totals).tolist()
+        found = found.tolist()
         for i, length in enumerate(found):
             # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
             low = found[i + 1] + 1 if i + 1 < len(found) else shortest
             most = max(budget[low:length + 1])
-            if most <= best_score:
+            if most <= best_score or most * shares[i] < best_score - 1e-9:  # (rounding: a tie is walked)
                 continue
             tokens, probs = self._walk(ends[lengths >= length], most, 1.0, min_prob)
             best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
