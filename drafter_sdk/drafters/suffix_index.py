@@ -295,7 +295,15 @@ class SuffixIndex:
         ends: list[int] = []
         lengths: list[int] = []
         # A match of m >= least tokens whose end was a token k places back extends a match of m - k there.
-        if k == 1:
+        if np is not None and len(cursor.ends) > _VECTOR_MIN:
+            was = np.asarray(cursor.ends, np.int64)
+            # The k tokens after each end (clipped: the buffer ends with a separator, which matches nothing;
+            # ends evicted since may lie before the buffer's start, and are dropped).
+            rows = np.clip(was[:, None] + (1 - base) + np.arange(k), 0, len(buf) - 1)
+            same = (was >= live) & (np.frombuffer(buf, np.int32)[rows] == np.array(pattern[n - k:], np.int32)).all(1)
+            ends = (was[same] + k).tolist()
+            lengths = np.minimum(np.asarray(cursor.lengths)[same] + k, n).tolist()
+        elif k == 1:
             t = pattern[-1]
             for e, m in zip(cursor.ends, cursor.lengths):
                 if e >= live and buf[e + 1 - base] == t:

@@ -309,3 +309,90 @@ def test_the_global_tree_size_is_a_metric():
             assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == drafter.shared_state_bytes() > 0
 
     asyncio.run(body())
+
+
+def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized) -> None:  # noqa: ANN001
+    """A context growing by a few tokens a step, its matches carried by cursors in its own tree and in a
+    global one that gains and evicts sequences meanwhile; steps skipped, drafts cut short by `beat`."""
+    rng = random.Random(5)
+    for _ in range(12):
+        vocab, depth = rng.choice([2, 3, 8]), rng.choice([4, 8, 24])
+        shared, own = SuffixIndex(depth), SuffixIndex(depth)
+        phrases = [[rng.randrange(vocab) for _ in range(rng.randint(2, 12))] for _ in range(4)]
+        for _ in range(rng.randint(0, 5)):
+            shared.add([t for _ in range(rng.randint(1, 8)) for t in rng.choice(phrases)])
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        own.add(context)
+        mine, theirs = suffix_index.Cursor(), suffix_index.Cursor()
+        for _ in range(60):
+            grow = rng.choice(phrases)[:rng.randint(0, 5)] if rng.random() < 0.7 else [
+                rng.randrange(vocab) for _ in range(rng.randint(0, 30))]  # now and then a long jump
+            context += grow
+            own.extend(grow)
+            if rng.random() < 0.3:
+                shared.add(context[rng.randrange(len(context)):] if rng.random() < 0.5 else rng.choice(phrases))
+            if rng.random() < 0.2 and len(shared) > 1:
+                shared.evict_oldest()
+            if rng.random() < 0.2:
+                continue  # no draft asked this step: the cursors fall behind
+            knobs = (rng.randint(1, 10), rng.choice([1.0, 2.0]), rng.choice([0.0, 1.0]), rng.choice([0.0, 0.1, 0.3]),
+                     rng.choice([0.0, 0.0, 1.0, 2.5]))
+            for index, cursor in ((own, mine), (shared, theirs)):
+                got = index.speculate(context, *knobs, cursor=cursor)
+                want = index.speculate(context[-depth:], *knobs)
+                assert (got.tokens, got.match_len) == (want.tokens, want.match_len)
+                assert got.score == pytest.approx(want.score)
+
+
+def test_a_cursor_forgets_matches_in_evicted_sequences(vectorized) -> None:  # noqa: ANN001
+    rng = random.Random(2)
+    copied = [rng.randrange(1000) for _ in range(60)]
+    for grown in (1, 2):
+        shared = SuffixIndex(24)
+        shared.add(copied)
+        shared.add([rng.randrange(1000) for _ in range(60)])
+        cursor = suffix_index.Cursor()
+        context = [7] + copied[:20]
+        assert shared.speculate(context, 8, cursor=cursor).tokens == copied[20:28]
+        shared.evict_oldest()
+        shared.add(copied[15:20 + grown + 1])  # a short copy: the long match is gone, a short one is new
+        context += copied[20:20 + grown]
+        assert shared.speculate(context, 8, cursor=cursor).tokens == [copied[20 + grown]]
+
+
+def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
+    """Through the servicer: resyncs, replaced contexts, releases that feed (and evict from) the global tree."""
+    drafter = SuffixDrafter(max_cached_requests=4)
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+    rng = random.Random(9)
+    phrases = [[rng.randrange(20) for _ in range(rng.randint(3, 10))] for _ in range(6)]
+
+    def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
+        """The draft without cursors: the own tree's, unless the global tree's scores more."""
+        state = drafter._requests[key]
+        own = state.tree.speculate(tokens[-24:], 8)
+        shared = drafter._global.get("")
+        theirs = shared.speculate(tokens[-24:], 8, beat=own.score) if shared is not None else own
+        return (theirs if theirs.score > own.score else own).tokens
+
+    for n in range(30):
+        rid = f"r{n % 5}"  # ids come back: a full context then replaces the old one
+        truth = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(phrases)]
+        sent = 0
+        for _ in range(rng.randint(1, 12)):
+            truth += rng.choice(phrases)[:rng.randint(1, 5)]
+            if rng.random() < 0.1:
+                sent = len(truth) + 1  # a gap: the drafter asks for a resync
+            response = servicer.prepare(pb.PrepareDraftTokensRequest(verifier_id="v", sequences=[pb.DraftSequence(
+                request_id=rid, context_len=sent, new_tokens=truth[sent:] if sent <= len(truth) else [],
+                prompt_len=1, draft_len=8)]))
+            result = response.results[0]
+            if result.status != pb.DRAFT_STATUS_OK:
+                sent = 0
+                continue
+            sent = len(truth)
+            assert list(result.draft_tokens) == fresh(("v", rid), truth)
+        if rng.random() < 0.7:
+            servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[rid], reasons=[
+                rng.choice([pb.RELEASE_REASON_FINISHED, pb.RELEASE_REASON_CANCELLED])]))
