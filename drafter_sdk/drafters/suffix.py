@@ -125,10 +125,10 @@ class SuffixDrafter(Drafter):
         shared = self._global.get(scope) if scope is not None else None
         theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else None
         if theirs is None or not theirs.tokens:
-            return state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own).tokens
+            return state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own, own=True).tokens
         # The own tree wins a tie: it need only score at least as much (just above the next lower float).
         mine = state.tree.speculate(tokens, draft_len, *knobs, beat=math.nextafter(theirs.score, -math.inf),
-                                    cursor=state.own)
+                                    cursor=state.own, own=True)
         return (mine if mine.tokens else theirs).tokens
 
     @property

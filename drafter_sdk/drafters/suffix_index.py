@@ -207,7 +207,7 @@ class SuffixIndex:
 
     def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float = 1.0,
                   max_spec_offset: float = 0.0, min_token_prob: float = 0.1, beat: float = 0.0,
-                  cursor: Cursor | None = None) -> Draft:
+                  cursor: Cursor | None = None, own: bool = False) -> Draft:
         """The best-scoring draft over every match length of the context's last max_depth tokens.
 
         A match of m tokens drafts at most min(max_tokens, int(m * max_spec_factor +
@@ -218,6 +218,8 @@ class SuffixIndex:
 
         With a `cursor`, `context` is the caller's whole context, which only grows from call to
         call: the matches found last time are extended by the tokens added since (see Cursor).
+        `own`: the context is this index's newest sequence, whose own end is then no occurrence (it
+        has no continuation yet, so counting it would only lower every estimate).
         """
         seen = len(context)
         n = min(seen, self.max_depth)
@@ -225,7 +227,8 @@ class SuffixIndex:
             return NO_DRAFT
         pattern = _ints(context[seen - n:])
         last = pattern[-1]
-        if last not in self._counts:
+        skip = self._spans[-1][1] - 1 if own and self._spans else None  # the context's own end
+        if self._counts.get(last, 0) <= (skip is not None):
             if cursor is not None:
                 self._remember(cursor, seen, pattern, [], [], 2)  # no match at all
             return NO_DRAFT
@@ -240,7 +243,8 @@ class SuffixIndex:
         known = self._advance(cursor, seen, pattern) if cursor is not None else None
         if known is not None:
             ends, lengths, least = known
-            best, best_score = self._best_of(ends, lengths, least, top, budget, min_token_prob, best, best_score)
+            best, best_score = self._best_of(ends, lengths, least, top, budget, min_token_prob, best, best_score,
+                                             skip)
             top = min(top, least - 1)
         # pairs[j]: where the context's pair ending j tokens before its end occurs; a missing pair bounds the match.
         pairs: list[array] = []
@@ -266,7 +270,8 @@ class SuffixIndex:
             # Lengths are counted up to what is known already (all of them, the first time).
             limit = n if known is None else known[2] - 1
             ends, lengths = self._match_lengths(pairs[j], j, pattern, limit)
-            best, best_score = self._best_of(ends, lengths, j + 2, top, budget, min_token_prob, best, best_score)
+            best, best_score = self._best_of(ends, lengths, j + 2, top, budget, min_token_prob, best, best_score,
+                                             skip)
             if known is not None:
                 ends, lengths = _restore_lengths(ends, lengths, limit, known)
             known = (ends, lengths, j + 2)
@@ -274,7 +279,7 @@ class SuffixIndex:
         if known is not None and cursor is not None:
             self._remember(cursor, seen, pattern, *known)
         if budget[1] > best_score:
-            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
+            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob, skip is not None)
             if sum(probs) > best_score:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
@@ -361,11 +366,20 @@ class SuffixIndex:
         cursor.end = self._base + len(self._buf)
 
     def _best_of(self, ends: Any, lengths: Any, shortest: int, cap: int, budget: list[int], min_prob: float,
-                 best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+                 best: tuple[list[int], int] | None, best_score: float,
+                 skip: int | None = None) -> tuple[tuple[list[int], int] | None, float]:
         """The best draft over the matches (their ends and lengths) of `shortest` or more tokens, each counted
-        as at most `cap` long (a longer one can do no better)."""
+        as at most `cap` long (a longer one can do no better), but the one ending at `skip`."""
         if shortest > cap:
             return best, best_score
+        if skip is not None:
+            if isinstance(ends, list):
+                if skip in ends:
+                    i = ends.index(skip)
+                    ends, lengths = ends[:i] + ends[i + 1:], lengths[:i] + lengths[i + 1:]
+            else:
+                keep = ends != skip
+                ends, lengths = ends[keep], lengths[keep]
         if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
             return self._best_by_paths(ends, lengths, shortest, cap, budget, min_prob, best, best_score)
         lengths = np.minimum(lengths, cap)
@@ -470,8 +484,10 @@ class SuffixIndex:
             lengths.append(length)
         return ends, lengths
 
-    def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
-        """A draft after a single-token match: the first step from the running counts."""
+    def _walk_from_token(self, token: int, budget: int, min_prob: float,
+                         skip_one: bool = False) -> tuple[list[int], list[float]]:
+        """A draft after a single-token match: the first step from the running counts (less one occurrence,
+        the context's own end, with `skip_one`)."""
         following = self._next.get(token)
         if not following:
             return [], []
@@ -479,7 +495,7 @@ class SuffixIndex:
         tied = [t for t, c in following.items() if c == top]
         # Ties go to the token seen most recently after `token`.
         child = tied[0] if len(tied) == 1 else max(tied, key=lambda t: self._pairs[(token << _SHIFT) | t][-1])
-        prob = top / self._counts[token]
+        prob = top / (self._counts[token] - skip_one)
         if prob < min_prob:
             return [], []
         tokens, probs = self._walk(_occurrences(self._pairs[(token << _SHIFT) | child]), budget - 1, prob, min_prob)

@@ -28,12 +28,15 @@ def _occurrences(seqs: list[list[int]], pattern: list[int]) -> list[tuple[int, i
 
 
 def reference(seqs: list[list[int]], context: list[int], depth: int, max_tokens: int, factor: float = 1.0,
-              offset: float = 0.0, min_prob: float = 0.1) -> tuple[list[int], float, int]:
+              offset: float = 0.0, min_prob: float = 0.1, own: bool = False) -> tuple[list[int], float, int]:
     """Arctic Inference's rule, spelled out: every match length from 1 up while the context's suffix occurs,
-    a greedy path of most frequent children (ties: the latest occurrence), the best score (ties: longer)."""
+    a greedy path of most frequent children (ties: the latest occurrence), the best score (ties: longer).
+    `own`: the context is the last sequence, and its own end is no occurrence."""
     best: tuple[list[int], float, int] = ([], 0.0, 0)
     for m in range(1, min(len(context), depth) + 1):
         occ = _occurrences(seqs, context[len(context) - m:])
+        if own:
+            occ.remove((len(seqs) - 1, len(seqs[-1]) - 1))
         if not occ:
             break
         budget = min(max_tokens, int(m * factor + offset + 1e-6), depth - m)
@@ -93,6 +96,11 @@ def test_the_index_drafts_exactly_what_a_suffix_trie_would(vectorized) -> None: 
             tokens, score, match_len = reference(seqs, context, depth, *knobs)
             assert (got.tokens, got.match_len) == (tokens, match_len)
             assert got.score == pytest.approx(score)
+            if seqs[-1]:  # the last sequence as the context, without its own end (a request's own tree)
+                got = index.speculate(seqs[-1], *knobs, own=True)
+                tokens, score, match_len = reference(seqs, seqs[-1], depth, *knobs, own=True)
+                assert (got.tokens, got.match_len) == (tokens, match_len)
+                assert got.score == pytest.approx(score)
 
 
 def test_recurring_phrases_draft_exactly_what_a_suffix_trie_would(vectorized) -> None:  # noqa: ANN001
@@ -162,15 +170,18 @@ def test_the_better_scoring_tree_wins() -> None:
     drafter = SuffixDrafter()
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
-    # The request's own context says [1, 2, 3] -> 5, 0, 1 with probability 1/2 each (the context's own
-    # tail is an occurrence too): score 1.5, against 3 for the global tree's 4, 5, 6.
-    own = [1, 2, 3, 5, 0, 1, 2, 3]
+    # The request's own context says [1, 2, 3] -> 5, 0, 1 or 9, 1, 2 (its own end is no occurrence), the
+    # latest on the tie, with probability 1/2 each: score 1.5, against 3 for the global tree's 4, 5, 6.
+    own = [1, 2, 3, 5, 0, 1, 2, 3, 9, 1, 2, 3]
     alone = SuffixIndex(24)
     alone.add(own)
-    mine = alone.speculate(own, 8)
-    assert (mine.tokens, mine.score) == ([5, 0, 1], pytest.approx(1.5))
-    [draft] = drafter.prepare_draft_tokens([request("new", own, prompt_len=8)])
+    mine = alone.speculate(own, 8, own=True)
+    assert (mine.tokens, mine.score) == ([9, 1, 2], pytest.approx(1.5))
+    [draft] = drafter.prepare_draft_tokens([request("new", own, prompt_len=12)])
     assert draft == [4, 5, 6]
+    # Once the own tree scores as much (one more occurrence, no other continuation), it wins the tie.
+    [draft] = drafter.prepare_draft_tokens([request("tie", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
+    assert draft == [8, 7, 6]
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
     [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
     assert draft[:1] == [8]
@@ -338,8 +349,8 @@ def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized) -> None:  # noqa: 
             knobs = (rng.randint(1, 10), rng.choice([1.0, 2.0]), rng.choice([0.0, 1.0]), rng.choice([0.0, 0.1, 0.3]),
                      rng.choice([0.0, 0.0, 1.0, 2.5]))
             for index, cursor in ((own, mine), (shared, theirs)):
-                got = index.speculate(context, *knobs, cursor=cursor)
-                want = index.speculate(context[-depth:], *knobs)
+                got = index.speculate(context, *knobs, cursor=cursor, own=index is own)
+                want = index.speculate(context[-depth:], *knobs, own=index is own)
                 assert (got.tokens, got.match_len) == (want.tokens, want.match_len)
                 assert got.score == pytest.approx(want.score)
 
@@ -371,7 +382,7 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
         """The draft without cursors: the own tree's, unless the global tree's scores more."""
         state = drafter._requests[key]
-        own = state.tree.speculate(tokens[-24:], 8)
+        own = state.tree.speculate(tokens[-24:], 8, own=True)
         shared = drafter._global.get("")
         theirs = shared.speculate(tokens[-24:], 8, beat=own.score) if shared is not None else own
         return (theirs if theirs.score > own.score else own).tokens
