@@ -64,14 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
     ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
                        help="a public pool past this size starts afresh (it is state of no single sequence)")
-    # Unset flags keep SuffixDrafter's own defaults (vLLM's, but for max_spec_factor).
-    suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; defaults as vLLM's but for max_spec_factor)")
+    # Unset flags keep SuffixDrafter's own defaults (vLLM's).
+    suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; defaults as vLLM's)")
     suffix.add_argument("--max-tree-depth", type=int, default=argparse.SUPPRESS,
                         help="longest context suffix matched; match plus draft never exceed it (24)")
     suffix.add_argument("--max-cached-requests", type=int, default=argparse.SUPPRESS,
                         help="finished requests kept in the global tree, oldest evicted first; 0: none (10000)")
     suffix.add_argument("--max-spec-factor", type=float, default=argparse.SUPPRESS,
-                        help="draft at most this times the match length ... (2.0; vLLM's is 1.0)")
+                        help="draft at most this times the match length ... (1.0)")
     suffix.add_argument("--max-spec-offset", type=float, default=argparse.SUPPRESS,
                         help="... plus this many tokens (0)")
     suffix.add_argument("--min-token-prob", type=float, default=argparse.SUPPRESS,

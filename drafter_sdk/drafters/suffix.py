@@ -51,7 +51,7 @@ class SuffixDrafter(Drafter):
     version = "1.0"
     capabilities = ("suffix", LEARNS_FROM_FINISHED)
 
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 2.0,
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
                  cache_scope: str = "global") -> None:
         if max_tree_depth < 2:

@@ -152,7 +152,7 @@ def test_token_buffers_other_than_lists_draft_the_same() -> None:
     drafter = SuffixDrafter()
     [as_list] = drafter.prepare_draft_tokens([request("a", history)])
     [as_array] = drafter.prepare_draft_tokens([request("b", array("i", history))])  # type: ignore[arg-type]
-    assert as_list == as_array == [3, 9, 1, 2]
+    assert as_list == as_array == [3, 9]
 
 
 def test_the_tree_depth_bounds_match_plus_draft() -> None:
@@ -167,7 +167,7 @@ def test_the_tree_depth_bounds_match_plus_draft() -> None:
 
 
 def test_the_better_scoring_tree_wins() -> None:
-    drafter = SuffixDrafter(max_spec_factor=1.0)
+    drafter = SuffixDrafter()
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
     # The request's own context says [1, 2, 3] -> 5, 0, 1 or 9, 1, 2 (its own end is no occurrence), the
@@ -198,7 +198,7 @@ def finish(drafter: SuffixDrafter, rid: str, prompt: list[int], output: list[int
 
 
 def test_only_finished_outputs_are_learned_and_prompts_only_behind_the_knob() -> None:
-    drafter = SuffixDrafter(max_spec_factor=1.0)
+    drafter = SuffixDrafter()
     for reason in (ReleaseReason.CANCELLED, ReleaseReason.EVICTED, ReleaseReason.UNSPECIFIED):
         finish(drafter, f"r{reason}", [50, 51], [1, 2, 3, 4, 5, 6], reason=reason)
     assert drafter.cached_requests == 0
@@ -207,7 +207,7 @@ def test_only_finished_outputs_are_learned_and_prompts_only_behind_the_knob() ->
     assert drafter.cached_requests == 1
     assert drafter.prepare_draft_tokens([request("q2", [1, 2, 3])]) == [[4, 5, 6]]
     assert drafter.prepare_draft_tokens([request("q3", [50, 51])]) == [[]]  # the prompt was not learned
-    with_prompts = SuffixDrafter(max_spec_factor=1.0, cache_prompts=True)
+    with_prompts = SuffixDrafter(cache_prompts=True)
     finish(with_prompts, "done", [50, 51, 52], [1, 2, 3, 4, 5, 6])
     assert with_prompts.prepare_draft_tokens([request("q3", [50, 51])]) == [[52, 1]]
 
@@ -382,10 +382,9 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
         """The draft without cursors: the own tree's, unless the global tree's scores more."""
         state = drafter._requests[key]
-        factor = drafter.max_spec_factor
-        own = state.tree.speculate(tokens[-24:], 8, factor, own=True)
+        own = state.tree.speculate(tokens[-24:], 8, own=True)
         shared = drafter._global.get("")
-        theirs = shared.speculate(tokens[-24:], 8, factor, beat=own.score) if shared is not None else own
+        theirs = shared.speculate(tokens[-24:], 8, beat=own.score) if shared is not None else own
         return (theirs if theirs.score > own.score else own).tokens
 
     for n in range(30):

@@ -202,7 +202,7 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
 
 
 def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
-    """Unset knobs take SuffixDrafter's defaults; the drafter checks the values."""
+    """Unset knobs take SuffixDrafter's defaults (vLLM's); the drafter checks the values."""
     defaults = SuffixDrafter()
     if sx.max_tree_depth == 0:
         sx.max_tree_depth = defaults.max_tree_depth

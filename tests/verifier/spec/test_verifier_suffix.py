@@ -57,7 +57,7 @@ def check_exact(responses, prompts, lengths) -> None:  # noqa: ANN001
 def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
     sx = config.suffix
-    assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 2.0, 0.0)
+    assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
     assert sx.min_token_prob == pytest.approx(0.1)
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
