@@ -53,13 +53,15 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
-                 cache_scope: str = "global") -> None:
+                 cache_scope: str = "global", own_spec_factor: float = 2.0) -> None:
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")
         if max_cached_requests < 0:
             raise ValueError(f"max_cached_requests must not be negative, not {max_cached_requests}")
         if max_spec_factor < 0:
             raise ValueError(f"max_spec_factor must not be negative, not {max_spec_factor}")
+        if own_spec_factor < 0:
+            raise ValueError(f"own_spec_factor must not be negative, not {own_spec_factor}")
         if not 0.0 <= min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be within [0, 1], not {min_token_prob}")
         if cache_scope not in CACHE_SCOPES:
@@ -68,6 +70,7 @@ class SuffixDrafter(Drafter):
         self.max_draft_len = max_tree_depth - 1  # a match of one token leaves that much depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
+        self.own_spec_factor = own_spec_factor
         self.max_spec_offset = max_spec_offset
         self.min_token_prob = min_token_prob
         self.cache_prompts = cache_prompts
@@ -121,13 +124,14 @@ class SuffixDrafter(Drafter):
         """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
         state = self._requests[key]
         knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
+        own_knobs = (self.own_spec_factor, self.max_spec_offset, self.min_token_prob)
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
         theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else None
         if theirs is None or not theirs.tokens:
-            return state.tree.speculate(tokens, draft_len, *knobs, cursor=state.own, own=True).tokens
+            return state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True).tokens
         # The own tree wins a tie: it need only score at least as much (just above the next lower float).
-        mine = state.tree.speculate(tokens, draft_len, *knobs, beat=math.nextafter(theirs.score, -math.inf),
+        mine = state.tree.speculate(tokens, draft_len, *own_knobs, beat=math.nextafter(theirs.score, -math.inf),
                                     cursor=state.own, own=True)
         return (mine if mine.tokens else theirs).tokens
 

@@ -152,7 +152,7 @@ def test_token_buffers_other_than_lists_draft_the_same() -> None:
     drafter = SuffixDrafter()
     [as_list] = drafter.prepare_draft_tokens([request("a", history)])
     [as_array] = drafter.prepare_draft_tokens([request("b", array("i", history))])  # type: ignore[arg-type]
-    assert as_list == as_array == [3, 9]
+    assert as_list == as_array == [3, 9, 1, 2]  # a match of 2 in the own tree drafts up to 2 * 2
 
 
 def test_the_tree_depth_bounds_match_plus_draft() -> None:
@@ -167,7 +167,7 @@ def test_the_tree_depth_bounds_match_plus_draft() -> None:
 
 
 def test_the_better_scoring_tree_wins() -> None:
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(own_spec_factor=1.0)
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
     # The request's own context says [1, 2, 3] -> 5, 0, 1 or 9, 1, 2 (its own end is no occurrence), the
@@ -182,6 +182,14 @@ def test_the_better_scoring_tree_wins() -> None:
     # Once the own tree scores as much (one more occurrence, no other continuation), it wins the tie.
     [draft] = drafter.prepare_draft_tokens([request("tie", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
     assert draft == [8, 7, 6]
+    # By default a match in the own context may draft twice its length (the global tree's factor stays 1).
+    drafter = SuffixDrafter()
+    for i in range(3):
+        finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
+    [draft] = drafter.prepare_draft_tokens([request("own", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
+    assert draft == [8, 7, 6, 1, 2, 3]
+    [draft] = drafter.prepare_draft_tokens([request("new", [0, 1, 2, 3], prompt_len=4)])
+    assert draft == [4, 5, 6]
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
     [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
     assert draft[:1] == [8]
@@ -382,9 +390,9 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
         """The draft without cursors: the own tree's, unless the global tree's scores more."""
         state = drafter._requests[key]
-        own = state.tree.speculate(tokens[-24:], 8, own=True)
+        own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
         shared = drafter._global.get("")
-        theirs = shared.speculate(tokens[-24:], 8, beat=own.score) if shared is not None else own
+        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor, beat=own.score) if shared is not None else own
         return (theirs if theirs.score > own.score else own).tokens
 
     for n in range(30):
