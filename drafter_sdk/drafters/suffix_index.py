@@ -424,8 +424,11 @@ class SuffixIndex:
         depth = max(budget[shortest:found[0] + 1])
         buf, base = self._buf, self._base
         paths: dict[bytes, list[int]] = {}  # the next `depth` tokens -> [ends with them, the latest]
+        # While every end goes on the same way, each step has probability 1 and every length drafts the same
+        # path (cut to its budget): one walk, whose lengths are judged together once the paths branch.
+        pending: list[Any] | None = None  # tokens, probs, the longest and the shortest length they serve
         for i, length in enumerate(found):
-            if max(budget[shortest:length + 1]) <= best_score:
+            if pending is None and max(budget[shortest:length + 1]) <= best_score:
                 break  # no match this short or shorter can win
             for p in by_length[length]:
                 key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
@@ -439,11 +442,25 @@ class SuffixIndex:
                     seen[0] += 1
             # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
             low = found[i + 1] + 1 if i + 1 < len(found) else shortest
+            if pending is not None:
+                if len(paths) == 1:  # still the one path
+                    pending[3] = low
+                    continue
+                best, best_score = _keep_best(*pending, budget, best, best_score)
+                pending = None
             most = max(budget[low:length + 1])
             if most <= best_score:
                 continue
+            if len(paths) == 1:
+                path = array("i", next(iter(paths))).tolist()
+                if SEP in path:
+                    del path[path.index(SEP):]
+                pending = [path, [1.0] * len(path), length, low]
+                continue
             tokens, probs = _walk_paths(paths, most, min_prob)
             best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
+        if pending is not None:
+            best, best_score = _keep_best(*pending, budget, best, best_score)
         return best, best_score
 
     def _match_lengths(self, positions: array, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
