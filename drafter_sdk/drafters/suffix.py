@@ -10,7 +10,21 @@ Snowflake's Arctic Inference) keeps two kinds of suffix tree (suffix_index.py):
 
 Each step, both trees look for the context's last <= `max_tree_depth` tokens and
 propose their best-scoring greedy continuation; the higher score wins (the
-request's own tree on a tie). No match, no draft.
+request's own tree on a tie). No match, no draft. Each request keeps where its
+context matched in both trees (suffix_index.Cursor) and extends that by the
+tokens it gained at the next step.
+
+Two deliberate differences from Arctic Inference, for copy-heavy loops (an agent
+sending back its last answer with a small edit: the text to copy is in the
+request's own context), measured by replays against greedy outputs (README):
+
+- the own tree does not count the context's own end as an occurrence: it has no
+  continuation yet, and counting it halves the estimate of a passage seen once
+  before, which then loses to weaker evidence in the global tree;
+- `own_spec_factor` (2.0) caps a draft from the own tree at that many times its
+  match length; the global tree keeps `max_spec_factor` (vLLM's 1.0). After each
+  edit the match restarts short, and a factor of 1 drafts only as far as it
+  matched. own_spec_factor == max_spec_factor is vLLM's rule.
 
 As a service, one suffix drafter behind many verifiers learns from all of their
 outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's

@@ -19,11 +19,13 @@ tokens use running counts. Memory is a few words per token whatever
 A lookup reads the list of the rarest pair among the context's last tokens:
 every match through that pair is in it, and one comparison of each listed
 place against the context (a slice compare, or numpy for long lists) says how
-many tokens match there. Drafting then adds the places to a small trie of what
-follows them, longest match first, and walks that trie once per distinct match
-length: the places are read once per call, not once per length and step.
-Shorter matches, which only a more frequent pair lists, are looked up only
-while their draft could still beat the best one found.
+many tokens match there. Drafting then merges the places by the tokens that
+follow them, longest match first, and walks those weighted paths once per
+distinct match length (numpy walks for many places, skipping lengths whose first
+step already cannot win). Shorter matches, which only a more frequent pair
+lists, are looked up only while their draft could still beat the best one found.
+A context that grows step by step keeps its matches in a Cursor and extends them
+by the tokens it gained instead of looking them up again.
 
 Sequences sit in one int32 buffer, each after a separator (-1, never a token),
 so no match or continuation crosses from one sequence into another.
