@@ -127,7 +127,7 @@ class SuffixDrafter(Drafter):
 
     def state_bytes(self, key: Key) -> int:
         state = self._requests.get(key)
-        return state.tree.nbytes() if state is not None else 0
+        return state.tree.nbytes() + state.own.nbytes() + state.shared.nbytes() if state is not None else 0
 
     def shared_state_bytes(self) -> int:
         return sum(tree.nbytes() for tree in self._global.values())

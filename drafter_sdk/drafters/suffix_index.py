@@ -94,6 +94,10 @@ class Cursor:
     least: int = 0  # ends holds every match of this many tokens or more
     end: int = 0  # the index's end then (absolute): tokens after it were added since
 
+    def nbytes(self) -> int:
+        """Estimated memory held: two list slots and an int object per match and per pattern token."""
+        return 72 * len(self.ends) + 36 * len(self.pattern)
+
 
 class SuffixIndex:
     """Sequences and the counts of their suffix trie truncated at `max_depth`."""
