@@ -190,6 +190,8 @@ def test_the_better_scoring_tree_wins() -> None:
     assert draft == [8, 7, 6, 1, 2, 3]
     [draft] = drafter.prepare_draft_tokens([request("new", [0, 1, 2, 3], prompt_len=4)])
     assert draft == [4, 5, 6]
+    with pytest.raises(ValueError, match="own_spec_factor"):
+        SuffixDrafter(own_spec_factor=-1.0)
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
     [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
     assert draft[:1] == [8]
