@@ -395,7 +395,8 @@ class SuffixIndex:
         group = np.searchsorted(-found, -lengths)  # the group of each end: those of found[group] tokens
         following, ids = np.unique(np.frombuffer(self._buf, np.int32)[ends - (self._base - 1)], return_inverse=True)
         counts = np.bincount(ids.ravel() * len(found) + group, minlength=len(following) * len(found))
-        counts = counts.reshape(len(following), len(found)).cumsum(axis=1)  # by next token, ends of each group or longer
+        # By next token: the ends of each group or a longer one.
+        counts = counts.reshape(len(following), len(found)).cumsum(axis=1)
         totals = counts.sum(axis=0)
         if following[0] == SEP:  # the end of a sequence: no next token
             counts[0] = 0

@@ -394,7 +394,9 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
         state = drafter._requests[key]
         own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
         shared = drafter._global.get("")
-        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor, beat=own.score) if shared is not None else own
+        if shared is None:
+            return own.tokens
+        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor, beat=own.score)
         return (theirs if theirs.score > own.score else own).tokens
 
     for n in range(30):
