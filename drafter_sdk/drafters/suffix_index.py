@@ -19,11 +19,13 @@ tokens use running counts. Memory is a few words per token whatever
 A lookup reads the list of the rarest pair among the context's last tokens:
 every match through that pair is in it, and one comparison of each listed
 place against the context (a slice compare, or numpy for long lists) says how
-many tokens match there. Drafting then adds the places to a small trie of what
-follows them, longest match first, and walks that trie once per distinct match
-length: the places are read once per call, not once per length and step.
-Shorter matches, which only a more frequent pair lists, are looked up only
-while their draft could still beat the best one found.
+many tokens match there. Drafting then merges the places by the tokens that
+follow them, longest match first, and walks those weighted paths once per
+distinct match length (numpy walks for many places, skipping lengths whose first
+step already cannot win). Shorter matches, which only a more frequent pair
+lists, are looked up only while their draft could still beat the best one found.
+A context that grows step by step keeps its matches in a Cursor and extends them
+by the tokens it gained instead of looking them up again.
 
 Sequences sit in one int32 buffer, each after a separator (-1, never a token),
 so no match or continuation crosses from one sequence into another.
@@ -35,10 +37,10 @@ tree evicts first in, first out, so that is all eviction ever needs.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate
 from operator import itemgetter
@@ -55,8 +57,10 @@ _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair 
 _VECTOR_MIN = 48
 # A walk groups occurrences by what follows them, in plain Python up to this many; numpy above.
 _WALK_VECTOR_MIN = 256
-# Matches through up to this many places are drafted from a trie of what follows them; more, by numpy walks.
-_TRIE_MAX = 4096
+# Up to this many matches are drafted from the paths of what follows them; more, by numpy walks.
+_TRIE_MAX = 256
+# A cursor keeps at most this many matches (the longest), so that carrying them costs little.
+_CURSOR_MAX = 256
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
 
@@ -69,6 +73,30 @@ class Draft:
 
 
 NO_DRAFT = Draft([])
+
+
+@dataclass(eq=False)
+class Cursor:
+    """Where one growing context matched in one index, kept between calls.
+
+    The context only grows, by a few tokens a step. A match of m tokens that ended at position e
+    and is followed there by the k tokens the context gained is a match of m + k tokens ending at
+    e + k, and every match of m + k tokens either comes from one of m tokens so (its end k places
+    back was already in the index) or lies in a sequence added since. So a cursor that held every
+    match of `least` or more tokens needs no lookup for matches of least + k or more: only
+    shorter ones, when they could still win, and sequences added since are looked up again.
+    """
+    index: object | None = None  # the identity of the index it describes; None: nothing known
+    seen: int = 0  # the context's length then
+    pattern: list[int] = field(default_factory=list)  # its last max_depth tokens then
+    ends: list[int] = field(default_factory=list)  # where each match ends (absolute)
+    lengths: list[int] = field(default_factory=list)  # and how many tokens it matches
+    least: int = 0  # ends holds every match of this many tokens or more
+    end: int = 0  # the index's end then (absolute): tokens after it were added since
+
+    def nbytes(self) -> int:
+        """Estimated memory held: two list slots and an int object per match and per pattern token."""
+        return 72 * len(self.ends) + 36 * len(self.pattern)
 
 
 class SuffixIndex:
@@ -84,6 +112,7 @@ class SuffixIndex:
         self._next: dict[int, dict[int, int]] = {}  # token -> following token -> occurrences of the pair
         self._pairs: dict[int, array] = {}  # pair key -> absolute positions of its second token, ascending
         self._spans: deque[tuple[int, int]] = deque()  # (start, end) absolute of each sequence, oldest first
+        self._identity = object()  # what a Cursor of this index holds (not the index: it may be dropped)
         self.num_tokens = 0
 
     # --- contents ---
@@ -183,7 +212,8 @@ class SuffixIndex:
     # --- drafting ---
 
     def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float = 1.0,
-                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, beat: float = 0.0) -> Draft:
+                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, beat: float = 0.0,
+                  cursor: Cursor | None = None, own: bool = False) -> Draft:
         """The best-scoring draft over every match length of the context's last max_depth tokens.
 
         A match of m tokens drafts at most min(max_tokens, int(m * max_spec_factor +
@@ -191,120 +221,253 @@ class SuffixIndex:
         most recent), stopping before the estimated probability falls below
         min_token_prob. The draft with the highest score wins, the longer match on a
         tie; it must score above `beat` (another tree's best), or there is no draft.
+
+        With a `cursor`, `context` is the caller's whole context, which only grows from call to
+        call: the matches found last time are extended by the tokens added since (see Cursor).
+        `own`: the context is this index's newest sequence, whose own end is then no occurrence (it
+        has no continuation yet, so counting it would only lower every estimate).
         """
-        n = min(len(context), self.max_depth)
+        seen = len(context)
+        n = min(seen, self.max_depth)
         if n == 0 or max_tokens <= 0:
             return NO_DRAFT
-        pattern = _ints(context[len(context) - n:])
+        pattern = _ints(context[seen - n:])
         last = pattern[-1]
-        if last not in self._counts:
+        skip = self._spans[-1][1] - 1 if own and self._spans else None  # the context's own end
+        if self._counts.get(last, 0) <= (skip is not None):
+            if cursor is not None:
+                self._remember(cursor, seen, pattern, [], [], 2)  # no match at all
             return NO_DRAFT
         budget = _budgets(n, max_tokens, max_spec_factor, max_spec_offset, self.max_depth)
         if max(budget[1:]) <= beat:  # a draft of n tokens scores at most n
             return NO_DRAFT
+        best: tuple[list[int], int] | None = None  # tokens, match length
+        best_score = beat
+        top = n
+        while top >= 2 and budget[top] <= best_score:
+            top -= 1
+        known = self._advance(cursor, seen, pattern) if cursor is not None else None
+        if known is not None:
+            ends, lengths, least = known
+            best, best_score = self._best_of(ends, lengths, least, top, budget, min_token_prob, best, best_score,
+                                             skip)
+            top = min(top, least - 1)
         # pairs[j]: where the context's pair ending j tokens before its end occurs; a missing pair bounds the match.
         pairs: list[array] = []
         sizes: list[int] = []
         get = self._pairs.get
-        for j in range(n - 1):
-            positions = get((pattern[-j - 2] << _SHIFT) | pattern[-j - 1])
-            if positions is None:
-                break
-            pairs.append(positions)
-            sizes.append(len(positions))
-
-        best: tuple[list[int], int] | None = None  # tokens, match length
-        best_score = beat
-        top = len(pairs) + 1  # no match is longer
         while True:
             while top >= 2 and budget[top] <= best_score:  # a draft of n tokens scores at most n
                 top -= 1
             if top < 2:
                 break
+            if len(pairs) < top - 1:
+                positions = get((pattern[-len(pairs) - 2] << _SHIFT) | pattern[-len(pairs) - 1])
+                if positions is None:
+                    top = len(pairs) + 1  # no match is longer
+                else:
+                    pairs.append(positions)
+                    sizes.append(len(positions))
+                continue
             # A match of m tokens holds every pair of the context's last m: the rarest pair among the last
-            # `top` tokens, j before the end, lists every match of j + 2 to `top` tokens. Shorter ones,
+            # `top` tokens, j before the end, lists every match of j + 2 tokens or more. Shorter ones,
             # needed only while they could still beat the best, come from the next rarest.
             j = sizes.index(min(sizes[:top - 1]))
-            ends, lengths = self._match_lengths(pairs[j], j, pattern, top)
-            if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
-                best, best_score = self._best_by_trie(ends, lengths, j + 2, budget, min_token_prob, best, best_score)
-                top = j + 1
-                continue
-            found = np.unique(lengths)[::-1].tolist()
-            for i, length in enumerate(found):
-                # Matches of `shortest` to `length` tokens end at the same places: one walk serves them all.
-                shortest = found[i + 1] + 1 if i + 1 < len(found) else j + 2
-                most = max(budget[shortest:length + 1])
-                if most <= best_score:
-                    continue
-                tokens, probs = self._walk(ends[lengths >= length], most, 1.0, min_token_prob)
-                best, best_score = _keep_best(tokens, probs, length, shortest, budget, best, best_score)
+            # Lengths are counted up to what is known already (all of them, the first time).
+            limit = n if known is None else known[2] - 1
+            ends, lengths = self._match_lengths(pairs[j], j, pattern, limit)
+            best, best_score = self._best_of(ends, lengths, j + 2, top, budget, min_token_prob, best, best_score,
+                                             skip)
+            if known is not None:
+                ends, lengths = _restore_lengths(ends, lengths, limit, known)
+            known = (ends, lengths, j + 2)
             top = j + 1
+        if known is not None and cursor is not None:
+            self._remember(cursor, seen, pattern, *known)
         if budget[1] > best_score:
-            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob)
+            tokens, probs = self._walk_from_token(last, budget[1], min_token_prob, skip is not None)
             if sum(probs) > best_score:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
 
-    def _best_by_trie(self, ends: Any, lengths: Any, shortest: int, budget: list[int], min_prob: float,
-                      best: tuple[list[int], int] | None, best_score: float) -> tuple[tuple[list[int], int] | None, float]:
+    def _advance(self, cursor: Cursor, seen: int, pattern: list[int]) -> tuple[list[int], list[int], int] | None:
+        """The cursor's matches carried to the context grown to `seen` tokens ending in `pattern`: every
+        match of `least` or more tokens, as (ends, lengths, least); None when the cursor cannot tell."""
+        k = seen - cursor.seen
+        n = len(pattern)
+        least = cursor.least + k
+        if cursor.index is not self._identity or not cursor.least or k < 0 or least > n:
+            return None
+        old = cursor.pattern
+        if old[len(old) - (n - k):] != pattern[:n - k]:  # not the same context grown
+            return None
+        buf, base = self._buf, self._base
+        live = self._spans[0][0] if self._spans else base + len(buf)
+        ends: list[int] = []
+        lengths: list[int] = []
+        # A match of m >= least tokens whose end was a token k places back extends a match of m - k there.
+        if np is not None and len(cursor.ends) > _VECTOR_MIN:
+            was = np.asarray(cursor.ends, np.int64)
+            # The k tokens after each end (clipped: the buffer ends with a separator, which matches nothing;
+            # ends evicted since may lie before the buffer's start, and are dropped).
+            rows = np.clip(was[:, None] + (1 - base) + np.arange(k), 0, len(buf) - 1)
+            same = (was >= live) & (np.frombuffer(buf, np.int32)[rows] == np.array(pattern[n - k:], np.int32)).all(1)
+            ends = (was[same] + k).tolist()
+            lengths = np.minimum(np.asarray(cursor.lengths)[same] + k, n).tolist()
+        elif k == 1:
+            t = pattern[-1]
+            for e, m in zip(cursor.ends, cursor.lengths):
+                if e >= live and buf[e + 1 - base] == t:
+                    ends.append(e + 1)
+                    lengths.append(m + 1 if m < n else n)
+        elif k:
+            added = array("i", pattern[n - k:])
+            for e, m in zip(cursor.ends, cursor.lengths):
+                if e >= live and buf[e + 1 - base:e + 1 - base + k] == added:
+                    ends.append(e + k)
+                    lengths.append(min(m + k, n))
+        else:
+            for e, m in zip(cursor.ends, cursor.lengths):
+                if e >= live:
+                    ends.append(e)
+                    lengths.append(m)
+        # The others end k places or more after the index's end then: in sequences added since.
+        first = cursor.end - 1 + k
+        if base + len(buf) - 1 > first:
+            more, more_lengths = self._matches_after(pattern, least, first)
+            ends += more
+            lengths += more_lengths
+        return ends, lengths, least
+
+    def _matches_after(self, pattern: list[int], least: int, first: int) -> tuple[list[int], list[int]]:
+        """The matches of `least` or more tokens (least >= 2) that end at `first` or later."""
+        get = self._pairs.get
+        rarest, j = None, 0
+        for i in range(least - 1):
+            positions = get((pattern[-i - 2] << _SHIFT) | pattern[-i - 1])
+            if positions is None:
+                return [], []
+            if rarest is None or len(positions) < len(rarest):
+                rarest, j = positions, i
+        assert rarest is not None
+        tail = rarest[bisect_left(rarest, first - j):]
+        ends, lengths = self._match_lengths(tail, j, pattern, len(pattern))
+        if not isinstance(ends, list):
+            ends, lengths = ends.tolist(), lengths.tolist()
+        if j + 2 < least:
+            keep = [i for i, m in enumerate(lengths) if m >= least]
+            ends, lengths = [ends[i] for i in keep], [lengths[i] for i in keep]
+        return ends, lengths
+
+    def _remember(self, cursor: Cursor, seen: int, pattern: list[int], ends: Any, lengths: Any, least: int) -> None:
+        """Keep every match of `least` or more tokens in the cursor, fewer when there are too many."""
+        if len(ends) > _CURSOR_MAX:  # keep the longest: every match of a length with few enough longer ones
+            least = int(sorted(lengths, reverse=True)[_CURSOR_MAX]) + 1
+            keep = [i for i, m in enumerate(lengths) if m >= least]
+            ends, lengths = [int(ends[i]) for i in keep], [int(lengths[i]) for i in keep]
+        elif not isinstance(ends, list):
+            ends, lengths = ends.tolist(), lengths.tolist()
+        cursor.index, cursor.seen, cursor.pattern = self._identity, seen, pattern
+        cursor.ends, cursor.lengths, cursor.least = ends, lengths, least
+        cursor.end = self._base + len(self._buf)
+
+    def _best_of(self, ends: Any, lengths: Any, shortest: int, cap: int, budget: list[int], min_prob: float,
+                 best: tuple[list[int], int] | None, best_score: float,
+                 skip: int | None = None) -> tuple[tuple[list[int], int] | None, float]:
+        """The best draft over the matches (their ends and lengths) of `shortest` or more tokens, each counted
+        as at most `cap` long (a longer one can do no better), but the one ending at `skip`."""
+        if shortest > cap:
+            return best, best_score
+        if skip is not None:
+            if isinstance(ends, list):
+                if skip in ends:
+                    i = ends.index(skip)
+                    ends, lengths = ends[:i] + ends[i + 1:], lengths[:i] + lengths[i + 1:]
+            else:
+                keep = ends != skip
+                ends, lengths = ends[keep], lengths[keep]
+        if isinstance(lengths, list) or len(lengths) <= _TRIE_MAX:
+            return self._best_by_paths(ends, lengths, shortest, cap, budget, min_prob, best, best_score)
+        lengths = np.minimum(lengths, cap)
+        found = np.unique(lengths)[::-1]
+        # Every step's probability is at most the first one's, the most frequent next token's share: a
+        # walk of `most` tokens scores at most most * that, so most groups of many ends need no walk.
+        group = np.searchsorted(-found, -lengths)  # the group of each end: those of found[group] tokens
+        following, ids = np.unique(np.frombuffer(self._buf, np.int32)[ends - (self._base - 1)], return_inverse=True)
+        counts = np.bincount(ids.ravel() * len(found) + group, minlength=len(following) * len(found))
+        # By next token: the ends of each group or a longer one.
+        counts = counts.reshape(len(following), len(found)).cumsum(axis=1)
+        totals = counts.sum(axis=0)
+        if following[0] == SEP:  # the end of a sequence: no next token
+            counts[0] = 0
+        shares = (counts.max(axis=0) / totals).tolist()
+        found = found.tolist()
+        for i, length in enumerate(found):
+            # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
+            low = found[i + 1] + 1 if i + 1 < len(found) else shortest
+            most = max(budget[low:length + 1])
+            if most <= best_score or most * shares[i] < best_score - 1e-9:  # (rounding: a tie is walked)
+                continue
+            tokens, probs = self._walk(ends[lengths >= length], most, 1.0, min_prob)
+            best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
+        return best, best_score
+
+    def _best_by_paths(self, ends: Any, lengths: Any, shortest: int, cap: int, budget: list[int], min_prob: float,
+                       best: tuple[list[int], int] | None, best_score: float
+                       ) -> tuple[tuple[list[int], int] | None, float]:
         """The best draft over matches of `shortest` or more tokens, given where they end and how long each is.
 
-        Longest first, each distinct length adds its ends to a trie of what follows them (a node: how many
-        pass through it, the latest of them, its children), and the greedy walk reads that trie: the
-        occurrences are read once, not once for each length."""
+        Longest first, each distinct length adds its ends to the paths of what follows them (ends with the
+        same next tokens merged into one: how many, the latest of them), and a greedy walk reads the paths:
+        the occurrences are read once, not once for each length."""
         if not isinstance(ends, list):
             ends, lengths = ends.tolist(), lengths.tolist()
         by_length: dict[int, list[int]] = {}
         for e, length in zip(ends, lengths):
-            by_length.setdefault(length, []).append(e)
+            by_length.setdefault(length if length < cap else cap, []).append(e)
         if not by_length:
             return best, best_score
         found = sorted(by_length, reverse=True)
         depth = max(budget[shortest:found[0] + 1])
         buf, base = self._buf, self._base
-        root: list[Any] = [0, -1, {}]
+        paths: dict[bytes, list[int]] = {}  # the next `depth` tokens -> [ends with them, the latest]
+        # While every end goes on the same way, each step has probability 1 and every length drafts the same
+        # path (cut to its budget): one walk, whose lengths are judged together once the paths branch.
+        pending: list[Any] | None = None  # tokens, probs, the longest and the shortest length they serve
         for i, length in enumerate(found):
-            # Ends with the same next `depth` tokens go in as one (the separator ending a sequence ends a path).
-            paths: dict[bytes, list[int]] = {}
+            if pending is None and max(budget[shortest:length + 1]) <= best_score:
+                break  # no match this short or shorter can win
             for p in by_length[length]:
                 key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
                 seen = paths.get(key)
                 if seen is None:
                     paths[key] = [1, p]
+                elif p > seen[1]:
+                    seen[0] += 1
+                    seen[1] = p
                 else:
                     seen[0] += 1
-                    seen[1] = max(seen[1], p)
-            for key, (weight, latest) in paths.items():
-                node = root
-                node[0] += weight
-                node[1] = max(node[1], latest)
-                for t in array("i", key):
-                    if t == SEP:
-                        break
-                    child = node[2].get(t)
-                    if child is None:
-                        child = node[2][t] = [0, -1, {}]
-                    child[0] += weight
-                    child[1] = max(child[1], latest)
-                    node = child
             # Matches of `low` to `length` tokens end at the same places: one walk serves them all.
             low = found[i + 1] + 1 if i + 1 < len(found) else shortest
+            if pending is not None:
+                if len(paths) == 1:  # still the one path
+                    pending[3] = low
+                    continue
+                best, best_score = _keep_best(*pending, budget, best, best_score)
+                pending = None
             most = max(budget[low:length + 1])
             if most <= best_score:
                 continue
-            tokens: list[int] = []
-            probs: list[float] = []
-            node, prob = root, 1.0
-            while len(tokens) < most and node[2]:
-                t, child = max(node[2].items(), key=_count_then_latest)  # ties: the most recent
-                prob *= child[0] / node[0]
-                if prob < min_prob:
-                    break
-                tokens.append(t)
-                probs.append(prob)
-                node = child
+            if len(paths) == 1:
+                path = array("i", next(iter(paths))).tolist()
+                if SEP in path:
+                    del path[path.index(SEP):]
+                pending = [path, [1.0] * len(path), length, low]
+                continue
+            tokens, probs = _walk_paths(paths, most, min_prob)
             best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
+        if pending is not None:
+            best, best_score = _keep_best(*pending, budget, best, best_score)
         return best, best_score
 
     def _match_lengths(self, positions: array, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
@@ -345,8 +508,10 @@ class SuffixIndex:
             lengths.append(length)
         return ends, lengths
 
-    def _walk_from_token(self, token: int, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
-        """A draft after a single-token match: the first step from the running counts."""
+    def _walk_from_token(self, token: int, budget: int, min_prob: float,
+                         skip_one: bool = False) -> tuple[list[int], list[float]]:
+        """A draft after a single-token match: the first step from the running counts (less one occurrence,
+        the context's own end, with `skip_one`)."""
         following = self._next.get(token)
         if not following:
             return [], []
@@ -354,7 +519,7 @@ class SuffixIndex:
         tied = [t for t, c in following.items() if c == top]
         # Ties go to the token seen most recently after `token`.
         child = tied[0] if len(tied) == 1 else max(tied, key=lambda t: self._pairs[(token << _SHIFT) | t][-1])
-        prob = top / self._counts[token]
+        prob = top / (self._counts[token] - skip_one)
         if prob < min_prob:
             return [], []
         tokens, probs = self._walk(_occurrences(self._pairs[(token << _SHIFT) | child]), budget - 1, prob, min_prob)
@@ -449,8 +614,56 @@ def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: i
     return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
 
 
-def _count_then_latest(item: tuple[int, list]) -> tuple[int, int]:
-    return item[1][0], item[1][1]
+def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """The greedy walk over weighted paths (each the next tokens of its ends, as int32 bytes; a separator
+    ends it): at most `most` tokens, each the most frequent next token (ties: the latest end), stopping
+    before the estimated probability falls below `min_prob`."""
+    if len(paths) == 1:  # every end goes on the same way: each step has probability 1
+        path = array("i", next(iter(paths)))[:most].tolist()
+        if SEP in path:
+            del path[path.index(SEP):]
+        return path, [1.0] * len(path)
+    alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
+    total = sum(weight for _, weight, _ in alive)
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    for depth in range(most):
+        tally: dict[int, list[int]] = {}
+        for path, weight, latest in alive:
+            if depth < len(path):
+                t = path[depth]
+                if t == SEP:
+                    continue
+                counted = tally.get(t)
+                if counted is None:
+                    tally[t] = [weight, latest]
+                else:
+                    counted[0] += weight
+                    if latest > counted[1]:
+                        counted[1] = latest
+        if not tally:
+            break
+        child, (count, _) = max(tally.items(), key=itemgetter(1))  # ties: the most recent
+        prob *= count / total
+        if prob < min_prob:
+            break
+        tokens.append(child)
+        probs.append(prob)
+        if count != total:  # some went another way or ended here
+            alive = [a for a in alive if depth < len(a[0]) and a[0][depth] == child]
+        total = count
+    return tokens, probs
+
+
+def _restore_lengths(ends: Any, lengths: Any, top: int, known: tuple[list[int], list[int], int]
+                     ) -> tuple[list[int], list[int]]:
+    """Matches counted up to `top` tokens, with the true length of those that matched all `top` (each of
+    them is among the `known` ones: every match of more than `top` tokens)."""
+    if not isinstance(ends, list):
+        ends, lengths = ends.tolist(), lengths.tolist()
+    longer = dict(zip(known[0], known[1]))
+    return ends, [longer.get(e, m) if m == top else m for e, m in zip(ends, lengths)]
 
 
 def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],

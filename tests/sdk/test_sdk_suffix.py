@@ -28,12 +28,15 @@ def _occurrences(seqs: list[list[int]], pattern: list[int]) -> list[tuple[int, i
 
 
 def reference(seqs: list[list[int]], context: list[int], depth: int, max_tokens: int, factor: float = 1.0,
-              offset: float = 0.0, min_prob: float = 0.1) -> tuple[list[int], float, int]:
+              offset: float = 0.0, min_prob: float = 0.1, own: bool = False) -> tuple[list[int], float, int]:
     """Arctic Inference's rule, spelled out: every match length from 1 up while the context's suffix occurs,
-    a greedy path of most frequent children (ties: the latest occurrence), the best score (ties: longer)."""
+    a greedy path of most frequent children (ties: the latest occurrence), the best score (ties: longer).
+    `own`: the context is the last sequence, and its own end is no occurrence."""
     best: tuple[list[int], float, int] = ([], 0.0, 0)
     for m in range(1, min(len(context), depth) + 1):
         occ = _occurrences(seqs, context[len(context) - m:])
+        if own:
+            occ.remove((len(seqs) - 1, len(seqs[-1]) - 1))
         if not occ:
             break
         budget = min(max_tokens, int(m * factor + offset + 1e-6), depth - m)
@@ -93,6 +96,11 @@ def test_the_index_drafts_exactly_what_a_suffix_trie_would(vectorized) -> None: 
             tokens, score, match_len = reference(seqs, context, depth, *knobs)
             assert (got.tokens, got.match_len) == (tokens, match_len)
             assert got.score == pytest.approx(score)
+            if seqs[-1]:  # the last sequence as the context, without its own end (a request's own tree)
+                got = index.speculate(seqs[-1], *knobs, own=True)
+                tokens, score, match_len = reference(seqs, seqs[-1], depth, *knobs, own=True)
+                assert (got.tokens, got.match_len) == (tokens, match_len)
+                assert got.score == pytest.approx(score)
 
 
 def test_recurring_phrases_draft_exactly_what_a_suffix_trie_would(vectorized) -> None:  # noqa: ANN001
@@ -144,7 +152,7 @@ def test_token_buffers_other_than_lists_draft_the_same() -> None:
     drafter = SuffixDrafter()
     [as_list] = drafter.prepare_draft_tokens([request("a", history)])
     [as_array] = drafter.prepare_draft_tokens([request("b", array("i", history))])  # type: ignore[arg-type]
-    assert as_list == as_array == [3, 9]
+    assert as_list == as_array == [3, 9, 1, 2]  # a match of 2 in the own tree drafts up to 2 * 2
 
 
 def test_the_tree_depth_bounds_match_plus_draft() -> None:
@@ -159,18 +167,31 @@ def test_the_tree_depth_bounds_match_plus_draft() -> None:
 
 
 def test_the_better_scoring_tree_wins() -> None:
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(own_spec_factor=1.0)
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
-    # The request's own context says [1, 2, 3] -> 5, 0, 1 with probability 1/2 each (the context's own
-    # tail is an occurrence too): score 1.5, against 3 for the global tree's 4, 5, 6.
-    own = [1, 2, 3, 5, 0, 1, 2, 3]
+    # The request's own context says [1, 2, 3] -> 5, 0, 1 or 9, 1, 2 (its own end is no occurrence), the
+    # latest on the tie, with probability 1/2 each: score 1.5, against 3 for the global tree's 4, 5, 6.
+    own = [1, 2, 3, 5, 0, 1, 2, 3, 9, 1, 2, 3]
     alone = SuffixIndex(24)
     alone.add(own)
-    mine = alone.speculate(own, 8)
-    assert (mine.tokens, mine.score) == ([5, 0, 1], pytest.approx(1.5))
-    [draft] = drafter.prepare_draft_tokens([request("new", own, prompt_len=8)])
+    mine = alone.speculate(own, 8, own=True)
+    assert (mine.tokens, mine.score) == ([9, 1, 2], pytest.approx(1.5))
+    [draft] = drafter.prepare_draft_tokens([request("new", own, prompt_len=12)])
     assert draft == [4, 5, 6]
+    # Once the own tree scores as much (one more occurrence, no other continuation), it wins the tie.
+    [draft] = drafter.prepare_draft_tokens([request("tie", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
+    assert draft == [8, 7, 6]
+    # By default a match in the own context may draft twice its length (the global tree's factor stays 1).
+    drafter = SuffixDrafter()
+    for i in range(3):
+        finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
+    [draft] = drafter.prepare_draft_tokens([request("own", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
+    assert draft == [8, 7, 6, 1, 2, 3]
+    [draft] = drafter.prepare_draft_tokens([request("new", [0, 1, 2, 3], prompt_len=4)])
+    assert draft == [4, 5, 6]
+    with pytest.raises(ValueError, match="own_spec_factor"):
+        SuffixDrafter(own_spec_factor=-1.0)
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
     [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
     assert draft[:1] == [8]
@@ -309,3 +330,92 @@ def test_the_global_tree_size_is_a_metric():
             assert value(await scrape(c.running.metrics_port), "shared_state_bytes") == drafter.shared_state_bytes() > 0
 
     asyncio.run(body())
+
+
+def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized) -> None:  # noqa: ANN001
+    """A context growing by a few tokens a step, its matches carried by cursors in its own tree and in a
+    global one that gains and evicts sequences meanwhile; steps skipped, drafts cut short by `beat`."""
+    rng = random.Random(5)
+    for _ in range(12):
+        vocab, depth = rng.choice([2, 3, 8]), rng.choice([4, 8, 24])
+        shared, own = SuffixIndex(depth), SuffixIndex(depth)
+        phrases = [[rng.randrange(vocab) for _ in range(rng.randint(2, 12))] for _ in range(4)]
+        for _ in range(rng.randint(0, 5)):
+            shared.add([t for _ in range(rng.randint(1, 8)) for t in rng.choice(phrases)])
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        own.add(context)
+        mine, theirs = suffix_index.Cursor(), suffix_index.Cursor()
+        for _ in range(60):
+            grow = rng.choice(phrases)[:rng.randint(0, 5)] if rng.random() < 0.7 else [
+                rng.randrange(vocab) for _ in range(rng.randint(0, 30))]  # now and then a long jump
+            context += grow
+            own.extend(grow)
+            if rng.random() < 0.3:
+                shared.add(context[rng.randrange(len(context)):] if rng.random() < 0.5 else rng.choice(phrases))
+            if rng.random() < 0.2 and len(shared) > 1:
+                shared.evict_oldest()
+            if rng.random() < 0.2:
+                continue  # no draft asked this step: the cursors fall behind
+            knobs = (rng.randint(1, 10), rng.choice([1.0, 2.0]), rng.choice([0.0, 1.0]), rng.choice([0.0, 0.1, 0.3]),
+                     rng.choice([0.0, 0.0, 1.0, 2.5]))
+            for index, cursor in ((own, mine), (shared, theirs)):
+                got = index.speculate(context, *knobs, cursor=cursor, own=index is own)
+                want = index.speculate(context[-depth:], *knobs, own=index is own)
+                assert (got.tokens, got.match_len) == (want.tokens, want.match_len)
+                assert got.score == pytest.approx(want.score)
+
+
+def test_a_cursor_forgets_matches_in_evicted_sequences(vectorized) -> None:  # noqa: ANN001
+    rng = random.Random(2)
+    copied = [rng.randrange(1000) for _ in range(60)]
+    for grown in (1, 2):
+        shared = SuffixIndex(24)
+        shared.add(copied)
+        shared.add([rng.randrange(1000) for _ in range(60)])
+        cursor = suffix_index.Cursor()
+        context = [7] + copied[:20]
+        assert shared.speculate(context, 8, cursor=cursor).tokens == copied[20:28]
+        shared.evict_oldest()
+        shared.add(copied[15:20 + grown + 1])  # a short copy: the long match is gone, a short one is new
+        context += copied[20:20 + grown]
+        assert shared.speculate(context, 8, cursor=cursor).tokens == [copied[20 + grown]]
+
+
+def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
+    """Through the servicer: resyncs, replaced contexts, releases that feed (and evict from) the global tree."""
+    drafter = SuffixDrafter(max_cached_requests=4)
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+    rng = random.Random(9)
+    phrases = [[rng.randrange(20) for _ in range(rng.randint(3, 10))] for _ in range(6)]
+
+    def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
+        """The draft without cursors: the own tree's, unless the global tree's scores more."""
+        state = drafter._requests[key]
+        own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
+        shared = drafter._global.get("")
+        if shared is None:
+            return own.tokens
+        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor, beat=own.score)
+        return (theirs if theirs.score > own.score else own).tokens
+
+    for n in range(30):
+        rid = f"r{n % 5}"  # ids come back: a full context then replaces the old one
+        truth = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(phrases)]
+        sent = 0
+        for _ in range(rng.randint(1, 12)):
+            truth += rng.choice(phrases)[:rng.randint(1, 5)]
+            if rng.random() < 0.1:
+                sent = len(truth) + 1  # a gap: the drafter asks for a resync
+            response = servicer.prepare(pb.PrepareDraftTokensRequest(verifier_id="v", sequences=[pb.DraftSequence(
+                request_id=rid, context_len=sent, new_tokens=truth[sent:] if sent <= len(truth) else [],
+                prompt_len=1, draft_len=8)]))
+            result = response.results[0]
+            if result.status != pb.DRAFT_STATUS_OK:
+                sent = 0
+                continue
+            sent = len(truth)
+            assert list(result.draft_tokens) == fresh(("v", rid), truth)
+        if rng.random() < 0.7:
+            servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[rid], reasons=[
+                rng.choice([pb.RELEASE_REASON_FINISHED, pb.RELEASE_REASON_CANCELLED])]))
