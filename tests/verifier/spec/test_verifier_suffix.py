@@ -58,12 +58,13 @@ def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
     sx = config.suffix
     assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
-    assert sx.min_token_prob == pytest.approx(0.1)
+    assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 2.0
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
     explicit.suffix.max_cached_requests = 0  # set to 0: no global tree, as in vLLM (not the default)
     assert validate(explicit).suffix.max_cached_requests == 0
-    for field, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", -1.0)):
+    for field, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", -1.0),
+                         ("own_spec_factor", -1.0)):
         bad = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
         setattr(bad.suffix, field, value)
         with pytest.raises(ConfigError, match=field):
