@@ -8,13 +8,6 @@ outputs, handed over once per step (`call_soon_threadsafe`), and what comes back
 requests and cancellations (`submit`, `cancel`, under one lock with the scheduler's own
 boundaries). The servers keep answering (health, new requests, cancellations) during a
 forward.
-
-Where the hand-over goes matters at batch 1: waking the servers' loop hands it the GIL, and
-the model thread waits while that loop streams the outputs (measured 0.6 ms a step on 2
-cores). After a step that called the drafter, the outputs are handed over at the next
-step's drafter call instead, a few microseconds later: a remote call waits on the network
-without the GIL, so the servers stream meanwhile, off the step's critical path. Without a
-drafter call there is no such wait, and they are handed over at once.
 """
 
 from __future__ import annotations
@@ -57,7 +50,6 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._forward_s = 0.0  # the last step's runner.forward
-        self._pending: list[tuple[Sequence, Output]] = []  # outputs kept for the next drafter call
 
     def start(self) -> None:
         """Run the decoding loop on the model thread; outputs are delivered to the calling loop."""
@@ -76,7 +68,6 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._post([])
         self.runner.close()
         if self.drafter is not None:
             await self.drafter.close()
@@ -105,7 +96,6 @@ class Engine:
         while True:
             if not self.scheduler.has_work():
                 previous = None
-                self._post([])
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -138,7 +128,6 @@ class Engine:
             cache = self.scheduler.prefix_cache
             self.metrics.observe_prefix_cache(cache.queries, cache.hits)
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
-            self._post([])
             return
         reply = await self._draft(plan)
         new_tokens, plan.logprobs = self._verify(plan)
@@ -150,17 +139,14 @@ class Engine:
         none: list[list[int]] = [[] for _ in plan.decodes]
         plan.drafts, plan.shadows, plan.parents = none, none, none
         if self.drafter is None or not any(plan.draft_asks):
-            self._post([])  # no call to wait on: the last step's outputs go now
             return None
         # Token trees where the drafter drafts them: a tree's depth is its draft length.
         nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
-        queries = [
+        reply = await self.drafter.propose([
             DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.drafter_sync, s.spec.last_num_drafted,
                        s.spec.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, m)
-            for s, k, m in zip(plan.decodes, plan.draft_asks, nodes)]
-        self._post([])  # the servers stream the last step's outputs while the call is out
-        reply = await self.drafter.propose(queries)
+            for s, k, m in zip(plan.decodes, plan.draft_asks, nodes)])
         for seq, failed in zip(plan.decodes, reply.failed):
             seq.stats.num_drafter_failures += failed
         plan.parents = reply.parents or none
@@ -194,16 +180,10 @@ class Engine:
                 (stats.calls, stats.failures, stats.skipped, stats.resyncs) if stats is not None else None,
                 reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
         self._release(finished)
-        # Last: a request sees its end once the engine is done with it.
-        if reply is not None and self._front is not None and self.scheduler.has_work():
-            self._pending += plan.outputs  # handed over at the next step's drafter call
-        else:
-            self._post(plan.outputs)
+        self._post(plan.outputs)  # last: a request sees its end once the engine is done with it
 
     def _post(self, outputs: list[tuple[Sequence, Output]]) -> None:
-        """Hand the outputs kept back, then `outputs`, to their requests' queues, on the servers'
-        loop, in one hop."""
-        outputs, self._pending = self._pending + outputs, []
+        """Hand a step's outputs to their requests' queues, on the servers' loop, in one hop."""
         if not outputs:
             return
         if self._front is None:  # not started: the caller's loop is the one stepping
