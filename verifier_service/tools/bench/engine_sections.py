@@ -2,14 +2,20 @@
 
 - overhead: per-step overhead (the step period minus its forward, read from the verifier's
   splitspec:engine_step_overhead_seconds histogram) at batch 1, plain and with the remote
-  n-gram drafter, and plain decoding's speed against 1 / (one-token forward time);
+  n-gram drafter, and plain decoding's speed against 1 / (one-token forward time). That
+  forward is timed like for like: one token after as many cached tokens as the decode's
+  steps have (its prompt's length, then up to the last token), not at a fixed context.
+  With the remote drafter, the call's round trip as the verifier sees it and the drafter's
+  own handling time (its splitspec_drafter_call_latency_seconds) are read beside it, so the
+  overhead splits into the network and the drafter's server, and the rest (ours);
 - prefill-gap: three plain streams' inter-token gaps while a long prompt is admitted, with the
   default chunked prefill and with the whole prompt in one step;
 - multi-turn: time to first token of each turn of a chat over a long document, with prefix
   caching on and off (the outputs must be identical).
 
-Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching; each section
-uses prompts of its own, so no cached prefix crosses from one section to another.
+Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching, and one n-gram
+drafter (with /metrics); each section uses prompts of its own, so no cached prefix crosses from one
+section to another.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -71,21 +78,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: list[str], drafter_address: str,
-        one_token_forward_s: float, out: Path) -> dict:
-    """Run the chosen sections; print their tables; write out/engine.json."""
+def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: list[str],
+        forward_s: Callable[[int], float], out: Path) -> dict:
+    """Run the chosen sections; print their tables; write out/engine.json. `forward_s(n)`: the
+    one-token forward's seconds after n cached tokens."""
     chosen = sections(args)
-    spec = ["--speculative-mode", "user_provided", "--drafter-target", drafter_address, *common]
     results: dict = {}
-    metrics_port = free_port()
+    metrics_port, drafter_metrics_port = free_port(), free_port()
     with contextlib.ExitStack() as stack:
+        drafter = stack.enter_context(LocalService(
+            [script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+             "--max-matching-ngram-size", str(args.ngram_size), "--metrics-port", str(drafter_metrics_port)],
+            name="drafter", startup_timeout_s=STARTUP_TIMEOUT_S))
+        spec = ["--speculative-mode", "user_provided", "--drafter-target", drafter.address, *common]
+
         def verifier(name: str, *extra: str) -> LocalService:
             print(f"starting verifier-{name} ...", flush=True)
             return stack.enter_context(LocalService([script("splitspec-verifier"), *spec, *extra],
                                                     name=f"verifier-{name}", startup_timeout_s=STARTUP_TIMEOUT_S))
         default = verifier("default", "--metrics-port", str(metrics_port))
         if "overhead" in chosen:
-            results["overhead"] = _overhead(default, metrics_port, tokenizer, args, one_token_forward_s)
+            results["overhead"] = _overhead(default, (metrics_port, drafter_metrics_port), tokenizer, args,
+                                            forward_s)
         if "prefill-gap" in chosen:
             long_prompt = document(tokenizer, args.long_prompt_tokens)
             unchunked = verifier("unchunked", "--max-num-batched-tokens", str(UNCHUNKED))
@@ -101,33 +115,69 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
 
 # --- overhead -------------------------------------------------------------------------------------
 
-def _overhead(v: LocalService, port: int, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
-              one_token_forward_s: float) -> dict:
+def _overhead(v: LocalService, ports: tuple[int, int], tokenizer: PreTrainedTokenizerBase,
+              args: argparse.Namespace, forward_s: Callable[[int], float]) -> dict:
+    """`ports`: the verifier's and the drafter's /metrics."""
     prompt = workloads.build(["grounded"], 1, tokenizer)[0].token_ids
+    n = args.max_new_tokens
+    # Like for like: the forward after as many cached tokens as the decode's steps see, from the
+    # prompt's length to its last token (the cost grows with the context; the mean of three points).
+    contexts = [len(prompt), len(prompt) + n // 2, len(prompt) + n - 1]
+    decode_forward_s = statistics.mean(forward_s(c) for c in contexts)
     rows = []
     client = Client(v.address)
     client.stream(prompt[:32], 8, speculate=False)  # warm-up
     for label, speculate in (("plain", False), ("remote n-gram", True)):
-        before = _overhead_buckets(port)
-        arrivals, _ = client.stream(prompt, args.max_new_tokens, speculate=speculate)
+        before = [_histograms(p) for p in ports]
+        arrivals, _ = client.stream(prompt, n, speculate=speculate)
         # Decoding's own rate: tokens after the first over the time after the first (prefill excluded).
         seconds = max(arrivals[-1] - arrivals[0], 1e-9)
-        after = _overhead_buckets(port)
-        delta = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
-        rows.append({"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
-                     "p99_ms": 1000 * _quantile(delta, 0.99),
-                     "tok_s": (len(arrivals) - 1) / seconds,
-                     "x_ideal": (len(arrivals) - 1) / seconds * one_token_forward_s})
+        after = [_histograms(p) for p in ports]
+        delta = _delta(after[0], before[0], OVERHEAD)
+        row = {"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
+               "p99_ms": 1000 * _quantile(delta, 0.99), "tok_s": (len(arrivals) - 1) / seconds,
+               "x_ideal": (len(arrivals) - 1) / seconds * decode_forward_s}
+        if speculate:  # the drafter call: its round trip, and the drafter's own handling of it
+            row["call_ms"] = 1000 * _mean(after[0], before[0], ROUND_TRIP)
+            row["drafter_server_ms"] = 1000 * _mean(after[1], before[1], DRAFTER_HANDLING)
+        rows.append(row)
     client.close()
-    return {"one_token_forward_ms": 1000 * one_token_forward_s, "rows": rows}
+    return {"one_token_forward_ms": 1000 * decode_forward_s, "contexts": contexts, "rows": rows}
 
 
-def _overhead_buckets(port: int) -> list[tuple[float, float]]:
+OVERHEAD = "splitspec:engine_step_overhead_seconds"
+ROUND_TRIP = "splitspec:drafter_call_latency_seconds"
+DRAFTER_HANDLING = 'splitspec_drafter_call_latency_seconds{method="PrepareDraftTokens"}'
+
+
+def _histograms(port: int) -> dict[str, list[tuple[float, float]]]:
+    """Every histogram of a /metrics page: name (with its labels but le) -> [(le, cumulative count)],
+    plus name + "_sum" and "_count" -> [(0, value)]."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[tuple[float, float]]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "splitspec:engine_step_overhead_seconds":
-            return [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
-    raise RuntimeError("the verifier exports no splitspec:engine_step_overhead_seconds")
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "le")
+            key = family.name + (f"{{{labels}}}" if labels else "")
+            if sample.name.endswith("_bucket"):
+                out.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+            else:
+                out[key + sample.name[len(family.name):]] = [(0.0, sample.value)]
+    return out
+
+
+def _delta(after: dict, before: dict, name: str) -> list[tuple[float, float]]:
+    if name not in after:
+        raise RuntimeError(f"no {name} histogram exported")
+    return [(le, a - b) for (le, a), (_, b) in zip(after[name], before.get(name, [(le, 0.0) for le, _ in after[name]]))]
+
+
+def _mean(after: dict, before: dict, name: str) -> float:
+    """Mean observation between two scrapes (nan if none)."""
+    count = _delta(after, before, name + "_count")[0][1]
+    return _delta(after, before, name + "_sum")[0][1] / count if count else float("nan")
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
@@ -242,11 +292,16 @@ def _print(results: dict) -> None:
     if "overhead" in results:
         o = results["overhead"]
         print(f"\nPer-step overhead at batch 1 (step period - forward; one-token forward "
-              f"{o['one_token_forward_ms']:.1f} ms)")
-        print(f"{'system':<16}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}")
+              f"{o['one_token_forward_ms']:.1f} ms after {o['contexts'][0]}-{o['contexts'][-1]} cached tokens, "
+              f"as the decode's steps)")
+        print(f"{'system':<16}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}"
+              f"{'call ms':>9}{'drafter ms':>12}")
         for r in o["rows"]:
+            call = f"{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}" if "call_ms" in r else ""
             print(f"{r['system']:<16}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
-                  f"{r['x_ideal']:>13.2f}")
+                  f"{r['x_ideal']:>13.2f}{call}")
+        print("call ms: the drafter call's mean round trip as the verifier sees it; drafter ms: the mean of "
+              "the drafter's own handling of it (from receiving the call to answering it)")
     if "prefill_gap" in results:
         print("\nThree plain streams while a long prompt is prefilled")
         print(f"{'config':<20}{'prompt':>7}{'median gap ms':>15}{'max gap ms':>12}{'max/median':>12}"

@@ -127,9 +127,7 @@ def main(args: argparse.Namespace) -> int:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
     if args.engine_only:
-        with _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter:
-            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
+        engine_sections.run(args, tokenizer, common, lambda n: _forward_costs(model, 0, n)[1], out)
         return 0
     draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
     if args.draft_model and args.draft_model_only:
@@ -215,7 +213,7 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
         if args.engine_sections:
             for verifier in (remote, local, sremote, slocal):
                 verifier.stop()  # the engine sections start their own verifiers
-            engine_sections.run(args, tokenizer, common, drafter.address, seconds[1], out)
+            engine_sections.run(args, tokenizer, common, lambda n: _forward_costs(model, 0, n)[1], out)
 
 
 def _draft_model_figures(args: argparse.Namespace, draft_path: str | None, prompts: list[workloads.Prompt],
@@ -249,11 +247,12 @@ def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
     return 0
 
 
-def _forward_costs(model: torch.nn.Module, max_draft_len: int) -> dict[int, float]:
-    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=512)
+def _forward_costs(model: torch.nn.Module, max_draft_len: int, context_len: int = 256) -> dict[int, float]:
+    """Seconds of a forward by tokens in it, after `context_len` cached tokens."""
+    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max(512, 2 * (context_len + max_draft_len + 1)))
     runner = ModelRunner(model, KVCache(shape, model.dtype, model.device))
     try:  # with the linear layouts the verifiers choose; the transformers systems then get the model back as loaded
-        return step_costs.tune_and_measure(runner, step_costs.probe_points(max_draft_len, 0), context_len=256,
+        return step_costs.tune_and_measure(runner, step_costs.probe_points(max_draft_len, 0), context_len=context_len,
                                            repeats=7, statistic=statistics.median)
     finally:
         runner.close()
