@@ -546,39 +546,7 @@ class SuffixIndex:
             else:
                 seen[0] += 1
                 seen[1] = p
-        if len(paths) == 1:  # every occurrence goes on the same way: each step has probability 1
-            if prob < min_prob:
-                return [], []
-            path = array("i", next(iter(paths))).tolist()
-            if SEP in path:
-                del path[path.index(SEP):]
-            return path, [prob] * len(path)
-        alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
-        total = len(occ)
-        tokens: list[int] = []
-        probs: list[float] = []
-        for depth in range(budget):
-            tally: dict[int, list[int]] = {}
-            for path, weight, latest in alive:
-                if depth < len(path) and path[depth] != SEP:
-                    t = path[depth]
-                    counted = tally.get(t)
-                    if counted is None:
-                        tally[t] = [weight, latest]
-                    else:
-                        counted[0] += weight
-                        counted[1] = max(counted[1], latest)
-            if not tally:
-                break
-            child, (count, _) = max(tally.items(), key=itemgetter(1))  # ties: the most recent
-            prob *= count / total
-            if prob < min_prob:
-                break
-            alive = [a for a in alive if len(a[0]) > depth and a[0][depth] == child]
-            total = count
-            tokens.append(child)
-            probs.append(prob)
-        return tokens, probs
+        return _walk_paths(paths, budget, min_prob, prob)
 
     def _walk_vectorized(self, occ: Any, budget: int, prob: float,
                          min_prob: float) -> tuple[list[int], list[float]]:
@@ -614,20 +582,22 @@ def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: i
     return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
 
 
-def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float) -> tuple[list[int], list[float]]:
+def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float,
+                prob: float = 1.0) -> tuple[list[int], list[float]]:
     """The greedy walk over weighted paths (each the next tokens of its ends, as int32 bytes; a separator
     ends it): at most `most` tokens, each the most frequent next token (ties: the latest end), stopping
-    before the estimated probability falls below `min_prob`."""
+    before the estimated probability (`prob` times each step's share) falls below `min_prob`."""
     if len(paths) == 1:  # every end goes on the same way: each step has probability 1
+        if prob < min_prob:
+            return [], []
         path = array("i", next(iter(paths)))[:most].tolist()
         if SEP in path:
             del path[path.index(SEP):]
-        return path, [1.0] * len(path)
+        return path, [prob] * len(path)
     alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
     total = sum(weight for _, weight, _ in alive)
     tokens: list[int] = []
     probs: list[float] = []
-    prob = 1.0
     for depth in range(most):
         tally: dict[int, list[int]] = {}
         for path, weight, latest in alive:
