@@ -99,13 +99,15 @@ class AcceptanceEstimate:
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A verified chain."""
+        """A verified chain: one step's evidence, decayed once (its positions are not independent
+        trials: decaying per position let one missed token outweigh a whole accepted copy)."""
         if drafted == 0:
             return
         self.chains_in_a_row += 1
         self.first.add(accepted >= 1)
-        for j in range(2, min(drafted, accepted + 1) + 1):  # positions reached after an acceptance
-            self.later.add(accepted >= j)
+        trials = min(drafted - 1, accepted)  # positions 2.. reached after an acceptance; all but a miss kept
+        if trials:
+            self.later.add_many(accepted - 1, trials)
 
     def observe_shadow(self, first_token_matched: bool) -> None:
         """An unverified draft's first token against the token the target produced."""
