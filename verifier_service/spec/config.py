@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
+from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import speculative_pb2
 
@@ -161,8 +162,10 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
         for knob, default in (("is_keep_all", True), ("is_use_oldest", True), ("is_public_pool", False)):
             if not ng.HasField(knob):
                 setattr(ng, knob, default)
-        if not 0.0 <= ng.tree_min_prob <= 1.0:  # NaN fails too
-            raise ConfigError(f"ngram.tree_min_prob must be within [0, 1], not {ng.tree_min_prob}")
+        try:
+            ngram_drafter(config)  # the drafter checks the values
+        except ValueError as exc:
+            raise ConfigError(f"ngram: {exc}") from None
     if config.mode == SUFFIX:
         _fill_suffix(config.suffix)
     if config.mode == DRAFT_TARGET:
@@ -217,6 +220,14 @@ def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
         suffix_drafter(sx)
     except ValueError as exc:
         raise ConfigError(f"suffix: {exc}") from None
+
+
+def ngram_drafter(config: speculative_pb2.SpeculativeConfig) -> NgramDrafter:
+    """The in-process NgramDrafter an NGRAM config (filled in) describes."""
+    ng = config.ngram
+    return NgramDrafter(max_draft_len=config.max_draft_len, max_matching_ngram_size=ng.max_matching_ngram_size,
+                        is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool,
+                        tree_min_prob=ng.tree_min_prob)
 
 
 def suffix_drafter(sx: speculative_pb2.SuffixConfig) -> SuffixDrafter:

@@ -10,12 +10,11 @@ and loads when the client connects.
 from __future__ import annotations
 
 from drafter_sdk.drafter import Drafter
-from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.security import channel_credentials, read_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.spec.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, suffix_drafter
+from verifier_service.spec.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
 from verifier_service.spec.drafter_client import (
     DrafterClient,
     GrpcTransport,
@@ -61,11 +60,7 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
 def _in_process_drafter(config: speculative_pb2.SpeculativeConfig, target_device: str,
                         target_dtype: str) -> Drafter:
     if config.mode == NGRAM:
-        ng = config.ngram
-        return NgramDrafter(
-            max_draft_len=config.max_draft_len, max_matching_ngram_size=ng.max_matching_ngram_size,
-            is_keep_all=ng.is_keep_all, is_use_oldest=ng.is_use_oldest, is_public_pool=ng.is_public_pool,
-            tree_min_prob=ng.tree_min_prob)
+        return ngram_drafter(config)
     if config.mode == SUFFIX:
         return suffix_drafter(config.suffix)
     from drafter_sdk.drafters.model import ModelDrafter  # torch: only when a draft model is configured
