@@ -115,20 +115,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nwrote {out / 'trees.json'}")
         return 0
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
-    # --engine-only needs the one-token forward alone.
-    seconds = _forward_costs(model, 0 if args.engine_only else args.max_draft_len)
-    curve = step_costs.CostCurve.from_seconds(seconds)
-    report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
-                        forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
     common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--log-level", "WARNING",
               "--http-port", "off"] + (
         ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
-    if args.engine_only:
+    if args.engine_only:  # the engine sections time the one-token forward at their own contexts
         engine_sections.run(args, tokenizer, common, lambda n: _forward_costs(model, 0, n)[1], out)
         return 0
+    seconds = _forward_costs(model, args.max_draft_len)
+    curve = step_costs.CostCurve.from_seconds(seconds)
+    report = rep.Report(model=source.name, max_new_tokens=args.max_new_tokens, max_draft_len=args.max_draft_len,
+                        forward_cost_ms={t: s * 1000 for t, s in seconds.items()})
     draft_path = None if args.draft_model in (None, "embedded") else args.draft_model
     if args.draft_model and args.draft_model_only:
         plain = TransformersSystem("plain", model)
