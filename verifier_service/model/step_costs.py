@@ -98,13 +98,17 @@ class CostCurve:
 
     @classmethod
     def from_seconds(cls, seconds: dict[int, float]) -> "CostCurve":
-        """Made non-decreasing: noise must not make a longer forward look cheaper."""
-        base = seconds[min(seconds)]
-        points, floor = [], 0.0
-        for tokens in sorted(seconds):
-            floor = max(floor, seconds[tokens] / base)
-            points.append((tokens, floor))
-        return cls(tuple(points))
+        """Smoothed, then scaled so one token costs 1. A lone slow or fast sample is replaced by
+        the median of it and its neighbours (a monotone run is left as it is), then the
+        least-squares non-decreasing fit (pool adjacent violators) removes what dips remain:
+        a longer forward must not look cheaper, nor (as a running maximum would make it) one
+        slow sample lift every later point into a plateau that makes their tokens look free
+        to the planner."""
+        tokens = sorted(seconds)
+        raw = [seconds[t] for t in tokens]
+        despiked = raw[:1] + [statistics.median(raw[i - 1:i + 2]) for i in range(1, len(raw) - 1)] + raw[1:][-1:]
+        fitted = _monotone_fit(despiked)
+        return cls(tuple((t, c / fitted[0]) for t, c in zip(tokens, fitted)))
 
     def __call__(self, tokens: float) -> float:
         pts = self.points
@@ -120,3 +124,16 @@ class CostCurve:
 
     def describe(self) -> str:
         return " ".join(f"{t}:{c:.2f}" for t, c in self.points)
+
+
+def _monotone_fit(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in least squares: each run that decreases is
+    replaced by its mean, merging runs until none does."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]

@@ -71,9 +71,20 @@ def test_without_the_planner_every_sequence_drafts_its_cap() -> None:
 
 def test_cost_curve_interpolates_and_extends() -> None:
     curve = CostCurve.from_seconds({1: 0.05, 2: 0.08, 3: 0.07, 16: 0.16})  # 3 is noise below 2
-    assert curve(1) == 1.0 and curve(2) == curve(3) == pytest.approx(1.6)
+    # Each inner point is the median of it and its neighbours: 2 -> 0.07, 3 -> 0.08.
+    assert curve(1) == 1.0 and curve(2) == pytest.approx(1.4) and curve(3) == pytest.approx(1.6)
     assert curve(9.5) == pytest.approx(2.4)  # halfway between 3 and 16
     assert curve(29) == pytest.approx(4.8)  # beyond the last point, along the last segment
+
+
+def test_one_slow_sample_does_not_flatten_the_curve_after_it() -> None:
+    """A running maximum would hold 13..17 at the slow 13's cost: four tokens for free."""
+    seconds = {1: 1.0, 12: 1.8, 13: 2.4, 14: 2.0, 15: 2.05, 16: 2.1, 17: 2.2}
+    curve = CostCurve.from_seconds(seconds)
+    costs = [curve(t) for t in sorted(seconds)]
+    assert costs == sorted(costs)
+    assert curve(13) == pytest.approx(2.0) and curve(17) == pytest.approx(2.2)
+    assert curve(16) - curve(13) == pytest.approx(0.1)
 
 
 def test_adaptive_engine_output_is_exact() -> None:
