@@ -146,7 +146,13 @@ def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
 def test_a_fresh_request_tries_a_tree_and_a_request_long_on_chains_probes_one() -> None:
     flat = planner(FLAT)
     estimate = trained(4, 2, 10)
-    assert flat.plan_nodes([estimate], [4], 16) == [16], "optimistic prior: a full tree is measured"
+    # A fresh request probes: as large a tree as costs at most PROBE_COST times the chain, so the curve
+    # gets measured (on a busy CPU a small one).
+    assert flat.plan_nodes([estimate], [4], 16) == [14] and planner(CPU).plan_nodes([estimate], [4], 16) == [7]
+    # Sizes no tree measured yet are priced at BRANCH_PRIOR tokens a node: worth it where a node costs 1%
+    # of a step, not where it costs 5%.
+    estimate.observe_tree([0, 0, 0, 0, 0.2, 0.4, 0.6, 0.8])
+    assert flat.plan_nodes([estimate], [4], 16) == [16] and planner(CPU).plan_nodes([estimate], [4], 16) == [0]
     for _ in range(5):  # trees whose side nodes earned nothing
         estimate.observe_tree([0] * 16)
     assert flat.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
