@@ -27,15 +27,16 @@ most rewarding first, it replaces a chain by the tree size whose expected
 tokens per unit of forward time beat it, if any; so a node is verified only
 where the curve says it pays at the measured cost of one more token: on a GPU
 trees grow to the budget, on a busy CPU they stay small or become chains. A
-request's first draft, and one after PROBE_STEPS chains in a row, verifies a
+request starts on chains; after PROBE_STEPS chains in a row it verifies one
 tree as large as costs little more than its chain (PROBE_COST), so the curve
-is measured, and re-measured as the text changes, at a small price; sizes
-larger than any tree measured are priced at BRANCH_PRIOR tokens a node
-beyond the largest measured one. That prior is modest: priced at 0.15 a node,
-one lucky tree on copied text bought many costly full trees that accepted no
-more than the chain (offline replay: 0.88x the chain's tokens/s on the
-recurring workload); at 0.05, trees degenerate to the chain where branches do
-not pay, and still grow where a node is nearly free (a GPU).
+is measured, and re-measured as the text changes, at a small price. Sizes
+larger than any tree measured are priced at BRANCH_PRIOR tokens a node beyond
+the largest measured one. That prior is modest on purpose: at 0.15 a node (and
+a full tree for every fresh request), one lucky tree on copied text bought
+many costly trees that accepted no more than the chain (offline replay,
+tree_replay --planner: 0.88x the chain's tokens/s on the recurring workload);
+now trees degenerate to the chain where branches do not pay (within 0.2% of
+it on all six workloads on this CPU), and grow where a node is nearly free.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ class AcceptanceEstimate:
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
     # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
     tree: list[Rate] = field(default_factory=list)
-    # Verified chains since the last verified tree; a fresh request's first draft probes a tree.
-    chains_in_a_row: int = PROBE_STEPS
+    chains_in_a_row: int = 0  # verified chains since the last verified tree
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
