@@ -2,7 +2,7 @@
 
 from drafter_sdk.drafters.ngram import NgramDrafter
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.tools.bench.tree_replay import replay
+from verifier_service.tools.bench.tree_replay import _selected, replay
 
 
 def test_replay_counts_accepted_paths_against_the_recorded_output():
@@ -19,3 +19,23 @@ def test_replay_counts_accepted_paths_against_the_recorded_output():
     (chain,) = replay(records, lambda: NgramDrafter(max_draft_len=2, is_use_oldest=False), 2, 0)
     (tree,) = replay(records, lambda: NgramDrafter(max_draft_len=2), 2, 8)
     assert (chain.tokens_per_step, tree.tokens_per_step) == (1.5, 3.0) and tree.verified_per_step <= 8
+
+
+def test_planner_replay_sizes_drafts_from_the_cost_curve():
+    """With --planner the verifier's policy sizes every draft: long where verifying is nearly free, none
+    where a verified token costs a whole step (only unverified shadow drafts then)."""
+    text = list(range(100, 140))
+    records = [{"workload": "copy", "prompt": text + list(range(200, 220)), "output": text}]
+    flat = CostCurve.from_seconds({1: 10, 17: 10.5})
+    linear = CostCurve.from_seconds({1: 10, 17: 170})
+    for nodes in (0, 8):
+        (cheap,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 8, nodes, flat, 10, planner=True)
+        (costly,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 8, nodes, linear, 10, planner=True)
+        assert cheap.tokens_per_step > 4 and cheap.verified_per_step > 4
+        assert (costly.tokens_per_step, costly.verified_per_step) == (1.0, 0.0)
+
+
+def test_select_keeps_the_chosen_prompts_of_every_workload():
+    records = [{"workload": w, "name": f"{w}{i}"} for w in ("a", "b") for i in range(4)]
+    assert [r["name"] for r in _selected(records, "1,3")] == ["a1", "a3", "b1", "b3"]
+    assert _selected(records, None) == records

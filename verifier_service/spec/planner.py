@@ -27,10 +27,16 @@ most rewarding first, it replaces a chain by the tree size whose expected
 tokens per unit of forward time beat it, if any; so a node is verified only
 where the curve says it pays at the measured cost of one more token: on a GPU
 trees grow to the budget, on a busy CPU they stay small or become chains. A
-fresh request's curve starts optimistic (BRANCH_PRIOR per node beyond the
-chain), and a request on chains for PROBE_STEPS steps verifies one tree as
-large as costs little more than its chain, so the curve is measured, and
-re-measured as the text changes.
+request starts on chains; after PROBE_STEPS chains in a row it verifies one
+tree as large as costs little more than its chain (PROBE_COST), so the curve
+is measured, and re-measured as the text changes, at a small price. Sizes
+larger than any tree measured are priced at BRANCH_PRIOR tokens a node beyond
+the largest measured one. That prior is modest on purpose: at 0.15 a node (and
+a full tree for every fresh request), one lucky tree on copied text bought
+many costly trees that accepted no more than the chain (offline replay,
+tree_replay --planner: 0.88x the chain's tokens/s on the recurring workload);
+now trees degenerate to the chain where branches do not pay (within 0.2% of
+it on all six workloads on this CPU), and grow where a node is nearly free.
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ DECAY = 0.85
 # Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
-# Before any tree was verified: accepted tokens per tree node beyond the chain's length, and the weight
-# of this guess against the evidence (in verified trees): optimistic, so that trees get measured.
-BRANCH_PRIOR = 0.15
+# Accepted tokens per tree node beyond the chain's length (or beyond the largest tree measured) before
+# the evidence says otherwise, and the weight of this guess against the evidence (in verified trees).
+BRANCH_PRIOR = 0.05
 PRIOR_WEIGHT = 0.5
 # After this many verified chains in a row, one tree as large as costs at most PROBE_COST times the
 # chain's forward, so that the tree curve does not go stale (nor cost much where trees do not pay).
@@ -124,13 +130,18 @@ class AcceptanceEstimate:
     def tree_gains(self, depth: int, max_nodes: int) -> list[float]:
         """Expected accepted tokens of a tree of 1..max_nodes nodes (at most `depth` deep): the chain's
         expectation plus the extra the evidence shows, weighed against a prior of the chain's own
-        first j tokens plus BRANCH_PRIOR per node beyond them."""
+        first j tokens plus BRANCH_PRIOR per node beyond them. Sizes larger than any tree verified
+        extend the largest measured one by the prior's increments."""
         gains = self.gains(depth)
         chain = sum(gains)
         prior, out = 0.0, []
         for j in range(1, max_nodes + 1):
-            prior += gains[j - 1] if j <= depth else BRANCH_PRIOR
-            seen = self.tree[j - 1] if j <= len(self.tree) else Rate(0.0, 0.0)
+            step = gains[j - 1] if j <= depth else BRANCH_PRIOR
+            prior += step
+            if j > len(self.tree):
+                out.append(out[-1] + step if out else prior)
+                continue
+            seen = self.tree[j - 1]
             out.append(chain + (seen.hits + PRIOR_WEIGHT * (prior - chain)) / (seen.trials + PRIOR_WEIGHT))
         return out
 

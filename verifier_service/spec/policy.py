@@ -150,6 +150,9 @@ class SpeculationPolicy:
         on_branch = 0
         while on_branch < min(len(branch), len(new_tokens) - 1) and branch[on_branch] == new_tokens[on_branch]:
             on_branch += 1
+        # Its first branch is the chain the drafter would have drafted: the chain estimate learns from it
+        # too, or it would go stale (and size depths from old evidence) while trees are verified.
+        state.acceptance.observe(len(branch), on_branch)
         path = accepted_path(draft, parents, new_tokens[:-1])
         # Path nodes come in index order (parents first): the first j nodes hold those below j.
         state.acceptance.observe_tree([sum(1 for i in path if i < j) - on_branch for j in range(1, budget + 1)])

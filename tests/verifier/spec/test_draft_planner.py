@@ -154,10 +154,21 @@ def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
     assert planner(mid).plan_nodes([tree_curve(0.0), tree_curve(0.5)], [4, 4], 16) == [0, 11]
 
 
-def test_a_fresh_request_tries_a_tree_and_a_request_long_on_chains_probes_one() -> None:
+def test_trees_are_probed_after_chains_and_grow_only_where_their_nodes_pay() -> None:
     flat = planner(FLAT)
     estimate = trained(4, 2, 10)
-    assert flat.plan_nodes([estimate], [4], 16) == [16], "optimistic prior: a full tree is measured"
+    # No tree measured yet: a node is priced at BRANCH_PRIOR tokens, which does not beat the chain by
+    # TREE_MARGIN; so a request starts on chains, as it would without trees.
+    assert flat.plan_nodes([estimate], [4], 16) == [0] and planner(CPU).plan_nodes([estimate], [4], 16) == [0]
+    for _ in range(PROBE_STEPS - 10):
+        estimate.observe(4, 2)
+    # After PROBE_STEPS chains, a probe: as large a tree as costs at most PROBE_COST times the chain, so
+    # the curve gets measured (on a busy CPU a small one).
+    assert flat.plan_nodes([estimate], [4], 16) == [14] and planner(CPU).plan_nodes([estimate], [4], 16) == [7]
+    # Its side nodes paid 0.2 tokens each; sizes beyond those measured extend the curve at BRANCH_PRIOR a
+    # node: worth it where a node costs 1% of a step, not where it costs 5%.
+    estimate.observe_tree([0, 0, 0, 0, 0.2, 0.4, 0.6, 0.8])
+    assert flat.plan_nodes([estimate], [4], 16) == [16] and planner(CPU).plan_nodes([estimate], [4], 16) == [0]
     for _ in range(5):  # trees whose side nodes earned nothing
         estimate.observe_tree([0] * 16)
     assert flat.plan_nodes([estimate], [4], 16) == [0], "back to the chain"
@@ -178,14 +189,20 @@ def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
     assert SpeculationPolicy(max_draft_len=4).plan_nodes([SpecState()], [4]) == [0], "trees off: chains"
     adaptive = SpeculationPolicy(max_draft_len=4, planner=planner(FLAT), max_draft_nodes=6)
     state = SpecState()
-    assert adaptive.plan_nodes([state], [4]) == [6] and state.node_budget == 6
+    assert adaptive.plan_nodes([state], [4]) == [0] and state.node_budget == 0, "no tree measured: a chain"
+    state.acceptance.chains_in_a_row = PROBE_STEPS
+    assert adaptive.plan_nodes([state], [4]) == [6] and state.node_budget == 6, "a probe"
     # Nodes best first: 1, 2 | 5 (sibling of 2), 7 (child of 5); first branch 1, 2. The target went
     # 1, 5, 7, 8: the first branch had 1 accepted, the first node alone 1, the first three 2, all four
     # 3; a budget of 6 got 4 nodes.
-    first = state.acceptance.first.value
     adaptive.observe(state, 3, 3)  # the scheduler reports the tree's depth and path ...
     adaptive.observe_tree(state, [1, 2, 5, 7], [-1, 0, 0, 2], [1, 5, 7, 8])
-    assert state.acceptance.first.value == first, "... which the chain estimate does not take"
+    # ... which the chain estimate does not take; it takes what the first branch (the chain) would have
+    # had: 1 of 2 accepted.
+    expected = AcceptanceEstimate()
+    expected.observe(2, 1)
+    assert (state.acceptance.first, state.acceptance.later) == (expected.first, expected.later)
+    first = state.acceptance.first.value
     assert [r.hits for r in state.acceptance.tree] == [0, 0, 1, 2, 2, 2]
     assert state.node_budget == 0 and state.acceptance.chains_in_a_row == 0
     # A chain-shaped tree arrives as a chain; it still counts as the tree it was asked for.

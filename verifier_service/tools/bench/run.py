@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trees", type=int, default=0, metavar="N",
                    help="instead: n-gram chains vs token trees at N verified tokens per step, and as the planner "
                         "sizes them (writes trees.json)")
-    p.add_argument("--tree-min-prob", type=float, default=0.05,
+    p.add_argument("--tree-min-prob", type=float, default=0.1,
                    help="--trees: the floored tree's least node probability (the n-gram drafter's tree_min_prob)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     engine_sections.add_arguments(p)

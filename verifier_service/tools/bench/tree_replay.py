@@ -10,7 +10,7 @@ seconds, and prints the tokens verified per step the forward cost depends on.
     python -m verifier_service.tools.bench.tree_replay record outputs.json --prompts 8
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --nodes 16
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --min-node-prob 0,0.05 \
-        --costs 1:30,9:43,17:55
+        --costs 1:30,9:43,17:55 --planner --select 0,1
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from pathlib import Path
 
 from drafter_sdk.drafter import TOKEN_TYPECODE
 from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.tree import ROOT, accepted_path
+from drafter_sdk.tree import ROOT, accepted_path, depths
 from verifier_service.model.step_costs import CostCurve
+from verifier_service.spec.planner import DraftPlanner
+from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
 
 @dataclass
@@ -39,26 +41,43 @@ class Replay:
 
 
 def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int, nodes: int,
-           costs: CostCurve | None = None, one_token_ms: float = 1.0) -> list[Replay]:
+           costs: CostCurve | None = None, one_token_ms: float = 1.0, planner: bool = False) -> list[Replay]:
     """Each record: {"workload", "prompt", "output"} (token ids). `nodes` 0 replays chains. With a
-    cost curve, each step's forward (1 + verified tokens) is charged to a modelled tokens/s."""
+    cost curve, each step's forward (1 + verified tokens) is charged to a modelled tokens/s; with
+    `planner` as well, the verifier's policy sizes every step's draft (chain length, and tree nodes
+    up to `nodes`) from that curve and what it has seen accepted, as the verifier does."""
     totals: dict[str, list[float]] = {}
     forward_ms: dict[str, float] = {}
     for i, record in enumerate(records):
         d, out = drafter(), record["output"]
+        key = ("replay", str(i))
+        policy = SpeculationPolicy(depth, planner=DraftPlanner(costs), max_draft_nodes=nodes) if planner else None
+        state = SpecState()
         history = array(TOKEN_TYPECODE, record["prompt"] + out[:1])
         pos, steps, verified, seconds = 1, 0, 0, 0.0
         while pos < len(out):
+            k, ask, m = depth, depth, nodes
+            if policy is not None:
+                (k,), (ask,) = policy.plan([state], [len(out) - pos])
+                (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
             started = time.perf_counter()
-            if nodes:
-                tree = d.draft_tree(("replay", str(i)), history, depth, nodes)
+            if m:
+                tree = d.draft_tree(key, history, ask, m)
                 tokens, parents = list(tree.tokens), list(tree.parents)
             else:
-                tokens = d.draft(("replay", str(i)), history, depth)
-                parents = list(range(ROOT, len(tokens) - 1))
+                tokens = d.draft(key, history, ask) if ask else []
+                parents = []
             seconds += time.perf_counter() - started
-            emitted = min(len(accepted_path(tokens, parents, out[pos:pos + depth])) + 1, len(out) - pos)
-            history.extend(out[pos:pos + emitted])
+            shadow = tokens if not k else []
+            tokens = tokens if parents else tokens[:k]
+            chain = list(range(ROOT, len(tokens) - 1))
+            emitted = min(len(accepted_path(tokens, parents or chain, out[pos:pos + depth])) + 1, len(out) - pos)
+            new_tokens = out[pos:pos + emitted]
+            if policy is not None:
+                policy.observe(state, max(depths(parents), default=0) if parents else len(tokens), emitted - 1)
+                policy.observe_tree(state, tokens, parents, new_tokens)
+                policy.observe_shadow(state, shadow, new_tokens[0])
+            history.extend(new_tokens)
             pos, steps, verified = pos + emitted, steps + 1, verified + len(tokens)
             if costs is not None:
                 forward_ms[record["workload"]] = (forward_ms.get(record["workload"], 0.0)
@@ -80,16 +99,33 @@ def record(path: Path, workload_names: list[str], count: int, max_new_tokens: in
 
     source = loader.resolve_source(None)
     model, tokenizer = loader.load(source, torch.float32, torch.device("cpu"))
-    out = []
+    out: list[dict] = []
+    answers: dict[str, list[int]] = {}  # by prompt name: what a follow-up turn sends back
     for prompt in workloads.build(workload_names, count, tokenizer):
-        ids = torch.tensor([prompt.token_ids])
+        token_ids = (prompt.render(tokenizer.decode(answers[prompt.follows], skip_special_tokens=True), tokenizer)
+                     if prompt.follows else prompt.token_ids)
+        ids = torch.tensor([token_ids])
         with torch.no_grad():
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                        do_sample=False)
-        out.append({"workload": prompt.workload, "name": prompt.name, "prompt": prompt.token_ids,
-                    "output": generated[0, ids.shape[1]:].tolist()})
+        answers[prompt.name] = generated[0, ids.shape[1]:].tolist()
+        out.append({"workload": prompt.workload, "name": prompt.name, "prompt": token_ids,
+                    "output": answers[prompt.name]})
         print(prompt.workload, prompt.name, len(out[-1]["output"]), flush=True)
-    path.write_text(json.dumps(out))
+        path.write_text(json.dumps(out))  # as it goes: a long recording interrupted keeps what it has
+
+
+def _selected(records: list[dict], select: str | None) -> list[dict]:
+    """The records whose index within their workload is in `select` ("0,1"; None: all), to keep prompts
+    tuned on apart from prompts checked on."""
+    if not select:
+        return records
+    wanted, seen, out = {int(i) for i in select.split(",")}, {}, []
+    for r in records:
+        index = seen[r["workload"]] = seen.get(r["workload"], -1) + 1
+        if index in wanted:
+            out.append(r)
+    return out
 
 
 def main() -> None:
@@ -107,25 +143,36 @@ def main() -> None:
                    help="comma-separated tree_min_prob values: one tree row each (0: fill the budget)")
     q.add_argument("--costs", help="forward cost by tokens in one forward, as 'tokens:ms,...' (the verifier logs its "
                                    "curve at start-up): adds a modelled tokens/s column")
+    q.add_argument("--planner", action="store_true",
+                   help="with --costs: also the chain and the trees as the verifier's planner sizes them")
+    q.add_argument("--select", help="only the records whose index within their workload is listed, e.g. 0,1")
     args = p.parse_args()
     if args.command == "record":
         record(args.file, args.workloads.split(","), args.prompts, args.max_new_tokens)
         return
-    records = json.loads(args.file.read_text())
+    records = _selected(json.loads(args.file.read_text()), args.select)
     n = args.nodes
     ms = {int(t): float(c) for t, c in (point.split(":") for point in args.costs.split(","))} if args.costs else {}
     costs = CostCurve.from_seconds(ms) if ms else None
+    if args.planner and costs is None:
+        p.error("--planner needs --costs")
     one_token_ms = ms[min(ms)] if ms else 1.0
+    floors = [float(f) for f in args.min_node_prob.split(",")]
     rows = {"chain": replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms)}
-    for floor in (float(f) for f in args.min_node_prob.split(",")):
+    for floor in floors:
         rows[f"tree p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor), n, n,
                                             costs, one_token_ms)
-    print(f"{'workload':<10} {'drafts':<14} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
+    if args.planner:
+        rows["planner chain"] = replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms, True)
+        for floor in floors:
+            rows[f"planner p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor),
+                                                   n, n, costs, one_token_ms, True)
+    print(f"{'workload':<10} {'drafts':<16} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
           + (f" {'model tok/s':>11} {'vs chain':>8}" if costs else ""))
-    for i, chain in enumerate(rows["chain"]):
+    for i in range(len(rows["chain"])):
         for name, replays in rows.items():
-            r = replays[i]
-            print(f"{r.workload:<10} {name:<14} {r.tokens_per_step:>11.3f} "
+            r, chain = replays[i], rows["planner chain" if name.startswith("planner") else "chain"][i]
+            print(f"{r.workload:<10} {name:<16} {r.tokens_per_step:>11.3f} "
                   f"{r.tokens_per_step / chain.tokens_per_step:>7.3f}x {r.verified_per_step:>8.1f} {r.draft_ms:>8.2f}"
                   + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x" if costs else ""))
 
