@@ -273,9 +273,13 @@ class SuffixIndex:
             # `top` tokens, j before the end, lists every match of j + 2 tokens or more. Shorter ones,
             # needed only while they could still beat the best, come from the next rarest.
             j = sizes.index(min(sizes[:top - 1]))
-            ends, lengths = self._matches_through(pairs[j], j, pattern, known)
+            # Lengths are counted up to what is known already (all of them, the first time).
+            limit = n if known is None else known[2] - 1
+            ends, lengths = self._match_lengths(pairs[j], j, pattern, limit)
             best, best_score = self._best_of(ends, lengths, j + 2, top, budget, min_token_prob, best, best_score,
                                              skip)
+            if known is not None:
+                ends, lengths = _restore_lengths(ends, lengths, limit, known)
             known = (ends, lengths, j + 2)
             top = j + 1
         if known is not None and cursor is not None:
@@ -357,15 +361,10 @@ class SuffixIndex:
 
     def _remember(self, cursor: Cursor, seen: int, pattern: list[int], ends: Any, lengths: Any, least: int) -> None:
         """Keep every match of `least` or more tokens in the cursor, fewer when there are too many."""
-        if len(ends) > _CURSOR_MAX and not isinstance(ends, list):
-            # Keep the longest: every match of a length with few enough longer ones.
-            least = int(-np.partition(-lengths, _CURSOR_MAX)[_CURSOR_MAX]) + 1
-            keep = lengths >= least
-            ends, lengths = ends[keep].tolist(), lengths[keep].tolist()
-        elif len(ends) > _CURSOR_MAX:
-            least = sorted(lengths, reverse=True)[_CURSOR_MAX] + 1
+        if len(ends) > _CURSOR_MAX:  # keep the longest: every match of a length with few enough longer ones
+            least = int(sorted(lengths, reverse=True)[_CURSOR_MAX]) + 1
             keep = [i for i, m in enumerate(lengths) if m >= least]
-            ends, lengths = [ends[i] for i in keep], [lengths[i] for i in keep]
+            ends, lengths = [int(ends[i]) for i in keep], [int(lengths[i]) for i in keep]
         elif not isinstance(ends, list):
             ends, lengths = ends.tolist(), lengths.tolist()
         cursor.index, cursor.seen, cursor.pattern = self._identity, seen, pattern
@@ -471,44 +470,13 @@ class SuffixIndex:
             best, best_score = _keep_best(*pending, budget, best, best_score)
         return best, best_score
 
-    def _matches_through(self, positions: array, j: int, pattern: list[int],
-                         known: tuple[Any, Any, int] | None) -> tuple[Any, Any]:
-        """Every match of j + 2 tokens or more through the pair j tokens before the pattern's end (its second
-        token at each of `positions`): their ends, ascending, and lengths. `known` (ends, lengths, least), every
-        match of least > j + 2 tokens or more, each of which holds that pair j before its end: only the
-        pair's other places are compared, and up to least - 1 tokens (none of them matches more)."""
-        if known is None:
-            return self._match_lengths(positions, j, pattern, len(pattern))
-        ends, lengths, least = known
-        if len(ends) == len(positions):  # the pair is at no other place
-            return ends, lengths
-        if not len(ends):
-            return self._match_lengths(positions, j, pattern, least - 1)
-        if np is not None and len(positions) > _VECTOR_MIN:
-            places = np.frombuffer(positions, np.int64)
-            rest: Any = places[~np.isin(places, np.asarray(ends, np.int64) - j, assume_unique=True)]
-        else:
-            held = {e - j for e in ends}
-            rest = [p for p in positions if p not in held]
-        more, more_lengths = self._match_lengths(rest, j, pattern, least - 1)
-        if not len(more):
-            return ends, lengths
-        if isinstance(more, list) and isinstance(ends, list):
-            merged = sorted(zip(ends + more, lengths + more_lengths))
-            return [e for e, _ in merged], [m for _, m in merged]
-        ends = np.concatenate((np.asarray(ends, np.int64), np.asarray(more, np.int64)))
-        lengths = np.concatenate((np.asarray(lengths, np.int64), np.asarray(more_lengths, np.int64)))
-        order = np.argsort(ends)
-        return ends[order], lengths[order]
-
-    def _match_lengths(self, positions: Any, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
+    def _match_lengths(self, positions: array, j: int, pattern: list[int], top: int) -> tuple[Any, Any]:
         """The ends of the matches through a pair j tokens before the pattern's end (its second token at
         each of `positions`) that match at least j + 2 tokens, and how many each matches, up to `top`."""
         buf, base, need = self._buf, self._base, j + 2
         if np is not None and len(positions) > _VECTOR_MIN:
             view = np.frombuffer(buf, np.int32)
-            ends = (np.frombuffer(positions, np.int64) if isinstance(positions, array) else
-                    np.asarray(positions, np.int64)) + (j - base)
+            ends = np.frombuffer(positions, np.int64) + (j - base)
             # The token `back` places before each end (clipped: the buffer starts and ends with a separator,
             # which matches nothing), against the pattern's.
             rows = ends[:, None] - np.arange(top)
@@ -656,6 +624,16 @@ def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float,
             alive = [a for a in alive if depth < len(a[0]) and a[0][depth] == child]
         total = count
     return tokens, probs
+
+
+def _restore_lengths(ends: Any, lengths: Any, top: int, known: tuple[list[int], list[int], int]
+                     ) -> tuple[list[int], list[int]]:
+    """Matches counted up to `top` tokens, with the true length of those that matched all `top` (each of
+    them is among the `known` ones: every match of more than `top` tokens)."""
+    if not isinstance(ends, list):
+        ends, lengths = ends.tolist(), lengths.tolist()
+    longer = dict(zip(known[0], known[1]))
+    return ends, [longer.get(e, m) if m == top else m for e, m in zip(ends, lengths)]
 
 
 def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],
