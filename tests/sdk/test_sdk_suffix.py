@@ -332,9 +332,12 @@ def test_the_global_tree_size_is_a_metric():
     asyncio.run(body())
 
 
-def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("cursor_max", [256, 2])
+def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized, cursor_max, monkeypatch) -> None:  # noqa: ANN001
     """A context growing by a few tokens a step, its matches carried by cursors in its own tree and in a
-    global one that gains and evicts sequences meanwhile; steps skipped, drafts cut short by `beat`."""
+    global one that gains and evicts sequences meanwhile; steps skipped, drafts cut short by `beat`. With
+    cursor_max 2 a cursor keeps only the longest matches, so lookups add the others to what it knows."""
+    monkeypatch.setattr(suffix_index, "_CURSOR_MAX", cursor_max)
     rng = random.Random(5)
     for _ in range(12):
         vocab, depth = rng.choice([2, 3, 8]), rng.choice([4, 8, 24])

@@ -70,6 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
+    p.add_argument("--suffix-speed-only", action="store_true",
+                   help="only time the suffix drafter itself (no model, no services; writes suffix_speed.json)")
     p.add_argument("--replay", action="store_true",
                    help="acceptance only, no timing: replay the n-gram and suffix drafters against transformers' "
                         "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
@@ -97,6 +99,13 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = model_loader.resolve_source(args.model)
+    if args.suffix_speed_only:  # the drafter's own speed needs the tokenizer only
+        speed = asdict(suffix_speed.measure(model_loader.load_tokenizer(source),
+                                            cached=args.suffix_speed_outputs))
+        rep.print_suffix_speed(speed)
+        (out / "suffix_speed.json").write_text(json.dumps(speed, indent=2))
+        print(f"\nwrote {out / 'suffix_speed.json'}")
+        return 0
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     device = model_loader.pick_device(args.device)
     # The verifiers' own default dtype (bf16 on CUDA), so transformers decodes the same numbers.
