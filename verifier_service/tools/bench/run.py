@@ -173,7 +173,7 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
                  tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
                  seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
                  draft_path: str | None, out: Path) -> None:
-    """Start the n-gram and suffix drafters and four verifiers, run every system (plus `extra_systems`) on
+    """Start the n-gram and suffix drafters and five verifiers, run every system (plus `extra_systems`) on
     every prompt, summarise into `report`; with a draft model, its own figures too; then the engine
     sections asked for."""
     with _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
@@ -187,9 +187,12 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
          _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                    "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote") as sremote, \
          _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
-                  name="verifier-suffix-inprocess") as slocal:
+                  name="verifier-suffix-inprocess") as slocal, \
+         _service([script("splitspec-verifier"), *common], name="verifier-plain") as plain_verifier:
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
-        systems = [VerifierSystem(PLAIN, remote.address, speculate=False),
+        # Each system has a verifier of its own: sharing one, the second system to run a prompt would
+        # find it in the prefix cache and skip its prefill.
+        systems = [VerifierSystem(PLAIN, plain_verifier.address, speculate=False),
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
                    VerifierSystem(NGRAM_REMOTE, remote.address, speculate=True),
                    VerifierSystem(SUFFIX_LOCAL, slocal.address, speculate=True),

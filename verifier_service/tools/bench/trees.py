@@ -1,7 +1,7 @@
 """`splitspec bench --trees N`: token trees against chains, same prompts, same model, one run.
 
-Five in-process n-gram verifiers side by side (prompts rotate between them): an N-token chain
-and an N-node tree at a fixed size (the same budget of verified tokens per step), the same tree
+Five in-process n-gram verifiers side by side, and one for plain decoding (prompts rotate
+between them): an N-token chain and an N-node tree at a fixed size (the same budget of verified tokens per step), the same tree
 without the nodes the drafter thinks less likely than `--tree-min-prob`, and the chain and the
 tree as the planner sizes them (adaptive draft lengths up to N, trees up to N nodes).
 Each prints mean tokens per step (emitted tokens / forward passes after the prefill, the
@@ -58,11 +58,14 @@ def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> l
     setups = [(f"chain {n}", n, 0, False, 0.0), (f"tree {n}", n, n, False, 0.0),
               (f"tree {n}, p >= {p:g}", n, n, False, p),
               ("chain planner", n, 0, True, 0.0), (f"tree planner (<= {n} nodes)", n, n, True, 0.0)]
-    print(f"starting {len(setups)} verifiers (chains and trees) ...", flush=True)
+    print(f"starting {len(setups) + 1} verifiers (chains, trees and plain decoding) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         services = [stack.enter_context(_verifier(f"v{i}", args, k, m, adaptive, floor, Path(tmp)))
                     for i, (name, k, m, adaptive, floor) in enumerate(setups)]
-        systems = [VerifierSystem(PLAIN, services[0].address, speculate=False)] + [
+        # Plain decoding on a verifier of its own: on a shared one, the second system to run a prompt
+        # would find it in the prefix cache and skip its prefill.
+        plain = stack.enter_context(_verifier("plain", args, n, 0, False, 0.0, Path(tmp)))
+        systems = [VerifierSystem(PLAIN, plain.address, speculate=False)] + [
             VerifierSystem(name, service.address, speculate=True) for (name, *_), service in zip(setups, services)]
         runs = run_all(systems, prompts, args)
         for system in systems:
