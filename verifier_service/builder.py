@@ -95,16 +95,28 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
     return runner
 
 
+@dataclass(frozen=True)
+class StepBudget:
+    """Tokens one step's forward carries (scheduler.py): `tokens` while sequences decode, `idle`
+    in a step where none does (None: `tokens` too)."""
+
+    tokens: int | None
+    idle: int | None = None
+
+
 def calibrate(runner: ModelRunner, settings: ServerSettings,
-              max_model_len: int) -> tuple[DraftPlanner | None, int | None]:
+              max_model_len: int) -> tuple[DraftPlanner | None, StepBudget]:
     """On the model thread, before serving: choose each token count's linear layout (CPU) and
     measure the forward-cost curve the planner weighs drafts against (adaptive draft lengths)
-    and the default step token budget is read from. Returns (planner, step token budget)."""
+    and the default step token budget is read from. Returns (planner, step token budget).
+    A budget given (--max-num-batched-tokens) caps every step, as in vLLM; the default one
+    applies where sequences decode, and a step with none prefills up to
+    MAX_DEFAULT_BATCHED_TOKENS at once."""
     spec = settings.speculative
     adaptive = spec.policy.adaptive_draft_len and spec.max_draft_len > 0
     budget = settings.max_num_batched_tokens
     if not adaptive and runner.layouts is None and budget is not None:
-        return None, budget
+        return None, StepBudget(budget)
     batch_tokens = runner.kv_cache.num_slots * (spec.max_draft_len + 1)
     points = step_costs.probe_points(spec.max_draft_len,
                                      batch_tokens if budget is not None else max(batch_tokens, CHUNK_PROBE_TOKENS))
@@ -113,11 +125,15 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     seconds = step_costs.tune_and_measure(runner, points)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
-    if budget is None:
-        budget = batched_tokens(costs, min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS))
-        log.info("chunked prefill: --max-num-batched-tokens %d (a step of %d tokens costs %.2fx a one-token step, "
-                 "at most %.1fx)", budget, budget, costs(budget), PREFILL_STEP_COST)
-    return (DraftPlanner(costs) if adaptive else None), budget
+    planner = DraftPlanner(costs) if adaptive else None
+    if budget is not None:
+        return planner, StepBudget(budget)
+    idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
+    budget = batched_tokens(costs, idle)
+    log.info("chunked prefill: --max-num-batched-tokens %d while sequences decode (a step of %d tokens costs "
+             "%.2fx a one-token step, at most %.1fx); up to %d when none does", budget, budget, costs(budget),
+             PREFILL_STEP_COST, idle)
+    return planner, StepBudget(budget, idle)
 
 
 def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:
@@ -141,7 +157,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     runner = await loop.run_in_executor(model_thread, make_runner, model, settings, max_model_len, leader)
     if leader is not None:
         await loop.run_in_executor(model_thread, leader.connect, runner.layouts, model_thread)
-    planner, batch_tokens = await loop.run_in_executor(model_thread, calibrate, runner, settings, max_model_len)
+    planner, step_budget = await loop.run_in_executor(model_thread, calibrate, runner, settings, max_model_len)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -159,7 +175,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     drafter = await asyncio.wrap_future(model_thread.run_coroutine(connect_drafter()))
     scheduler = Scheduler(runner.kv_cache, SpeculationPolicy.from_config(spec, planner, settings.max_draft_nodes),
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
-                          max_model_len=max_model_len, max_num_batched_tokens=batch_tokens,
+                          max_model_len=max_model_len, max_num_batched_tokens=step_budget.tokens,
+                          max_idle_batched_tokens=step_budget.idle,
                           # Tensor-parallel followers do not replay copies: reuse by reference only.
                           prefix_cache=PrefixCache(runner.kv_cache, settings.enable_prefix_caching,
                                                    allow_copy=settings.tensor_parallel_size == 1))

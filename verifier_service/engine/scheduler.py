@@ -9,6 +9,9 @@ Chunked prefill: a step carries at most `max_num_batched_tokens` tokens. The run
 sequences' decode and verify rows come first; prompts fill what is left, oldest
 first, a chunk per step, so a long prompt no longer stalls every stream for its
 whole prefill. Only a prompt's last chunk asks for logits (its first token).
+A step in which no sequence decodes may carry up to `max_idle_batched_tokens`
+instead: chunks there would protect no stream and only delay the prompt's first
+token (each chunk pays the weights' streaming once more).
 
 Prefix caching (engine/prefix_cache.py) gives an admitted prompt the slot and the
 positions it can reuse; its prefill starts after them.
@@ -120,6 +123,7 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # oldest first
     max_num_batched_tokens: int | None = None  # None: whole prompts in one step
+    max_idle_batched_tokens: int | None = None  # a step with no decode rows; None: max_num_batched_tokens
     prefix_cache: PrefixCache | None = None  # None: no reuse (a plain slot allocator)
 
     def __post_init__(self) -> None:
@@ -145,7 +149,8 @@ class Scheduler:
         decodes = [s for s in self.running if not s.prefilling]
         lengths, asks = self.policy.plan([s.spec for s in decodes],
                                          [s.draft_room(self.max_model_len) for s in decodes])
-        budget = self._prefill_budget(sum(lengths) + len(decodes))
+        budget = (self._prefill_budget(sum(lengths) + len(decodes)) if decodes or self.max_idle_batched_tokens is None
+                  else self.max_idle_batched_tokens)
         prefills, chunks, copies = [], [], []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:

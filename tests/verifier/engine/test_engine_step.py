@@ -244,3 +244,25 @@ def test_a_failing_forward_fails_the_running_requests_and_frees_everything() -> 
         await engine.stop()
 
     asyncio.run(main())
+
+
+def test_the_default_budget_chunks_prompts_only_beside_decoding_sequences() -> None:
+    """A lone prompt goes in whole (no stream to protect); once a sequence decodes, a new prompt is
+    chunked to the budget beside its decode row; an explicit budget (no idle one) caps every step."""
+    async def main(idle: int | None) -> list[ForwardBatch]:
+        runner = CountingRunner()
+        engine = make_engine(runner, drafter=None)
+        engine.scheduler.max_num_batched_tokens, engine.scheduler.max_idle_batched_tokens = 4, idle
+        first = sequence("a", list(range(1, 11)), max_new_tokens=8)
+        engine.submit(first)
+        await engine.step()
+        engine.submit(sequence("b", list(range(1, 11)), max_new_tokens=2))
+        await run_steps(engine, 3)
+        return runner.batches
+
+    default = asyncio.run(main(idle=32))
+    assert default[0].lengths == [10]  # alone: the whole prompt in one step
+    # b's chunks (prompts get the budget, however many decode rows; at most 16) beside a's decode row.
+    assert [b.lengths for b in default[1:4]] == [[4, 1], [4, 1], [2, 1]]
+    explicit = asyncio.run(main(idle=None))
+    assert explicit[0].lengths == [4]
