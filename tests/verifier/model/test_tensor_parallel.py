@@ -158,7 +158,8 @@ def test_a_lost_rank_fails_requests_unavailable_and_exits(model_dir: Path, fault
         assert statuses[0] == "SERVING" and "NOT_SERVING" in statuses
         assert code != 0
         assert _gone(follower), "rank 0 ends the rank it started"
-        assert "exiting with status 1" in verifier.tail(500)
+        # The whole log: the engine thread's traceback of the failed step may be written after this line.
+        assert "exiting with status 1" in verifier.current_log.read_text(errors="replace")
 
 
 def _gone(pid: int) -> bool:
