@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
     ngram.add_argument("--tree-min-prob", type=float, default=0.0,
                        help="token trees: leave out nodes whose estimated chance of lying on the target's path is "
-                            "below this (0: fill the verifier's node budget; 0.05 paid best on a CPU offline)")
+                            "below this (0: fill the verifier's node budget; 0.1 paid best on a CPU)")
     ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
                        help="a public pool past this size starts afresh (it is state of no single sequence)")
     # Unset flags keep SuffixDrafter's own defaults (vLLM's).

@@ -106,7 +106,9 @@ class CostCurve:
         to the planner."""
         tokens = sorted(seconds)
         raw = [seconds[t] for t in tokens]
-        despiked = raw[:1] + [statistics.median(raw[i - 1:i + 2]) for i in range(1, len(raw) - 1)] + raw[1:][-1:]
+        despiked = list(raw)  # the two ends have one neighbour only: kept
+        for i in range(1, len(raw) - 1):
+            despiked[i] = statistics.median(raw[i - 1:i + 2])
         fitted = _monotone_fit(despiked)
         return cls(tuple((t, c / fitted[0]) for t, c in zip(tokens, fitted)))
 

@@ -36,7 +36,8 @@ a full tree for every fresh request), one lucky tree on copied text bought
 many costly trees that accepted no more than the chain (offline replay,
 tree_replay --planner: 0.88x the chain's tokens/s on the recurring workload);
 now trees degenerate to the chain where branches do not pay (within 0.2% of
-it on all six workloads on this CPU), and grow where a node is nearly free.
+it on all six workloads in that replay, within about 6% in a real bench run on
+this CPU), and grow where a node is nearly free.
 """
 
 from __future__ import annotations

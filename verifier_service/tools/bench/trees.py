@@ -1,9 +1,10 @@
 """`splitspec bench --trees N`: token trees against chains, same prompts, same model, one run.
 
 Five in-process n-gram verifiers side by side, and one for plain decoding (prompts rotate
-between them): an N-token chain and an N-node tree at a fixed size (the same budget of verified tokens per step), the same tree
-without the nodes the drafter thinks less likely than `--tree-min-prob`, and the chain and the
-tree as the planner sizes them (adaptive draft lengths up to N, trees up to N nodes).
+between them): an N-token chain and an N-node tree at a fixed size (the same budget of
+verified tokens per step), the same tree without the nodes the drafter thinks less likely
+than `--tree-min-prob`, and the chain and the tree as the planner sizes them (adaptive draft
+lengths up to N, trees up to N nodes).
 Each prints mean tokens per step (emitted tokens / forward passes after the prefill, the
 figure trees exist to raise), median tokens/s, and whether every output equals plain decoding.
 """
