@@ -4,13 +4,16 @@ matches plain decoding, and the report, JSON and chart are written."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
 import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 
+from verifier_service.tools.bench import report as bench_report
 from verifier_service.tools.bench import suffix_speed
+from verifier_service.tools.bench.systems import Run
 from verifier_service.tools.local_services import script
 
 SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
@@ -40,6 +43,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) ->
     # Agentic: a docstring turn, then two edits, each sending back the answer of the same system.
     assert {s["workload"]: s["prompts"] for s in report["summaries"]} == {"agentic": 3}
     assert {c["workload"] for c in report["comparisons"]} == {"agentic"}
+    assert all(c["ratio"] > 0 and c["decode_ratio"] > 0 for c in report["comparisons"]), report["comparisons"]
     assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]
     sizes = [b for _, b in report["request_bytes"]]
@@ -124,3 +128,18 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(
     turns = report["multi_turn"]["rows"]
     assert len(turns) == 3 and all(t["identical"] for t in turns)
     assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 192 for t in turns[1:])
+
+
+def test_decode_speed_leaves_the_prefill_out() -> None:
+    # Same decode rate (0.1 s a token after the first), one with a prefill 9 s longer: equal decode speed,
+    # but 5x apart over the whole request.
+    slow_prefill = Run(token_ids=list(range(11)), seconds=10.0, decode_seconds=1.0)
+    fast_prefill = Run(token_ids=list(range(11)), seconds=2.0, decode_seconds=1.0)
+    half_as_fast = Run(token_ids=list(range(11)), seconds=3.0, decode_seconds=2.0)
+    assert bench_report.relative_speed([fast_prefill], [slow_prefill]) == pytest.approx(5.0)
+    assert bench_report.relative_decode_speed([fast_prefill], [slow_prefill]) == pytest.approx(1.0)
+    assert bench_report.relative_decode_speed([half_as_fast, fast_prefill], [fast_prefill, fast_prefill]) \
+        == pytest.approx(0.75)  # the median of 0.5 and 1.0
+    one_token = Run(token_ids=[1], seconds=1.0, decode_seconds=0.0)
+    assert bench_report.decode_speed(one_token, fast_prefill) is None
+    assert math.isnan(bench_report.relative_decode_speed([one_token], [fast_prefill]))

@@ -49,6 +49,20 @@ def relative_speed(runs: list, baseline_runs: list) -> float:
                              for r, b in zip(runs, baseline_runs))
 
 
+def decode_speed(run, baseline) -> float | None:  # noqa: ANN001 - bench.systems.Run
+    """Baseline decode time per token / this one's, after each request's first token (the prefill, the
+    same work whatever drafts, left out); None where either decoded nothing past its first token."""
+    if len(run.token_ids) < 2 or len(baseline.token_ids) < 2 or run.decode_seconds <= 0 or baseline.decode_seconds <= 0:
+        return None
+    return (baseline.decode_seconds / (len(baseline.token_ids) - 1)) / (run.decode_seconds / (len(run.token_ids) - 1))
+
+
+def relative_decode_speed(runs: list, baseline_runs: list) -> float:
+    """Median over prompts of decode_speed (nan when none decoded)."""
+    ratios = [x for x in map(decode_speed, runs, baseline_runs) if x is not None]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: CostCurve) -> SystemSummary:
     """runs / plain_runs: bench.systems.Run per prompt, same order."""
     tps = [len(r.token_ids) / r.seconds for r in runs if r.seconds > 0]
@@ -70,13 +84,13 @@ def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: C
     if drafts:
         ideal, measured = [], []
         for r, p in zip(runs, plain_runs):
-            s = r.stats
-            if not s.num_steps or len(p.token_ids) < 2 or len(r.token_ids) < 2 or r.decode_seconds <= 0:
+            s, speed = r.stats, decode_speed(r, p)
+            if not s.num_steps or speed is None:
                 continue
             mean_k = s.num_draft_tokens / s.num_drafts if s.num_drafts else 0.0
             spec_cost = (s.num_steps - s.num_drafts) + s.num_drafts * costs(mean_k + 1)
             ideal.append((s.num_steps + s.num_accepted_tokens) / spec_cost)
-            measured.append((p.decode_seconds / (len(p.token_ids) - 1)) / (r.decode_seconds / (len(r.token_ids) - 1)))
+            measured.append(speed)
         if ideal:
             summary.ideal_speedup = statistics.median(ideal)
             summary.efficiency = statistics.median(m / i for m, i in zip(measured, ideal))
@@ -106,9 +120,11 @@ def print_tables(report: Report) -> None:
                   f"{_fmt(s.ideal_speedup, '.2f'):>6} {_fmt(s.efficiency, '.2f'):>6} "
                   f"{s.identical:>4}/{s.prompts:<4}  {per_pos}")
     if report.comparisons:
-        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts) ==")
+        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts; "
+              "decode: after the first token) ==")
         for workload in dict.fromkeys(c["workload"] for c in report.comparisons):
-            print(f"  {workload:<16} " + ", ".join(f"{c['system'].removeprefix('splitspec ')} {c['ratio']:.2f}x"
+            print(f"  {workload:<16} " + ", ".join(f"{c['system'].removeprefix('splitspec ')} {c['ratio']:.2f}x "
+                                                    f"(decode {c['decode_ratio']:.2f}x)"
                                                     for c in report.comparisons if c["workload"] == workload))
     if report.suffix_speed:
         print_suffix_speed(report.suffix_speed)

@@ -209,10 +209,12 @@ def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Mo
             for system in systems:
                 report.summaries.append(rep.summarise(system.name, workload, [runs[system.name][i] for i in idx],
                                                       plain, curve))
+            baseline = [runs[NGRAM_REMOTE][i] for i in idx]
             for system in (SUFFIX_REMOTE, SUFFIX_LOCAL):
+                ours = [runs[system][i] for i in idx]
                 report.comparisons.append({"workload": workload, "system": system, "baseline": NGRAM_REMOTE,
-                                           "ratio": rep.relative_speed([runs[system][i] for i in idx],
-                                                                       [runs[NGRAM_REMOTE][i] for i in idx])})
+                                           "ratio": rep.relative_speed(ours, baseline),
+                                           "decode_ratio": rep.relative_decode_speed(ours, baseline)})
         report.request_bytes = asyncio.run(_request_bytes(drafter.address, model.config.vocab_size))
         if args.concurrency:
             report.serving = _serving(remote.address, prompts, args)
