@@ -131,7 +131,7 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:
-    # Same decode rate (0.1 s a token after the first), one with a prefill 9 s longer: equal decode speed,
+    # Same decode rate (0.1 s a token after the first), one with a prefill 8 s longer: equal decode speed,
     # but 5x apart over the whole request.
     slow_prefill = Run(token_ids=list(range(11)), seconds=10.0, decode_seconds=1.0)
     fast_prefill = Run(token_ids=list(range(11)), seconds=2.0, decode_seconds=1.0)

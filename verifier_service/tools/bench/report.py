@@ -6,8 +6,12 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verifier_service.model.step_costs import CostCurve
+
+if TYPE_CHECKING:  # for annotations only: the report takes any object with those fields
+    from verifier_service.tools.bench.systems import Run
 
 
 @dataclass
@@ -49,10 +53,10 @@ def relative_speed(runs: list, baseline_runs: list) -> float:
                              for r, b in zip(runs, baseline_runs))
 
 
-def decode_speed(run, baseline) -> float | None:  # noqa: ANN001 - bench.systems.Run
+def decode_speed(run: Run, baseline: Run) -> float | None:
     """Baseline decode time per token / this one's, after each request's first token (the prefill, the
     same work whatever drafts, left out); None where either decoded nothing past its first token."""
-    if len(run.token_ids) < 2 or len(baseline.token_ids) < 2 or run.decode_seconds <= 0 or baseline.decode_seconds <= 0:
+    if min(len(run.token_ids), len(baseline.token_ids)) < 2 or min(run.decode_seconds, baseline.decode_seconds) <= 0:
         return None
     return (baseline.decode_seconds / (len(baseline.token_ids) - 1)) / (run.decode_seconds / (len(run.token_ids) - 1))
 
