@@ -149,8 +149,7 @@ class Scheduler:
         decodes = [s for s in self.running if not s.prefilling]
         lengths, asks = self.policy.plan([s.spec for s in decodes],
                                          [s.draft_room(self.max_model_len) for s in decodes])
-        budget = (self._prefill_budget(sum(lengths) + len(decodes)) if decodes or self.max_idle_batched_tokens is None
-                  else self.max_idle_batched_tokens)
+        budget = self._prefill_budget(sum(lengths) + len(decodes))
         prefills, chunks, copies = [], [], []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
@@ -171,8 +170,11 @@ class Scheduler:
         return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
 
     def _prefill_budget(self, decode_tokens: int) -> int:
-        """Prompt tokens this step may carry beside `decode_tokens` of decode and verify rows.
-        Prompts always get some (at least 16, or the whole budget if smaller), however many decode."""
+        """Prompt tokens this step may carry beside `decode_tokens` of decode and verify rows (0: no
+        sequence decodes, the idle budget applies). Prompts always get some (at least 16, or the whole
+        budget if smaller), however many decode."""
+        if decode_tokens == 0 and self.max_idle_batched_tokens is not None:
+            return self.max_idle_batched_tokens
         if self.max_num_batched_tokens is None:
             return 1 << 62
         return max(self.max_num_batched_tokens - decode_tokens, min(self.max_num_batched_tokens, 16))
