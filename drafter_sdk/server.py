@@ -91,11 +91,15 @@ class RunningDrafter:
         log.info("%s loaded, SERVING", name)
 
     async def _evict_idle(self, idle_timeout_s: float) -> None:
+        # After load: an inline drafter's code must then never run on the worker (servicer.run).
+        await asyncio.shield(self._load_task)
+        if self.load_error is not None:
+            return
         # Sweeping four times per timeout bounds how long idle state outlives it.
         interval = min(max(idle_timeout_s / 4, 0.05), 30.0)
         while True:
             await asyncio.sleep(interval)
-            await self.servicer.run_in_worker(self.servicer.evict_idle)
+            await self.servicer.run(self.servicer.evict_idle)
 
 
 async def start_server(

@@ -3,9 +3,11 @@
 The protocol logic lives in synchronous methods (`load`, `info`, `prepare`,
 `release`, `evict_idle`) so a verifier can run an SDK drafter in-process through
 exactly the code a remote one runs. Those methods are not thread-safe: call
-them from one thread at a time. The gRPC methods do so by running them on a
-single dedicated worker thread, which also keeps slow user code off the event
-loop that answers health checks.
+them from one thread at a time. `run` does so: on a single dedicated worker
+thread, which keeps slow user code off the event loop that answers health
+checks, or, for a loaded drafter that `runs_inline`, on the event loop itself,
+which saves the thread hop each way. `load` always runs on the worker, and no
+drafter code runs on the worker once an inline drafter has loaded.
 """
 
 from __future__ import annotations
@@ -170,6 +172,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
         return await self._handle("ReleaseRequests", self.release, request, context)
 
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run drafter code `fn` (not `load`): inline for a loaded drafter that `runs_inline`,
+        else on the worker thread."""
+        if self.loaded and self.drafter.runs_inline:
+            return fn(*args)
+        return await self.run_in_worker(fn, *args)
+
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the drafter's worker thread, after whatever is queued there."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -187,7 +196,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             # Checked here too so calls during a long load() fail fast instead of queueing behind it.
             self._require_loaded()
             caller = self._identify(context) if self._identify is not None else ""
-            response = await self.run_in_worker(method, request, caller)
+            response = await self.run(method, request, caller)
             code = grpc.StatusCode.OK
             return response
         except DrafterError as err:

@@ -221,6 +221,7 @@ class NgramDrafter(Drafter):
     name = "ngram"
     version = "1.1"
     capabilities = ("ngram", TREE_CAPABILITY)
+    runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = False, max_public_pool_mib: float = 256.0,

@@ -64,6 +64,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     version = "1.0"
     capabilities = ("suffix", LEARNS_FROM_FINISHED)
+    runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,

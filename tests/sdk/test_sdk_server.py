@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
-from sdk_support import RecordingDrafter, seq, serving
+from sdk_support import RecordingDrafter, seq, serving, until
 
 SERVICE = "splitspec.v1.DrafterService"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -120,9 +120,11 @@ async def health_of(channel, service: str) -> int:
     return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
 
 
-def test_health_is_not_serving_during_load_and_calls_are_refused_until_it_ends():
+@pytest.mark.parametrize("inline", [False, True])
+def test_health_is_not_serving_during_load_and_calls_are_refused_until_it_ends(inline):
     async def body():
         drafter = SlowLoad()
+        drafter.runs_inline = inline  # load() runs on the worker either way, so health answers meanwhile
         async with serving(drafter, wait_loaded=False) as c:
             for service in ("", SERVICE):
                 assert await health_of(c.channel, service) == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -135,6 +137,48 @@ def test_health_is_not_serving_during_load_and_calls_are_refused_until_it_ends()
             await still_serving(c)
 
     asyncio.run(body())
+
+
+class ThreadRecording(RecordingDrafter):
+    """Records which thread ran each of its hooks."""
+
+    def __init__(self, inline: bool) -> None:
+        super().__init__()
+        self.runs_inline = inline
+        self.threads: dict[str, set[str]] = {}
+
+    def _ran(self, hook: str) -> None:
+        self.threads.setdefault(hook, set()).add(threading.current_thread().name)
+
+    def load(self) -> None:
+        self._ran("load")
+
+    def prepare_draft_tokens(self, requests):
+        self._ran("prepare_draft_tokens")
+        return super().prepare_draft_tokens(requests)
+
+    def on_release(self, key, reason) -> None:
+        self._ran(f"on_release {reason.name}")
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_drafter_code_runs_on_the_event_loop_when_it_runs_inline_else_on_the_worker_thread(inline):
+    drafter = ThreadRecording(inline)
+
+    async def body() -> str:
+        async with serving(drafter, idle_timeout_s=0.2) as c:
+            await still_serving(c)  # its sequence is left idle, then evicted
+            await c.prepare("v", seq("r", 0, [1, 2]))
+            await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]))
+            await until(lambda: "on_release EVICTED" in drafter.threads)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(body())
+    (worker,) = drafter.threads.pop("load")
+    assert worker.startswith("drafter"), worker
+    expected = loop_thread if inline else worker
+    assert drafter.threads == {hook: {expected} for hook in
+                               ("prepare_draft_tokens", "on_release UNSPECIFIED", "on_release EVICTED")}
 
 
 def test_a_failing_load_stops_the_server():

@@ -172,24 +172,23 @@ def _awaitable(call: grpc.Future) -> asyncio.Future[Any]:
 
 
 class InProcessTransport:
-    """Calls an SDK `DrafterServicer`'s logic directly, without gRPC.
-
-    With `offload`, every call runs on the servicer's worker thread (a drafter whose calls take
-    milliseconds, e.g. a draft model, must not block the event loop); `load` loads it there."""
+    """Calls an SDK `DrafterServicer`'s logic directly, without gRPC, where a drafter service runs
+    it (`DrafterServicer.run`): on the calling loop for a drafter that `runs_inline` (n-gram,
+    suffix), else on the servicer's worker thread (a draft model's forwards must not block the
+    loop). `load` loads it on the worker."""
 
     target = "in-process"
 
-    def __init__(self, servicer: "SupportsDrafterLogic", offload: bool = False) -> None:
+    def __init__(self, servicer: "SupportsDrafterLogic") -> None:
         self._servicer = servicer
-        self._offload = offload
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._servicer.run_in_worker(fn, *args) if self._offload else fn(*args)
+        return await self._servicer.run(fn, *args)
 
     async def load(self) -> None:
         """Load the drafter if it is not yet (what it raises fails the verifier's start-up)."""
         if not self._servicer.loaded:
-            await self._call(self._servicer.load)
+            await self._servicer.run_in_worker(self._servicer.load)
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
@@ -219,6 +218,8 @@ class SupportsDrafterLogic(Protocol):
     def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse: ...
 
     def info(self) -> drafter_pb2.GetDrafterInfoResponse: ...
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T: ...
 

@@ -2,9 +2,10 @@
 
 A built-in drafter runs in-process behind the SDK's own servicer logic, so it is
 served by exactly the code a remote drafter service runs; only the hop differs.
-NGRAM runs on the event loop (microseconds per call); DRAFT_TARGET's model
-drafter runs on the servicer's worker thread (its forwards must not block the loop)
-and loads when the client connects.
+It runs where that code runs it: NGRAM's and SUFFIX's drafters on the engine's
+event loop (`runs_inline`: microseconds per call), DRAFT_TARGET's model drafter
+on the servicer's worker thread (its forwards must not block the loop). Each
+loads when the client connects.
 """
 
 from __future__ import annotations
@@ -34,12 +35,8 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
         return None
     if config.mode in (NGRAM, SUFFIX, DRAFT_TARGET):
         drafter = _in_process_drafter(config, target_device, target_dtype)
-        servicer = DrafterServicer(drafter, SequenceStore())
-        offload = config.mode == DRAFT_TARGET
-        if not offload:
-            servicer.load()
         # One in-process drafter sees every call: plain deltas, no overlap needed; it never misses a deadline.
-        return DrafterClient(InProcessTransport(servicer, offload=offload), verifier_id, vocab_size,
+        return DrafterClient(InProcessTransport(DrafterServicer(drafter, SequenceStore())), verifier_id, vocab_size,
                              deadline_s=float("inf"), overlap_steps=1, tokenizer_fingerprint=tokenizer_fingerprint,
                              tokenizer_name=tokenizer_name)
     up = config.user_provided

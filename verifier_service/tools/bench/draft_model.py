@@ -52,7 +52,7 @@ def measure(model: str | None, device: str, dtype: str, prompts: list[Prompt], o
 async def _replay(drafter: ModelDrafter, prompts: list[Prompt], outputs: list[list[int]], k: int,
                   forward_cost_s: Callable[[int], float], vocab_size: int) -> DraftModelFigures:
     servicer = DrafterServicer(drafter, SequenceStore())
-    client = DrafterClient(InProcessTransport(servicer, offload=True), "bench", vocab_size, deadline_s=float("inf"),
+    client = DrafterClient(InProcessTransport(servicer), "bench", vocab_size, deadline_s=float("inf"),
                            overlap_steps=1)
     await client.connect()
     latencies: list[float] = []
