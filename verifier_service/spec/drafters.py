@@ -3,9 +3,9 @@
 A built-in drafter runs in-process behind the SDK's own servicer logic, so it is
 served by exactly the code a remote drafter service runs; only the hop differs.
 It runs where that code runs it: NGRAM's and SUFFIX's drafters on the engine's
-event loop (`runs_inline`: microseconds per call), DRAFT_TARGET's model drafter
-on the servicer's worker thread (its forwards must not block the loop). Each
-loads when the client connects.
+event loop (`runs_inline`: well under a millisecond a sequence), DRAFT_TARGET's
+model drafter on the servicer's worker thread (its forwards must not block the
+loop). Each loads when the client connects.
 """
 
 from __future__ import annotations
