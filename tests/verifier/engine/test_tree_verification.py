@@ -163,12 +163,14 @@ def test_the_walk_on_a_chain_equals_chain_verification() -> None:
 
 class TreeOracle(Drafter):
     """Knows each prompt's greedy continuation; answers trees of the shapes cycled through (and
-    a chain for every third request), each within the budget it is given."""
+    a chain for every third prompt), each within the budget it is given."""
 
     capabilities = (TREE_CAPABILITY,)
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], shapes: tuple[str, ...], seed: int = 0) -> None:
         self.references = references
+        # Not by request id: ids are random, and so would be how many trees a test sees.
+        self.chains = {prompt: i % 3 == 2 for i, prompt in enumerate(references)}
         self.shapes = shapes
         self.rng = random.Random(seed)
         self.budgets: list[int] = []
@@ -177,12 +179,13 @@ class TreeOracle(Drafter):
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
         out: list[list[int] | DraftTree] = []
         for r in requests:
-            ref = self.references[tuple(r.tokens[:r.prompt_len])]
+            prompt = tuple(r.tokens[:r.prompt_len])
+            ref = self.references[prompt]
             truth = ref[len(r.tokens) - r.prompt_len:][:r.draft_len]
             self.budgets.append(r.max_draft_nodes)
             if not r.draft_len or not truth:
                 out.append([])
-            elif int(r.request_id, 16) % 3 == 0 or not r.max_draft_nodes:
+            elif self.chains[prompt] or not r.max_draft_nodes:
                 out.append(truth[:-1] + [wrong(truth[-1])])
             else:
                 self.trees += 1
