@@ -166,7 +166,7 @@ def test_drafter_code_runs_on_the_event_loop_when_it_runs_inline_else_on_the_wor
     drafter = ThreadRecording(inline)
 
     async def body() -> str:
-        async with serving(drafter, idle_timeout_s=0.2) as c:
+        async with serving(drafter, idle_timeout_s=1.0) as c:
             await still_serving(c)  # its sequence is left idle, then evicted
             await c.prepare("v", seq("r", 0, [1, 2]))
             await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["r"]))
