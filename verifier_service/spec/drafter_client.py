@@ -182,9 +182,6 @@ class InProcessTransport:
     def __init__(self, servicer: "SupportsDrafterLogic") -> None:
         self._servicer = servicer
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._servicer.run(fn, *args)
-
     async def load(self) -> None:
         """Load the drafter if it is not yet (what it raises fails the verifier's start-up)."""
         if not self._servicer.loaded:
@@ -192,10 +189,10 @@ class InProcessTransport:
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        return await self._call(self._servicer.prepare, request)
+        return await self._servicer.run(self._servicer.prepare, request)
 
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None:
-        await self._call(self._servicer.release, request)
+        await self._servicer.run(self._servicer.release, request)
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
         return self._servicer.info()
@@ -203,7 +200,7 @@ class InProcessTransport:
     async def close(self) -> None:
         close = getattr(self._servicer.drafter, "close", None)  # e.g. the model drafter's own thread
         if close is not None:
-            await self._call(close)
+            await self._servicer.run(close)
         self._servicer.close()
 
 
