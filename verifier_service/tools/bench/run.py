@@ -76,6 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="acceptance only, no timing: replay the n-gram and suffix drafters against transformers' "
                         "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
+    p.add_argument("--dtype", default="auto", choices=["auto", *model_loader.DTYPES],
+                   help="the verifiers' and transformers' dtype (auto: as the verifier's, bfloat16 on cuda, else float32)")
     p.add_argument("--draft-model", metavar="PATH",
                    help="also bench a draft model ('embedded': SmolLM2 drafting for itself): the system "
                         "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
@@ -108,8 +110,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
     device = model_loader.pick_device(args.device)
-    # The verifiers' own default dtype (bf16 on CUDA), so transformers decodes the same numbers.
-    model, tokenizer = model_loader.load(source, model_loader.pick_dtype("auto", device), device)
+    # The verifiers' dtype, so transformers decodes the same numbers.
+    model, tokenizer = model_loader.load(source, model_loader.pick_dtype(args.dtype, device), device)
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     if args.replay:
         return _replay(model, tokenizer, prompts, args, out)
@@ -124,9 +126,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nwrote {out / 'trees.json'}")
         return 0
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
-    common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--log-level", "WARNING",
-              "--http-port", "off"] + (
-        ["--model", args.model] if args.model else [])
+    common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--dtype", args.dtype,
+              "--log-level", "WARNING", "--http-port", "off"] + (["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
