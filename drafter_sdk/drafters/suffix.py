@@ -33,6 +33,13 @@ global tree). Sharing never changes an output, since every draft is verified,
 but how fast a request runs can tell whether similar text was generated for
 someone else: scope it where that matters.
 
+Where the verifier verifies token trees (`max_draft_nodes` > 0), the drafter
+answers SuffixDecoding's speculation tree instead of its greedy path: grown
+best-first by estimated path probability from the match whose path scored best
+(suffix_index.SuffixIndex.speculate_tree), so nodes go to the continuations the
+two trees have seen most, as far as `min_token_prob`; its first branch is the
+chain it would have drafted.
+
 Only outputs the verifier released as FINISHED are learned; cancelled, failed
 and evicted ones are dropped. The verifier sends the last tokens of a finished
 request before releasing it to drafters that advertise `LEARNS_FROM_FINISHED`.
@@ -46,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
-from drafter_sdk.drafters.suffix_index import Cursor, SuffixIndex
+from drafter_sdk.drafters.suffix_index import NO_DRAFT, Cursor, Draft, SuffixIndex, draft_budget
+from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 CACHE_SCOPES = ("global", "verifier", "request")
 
@@ -63,7 +71,7 @@ class _Request:
 class SuffixDrafter(Drafter):
     name = "suffix"
     version = "1.0"
-    capabilities = ("suffix", LEARNS_FROM_FINISHED)
+    capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY)
     runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
@@ -96,11 +104,12 @@ class SuffixDrafter(Drafter):
 
     # --- the Drafter API ---
 
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
-        drafts = []
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        drafts: list[list[int] | DraftTree] = []
         for r in requests:
             self._sync(r)
-            drafts.append(self.draft(r.key, r.tokens, r.draft_len) if r.draft_len else [])
+            drafts.append([] if not r.draft_len else self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
+                          else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes))
         return drafts
 
     def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
@@ -137,18 +146,34 @@ class SuffixDrafter(Drafter):
 
     def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
         """The better of the request's own tree's draft and its global tree's (the own one on a tie)."""
+        return self._best(key, tokens, draft_len)[1].tokens
+
+    def draft_tree(self, key: Key, tokens: Sequence[int], max_depth: int, max_nodes: int) -> DraftTree:
+        """The speculation tree of the index and match `draft` drafts from, within that match's
+        draft length (the spec factor's cap) and `max_depth`."""
+        index, best, own = self._best(key, tokens, max_depth)
+        if not best.tokens:
+            return DraftTree([], [])
+        factor = self.own_spec_factor if own else self.max_spec_factor
+        depth = draft_budget(best.match_len, max_depth, factor, self.max_spec_offset, self.max_tree_depth)
+        tree = index.speculate_tree(tokens, best.match_len, depth, max_nodes, self.min_token_prob, own=own)
+        return DraftTree(tree.tokens, tree.parents)
+
+    def _best(self, key: Key, tokens: Sequence[int], draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
+        """(index, its best draft, whether it is the request's own) for whichever tree drafts the
+        better path: the global one, or the own one where it scores at least as much."""
         state = self._requests[key]
         knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
         own_knobs = (self.own_spec_factor, self.max_spec_offset, self.min_token_prob)
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
-        theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else None
-        if theirs is None or not theirs.tokens:
-            return state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True).tokens
+        theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else NO_DRAFT
+        if shared is None or not theirs.tokens:
+            return state.tree, state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True), True
         # The own tree wins a tie: it need only score at least as much (just above the next lower float).
         mine = state.tree.speculate(tokens, draft_len, *own_knobs, beat=math.nextafter(theirs.score, -math.inf),
                                     cursor=state.own, own=True)
-        return (mine if mine.tokens else theirs).tokens
+        return (state.tree, mine, True) if mine.tokens else (shared, theirs, False)
 
     @property
     def cached_requests(self) -> int:

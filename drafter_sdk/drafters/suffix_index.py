@@ -42,7 +42,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import accumulate
+from heapq import heappop, heappush
+from itertools import accumulate, count
 from operator import itemgetter
 from typing import Any
 
@@ -63,6 +64,9 @@ _TRIE_MAX = 256
 _CURSOR_MAX = 256
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
+# A speculation tree grows from at most this many of its match's latest occurrences (for a one-token
+# match: of each first node's), so that a frequent pattern costs no more than a rare one.
+_TREE_OCCURRENCES = 256
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,17 @@ class Draft:
 
 
 NO_DRAFT = Draft([])
+
+
+@dataclass(frozen=True)
+class TreeDraft:
+    """A speculation tree: node i follows node parents[i] (-1: the context's last token)."""
+    tokens: list[int]
+    parents: list[int]
+    score: float = 0.0  # the sum of the nodes' estimated path probabilities: expected accepted tokens
+
+
+NO_TREE = TreeDraft([], [])
 
 
 @dataclass(eq=False)
@@ -289,6 +304,73 @@ class SuffixIndex:
             if sum(probs) > best_score:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
+
+    def speculate_tree(self, context: Sequence[int], match_len: int, max_depth: int, max_nodes: int,
+                       min_token_prob: float = 0.1, own: bool = False) -> TreeDraft:
+        """SuffixDecoding's speculation tree after the context's last `match_len` tokens: grown best-first
+        by estimated path probability (each node's share of its parent's occurrences, times the parent's;
+        ties: the more recent), at most `max_nodes` nodes and `max_depth` deep, no node below
+        `min_token_prob`. Parents come before children and nodes go in the order they were chosen, so
+        the first m nodes are the tree a budget of m grows, and each node's first child is the greedy
+        choice (`speculate`'s walk, from the latest _TREE_OCCURRENCES occurrences). `own` as in
+        `speculate`."""
+        n = match_len
+        if n < 1 or n > len(context) or max_depth < 1 or max_nodes < 1:
+            return NO_TREE
+        pattern = _ints(context[len(context) - n:])
+        last = pattern[-1]
+        skip = self._spans[-1][1] - 1 if own and self._spans else None
+        order = count()  # the last tie-break: first offered first
+        heap: list[tuple[float, int, int, int, int, list[int], int]] = []
+
+        def offer(parent: int, depth: int, children: list[tuple[float, int, list[int]]]) -> None:
+            for prob, token, occ in children:
+                if prob >= min_token_prob:
+                    heappush(heap, (-prob, -occ[-1], next(order), parent, token, occ, depth))
+
+        if n == 1:  # one token has no list of its places: the first step from the running counts
+            total = self._counts.get(last, 0) - (skip is not None)
+            following = self._next.get(last, {})
+            offer(-1, 1, [(c / total, t, self._pairs[(last << _SHIFT) | t][-_TREE_OCCURRENCES:].tolist())
+                          for t, c in following.items()] if total > 0 else [])
+        else:
+            offer(-1, 1, self._children(self._latest_matches(pattern, skip), 1.0))
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        while heap and len(tokens) < max_nodes:
+            negative, _, _, parent, token, occ, depth = heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            score -= negative
+            if depth < max_depth:
+                offer(len(tokens) - 1, depth + 1, self._children(occ, -negative))
+        return TreeDraft(tokens, parents, score)
+
+    def _latest_matches(self, pattern: list[int], skip: int | None) -> list[int]:
+        """Where the last _TREE_OCCURRENCES occurrences of `pattern` (two tokens or more) end, ascending,
+        without `skip`."""
+        n = len(pattern)
+        positions = self._pairs.get((pattern[-2] << _SHIFT) | pattern[-1])
+        if positions is None:
+            return []
+        ends, lengths = self._match_lengths(positions, 0, pattern, n)
+        if isinstance(ends, list):
+            whole = [e for e, m in zip(ends, lengths) if m == n and e != skip]
+        else:
+            whole = ends[(lengths == n) & (ends != (-1 if skip is None else skip))].tolist()
+        return whole[-_TREE_OCCURRENCES:]
+
+    def _children(self, occ: list[int], prob: float) -> list[tuple[float, int, list[int]]]:
+        """(path probability, token, where the child's path ends) of the children of the node whose
+        occurrences end at `occ`; an occurrence at a sequence's end has no child but still counts."""
+        buf, base = self._buf, self._base
+        groups: dict[int, list[int]] = {}
+        for p in occ:
+            t = buf[p + 1 - base]
+            if t != SEP:
+                groups.setdefault(t, []).append(p + 1)
+        return [(prob * len(g) / len(occ), t, g) for t, g in groups.items()]
 
     def _advance(self, cursor: Cursor, seen: int, pattern: list[int]) -> tuple[list[int], list[int], int] | None:
         """The cursor's matches carried to the context grown to `seen` tokens ending in `pattern`: every
@@ -574,6 +656,11 @@ class SuffixIndex:
             tokens.append(child)
             probs.append(prob)
         return tokens, probs
+
+
+def draft_budget(match_len: int, max_tokens: int, factor: float, offset: float, max_depth: int) -> int:
+    """The most a match of `match_len` tokens may draft (`speculate`'s rule)."""
+    return _budgets(match_len, max_tokens, factor, offset, max_depth)[match_len]
 
 
 @lru_cache(maxsize=256)

@@ -4,6 +4,8 @@ memory bound, the per-request tree through the delta stream, learning only what 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import random
 from array import array
 
@@ -18,6 +20,7 @@ from drafter_sdk.drafters.suffix_index import SuffixIndex
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.tree import TREE_CAPABILITY, DraftTree, depths, first_branch, tree_problem
 
 # --- a brute-force reference: occurrences counted by scanning every sequence -----------------------
 
@@ -422,3 +425,116 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
         if rng.random() < 0.7:
             servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[rid], reasons=[
                 rng.choice([pb.RELEASE_REASON_FINISHED, pb.RELEASE_REASON_CANCELLED])]))
+
+
+# --- speculation trees --------------------------------------------------------------------------------
+
+
+def reference_tree(seqs: list[list[int]], context: list[int], m: int, max_depth: int, max_nodes: int,
+                   min_prob: float, own: bool = False, cap: int = 256) -> tuple[list[int], list[int], float]:
+    """SuffixDecoding's tree spelled out on scanned occurrences: best-first by path probability (each node's
+    share of its parent's occurrences, those at a sequence's end counted), ties to the latest occurrence,
+    from the match's latest `cap` occurrences (after one token: each first node's latest `cap`)."""
+    occ = _occurrences(seqs, context[len(context) - m:])
+    if own:
+        occ.remove((len(seqs) - 1, len(seqs[-1]) - 1))
+    order = itertools.count()
+    heap: list = []
+
+    def children(places: list[tuple[int, int]], prob: float, limit: int | None) -> list:
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, e in places:
+            if e + 1 < len(seqs[i]):
+                groups.setdefault(seqs[i][e + 1], []).append((i, e + 1))
+        return [(prob * len(g) / len(places), t, g[-limit:] if limit else g) for t, g in groups.items()]
+
+    def offer(parent: int, depth: int, found: list) -> None:
+        for prob, t, g in found:
+            if prob >= min_prob:
+                latest = g[-1]
+                heapq.heappush(heap, (-prob, (-latest[0], -latest[1]), next(order), parent, t, g, depth))
+
+    if occ:
+        offer(-1, 1, children(occ, 1.0, cap) if m == 1 else children(occ[-cap:], 1.0, None))
+    tokens, parents, score = [], [], 0.0
+    while heap and len(tokens) < max_nodes:
+        negative, _, _, parent, t, g, depth = heapq.heappop(heap)
+        tokens.append(t)
+        parents.append(parent)
+        score -= negative
+        if depth < max_depth:
+            offer(len(tokens) - 1, depth + 1, children(g, -negative, None))
+    return tokens, parents, score
+
+
+@pytest.mark.parametrize("cap", [256, 3])
+def test_speculation_trees_are_what_a_suffix_trie_grows(cap, vectorized, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(suffix_index, "_TREE_OCCURRENCES", cap)
+    rng = random.Random(5)
+    grown = 0
+    for _ in range(60):
+        vocab, depth = rng.choice([2, 3, 6, 30]), rng.choice([4, 8, 24])
+        index, seqs = SuffixIndex(depth), []
+        for _ in range(rng.randint(1, 4)):
+            s = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+            index.add(s)
+            seqs.append(s)
+        for _ in range(6):
+            own = rng.random() < 0.4
+            context = seqs[-1] if own else [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            m = index.speculate(context, 8, 2.0, own=own).match_len
+            if not m:
+                continue
+            knobs = (rng.randint(1, 8), rng.choice([1, 4, 16, 64]), rng.choice([0.0, 0.05, 0.3]))
+            got = index.speculate_tree(context, m, *knobs, own=own)
+            tokens, parents, score = reference_tree(seqs, context, m, *knobs, own=own, cap=cap)
+            assert (got.tokens, got.parents) == (tokens, parents)
+            assert got.score == pytest.approx(score)
+            assert tree_problem(got.tokens, got.parents, knobs[0], knobs[1]) == ""
+            grown += len(got.tokens) > max(depths(got.parents), default=0)  # it branched
+    assert grown > 20
+
+
+def test_a_tree_budget_takes_the_first_nodes_and_its_first_branch_is_the_chain() -> None:
+    rng = random.Random(3)
+    phrases = [[rng.randrange(10) for _ in range(rng.randint(2, 6))] for _ in range(5)]
+    drafter = SuffixDrafter()
+    for i in range(6):
+        finish(drafter, f"old{i}", [99], [t for _ in range(12) for t in rng.choice(phrases)])
+    checked = 0
+    for i in range(30):
+        history = [t for _ in range(rng.randint(1, 8)) for t in rng.choice(phrases)]
+        [chain] = drafter.prepare_draft_tokens([request(f"c{i}", history)])
+        [full] = drafter.prepare_draft_tokens([tree_request(f"t{i}", history, 8, 64)])
+        [small] = drafter.prepare_draft_tokens([tree_request(f"s{i}", history, 8, 5)])
+        assert isinstance(full, DraftTree) and tree_problem(full.tokens, full.parents, 8, 64) == ""
+        assert (list(small.tokens), list(small.parents)) == (list(full.tokens[:5]), list(full.parents[:5]))
+        assert first_branch(full.tokens, full.parents) == chain
+        checked += len(full) > len(chain) > 0
+    assert checked > 10
+    assert TREE_CAPABILITY in drafter.capabilities
+    [chain] = drafter.prepare_draft_tokens([tree_request("c", history, 8, 0)])
+    assert isinstance(chain, list)
+
+
+def test_counts_and_probabilities_of_a_speculation_tree() -> None:
+    index = SuffixIndex(24)
+    for s in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9, 9], [1, 2, 3]):
+        index.add(s)
+    # [2, 3] occurs 4 times: then 4 twice (1/2), 9 once (1/4), and once the sequence ends. After [2, 3, 4]:
+    # 5 and 6 once each (1/2 * 1/2); after [2, 3, 9]: 9 (1/4). Ties go to the latest occurrence.
+    tree = index.speculate_tree([2, 3], 2, max_depth=2, max_nodes=8, min_token_prob=0.0)
+    assert (tree.tokens, tree.parents) == ([4, 9, 9, 6, 5], [-1, -1, 1, 0, 0])
+    assert tree.score == pytest.approx(1 / 2 + 1 / 4 + 1 / 4 + 1 / 4 + 1 / 4)
+    # min_token_prob prunes below it; the depth and the node budget cut too.
+    assert index.speculate_tree([2, 3], 2, 2, 8, min_token_prob=0.3).tokens == [4]
+    assert index.speculate_tree([2, 3], 2, 1, 8, min_token_prob=0.0).tokens == [4, 9]
+    assert index.speculate_tree([2, 3], 2, 2, 2, min_token_prob=0.0).tokens == [4, 9]
+    # A one-token match starts from the running counts: 3 is followed by 4 twice and 9 once, of 4.
+    tree = index.speculate_tree([3], 1, 1, 8, min_token_prob=0.0)
+    assert (tree.tokens, tree.score) == ([4, 9], pytest.approx(3 / 4))
+    assert index.speculate_tree([42], 1, 4, 8).tokens == []
+
+
+def tree_request(rid: str, tokens: list[int], draft_len: int, nodes: int) -> DraftRequest:
+    return DraftRequest("v", rid, tokens, 0, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes)

@@ -85,6 +85,21 @@ def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_di
     assert results[("suffix", "recurring")]["accepted"] > results[("ngram", "recurring")]["accepted"]
 
 
+def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir: Path) -> None:
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench", "--model", str(model_dir), "--trees", "4", "--tree-drafter", "suffix",
+         "--prompts", "1", "--max-new-tokens", "12", "--workloads", "recurring", "--device", "cpu", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "chains vs token trees (suffix in-process" in done.stdout
+    rows = json.loads((out / "trees.json").read_text())
+    assert {r["system"] for r in rows} == {"chain 4", "tree 4", "chain planner", "tree planner (<= 4 nodes)"}
+    assert all(r["identical"] == r["prompts"] for r in rows), done.stdout
+    # The rounds after the first draft from the first round's outputs, as chains and as trees.
+    assert all(r["verified_per_step"] > 0 for r in rows if r["workload"] == "recurring"), rows
+
+
 def test_suffix_speed_measures_the_drafter_itself() -> None:
     speed = suffix_speed.measure(tiny_tokenizer(), cached=5, output_len=40, sequences=2, context_len=100, steps=3,
                                  corpus_tokens=5000)

@@ -97,6 +97,30 @@ def test_suffix_in_process_and_remote_equal_plain_decoding() -> None:
     asyncio.run(main())
 
 
+def test_suffix_trees_in_process_and_remote_equal_plain_decoding() -> None:
+    """With a node budget the suffix drafter answers speculation trees, branched where its trees saw
+    more than one continuation; every output is still plain decoding's."""
+    def branched(responses: list[verifier_pb2.GenerateResponse]) -> bool:
+        stats = [r.output.stats for r in responses]  # a tree's draft tokens count its depth only
+        return sum(s.num_draft_nodes for s in stats) > sum(s.num_draft_tokens for s in stats) > 0
+
+    async def main() -> None:
+        async with run_verifier(suffix_config(6), model=shared_model(), max_draft_nodes=12) as v:
+            for _ in range(2):  # the second round also grows trees from the first round's outputs
+                responses = await generate_all(v, PROMPTS, LENGTHS)
+                check_exact(responses, PROMPTS, LENGTHS)
+                await wait_until(lambda: not engine_of(v).drafter._background, "the releases")
+            assert branched(responses)
+        async with serve_drafter(SuffixDrafter()) as drafter:
+            async with run_verifier(remote_config(6, drafter.port), model=shared_model(), max_draft_nodes=12) as v:
+                responses = await generate_all(v, PROMPTS, LENGTHS)
+                check_exact(responses, PROMPTS, LENGTHS)
+                assert branched(responses)
+                assert sum(r.output.stats.num_drafter_failures for r in responses) == 0
+
+    asyncio.run(main())
+
+
 async def _second_verifier_run(scope: str) -> tuple[verifier_pb2.GenerateResponse, SuffixDrafter]:
     """Verifier A runs FRESH_PROMPT to the end; then verifier B, sharing the drafter, runs it again."""
     drafter = SuffixDrafter(cache_scope=scope)

@@ -77,7 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
     p.add_argument("--dtype", default="auto", choices=["auto", *model_loader.DTYPES],
-                   help="the verifiers' and transformers' dtype (auto: as the verifier's, bfloat16 on cuda, else float32)")
+                   help="the verifiers' and transformers' dtype (auto: as the verifier's, bfloat16 on cuda, "
+                        "else float32)")
     p.add_argument("--draft-model", metavar="PATH",
                    help="also bench a draft model ('embedded': SmolLM2 drafting for itself): the system "
                         "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
@@ -87,8 +88,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --draft-model: only the draft model's own figures (no services; the target's "
                         "outputs come from transformers generate())")
     p.add_argument("--trees", type=int, default=0, metavar="N",
-                   help="instead: n-gram chains vs token trees at N verified tokens per step, and as the planner "
+                   help="instead: chains vs token trees at N verified tokens per step, and as the planner "
                         "sizes them (writes trees.json)")
+    p.add_argument("--tree-drafter", choices=["ngram", "suffix"], default="ngram",
+                   help="--trees: the in-process drafter that drafts the chains and trees")
     p.add_argument("--tree-min-prob", type=float, default=0.1,
                    help="--trees: the floored tree's least node probability (the n-gram drafter's tree_min_prob)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
@@ -121,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
               + ", ".join(f"{t}:{s * 1e3:.1f}" for t, s in sorted(seconds.items())), flush=True)
         del model
         rows = bench_trees.run(args, prompts, lambda systems, ps, a: _run_all(systems, ps, a, tokenizer))
-        bench_trees.print_table(rows, args.trees)
+        bench_trees.print_table(rows, args.trees, args.tree_drafter)
         bench_trees.to_json(rows, out / "trees.json")
         print(f"\nwrote {out / 'trees.json'}")
         return 0

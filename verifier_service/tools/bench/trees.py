@@ -1,10 +1,11 @@
 """`splitspec bench --trees N`: token trees against chains, same prompts, same model, one run.
 
-Five in-process n-gram verifiers side by side, and one for plain decoding (prompts rotate
-between them): an N-token chain and an N-node tree at a fixed size (the same budget of
-verified tokens per step), the same tree without the nodes the drafter thinks less likely
-than `--tree-min-prob`, and the chain and the tree as the planner sizes them (adaptive draft
-lengths up to N, trees up to N nodes).
+Five in-process n-gram verifiers side by side (`--tree-drafter suffix`: four suffix ones), and
+one for plain decoding (prompts rotate between them): an N-token chain and an N-node tree at a
+fixed size (the same budget of verified tokens per step), for n-gram the same tree without the
+nodes the drafter thinks less likely than `--tree-min-prob` (the suffix drafter's own floor,
+min_token_prob, shapes its chains and trees alike), and the chain and the tree as the planner
+sizes them (adaptive draft lengths up to N, trees up to N nodes).
 Each prints mean tokens per step (emitted tokens / forward passes after the prefill, the
 figure trees exist to raise), median tokens/s, and whether every output equals plain decoding.
 """
@@ -40,14 +41,16 @@ class TreeRow:
 def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, adaptive: bool, min_prob: float,
               folder: Path) -> LocalService:
     config = folder / f"{name}.json"
-    config.write_text(json.dumps({"mode": "NGRAM", "maxDraftLen": draft_len,
-                                  "ngram": {"maxMatchingNgramSize": args.ngram_size, "treeMinProb": min_prob},
+    # The suffix drafter's own floor (min_token_prob, its default) shapes its chains and trees alike.
+    knobs = ({"ngram": {"maxMatchingNgramSize": args.ngram_size, "treeMinProb": min_prob}}
+             if args.tree_drafter == "ngram" else {})
+    config.write_text(json.dumps({"mode": args.tree_drafter.upper(), "maxDraftLen": draft_len, **knobs,
                                   "policy": {"adaptiveDraftLen": adaptive}}))
     extra = ["--model", args.model] if args.model else []
     # One request at a time: one KV slot, so start-up measures forwards of up to one draft only.
     return LocalService([script("splitspec-verifier"), "--speculative-config", str(config),
-                         "--max-draft-nodes", str(nodes), "--max-num-seqs", "1", "--device", args.device, "--dtype", args.dtype,
-                         "--http-port", "off", "--log-level", "WARNING", *extra],
+                         "--max-draft-nodes", str(nodes), "--max-num-seqs", "1", "--device", args.device,
+                         "--dtype", args.dtype, "--http-port", "off", "--log-level", "WARNING", *extra],
                         name=name, startup_timeout_s=1200)
 
 
@@ -56,8 +59,8 @@ def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> l
     n = args.trees
     # The planner's chains and trees may reach as deep as the fixed ones: it only ever shortens them.
     p = args.tree_min_prob
-    setups = [(f"chain {n}", n, 0, False, 0.0), (f"tree {n}", n, n, False, 0.0),
-              (f"tree {n}, p >= {p:g}", n, n, False, p),
+    floored = [(f"tree {n}, p >= {p:g}", n, n, False, p)] if args.tree_drafter == "ngram" else []
+    setups = [(f"chain {n}", n, 0, False, 0.0), (f"tree {n}", n, n, False, 0.0), *floored,
               ("chain planner", n, 0, True, 0.0), (f"tree planner (<= {n} nodes)", n, n, True, 0.0)]
     print(f"starting {len(setups) + 1} verifiers (chains, trees and plain decoding) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -91,8 +94,8 @@ def _row(name: str, workload: str, runs: list[Run], plain: list[Run]) -> TreeRow
         identical=sum(r.token_ids == p.token_ids for r, p in zip(runs, plain)), prompts=len(runs))
 
 
-def print_table(rows: list[TreeRow], n: int) -> None:
-    print(f"\nchains vs token trees (n-gram in-process; fixed: {n} verified tokens per step)")
+def print_table(rows: list[TreeRow], n: int, drafter: str) -> None:
+    print(f"\nchains vs token trees ({drafter} in-process; fixed: {n} verified tokens per step)")
     print(f"{'workload':<10} {'system':<28} {'tokens/step':>11} {'vs chain':>8} {'tok/s':>7} {'vs chain':>8} "
           f"{'nodes/draft':>11} {'identical':>9}")
     for row in rows:
