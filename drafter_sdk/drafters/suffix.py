@@ -156,7 +156,9 @@ class SuffixDrafter(Drafter):
             return DraftTree([], [])
         factor = self.own_spec_factor if own else self.max_spec_factor
         depth = draft_budget(best.match_len, max_depth, factor, self.max_spec_offset, self.max_tree_depth)
-        tree = index.speculate_tree(tokens, best.match_len, depth, max_nodes, self.min_token_prob, own=own)
+        state = self._requests[key]
+        tree = index.speculate_tree(tokens, best.match_len, depth, max_nodes, self.min_token_prob, own=own,
+                                    cursor=state.own if own else state.shared)
         return DraftTree(tree.tokens, tree.parents)
 
     def _best(self, key: Key, tokens: Sequence[int], draft_len: int) -> tuple[SuffixIndex, Draft, bool]:

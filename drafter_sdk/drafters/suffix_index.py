@@ -306,14 +306,14 @@ class SuffixIndex:
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
 
     def speculate_tree(self, context: Sequence[int], match_len: int, max_depth: int, max_nodes: int,
-                       min_token_prob: float = 0.1, own: bool = False) -> TreeDraft:
+                       min_token_prob: float = 0.1, own: bool = False, cursor: Cursor | None = None) -> TreeDraft:
         """SuffixDecoding's speculation tree after the context's last `match_len` tokens: grown best-first
         by estimated path probability (each node's share of its parent's occurrences, times the parent's;
         ties: the more recent), at most `max_nodes` nodes and `max_depth` deep, no node below
         `min_token_prob`. Parents come before children and nodes go in the order they were chosen, so
         the first m nodes are the tree a budget of m grows, and each node's first child is the greedy
         choice (`speculate`'s walk, from the latest _TREE_OCCURRENCES occurrences). `own` as in
-        `speculate`."""
+        `speculate`; a `cursor` that `speculate` left at this context saves looking the match up again."""
         n = match_len
         if n < 1 or n > len(context) or max_depth < 1 or max_nodes < 1:
             return NO_TREE
@@ -334,7 +334,7 @@ class SuffixIndex:
             offer(-1, 1, [(c / total, t, self._pairs[(last << _SHIFT) | t][-_TREE_OCCURRENCES:].tolist())
                           for t, c in following.items()] if total > 0 else [])
         else:
-            offer(-1, 1, self._children(self._latest_matches(pattern, skip), 1.0))
+            offer(-1, 1, self._children(self._latest_matches(pattern, skip, len(context), cursor), 1.0))
         tokens: list[int] = []
         parents: list[int] = []
         score = 0.0
@@ -347,10 +347,13 @@ class SuffixIndex:
                 offer(len(tokens) - 1, depth + 1, self._children(occ, -negative))
         return TreeDraft(tokens, parents, score)
 
-    def _latest_matches(self, pattern: list[int], skip: int | None) -> list[int]:
-        """Where the last _TREE_OCCURRENCES occurrences of `pattern` (two tokens or more) end, ascending,
-        without `skip`."""
+    def _latest_matches(self, pattern: list[int], skip: int | None, seen: int, cursor: Cursor | None) -> list[int]:
+        """Where the last _TREE_OCCURRENCES occurrences of `pattern` (two tokens or more), the end of a
+        context of `seen` tokens, end, ascending, without `skip`."""
         n = len(pattern)
+        if cursor is not None and cursor.index is self._identity and cursor.seen == seen and cursor.least <= n:
+            # It holds every match of cursor.least tokens or more: those of n or more are the occurrences.
+            return [e for e, m in zip(cursor.ends, cursor.lengths) if m >= n and e != skip][-_TREE_OCCURRENCES:]
         positions = self._pairs.get((pattern[-2] << _SHIFT) | pattern[-1])
         if positions is None:
             return []

@@ -538,3 +538,24 @@ def test_counts_and_probabilities_of_a_speculation_tree() -> None:
 
 def tree_request(rid: str, tokens: list[int], draft_len: int, nodes: int) -> DraftRequest:
     return DraftRequest("v", rid, tokens, 0, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes)
+
+
+@pytest.mark.parametrize("cursor_max", [256, 4])
+def test_a_cursor_grows_the_trees_a_fresh_lookup_does(vectorized, cursor_max, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(suffix_index, "_CURSOR_MAX", cursor_max)
+    rng = random.Random(13)
+    used = 0
+    for _ in range(20):
+        phrases = [[rng.randrange(12) for _ in range(rng.randint(2, 8))] for _ in range(rng.randint(2, 5))]
+        index = SuffixIndex(rng.choice([6, 12, 24]))
+        for _ in range(rng.randint(1, 5)):
+            index.add([t for _ in range(rng.randint(2, 30)) for t in rng.choice(phrases)])
+        cursor, context = suffix_index.Cursor(), list(rng.choice(phrases))
+        for _ in range(15):
+            context += rng.choice(phrases)[:rng.randint(1, 4)]
+            m = index.speculate(context, 8, 2.0, cursor=cursor).match_len
+            if m:
+                used += cursor.seen == len(context) and cursor.least <= m
+                assert index.speculate_tree(context, m, 8, 16, 0.05, cursor=cursor) == \
+                    index.speculate_tree(context, m, 8, 16, 0.05)
+    assert used > 50

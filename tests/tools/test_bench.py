@@ -105,6 +105,7 @@ def test_suffix_speed_measures_the_drafter_itself() -> None:
                                  corpus_tokens=5000)
     assert (speed.cached_outputs, speed.sequences, speed.context_len) == (5, 2, 100)
     assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0
+    assert speed.tree_nodes == 16 and speed.tree_prepare_ms_p90 >= speed.tree_prepare_ms_p50 > 0
 
 
 def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path, model_dir: Path) -> None:

@@ -2,7 +2,8 @@
 
 Measured on the SDK's servicer logic in this process (what a `splitspec-drafter suffix` runs for each
 call, minus the network): a global tree filled with `cached` finished outputs of `output_len` tokens,
-then 16 sequences with 2,000 tokens of context each, growing by 1-4 tokens a step. The text is the
+then 16 sequences with 2,000 tokens of context each, growing by 1-4 tokens a step, drafting chains and
+then (other sequences of the same kind) trees of up to 16 nodes. The text is the
 standard library's own source, tokenized by the target's tokenizer; outputs are windows of it, so they
 overlap the way recurring answers do.
 """
@@ -36,6 +37,9 @@ class SuffixSpeed:
     prepare_ms_p50: float  # one PrepareDraftTokens for all the sequences
     prepare_ms_p90: float
     global_tree_mb: float  # the drafter's own estimate (shared_state_bytes)
+    tree_nodes: int  # the same calls where the verifier verifies token trees of up to this many nodes
+    tree_prepare_ms_p50: float
+    tree_prepare_ms_p90: float
 
 
 def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> list[int]:
@@ -49,7 +53,7 @@ def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> lis
 
 
 def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len: int = 500, sequences: int = 16,
-            context_len: int = 2000, steps: int = 100, draft_len: int = 8,
+            context_len: int = 2000, steps: int = 100, draft_len: int = 8, tree_nodes: int = 16,
             corpus_tokens: int = CORPUS_TOKENS) -> SuffixSpeed:
     text = corpus(tokenizer, corpus_tokens)
     rng = random.Random(0)
@@ -72,21 +76,29 @@ def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len
         servicer.release(release)
         ingest.append(time.perf_counter() - started)
     contexts = [window(context_len + 4 * steps) for _ in range(sequences)]
-    lengths = [context_len] * sequences
-    held = [0] * sequences
-    times = []
-    for step in range(steps + 1):
-        request = drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
-            drafter_pb2.DraftSequence(request_id=f"live-{j}", context_len=held[j],
-                                      new_tokens=contexts[j][held[j]:lengths[j]], prompt_len=100, draft_len=draft_len)
-            for j in range(sequences)])
-        started = time.perf_counter()
-        servicer.prepare(request)
-        if step:  # the first call builds every sequence's tree from its whole context
-            times.append(time.perf_counter() - started)
-        held = list(lengths)
-        lengths = [n + rng.randint(1, 4) for n in lengths]
-    times.sort()
+
+    def prepare_times(name: str, nodes: int) -> list[float]:
+        """Seconds of each call after the first (which builds every sequence's tree from its whole context),
+        for sequences growing by 1-4 tokens a step, ascending."""
+        lengths = [context_len] * sequences
+        held = [0] * sequences
+        times = []
+        for step in range(steps + 1):
+            request = drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
+                drafter_pb2.DraftSequence(request_id=f"{name}-{j}", context_len=held[j],
+                                          new_tokens=contexts[j][held[j]:lengths[j]], prompt_len=100,
+                                          draft_len=draft_len, max_draft_nodes=nodes)
+                for j in range(sequences)])
+            started = time.perf_counter()
+            servicer.prepare(request)
+            if step:
+                times.append(time.perf_counter() - started)
+            held = list(lengths)
+            lengths = [n + rng.randint(1, 4) for n in lengths]
+        return sorted(times)
+
+    chains, trees = prepare_times("chain", 0), prepare_times("tree", tree_nodes)
     return SuffixSpeed(cached, output_len, statistics.median(ingest) * 1000, sequences, context_len,
-                       statistics.median(times) * 1000, times[int(0.9 * len(times))] * 1000,
-                       drafter.shared_state_bytes() / 2**20)
+                       statistics.median(chains) * 1000, chains[int(0.9 * len(chains))] * 1000,
+                       drafter.shared_state_bytes() / 2**20, tree_nodes,
+                       statistics.median(trees) * 1000, trees[int(0.9 * len(trees))] * 1000)
