@@ -200,8 +200,9 @@ def test_the_better_scoring_tree_wins() -> None:
     assert draft[:1] == [8]
 
 
-def request(rid: str, tokens: list[int], prompt_len: int = 0, draft_len: int = 8, verifier: str = "v") -> DraftRequest:
-    return DraftRequest(verifier, rid, tokens, prompt_len, draft_len, 0, 0, SamplingHints())
+def request(rid: str, tokens: list[int], prompt_len: int = 0, draft_len: int = 8, verifier: str = "v",
+            nodes: int = 0) -> DraftRequest:
+    return DraftRequest(verifier, rid, tokens, prompt_len, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes)
 
 
 def finish(drafter: SuffixDrafter, rid: str, prompt: list[int], output: list[int], verifier: str = "v",
@@ -505,15 +506,15 @@ def test_a_tree_budget_takes_the_first_nodes_and_its_first_branch_is_the_chain()
     for i in range(30):
         history = [t for _ in range(rng.randint(1, 8)) for t in rng.choice(phrases)]
         [chain] = drafter.prepare_draft_tokens([request(f"c{i}", history)])
-        [full] = drafter.prepare_draft_tokens([tree_request(f"t{i}", history, 8, 64)])
-        [small] = drafter.prepare_draft_tokens([tree_request(f"s{i}", history, 8, 5)])
+        [full] = drafter.prepare_draft_tokens([request(f"t{i}", history, draft_len=8, nodes=64)])
+        [small] = drafter.prepare_draft_tokens([request(f"s{i}", history, draft_len=8, nodes=5)])
         assert isinstance(full, DraftTree) and tree_problem(full.tokens, full.parents, 8, 64) == ""
         assert (list(small.tokens), list(small.parents)) == (list(full.tokens[:5]), list(full.parents[:5]))
         assert first_branch(full.tokens, full.parents) == chain
         checked += len(full) > len(chain) > 0
     assert checked > 10
     assert TREE_CAPABILITY in drafter.capabilities
-    [chain] = drafter.prepare_draft_tokens([tree_request("c", history, 8, 0)])
+    [chain] = drafter.prepare_draft_tokens([request("c", history, draft_len=8, nodes=0)])
     assert isinstance(chain, list)
 
 
@@ -535,9 +536,6 @@ def test_counts_and_probabilities_of_a_speculation_tree() -> None:
     assert (tree.tokens, tree.score) == ([4, 9], pytest.approx(3 / 4))
     assert index.speculate_tree([42], 1, 4, 8).tokens == []
 
-
-def tree_request(rid: str, tokens: list[int], draft_len: int, nodes: int) -> DraftRequest:
-    return DraftRequest("v", rid, tokens, 0, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes)
 
 
 @pytest.mark.parametrize("cursor_max", [256, 4])
