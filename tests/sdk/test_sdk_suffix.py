@@ -537,7 +537,6 @@ def test_counts_and_probabilities_of_a_speculation_tree() -> None:
     assert index.speculate_tree([42], 1, 4, 8).tokens == []
 
 
-
 @pytest.mark.parametrize("cursor_max", [256, 4])
 def test_a_cursor_grows_the_trees_a_fresh_lookup_does(vectorized, cursor_max, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(suffix_index, "_CURSOR_MAX", cursor_max)
