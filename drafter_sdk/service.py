@@ -157,7 +157,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
         deserialize = handler.request_deserializer
@@ -168,6 +168,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's
                 return _Undecodable(f"the request to {method} is not a valid protobuf message: {exc}")
 
+        if handler.request_streaming:
+            return _checked_stream_stream(handler, safe_deserialize)
         if not handler.response_streaming:
             inner = handler.unary_unary
 
@@ -190,3 +192,25 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=safe_deserialize, response_serializer=handler.response_serializer)
+
+
+def _checked_stream_stream(handler: grpc.RpcMethodHandler,
+                           deserialize: Callable[[bytes], object]) -> grpc.RpcMethodHandler:
+    """A request stream whose messages decode with `deserialize`: the first undecodable one ends
+    the call with INVALID_ARGUMENT (PrepareDraftTokensStream). Other shapes are left as they are."""
+    inner = handler.stream_stream
+    if not handler.response_streaming or not inspect.isasyncgenfunction(inner):
+        return handler
+
+    async def stream(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+        async def decoded() -> AsyncIterator[object]:
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                yield request
+
+        async for item in inner(decoded(), context):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(
+        stream, request_deserializer=deserialize, response_serializer=handler.response_serializer)

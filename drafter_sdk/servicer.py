@@ -18,7 +18,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -167,6 +167,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.metrics is not None:
             self.metrics.record_drafts(response)
         return response
+
+    async def PrepareDraftTokensStream(
+            self, requests: AsyncIterator[drafter_pb2.PrepareDraftTokensStreamRequest],
+            context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.PrepareDraftTokensStreamResponse]:
+        """PrepareDraftTokens, one call per message of one long-lived stream, answered in order.
+        A call that fails ends the stream with its status, as the unary call would have."""
+        async for message in requests:
+            response = await self.PrepareDraftTokens(message.request, context)
+            yield drafter_pb2.PrepareDraftTokensStreamResponse(response=response)
 
     async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:

@@ -107,6 +107,18 @@ class PrepareDraftTokensResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[DraftResult]
     def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
+class PrepareDraftTokensStreamRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: PrepareDraftTokensRequest
+    def __init__(self, request: _Optional[_Union[PrepareDraftTokensRequest, _Mapping]] = ...) -> None: ...
+
+class PrepareDraftTokensStreamResponse(_message.Message):
+    __slots__ = ("response",)
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    response: PrepareDraftTokensResponse
+    def __init__(self, response: _Optional[_Union[PrepareDraftTokensResponse, _Mapping]] = ...) -> None: ...
+
 class ReleaseRequestsRequest(_message.Message):
     __slots__ = ("verifier_id", "request_ids", "reasons")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]

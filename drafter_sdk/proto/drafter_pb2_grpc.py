@@ -46,6 +46,11 @@ class DrafterServiceStub:
                 request_serializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensResponse.FromString,
                 _registered_method=True)
+        self.PrepareDraftTokensStream = channel.stream_stream(
+                '/splitspec.v1.DrafterService/PrepareDraftTokensStream',
+                request_serializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamResponse.FromString,
+                _registered_method=True)
         self.ReleaseRequests = channel.unary_unary(
                 '/splitspec.v1.DrafterService/ReleaseRequests',
                 request_serializer=splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsRequest.SerializeToString,
@@ -72,6 +77,15 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareDraftTokensStream(self, request_iterator, context):
+        """The same calls over one long-lived stream per verifier: one response per
+        request, in order. Optional: a verifier falls back to PrepareDraftTokens
+        where it is UNIMPLEMENTED. It spares each step a unary call's setup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRequests(self, request, context):
         """The verifier is done with these requests; their state may be dropped.
         """
@@ -91,6 +105,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.PrepareDraftTokens,
                     request_deserializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensResponse.SerializeToString,
+            ),
+            'PrepareDraftTokensStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrepareDraftTokensStream,
+                    request_deserializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamResponse.SerializeToString,
             ),
             'ReleaseRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRequests,
@@ -154,6 +173,33 @@ class DrafterService:
             '/splitspec.v1.DrafterService/PrepareDraftTokens',
             splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensRequest.SerializeToString,
             splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareDraftTokensStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitspec.v1.DrafterService/PrepareDraftTokensStream',
+            splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamRequest.SerializeToString,
+            splitspec_dot_v1_dot_drafter__pb2.PrepareDraftTokensStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -126,30 +126,58 @@ function readAuthToken(opts) {
   return (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim() || null;
 }
 
-// Wraps a unary handler: bearer auth, and StatusError / bugs -> gRPC status.
+// Bearer auth: true when the call may go on (a call without the token is answered here).
+function authorized(call, expected, fail) {
+  if (!expected) return true;
+  const got = Buffer.from(String(call.metadata.get('authorization')[0] || ''));
+  if (got.length === expected.length && crypto.timingSafeEqual(got, expected)) return true;
+  fail({ code: grpc.status.UNAUTHENTICATED, details: 'missing or wrong bearer token' });
+  return false;
+}
+
+// StatusError / bugs -> a gRPC status.
+function statusOf(err, log) {
+  if (err instanceof StatusError) return { code: err.code, details: err.message };
+  log.error(`internal error: ${err && err.stack ? err.stack : err}`);
+  return { code: grpc.status.INTERNAL, details: String(err && err.message ? err.message : err) };
+}
+
+// Wraps a unary handler: bearer auth, errors -> gRPC status.
 function unary(handler, { token, log }) {
   const expected = token ? Buffer.from(`Bearer ${token}`) : null;
   return (call, callback) => {
-    if (expected) {
-      const got = Buffer.from(String(call.metadata.get('authorization')[0] || ''));
-      if (got.length !== expected.length || !crypto.timingSafeEqual(got, expected)) {
-        callback({ code: grpc.status.UNAUTHENTICATED, details: 'missing or wrong bearer token' });
-        return;
-      }
-    }
+    if (!authorized(call, expected, callback)) return;
     let response;
     try {
       response = handler(call.request);
     } catch (err) {
-      if (err instanceof StatusError) {
-        callback({ code: err.code, details: err.message });
-      } else {
-        log.error(`internal error: ${err && err.stack ? err.stack : err}`);
-        callback({ code: grpc.status.INTERNAL, details: String(err && err.message ? err.message : err) });
-      }
+      callback(statusOf(err, log));
       return;
     }
     callback(null, response);
+  };
+}
+
+// PrepareDraftTokensStream: the unary `handler` once per message, answered in order; a message
+// that fails ends the stream with its status, as the unary call would have failed.
+function stream(handler, { token, log }) {
+  const expected = token ? Buffer.from(`Bearer ${token}`) : null;
+  return (call) => {
+    let failed = false;
+    const fail = (status) => {
+      failed = true;
+      call.emit('error', status); // grpc-js: ends the call with this status
+    };
+    if (!authorized(call, expected, fail)) return;
+    call.on('data', (message) => {
+      if (failed) return;
+      try {
+        call.write({ response: handler(message.request || {}) });
+      } catch (err) {
+        fail(statusOf(err, log));
+      }
+    });
+    call.on('end', () => { if (!failed) call.end(); });
   };
 }
 
@@ -203,6 +231,10 @@ function main(argv) {
   };
 
   const ctx = { token, log };
+  const prepare = (request) => {
+    store.validate(request, grpc.status.INVALID_ARGUMENT);
+    return { results: store.prepare(request) };
+  };
   server.addService(loadDrafterService(opts.protoDir), {
     GetDrafterInfo: unary(() => ({
       name: NAME,
@@ -212,10 +244,8 @@ function main(argv) {
       tokenizer: '',
       capabilities: ['ngram', 'prompt-lookup'],
     }), ctx),
-    PrepareDraftTokens: unary((request) => {
-      store.validate(request, grpc.status.INVALID_ARGUMENT);
-      return { results: store.prepare(request) };
-    }, ctx),
+    PrepareDraftTokens: unary(prepare, ctx),
+    PrepareDraftTokensStream: stream(prepare, ctx),
     ReleaseRequests: unary((request) => {
       if (!request.verifier_id) throw new StatusError(grpc.status.INVALID_ARGUMENT, 'verifier_id must not be empty');
       return { released: store.release(request.verifier_id, request.request_ids) };

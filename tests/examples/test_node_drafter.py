@@ -8,6 +8,7 @@ worked example of PROTOCOL.md section 12 is replayed verbatim.
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import shutil
 import subprocess
@@ -288,6 +289,42 @@ def test_malformed_requests_are_invalid_argument_and_change_nothing(stub, sequen
     assert call(stub, v, seq("held", 3, [2])) == [(OK, [1, 2])]
 
 
+def stream_calls(stub, verifier_id: str, steps, metadata=None) -> list[list[tuple[int, list[int]]]]:
+    """The steps over one PrepareDraftTokensStream, one message at a time (raises grpc.RpcError)."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    responses = stub.PrepareDraftTokensStream(iter(requests.get, None), timeout=10, metadata=metadata)
+    answers = []
+    try:
+        for sequences in steps:
+            requests.put(pb.PrepareDraftTokensStreamRequest(
+                request=pb.PrepareDraftTokensRequest(verifier_id=verifier_id, sequences=sequences)))
+            answers.append([(r.status, list(r.draft_tokens)) for r in next(responses).response.results])
+    finally:
+        requests.put(None)
+    return answers
+
+
+STREAM_STEPS = [
+    [seq("a", 0, [1, 2, 3, 1, 2])],
+    [seq("a", 5, [3, 1]), seq("b", 0, [7, 8, 7])],
+    [seq("a", 7, [2], draft_len=0), seq("b", 3, [8])],
+]
+
+
+def test_stream_answers_each_message_in_order_as_unary_calls_do(stub):
+    unary = [call(stub, "v-unary", *sequences) for sequences in STREAM_STEPS]
+    assert stream_calls(stub, "v-stream", STREAM_STEPS) == unary
+    assert unary[1] == [(OK, [2, 3, 1]), (OK, [8, 7])]
+
+
+def test_a_bad_message_ends_the_stream_with_invalid_argument(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stream_calls(stub, "v-stream-bad", [STREAM_STEPS[0], [seq("a", 5, [3, -1])]])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The first message's delta was applied; the bad one changed nothing.
+    assert call(stub, "v-stream-bad", seq("a", 5, [3])) == [(OK, [1, 2, 3])]
+
+
 def test_empty_call_and_empty_verifier_id(stub):
     assert call(stub, "v-empty") == []
     with pytest.raises(grpc.RpcError) as err:
@@ -341,6 +378,10 @@ def test_bearer_token_auth(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         good = [("authorization", "Bearer s3cret-token")]
         assert call(stub, "v", seq("r", 0, [1, 2, 1]), metadata=good) == [(OK, [2, 1])]
+        with pytest.raises(grpc.RpcError) as err:
+            stream_calls(stub, "v", [[seq("s", 0, [1, 2, 1])]])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stream_calls(stub, "v", [[seq("s", 0, [1, 2, 1])]], metadata=good) == [[(OK, [2, 1])]]
         # Health stays open: Kubernetes probes cannot send tokens.
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING

@@ -91,6 +91,11 @@ def seq(request_id: str, context_len: int, new_tokens: list[int], draft_len: int
                             draft_len=draft_len, prompt_len=prompt_len, **fields)
 
 
+async def still_serving(c: Client) -> None:
+    response = await c.prepare("ok", seq("probe", 0, [1, 2], draft_len=1))
+    assert response.results[0].status == pb.DRAFT_STATUS_OK
+
+
 async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

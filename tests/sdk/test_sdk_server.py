@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
-from sdk_support import RecordingDrafter, seq, serving, until
+from sdk_support import RecordingDrafter, seq, serving, still_serving, until
 
 SERVICE = "splitspec.v1.DrafterService"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -21,11 +21,6 @@ async def expect_error(call, code: grpc.StatusCode) -> str:
         await call
     assert info.value.code() == code, info.value.details()
     return info.value.details()
-
-
-async def still_serving(c) -> None:
-    response = await c.prepare("ok", seq("probe", 0, [1, 2], draft_len=1))
-    assert response.results[0].status == pb.DRAFT_STATUS_OK
 
 
 @pytest.mark.parametrize("verifier_id, sequences, message", [

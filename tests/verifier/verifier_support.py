@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 import torch
 from tiny_model import tiny_model, tiny_tokenizer
@@ -316,3 +317,22 @@ async def run_together(v, calls: list[Callable[[], asyncio.Future]],  # noqa: AN
     finally:
         spy.gate.set()
     return list(await asyncio.gather(*tasks))
+
+
+class MethodLog(grpc.aio.ServerInterceptor):
+    """Records the method of every call a drafter server receives; with `refuse_stream`, serves
+    the drafter as one from before PrepareDraftTokensStream (UNIMPLEMENTED)."""
+
+    def __init__(self, refuse_stream: bool = False) -> None:
+        self.refuse_stream = refuse_stream
+        self.methods: list[str] = []
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        self.methods.append(method)
+        if self.refuse_stream and method == "PrepareDraftTokensStream":
+            return None
+        return await continuation(handler_call_details)
+
+    def count(self, method: str) -> int:
+        return self.methods.count(method)

@@ -32,11 +32,15 @@ from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
 from verifier_service.spec.circuit_breaker import CircuitBreaker
+from verifier_service.spec.draft_stream import DraftStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # While a drafter's tokenizer does not match, ask it again this often (it may be replaced).
 INCOMPATIBLE_RECHECK_S = 5.0
+# A drafter without PrepareDraftTokensStream gets unary calls; try the stream again this often
+# (a rolling update may bring it).
+STREAM_RECHECK_S = 60.0
 
 
 @dataclass
@@ -104,9 +108,10 @@ class GrpcTransport:
     Calls are made with gRPC's threaded API and awaited as futures. With `block`, the verifier's
     case (its engine loop runs on the model thread, apart from the servers' loop), a step's
     PrepareDraftTokens call blocks: the thread sends it and reads the answer itself, no hop (the
-    step has nothing else to do meanwhile). grpc.aio would hand every answer to the process's
-    first event loop (the servers') and from there to the engine's: two thread hops per step.
-    Never block on a loop that serves the drafter itself."""
+    step has nothing else to do meanwhile), on one long-lived PrepareDraftTokensStream
+    (draft_stream.py) where the drafter serves it, else as a unary call. grpc.aio would hand
+    every answer to the process's first event loop (the servers') and from there to the
+    engine's: two thread hops per step. Never block on a loop that serves the drafter itself."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  auth_token: str | None = None, load_balancing_policy: str = "round_robin",
@@ -130,9 +135,21 @@ class GrpcTransport:
             self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
+            requests, metadata=self._metadata)) if block else None
+        self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
+        if self._stream is not None and time.monotonic() >= self._unary_until:
+            try:
+                return self._stream.call(request, timeout_s)
+            except grpc.RpcError as exc:
+                if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("drafter %s does not serve PrepareDraftTokensStream: unary calls for %g s",
+                         self.target, STREAM_RECHECK_S)
+                self._unary_until = time.monotonic() + STREAM_RECHECK_S
         if self._block:
             return self._stub.PrepareDraftTokens(request, timeout=timeout_s, metadata=self._metadata)
         return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
@@ -151,6 +168,8 @@ class GrpcTransport:
                                                          timeout_s)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._channel.close()
 
 

@@ -1,9 +1,11 @@
 """A real verifier (tiny model) behind gRPC round_robin over two stateful SDK drafter replicas.
 
-The Kubernetes setup of deploy/ (headless Service + dns:/// + round_robin) sends
-each step's PrepareDraftTokens to the next replica. With overlapping deltas
-every replica stays in sync: drafts on every decode step, no resyncs in steady
-state, output exactly plain decoding.
+The Kubernetes setup of deploy/ (headless Service + dns:/// + round_robin) resolves
+every replica. A verifier drafts over one PrepareDraftTokensStream, which the
+channel places on one replica: that replica sees every step. Against drafters
+without the stream, each step's unary PrepareDraftTokens goes to the next replica,
+and overlapping deltas keep every replica in sync. Either way: drafts on every
+decode step, no resyncs in steady state, output exactly plain decoding.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import asyncio
 import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import MethodLog
 
 from drafter_sdk import DraftRequest, start_server
 from drafter_sdk.drafters.ngram import NgramDrafter
 from verifier_service.spec.config import ConfigError, validate
+from verifier_service.spec.drafter_client import DrafterClientStats
 from verifier_service.spec.drafters import build_drafter_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,38 +47,49 @@ class CountingNgram(NgramDrafter):
         return [d or list(r.tokens[-1:]) for r, d in zip(requests, drafts)]
 
 
-def test_verifier_over_two_round_robin_replicas_drafts_every_step_and_stays_exact():
-    async def body():
-        drafters = [CountingNgram(), CountingNgram()]
-        servers = [await start_server(d, host="127.0.0.1", port=0) for d in drafters]
-        try:
-            for server in servers:
-                await server.wait_loaded()
-            target = ",".join(f"127.0.0.1:{s.port}" for s in servers)
-            tokenizer, model = tiny_tokenizer(), tiny_model()
-            prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-            config = spec_config("USER_PROVIDED", 4, drafter_target=f"ipv4:{target}", deadline_ms=5000)
-            async with run_verifier(config, model=model, tokenizer=tokenizer) as verifier:
-                client = verifier.running.runtime.drafter
-                assert client.overlap_steps == 8  # the default with round_robin
-                replies = await asyncio.gather(*(verifier.stub.Generate(token_request(ids, MAX_NEW_TOKENS))
-                                                  for ids in prompts))
-                stats = client.stats
-            for ids, reply in zip(prompts, replies):
-                assert list(reply.output.token_ids) == reference_greedy(model, ids, MAX_NEW_TOKENS)
-            assert all(d.in_sync > 0 for d in drafters), [d.in_sync for d in drafters]
-            # At most one resync per replica per request (a replica whose connection came up late);
-            # in practice none.
-            assert stats.resyncs <= len(drafters) * len(prompts)
-            for reply in replies:
-                decode_steps = reply.output.stats.num_steps - 1  # the first step is the prefill
-                assert reply.output.stats.num_drafts >= decode_steps - len(drafters), reply.output.stats
-            assert stats.failures == 0, stats.last_error
-        finally:
-            for server in servers:
-                await server.stop(0)
+async def generate_over_two_replicas(stream: bool) -> tuple[list[CountingNgram], DrafterClientStats]:
+    """Three requests through a verifier over two replicas; every output checked against plain
+    decoding and drafts on (about) every decode step. The drafters and the client's stats."""
+    drafters = [CountingNgram(), CountingNgram()]
+    interceptors = () if stream else (MethodLog(refuse_stream=True),)
+    servers = [await start_server(d, host="127.0.0.1", port=0, interceptors=interceptors) for d in drafters]
+    try:
+        for server in servers:
+            await server.wait_loaded()
+        target = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+        tokenizer, model = tiny_tokenizer(), tiny_model()
+        prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+        config = spec_config("USER_PROVIDED", 4, drafter_target=f"ipv4:{target}", deadline_ms=5000)
+        async with run_verifier(config, model=model, tokenizer=tokenizer) as verifier:
+            client = verifier.running.runtime.drafter
+            assert client.overlap_steps == 8  # the default with round_robin
+            replies = await asyncio.gather(*(verifier.stub.Generate(token_request(ids, MAX_NEW_TOKENS))
+                                              for ids in prompts))
+            stats = client.stats
+    finally:
+        for server in servers:
+            await server.stop(0)
+    for ids, reply in zip(prompts, replies):
+        assert list(reply.output.token_ids) == reference_greedy(model, ids, MAX_NEW_TOKENS)
+    for reply in replies:
+        decode_steps = reply.output.stats.num_steps - 1  # the first step is the prefill
+        assert reply.output.stats.num_drafts >= decode_steps - len(drafters), reply.output.stats
+    assert stats.failures == 0, stats.last_error
+    return drafters, stats
 
-    asyncio.run(body())
+
+def test_verifier_streams_to_one_replica_which_sees_every_step():
+    drafters, stats = asyncio.run(generate_over_two_replicas(stream=True))
+    assert sorted(d.in_sync > 0 for d in drafters) == [False, True], [d.in_sync for d in drafters]
+    assert stats.resyncs == 0
+
+
+def test_unary_calls_spread_over_round_robin_replicas_and_overlapping_deltas_keep_both_in_sync():
+    drafters, stats = asyncio.run(generate_over_two_replicas(stream=False))
+    assert all(d.in_sync > 0 for d in drafters), [d.in_sync for d in drafters]
+    # At most one resync per replica per request (a replica whose connection came up late);
+    # in practice none.
+    assert stats.resyncs <= len(drafters) * len(PROMPTS)
 
 
 def test_delta_overlap_steps_defaults_and_limits():

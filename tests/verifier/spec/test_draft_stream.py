@@ -1,0 +1,131 @@
+"""The verifier's blocking transport drafts over one PrepareDraftTokensStream (draft_stream.py):
+one stream for many steps, unary calls for drafters without it, a per-message deadline that
+cancels the stream, and a new stream after the drafter restarts. Real SDK servers on port 0;
+the transport blocks its own thread, as it does on the verifier's model thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from verifier_support import MethodLog
+
+from drafter_sdk import Drafter, DraftRequest, start_server
+from drafter_sdk.proto import drafter_pb2 as pb
+from verifier_service.spec.drafter_client import GrpcTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+STREAM, UNARY = "PrepareDraftTokensStream", "PrepareDraftTokens"
+
+
+class Reverse(Drafter):
+    """Drafts the context's last draft_len tokens reversed; sleeps `slow_s` for request id "slow"."""
+
+    name = "reverse"
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.slow_s = slow_s
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        if any(r.key[1] == "slow" for r in requests):
+            time.sleep(self.slow_s)  # on the SDK's worker thread: the server keeps answering
+        return [list(reversed(r.tokens))[: r.draft_len] for r in requests]
+
+
+def step(request_id: str, tokens: list[int]) -> pb.PrepareDraftTokensRequest:
+    return pb.PrepareDraftTokensRequest(verifier_id="v", sequences=[
+        pb.DraftSequence(request_id=request_id, context_len=0, new_tokens=tokens, draft_len=2)])
+
+
+async def prepare(transport: GrpcTransport, request: pb.PrepareDraftTokensRequest,
+                  timeout_s: float = 5.0) -> pb.PrepareDraftTokensResponse:
+    """One blocking call, on a thread of its own: the server's loop is this one."""
+    return await asyncio.to_thread(asyncio.run, transport.prepare(request, timeout_s))
+
+
+def drafts(response: pb.PrepareDraftTokensResponse) -> list[tuple[str, list[int]]]:
+    return [(r.request_id, list(r.draft_tokens)) for r in response.results]
+
+
+def test_steps_share_one_stream():
+    async def body():
+        log = MethodLog()
+        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
+        await server.wait_loaded()
+        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+        try:
+            for n in range(1, 6):
+                assert drafts(await prepare(transport, step(f"r{n}", list(range(n + 1))))) == [(f"r{n}", [n, n - 1])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert (log.count(STREAM), log.count(UNARY)) == (1, 0)
+
+    asyncio.run(body())
+
+
+def test_a_drafter_without_the_stream_gets_unary_calls():
+    async def body():
+        log = MethodLog(refuse_stream=True)
+        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
+        await server.wait_loaded()
+        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+        try:
+            for n in range(3):
+                assert drafts(await prepare(transport, step(f"r{n}", [1, 2, 3]))) == [(f"r{n}", [3, 2])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert (log.count(STREAM), log.count(UNARY)) == (1, 3)  # asked once (again after STREAM_RECHECK_S)
+
+    asyncio.run(body())
+
+
+def test_a_late_answer_fails_its_call_at_the_deadline_and_the_next_call_opens_a_new_stream():
+    async def body():
+        log = MethodLog()
+        server = await start_server(Reverse(slow_s=0.6), host="127.0.0.1", port=0, interceptors=[log])
+        await server.wait_loaded()
+        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+        try:
+            assert drafts(await prepare(transport, step("a", [1, 2]), 0.1)) == [("a", [2, 1])]
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                await prepare(transport, step("slow", [1, 2]), 0.1)
+            waited = time.monotonic() - started
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 0.1 <= waited < 0.4, waited
+            await asyncio.sleep(0.7)  # the worker finishes the slow call, whose answer nobody reads
+            # The next answer is the next call's own, not the late one.
+            assert drafts(await prepare(transport, step("b", [5, 6, 7]), 2.0)) == [("b", [7, 6])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert log.count(STREAM) == 2 and log.count(UNARY) == 0
+
+    asyncio.run(body())
+
+
+def test_a_drafter_restarted_between_steps_gets_a_new_stream():
+    async def body():
+        server = await start_server(Reverse(), host="127.0.0.1", port=0)
+        await server.wait_loaded()
+        port = server.port
+        transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
+        try:
+            assert drafts(await prepare(transport, step("a", [1, 2]))) == [("a", [2, 1])]
+            await server.stop(0)
+            log = MethodLog()
+            server = await start_server(Reverse(), host="127.0.0.1", port=port, interceptors=[log])
+            await server.wait_loaded()
+            await asyncio.sleep(0.2)  # the client has seen its stream end by now
+            assert drafts(await prepare(transport, step("b", [3, 4]))) == [("b", [4, 3])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert log.count(STREAM) == 1
+
+    asyncio.run(body())

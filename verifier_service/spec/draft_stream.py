@@ -1,0 +1,143 @@
+"""PrepareDraftTokens over one long-lived gRPC stream, for a thread that blocks on each answer.
+
+A unary call pays gRPC's per-call setup on both sides (an HTTP/2 stream, headers, the
+server's call object and its interceptors): about half a millisecond of every remote step
+on two busy cores (`splitspec bench --engine-only --engine-sections overhead`). The stream
+pays it once. What a stream message lacks is a deadline of its own, so a watchdog thread
+cancels the stream when an answer is late; the next call opens a new stream. The watchdog
+sleeps a whole deadline at a time while nothing is pending, so sending a message costs the
+stepping thread no wake-up of another thread.
+
+A stream ends when its drafter goes away, restarts or ages its connection out (the SDK's
+`max_connection_age_s`); a stream found ended before a message is sent is replaced then,
+so only a message in flight at that moment fails. A new stream goes wherever the channel's
+load balancing sends a new call, so one verifier drafts on one replica at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from drafter_sdk.proto import drafter_pb2
+
+Request = drafter_pb2.PrepareDraftTokensStreamRequest
+Response = drafter_pb2.PrepareDraftTokensStreamResponse
+# A stream call of the sync API: responses by next(), plus grpc.Future's done() and cancel().
+OpenStream = Callable[[Iterator[Request]], Iterator[Response]]
+
+
+class StreamDeadlineExceeded(grpc.RpcError):
+    """No answer within the deadline on the stream (which was cancelled)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self._details = f"no answer within {timeout_s * 1000:g} ms on PrepareDraftTokensStream"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+
+@dataclass
+class _Open:
+    """One stream: where its requests go, where its answers come from."""
+
+    requests: queue.SimpleQueue[Request | None]  # None ends the request iterator
+    responses: Iterator[Response]
+
+    def end(self) -> None:
+        """Half-close, and cancel whatever is still in flight."""
+        self.requests.put(None)  # lets gRPC's request-consuming thread finish
+        self.responses.cancel()  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Pending:
+    stream: _Open
+    deadline: float  # time.monotonic()
+    expired: bool = False
+
+
+class DraftStream:
+    """Sends one PrepareDraftTokensRequest at a time and waits for its answer (`call`), from one
+    thread at a time. `close` ends the stream and the watchdog."""
+
+    def __init__(self, open_stream: OpenStream) -> None:
+        self._open_stream = open_stream
+        self._stream: _Open | None = None
+        self._lock = threading.Lock()  # _pending, between the caller and the watchdog
+        self._pending: _Pending | None = None
+        self._tick_s = float("inf")  # the watchdog's idle sleep: the shortest deadline asked for
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    def call(self, request: drafter_pb2.PrepareDraftTokensRequest,
+             timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
+        """The drafter's answer, or grpc.RpcError (StreamDeadlineExceeded when late; UNIMPLEMENTED
+        from a drafter without the stream)."""
+        stream = self._live_stream()
+        pending = _Pending(stream, time.monotonic() + timeout_s)
+        with self._lock:
+            self._pending = pending
+        self._watch(timeout_s)
+        stream.requests.put(Request(request=request))
+        try:
+            return next(stream.responses).response
+        except grpc.RpcError:
+            if pending.expired:
+                raise StreamDeadlineExceeded(timeout_s) from None
+            raise
+        except StopIteration:  # the drafter ended the stream without a status: a broken drafter
+            raise grpc.RpcError("PrepareDraftTokensStream ended without an answer") from None
+        finally:
+            with self._lock:
+                self._pending = None
+            if pending.expired or stream.responses.done():  # type: ignore[attr-defined]
+                self._drop(stream)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._stream is not None:
+            self._drop(self._stream)
+
+    def _live_stream(self) -> _Open:
+        if self._stream is not None and self._stream.responses.done():  # type: ignore[attr-defined]
+            self._drop(self._stream)  # ended between calls (a restart, the connection aged out)
+        if self._stream is None:
+            requests: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+            self._stream = _Open(requests, self._open_stream(iter(requests.get, None)))
+        return self._stream
+
+    def _drop(self, stream: _Open) -> None:
+        stream.end()
+        if self._stream is stream:
+            self._stream = None
+
+    def _watch(self, timeout_s: float) -> None:
+        self._tick_s = min(self._tick_s, timeout_s)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._run_watchdog, name="draft-stream-deadline",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _run_watchdog(self) -> None:
+        """Cancel the stream of a message unanswered at its deadline. Asleep for a whole deadline
+        while nothing is pending, so it sees every message before the message's deadline."""
+        while not self._closed.is_set():
+            with self._lock:
+                pending = self._pending
+                left = self._tick_s if pending is None else pending.deadline - time.monotonic()
+                if pending is not None and left <= 0:
+                    pending.expired = True
+                    pending.stream.responses.cancel()  # type: ignore[attr-defined]
+                    self._pending = None
+                    continue
+            self._closed.wait(left)
