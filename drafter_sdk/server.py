@@ -72,6 +72,7 @@ class RunningDrafter:
 
     async def _stop(self, grace: float) -> None:
         log.info("stopping (grace %.1fs)", grace)
+        self.servicer.drain()  # draft streams last as long as their verifier: end them now
         await self.service.stop(grace)
         self._load_task.cancel()
         self._evict_task.cancel()

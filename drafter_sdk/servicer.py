@@ -58,6 +58,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._shared_bytes = 0  # the drafter's shared_state_bytes() after the last call
         self._release_takes_reason = _takes_reason(drafter)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._draining = asyncio.Event()  # the server stops: draft streams end (`drain`)
 
     # --- synchronous core (also the in-process API) ---
 
@@ -172,10 +173,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self, requests: AsyncIterator[drafter_pb2.PrepareDraftTokensStreamRequest],
             context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.PrepareDraftTokensStreamResponse]:
         """PrepareDraftTokens, one call per message of one long-lived stream, answered in order.
-        A call that fails ends the stream with its status, as the unary call would have."""
-        async for message in requests:
-            response = await self.PrepareDraftTokens(message.request, context)
-            yield drafter_pb2.PrepareDraftTokensStreamResponse(response=response)
+        A call that fails ends the stream with its status, as the unary call would have. Once the
+        server stops (`drain`), the stream ends (OK) after the message in flight, if any: a
+        verifier opens its next stream elsewhere instead of holding the shutdown for its grace."""
+        draining = asyncio.ensure_future(self._draining.wait())
+        try:
+            async for message in _until(draining, requests):
+                response = await self.PrepareDraftTokens(message.request, context)
+                yield drafter_pb2.PrepareDraftTokensStreamResponse(response=response)
+        finally:
+            draining.cancel()
+
+    def drain(self) -> None:
+        """The server stops: end every draft stream once it has answered the message in flight."""
+        self._draining.set()
 
     async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
@@ -337,6 +348,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except Exception:
             # The SDK's state is gone either way; a failing cleanup must not fail the call.
             log.exception("%s.on_release(%r) failed", type(self.drafter).__name__, key)
+
+
+async def _until(stop: asyncio.Future[Any], items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`items` until they end or `stop` is done, also while waiting for the next one (a stream
+    that is idle between a verifier's steps)."""
+    iterator = aiter(items)
+    while not stop.done():
+        step = asyncio.ensure_future(anext(iterator))
+        try:
+            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not step.done():
+                step.cancel()  # stopped, or the call itself was cancelled
+            elif not step.cancelled():
+                step.exception()  # read, also when the call was cancelled meanwhile
+        if not step.done() or step.cancelled() or isinstance(step.exception(), StopAsyncIteration):
+            return
+        yield step.result()
 
 
 def namespace(verifier_id: str, caller: str) -> str:

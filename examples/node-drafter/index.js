@@ -159,8 +159,9 @@ function unary(handler, { token, log }) {
 }
 
 // PrepareDraftTokensStream: the unary `handler` once per message, answered in order; a message
-// that fails ends the stream with its status, as the unary call would have failed.
-function stream(handler, { token, log }) {
+// that fails ends the stream with its status, as the unary call would have failed. `open` holds
+// the streams: a stream lasts as long as its verifier, so shutdown ends them (OK) itself.
+function stream(handler, { token, log }, open) {
   const expected = token ? Buffer.from(`Bearer ${token}`) : null;
   return (call) => {
     let failed = false;
@@ -169,6 +170,8 @@ function stream(handler, { token, log }) {
       call.emit('error', status); // grpc-js: ends the call with this status
     };
     if (!authorized(call, expected, fail)) return;
+    open.add(call);
+    call.on('close', () => open.delete(call));
     call.on('data', (message) => {
       if (failed) return;
       try {
@@ -231,6 +234,7 @@ function main(argv) {
   };
 
   const ctx = { token, log };
+  const streams = new Set(); // open PrepareDraftTokensStream calls
   const prepare = (request) => {
     store.validate(request, grpc.status.INVALID_ARGUMENT);
     return { results: store.prepare(request) };
@@ -245,7 +249,7 @@ function main(argv) {
       capabilities: ['ngram', 'prompt-lookup'],
     }), ctx),
     PrepareDraftTokens: unary(prepare, ctx),
-    PrepareDraftTokensStream: stream(prepare, ctx),
+    PrepareDraftTokensStream: stream(prepare, ctx, streams),
     ReleaseRequests: unary((request) => {
       if (!request.verifier_id) throw new StatusError(grpc.status.INVALID_ARGUMENT, 'verifier_id must not be empty');
       return { released: store.release(request.verifier_id, request.request_ids) };
@@ -271,6 +275,9 @@ function main(argv) {
     log.info(`${signal}: shutting down (grace ${opts.graceS}s)`);
     setHealth('NOT_SERVING');
     clearInterval(sweeper);
+    // Handlers run to completion, so no stream is mid-answer: end them all, and the verifiers
+    // open their next stream on another replica.
+    for (const call of streams) call.end();
     const timer = setTimeout(() => {
       log.info('grace period over: forcing shutdown');
       server.forceShutdown();

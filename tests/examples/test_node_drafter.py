@@ -387,16 +387,23 @@ def test_bearer_token_auth(tmp_path):
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_sigterm_exits_cleanly():
-    drafter = NodeDrafter().start()
+def test_sigterm_exits_cleanly_and_ends_open_streams():
+    drafter = NodeDrafter(grace_s=30).start()
     try:
         with grpc.insecure_channel(drafter.address) as channel:
             stub = pb_grpc.DrafterServiceStub(channel)
             assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
-        start = time.monotonic()
-        drafter.terminate()
-        assert drafter.process.wait(timeout=10) == 0
-        assert time.monotonic() - start < 5
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            responses = stub.PrepareDraftTokensStream(iter(requests.get, None), timeout=20)
+            requests.put(pb.PrepareDraftTokensStreamRequest(request=pb.PrepareDraftTokensRequest(
+                verifier_id="v", sequences=[seq("s", 0, [1, 2, 1])])))
+            assert [r.draft_tokens for r in next(responses).response.results] == [[2, 1]]
+            start = time.monotonic()
+            drafter.terminate()  # the stream stays open on the client's side
+            assert drafter.process.wait(timeout=10) == 0
+            assert time.monotonic() - start < 5  # not the 30-s grace: the drafter ended the stream
+            assert list(responses) == [] and responses.code() == grpc.StatusCode.OK
+            requests.put(None)
         log = drafter.log()
         assert "SIGTERM" in log and "stopped" in log, log
     finally:

@@ -4,6 +4,7 @@ one stream, answered in order; a failing message ends the stream with the unary 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -91,5 +92,27 @@ def test_the_stream_needs_the_bearer_token():
             await call.write(message("v", *STEPS[0]))
             assert (await call.read()).response.results[0].status == pb.DRAFT_STATUS_OK
             await call.done_writing()
+
+    asyncio.run(body())
+
+
+def test_stopping_ends_idle_streams_at_once_and_busy_ones_after_their_answer():
+    """Streams last as long as their verifier: stop() must not wait its grace period for them."""
+    async def body():
+        drafter = RecordingDrafter(propose=lambda r: time.sleep(0.3) or [] if r.key[1] == "slow" else [])
+        async with serving(drafter) as c:
+            idle, busy = c.stub.PrepareDraftTokensStream(), c.stub.PrepareDraftTokensStream()
+            await idle.write(message("v", *STEPS[0]))
+            await idle.read()
+            await busy.write(message("v", seq("slow", 0, [1, 2])))
+            await asyncio.sleep(0.1)  # the drafter is busy with it
+            started = time.monotonic()
+            await c.running.stop(5.0)
+            assert time.monotonic() - started < 2.0
+            answer = await busy.read()
+            assert [r.request_id for r in answer.response.results] == ["slow"]
+            for call in (idle, busy):
+                assert await call.read() is grpc.aio.EOF
+                assert await call.code() == grpc.StatusCode.OK
 
     asyncio.run(body())

@@ -46,6 +46,17 @@ class StreamDeadlineExceeded(grpc.RpcError):
         return self._details
 
 
+class StreamEnded(grpc.RpcError):
+    """The drafter ended the stream (OK) without answering the message: it stops (the SDK's
+    `DrafterServicer.drain`), or it is broken."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "PrepareDraftTokensStream ended without an answer"
+
+
 @dataclass
 class _Open:
     """One stream: where its requests go, where its answers come from."""
@@ -83,8 +94,16 @@ class DraftStream:
              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         """The drafter's answer, or grpc.RpcError (StreamDeadlineExceeded when late; UNIMPLEMENTED
         from a drafter without the stream)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            return self._send(request, deadline, timeout_s)
+        except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
+            return self._send(request, deadline, timeout_s)
+
+    def _send(self, request: drafter_pb2.PrepareDraftTokensRequest, deadline: float,
+              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         stream = self._live_stream()
-        pending = _Pending(stream, time.monotonic() + timeout_s)
+        pending = _Pending(stream, deadline)
         with self._lock:
             self._pending = pending
         self._watch(timeout_s)
@@ -95,8 +114,8 @@ class DraftStream:
             if pending.expired:
                 raise StreamDeadlineExceeded(timeout_s) from None
             raise
-        except StopIteration:  # the drafter ended the stream without a status: a broken drafter
-            raise grpc.RpcError("PrepareDraftTokensStream ended without an answer") from None
+        except StopIteration:
+            raise StreamEnded() from None
         finally:
             with self._lock:
                 self._pending = None

@@ -129,3 +129,37 @@ def test_a_drafter_restarted_between_steps_gets_a_new_stream():
         assert log.count(STREAM) == 1
 
     asyncio.run(body())
+
+
+def test_a_stream_ended_before_its_answer_is_retried_once_on_a_new_stream():
+    """A stopping SDK drafter ends its streams (OK) after the message in flight; a message sent
+    just then gets no answer on that stream. Here the drafter's first stream ends unanswered."""
+    async def body():
+        streams = 0
+
+        async def stream(requests, context):  # noqa: ANN001, ANN202
+            nonlocal streams
+            streams += 1
+            if streams == 1:
+                return  # ends OK, the message unanswered
+            async for message in requests:
+                yield pb.PrepareDraftTokensStreamResponse(response=pb.PrepareDraftTokensResponse(results=[
+                    pb.DraftResult(request_id=s.request_id, status=pb.DRAFT_STATUS_OK, draft_tokens=[7])
+                    for s in message.request.sequences]))
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("splitspec.v1.DrafterService", {
+            STREAM: grpc.stream_stream_rpc_method_handler(
+                stream, pb.PrepareDraftTokensStreamRequest.FromString,
+                pb.PrepareDraftTokensStreamResponse.SerializeToString)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
+        try:
+            assert drafts(await prepare(transport, step("a", [1, 2]))) == [("a", [7])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert streams == 2
+
+    asyncio.run(body())
