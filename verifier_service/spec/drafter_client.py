@@ -10,7 +10,9 @@ tokens of the last few steps, not by the context length. Until a request has
 had overlap_steps successful calls (and again after a resync) every call
 carries its whole context: round_robin cannot aim one full context at the
 replica that lacks it, so each of the first overlap_steps calls reaches one
-more replica. The client turns the
+more replica. Where every call reaches one drafter (in-process, or over one
+PrepareDraftTokensStream, which lives on one replica) the deltas are plain: the
+tokens since the last successful call. The client turns the
 answer into drafts the verifier can trust: anything late, failing or malformed
 becomes "no draft" for that step. The same client drives a remote drafter over
 gRPC and an SDK drafter in-process, so the two differ only by the network hop.
@@ -91,6 +93,8 @@ class DraftReply:
 
 class Transport(Protocol):
     target: str
+    # Every call reaches the same drafter (in-process, or over one draft stream): plain deltas do.
+    one_replica: bool
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
@@ -138,6 +142,12 @@ class GrpcTransport:
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
         self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
+
+    @property
+    def one_replica(self) -> bool:
+        """The next call goes over the draft stream, to the replica that had the last ones (unless
+        the stream ended: a new replica answers RESYNC_REQUIRED, and the sequence starts over)."""
+        return self._stream is not None and time.monotonic() >= self._unary_until
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
@@ -197,6 +207,7 @@ class InProcessTransport:
     loop). `load` loads it on the worker."""
 
     target = "in-process"
+    one_replica = True
 
     def __init__(self, servicer: "SupportsDrafterLogic") -> None:
         self._servicer = servicer
@@ -285,8 +296,10 @@ class DrafterClient:
 
     def context_len(self, history: DeltaHistory) -> int:
         """Offset of the first token the next call sends for a sequence (0: the whole context)."""
-        # Fewer successful calls than overlap_steps: some replica may hold nothing yet.
-        return history.lengths[0] if len(history.lengths) == self.overlap_steps else 0
+        # One drafter sees every call: plain deltas. Calls spread over replicas re-send the last
+        # overlap_steps calls' tokens; until a sequence had that many, some replica may hold nothing.
+        overlap = 1 if self.transport.one_replica else self.overlap_steps
+        return history.lengths[-overlap] if len(history.lengths) >= overlap else 0
 
     async def connect(self, timeout_s: float = 2.0) -> None:
         """Learn who the drafter is; an absent drafter is not fatal (the breaker retries, and the

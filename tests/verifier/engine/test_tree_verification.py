@@ -305,6 +305,7 @@ def test_the_client_discards_each_kind_of_invalid_tree(kind: str) -> None:
 
     class Fixed:
         target = "fixed"
+        one_replica = True
 
         async def prepare(self, request, timeout_s):  # noqa: ANN001, ANN202
             return drafter_pb2.PrepareDraftTokensResponse(results=[drafter_pb2.DraftResult(

@@ -54,6 +54,7 @@ class RoundRobin:
     """What gRPC round_robin does with N ready replicas: call i goes to replica i mod N."""
 
     target = "round-robin"
+    one_replica = False
 
     def __init__(self, *servicers: DrafterServicer) -> None:
         self.replicas = list(servicers)
@@ -117,6 +118,25 @@ def test_overlap_steps_1_sends_plain_deltas():
         await client.propose([query([1, 2, 3], h)])
         await client.propose([query([1, 2, 3, 4, 5], h)])
         assert sent_deltas(transport) == [(0, [1, 2, 3]), (3, [4, 5])]
+
+    asyncio.run(body())
+
+
+def test_one_replica_gets_plain_deltas_whatever_overlap_steps_says_and_replicas_get_overlaps_again():
+    """A draft stream lives on one replica: it needs no overlap. A fallback to unary calls spread
+    over replicas re-sends overlap_steps calls' worth again."""
+    async def body():
+        transport = RoundRobin(replica())
+        transport.one_replica = True
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=3)
+        h = DeltaHistory()  # kept on the sequence by the verifier
+        for tokens in ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]):
+            await client.propose([query(tokens, h)])
+        assert sent_deltas(transport) == [(0, [1, 2, 3]), (3, [4]), (4, [5, 6])]
+        transport.one_replica = False  # the drafter lost its stream: unary calls
+        await client.propose([query([1, 2, 3, 4, 5, 6, 7], h)])
+        assert sent_deltas(transport)[-1] == (3, [4, 5, 6, 7])  # from the third most recent call
+        assert (await client.propose([query([1, 2, 3, 4, 5, 6, 7, 8], h)])).drafts != [[]]
 
     asyncio.run(body())
 
