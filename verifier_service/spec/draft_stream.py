@@ -98,6 +98,8 @@ class DraftStream:
         try:
             return self._send(request, deadline, timeout_s)
         except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
+            if time.monotonic() >= deadline:
+                raise StreamDeadlineExceeded(timeout_s) from None
             return self._send(request, deadline, timeout_s)
 
     def _send(self, request: drafter_pb2.PrepareDraftTokensRequest, deadline: float,
