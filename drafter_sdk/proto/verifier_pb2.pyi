@@ -197,7 +197,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterHealth(_message.Message):
-    __slots__ = ("state", "target", "name", "version", "calls", "failures", "last_error", "disabled_reason")
+    __slots__ = ("state", "target", "name", "version", "calls", "failures", "last_error", "disabled_reason", "draft_stream")
     STATE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class DrafterHealth(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STREAM_FIELD_NUMBER: _ClassVar[int]
     state: DrafterState
     target: str
     name: str
@@ -214,7 +215,8 @@ class DrafterHealth(_message.Message):
     failures: int
     last_error: str
     disabled_reason: str
-    def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
+    draft_stream: bool
+    def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., disabled_reason: _Optional[str] = ..., draft_stream: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint")

@@ -19,6 +19,7 @@ from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.spec.drafter_client import GrpcTransport
 
 VERSION = "0.1.0"
 FINISH = {FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH}
@@ -119,4 +120,5 @@ def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:
     return verifier_pb2.DrafterHealth(
         state=state, target=client.transport.target, name=info.name if info else "",
         version=info.version if info else "", calls=client.stats.calls, failures=client.stats.failures,
-        last_error=client.stats.last_error, disabled_reason=client.disabled_reason)
+        last_error=client.stats.last_error, disabled_reason=client.disabled_reason,
+        draft_stream=isinstance(client.transport, GrpcTransport) and client.transport.streaming)

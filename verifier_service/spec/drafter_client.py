@@ -142,6 +142,8 @@ class GrpcTransport:
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
         self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
+        # The stream has answered, and not been refused since (GetServerInfo.drafter.draft_stream).
+        self.streaming = False
 
     @property
     def one_replica(self) -> bool:
@@ -153,10 +155,13 @@ class GrpcTransport:
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         if self._stream is not None and time.monotonic() >= self._unary_until:
             try:
-                return self._stream.call(request, timeout_s)
+                response = self._stream.call(request, timeout_s)
+                self.streaming = True
+                return response
             except grpc.RpcError as exc:
                 if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
                     raise
+                self.streaming = False
                 log.info("drafter %s does not serve PrepareDraftTokensStream: unary calls for %g s",
                          self.target, STREAM_RECHECK_S)
                 self._unary_until = time.monotonic() + STREAM_RECHECK_S

@@ -18,6 +18,7 @@ from verifier_harness import reference_greedy, run_verifier, spec_config, token_
 from verifier_support import MethodLog
 
 from drafter_sdk import DraftRequest, start_server
+from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.drafters.ngram import NgramDrafter
 from verifier_service.spec.config import ConfigError, validate
 from verifier_service.spec.drafter_client import DrafterClientStats
@@ -49,7 +50,8 @@ class CountingNgram(NgramDrafter):
 
 async def generate_over_two_replicas(stream: bool) -> tuple[list[CountingNgram], DrafterClientStats]:
     """Three requests through a verifier over two replicas; every output checked against plain
-    decoding and drafts on (about) every decode step. The drafters and the client's stats."""
+    decoding, drafts on (about) every decode step, and the verifier says whether it streams. The
+    drafters and the client's stats."""
     drafters = [CountingNgram(), CountingNgram()]
     interceptors = () if stream else (MethodLog(refuse_stream=True),)
     servers = [await start_server(d, host="127.0.0.1", port=0, interceptors=interceptors) for d in drafters]
@@ -66,6 +68,8 @@ async def generate_over_two_replicas(stream: bool) -> tuple[list[CountingNgram],
             replies = await asyncio.gather(*(verifier.stub.Generate(token_request(ids, MAX_NEW_TOKENS))
                                               for ids in prompts))
             stats = client.stats
+            info = await verifier.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())
+            assert info.drafter.draft_stream is stream
     finally:
         for server in servers:
             await server.stop(0)
