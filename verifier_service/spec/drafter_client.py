@@ -153,7 +153,8 @@ class GrpcTransport:
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        if self._stream is not None and time.monotonic() >= self._unary_until:
+        if self.one_replica:  # the stream is due
+            assert self._stream is not None
             try:
                 response = self._stream.call(request, timeout_s)
                 self.streaming = True
