@@ -19,6 +19,10 @@ LEARNS_FROM_FINISHED = "learns-from-finished"
 """A capability tag (put it in `Drafter.capabilities`): before releasing a finished request, the
 verifier sends its last tokens in a sync-only call, so the drafter holds the whole output."""
 
+STREAM_RELEASES = "stream-releases"
+"""A capability tag the SDK's server advertises itself: it takes releases on
+PrepareDraftTokensStream too, so they reach the replica that holds the state (PROTOCOL.md §2a)."""
+
 
 class ReleaseReason(enum.IntEnum):
     """Why a drafter forgets a sequence (the wire's ReleaseReason, same values).

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
+from drafter_sdk.drafter import STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.metrics import DrafterMetrics, StateStats
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
@@ -71,7 +71,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         d = self.drafter
         return drafter_pb2.GetDrafterInfoResponse(
             name=d.name, version=d.version, max_draft_len=d.max_draft_len,
-            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=list(d.capabilities),
+            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=[*d.capabilities, STREAM_RELEASES],
             tokenizer_fingerprint=d.tokenizer_fingerprint)
 
     def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
@@ -172,15 +172,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def PrepareDraftTokensStream(
             self, requests: AsyncIterator[drafter_pb2.PrepareDraftTokensStreamRequest],
             context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.PrepareDraftTokensStreamResponse]:
-        """PrepareDraftTokens, one call per message of one long-lived stream, answered in order.
-        A call that fails ends the stream with its status, as the unary call would have. Once the
-        server stops (`drain`), the stream ends (OK) after the message in flight, if any: a
-        verifier opens its next stream elsewhere instead of holding the shutdown for its grace."""
+        """PrepareDraftTokens (and ReleaseRequests: STREAM_RELEASES), one call per message of one
+        long-lived stream, answered in order. A call that fails ends the stream with its status, as
+        the unary call would have. Once the server stops (`drain`), the stream ends (OK) after the
+        message in flight, if any: a verifier opens its next stream elsewhere instead of holding
+        the shutdown for its grace."""
         draining = asyncio.ensure_future(self._draining.wait())
         try:
             async for message in _until(draining, requests):
-                response = await self.PrepareDraftTokens(message.request, context)
-                yield drafter_pb2.PrepareDraftTokensStreamResponse(response=response)
+                if message.WhichOneof("message") == "release":
+                    released = await self.ReleaseRequests(message.release, context)
+                    yield drafter_pb2.PrepareDraftTokensStreamResponse(released=released)
+                else:
+                    response = await self.PrepareDraftTokens(message.request, context)
+                    yield drafter_pb2.PrepareDraftTokensStreamResponse(response=response)
         finally:
             draining.cancel()
 

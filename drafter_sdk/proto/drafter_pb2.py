@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\"\x17\n\x15GetDrafterInfoRequest\"\xaa\x01\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\"B\n\rSamplingHints\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xf0\x01\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x11\n\tdraft_len\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.splitspec.v1.SamplingHints\x12\x18\n\x10last_num_drafted\x18\x07 \x01(\r\x12\x19\n\x11last_num_accepted\x18\x08 \x01(\r\x12\x17\n\x0fmax_draft_nodes\x18\t \x01(\r\"`\n\x19PrepareDraftTokensRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.DraftSequence\"y\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.splitspec.v1.DraftStatus\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\"H\n\x1aPrepareDraftTokensResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.DraftResult\"[\n\x1fPrepareDraftTokensStreamRequest\x12\x38\n\x07request\x18\x01 \x01(\x0b\x32\'.splitspec.v1.PrepareDraftTokensRequest\"^\n PrepareDraftTokensStreamResponse\x12:\n\x08response\x18\x01 \x01(\x0b\x32(.splitspec.v1.PrepareDraftTokensResponse\"p\n\x16ReleaseRequestsRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x07reasons\x18\x03 \x03(\x0e\x32\x1b.splitspec.v1.ReleaseReason\"+\n\x17ReleaseRequestsResponse\x12\x10\n\x08released\x18\x01 \x01(\r*b\n\x0b\x44raftStatus\x12\x1c\n\x18\x44RAFT_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_STATUS_OK\x10\x01\x12 \n\x1c\x44RAFT_STATUS_RESYNC_REQUIRED\x10\x02*\x86\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x02\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x03\x32\xb5\x03\n\x0e\x44rafterService\x12[\n\x0eGetDrafterInfo\x12#.splitspec.v1.GetDrafterInfoRequest\x1a$.splitspec.v1.GetDrafterInfoResponse\x12g\n\x12PrepareDraftTokens\x12\'.splitspec.v1.PrepareDraftTokensRequest\x1a(.splitspec.v1.PrepareDraftTokensResponse\x12}\n\x18PrepareDraftTokensStream\x12-.splitspec.v1.PrepareDraftTokensStreamRequest\x1a..splitspec.v1.PrepareDraftTokensStreamResponse(\x01\x30\x01\x12^\n\x0fReleaseRequests\x12$.splitspec.v1.ReleaseRequestsRequest\x1a%.splitspec.v1.ReleaseRequestsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\"\x17\n\x15GetDrafterInfoRequest\"\xaa\x01\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\"B\n\rSamplingHints\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xf0\x01\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x11\n\tdraft_len\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.splitspec.v1.SamplingHints\x12\x18\n\x10last_num_drafted\x18\x07 \x01(\r\x12\x19\n\x11last_num_accepted\x18\x08 \x01(\r\x12\x17\n\x0fmax_draft_nodes\x18\t \x01(\r\"`\n\x19PrepareDraftTokensRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.DraftSequence\"y\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.splitspec.v1.DraftStatus\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\"H\n\x1aPrepareDraftTokensResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.DraftResult\"\xa1\x01\n\x1fPrepareDraftTokensStreamRequest\x12:\n\x07request\x18\x01 \x01(\x0b\x32\'.splitspec.v1.PrepareDraftTokensRequestH\x00\x12\x37\n\x07release\x18\x02 \x01(\x0b\x32$.splitspec.v1.ReleaseRequestsRequestH\x00\x42\t\n\x07message\"\xa6\x01\n PrepareDraftTokensStreamResponse\x12<\n\x08response\x18\x01 \x01(\x0b\x32(.splitspec.v1.PrepareDraftTokensResponseH\x00\x12\x39\n\x08released\x18\x02 \x01(\x0b\x32%.splitspec.v1.ReleaseRequestsResponseH\x00\x42\t\n\x07message\"p\n\x16ReleaseRequestsRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x07reasons\x18\x03 \x03(\x0e\x32\x1b.splitspec.v1.ReleaseReason\"+\n\x17ReleaseRequestsResponse\x12\x10\n\x08released\x18\x01 \x01(\r*b\n\x0b\x44raftStatus\x12\x1c\n\x18\x44RAFT_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_STATUS_OK\x10\x01\x12 \n\x1c\x44RAFT_STATUS_RESYNC_REQUIRED\x10\x02*\x86\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x02\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x03\x32\xb5\x03\n\x0e\x44rafterService\x12[\n\x0eGetDrafterInfo\x12#.splitspec.v1.GetDrafterInfoRequest\x1a$.splitspec.v1.GetDrafterInfoResponse\x12g\n\x12PrepareDraftTokens\x12\'.splitspec.v1.PrepareDraftTokensRequest\x1a(.splitspec.v1.PrepareDraftTokensResponse\x12}\n\x18PrepareDraftTokensStream\x12-.splitspec.v1.PrepareDraftTokensStreamRequest\x1a..splitspec.v1.PrepareDraftTokensStreamResponse(\x01\x30\x01\x12^\n\x0fReleaseRequests\x12$.splitspec.v1.ReleaseRequestsRequest\x1a%.splitspec.v1.ReleaseRequestsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSTATUS']._serialized_start=1196
-  _globals['_DRAFTSTATUS']._serialized_end=1294
-  _globals['_RELEASEREASON']._serialized_start=1297
-  _globals['_RELEASEREASON']._serialized_end=1431
+  _globals['_DRAFTSTATUS']._serialized_start=1340
+  _globals['_DRAFTSTATUS']._serialized_end=1438
+  _globals['_RELEASEREASON']._serialized_start=1441
+  _globals['_RELEASEREASON']._serialized_end=1575
   _globals['_GETDRAFTERINFOREQUEST']._serialized_start=44
   _globals['_GETDRAFTERINFOREQUEST']._serialized_end=67
   _globals['_GETDRAFTERINFORESPONSE']._serialized_start=70
@@ -49,14 +49,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTRESULT']._serialized_end=772
   _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_start=774
   _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_end=846
-  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_start=848
-  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_end=939
-  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_start=941
-  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_end=1035
-  _globals['_RELEASEREQUESTSREQUEST']._serialized_start=1037
-  _globals['_RELEASEREQUESTSREQUEST']._serialized_end=1149
-  _globals['_RELEASEREQUESTSRESPONSE']._serialized_start=1151
-  _globals['_RELEASEREQUESTSRESPONSE']._serialized_end=1194
-  _globals['_DRAFTERSERVICE']._serialized_start=1434
-  _globals['_DRAFTERSERVICE']._serialized_end=1871
+  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_start=849
+  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_end=1010
+  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_start=1013
+  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_end=1179
+  _globals['_RELEASEREQUESTSREQUEST']._serialized_start=1181
+  _globals['_RELEASEREQUESTSREQUEST']._serialized_end=1293
+  _globals['_RELEASEREQUESTSRESPONSE']._serialized_start=1295
+  _globals['_RELEASEREQUESTSRESPONSE']._serialized_end=1338
+  _globals['_DRAFTERSERVICE']._serialized_start=1578
+  _globals['_DRAFTERSERVICE']._serialized_end=2015
 # @@protoc_insertion_point(module_scope)

@@ -108,16 +108,20 @@ class PrepareDraftTokensResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
 class PrepareDraftTokensStreamRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "release")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     request: PrepareDraftTokensRequest
-    def __init__(self, request: _Optional[_Union[PrepareDraftTokensRequest, _Mapping]] = ...) -> None: ...
+    release: ReleaseRequestsRequest
+    def __init__(self, request: _Optional[_Union[PrepareDraftTokensRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequestsRequest, _Mapping]] = ...) -> None: ...
 
 class PrepareDraftTokensStreamResponse(_message.Message):
-    __slots__ = ("response",)
+    __slots__ = ("response", "released")
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     response: PrepareDraftTokensResponse
-    def __init__(self, response: _Optional[_Union[PrepareDraftTokensResponse, _Mapping]] = ...) -> None: ...
+    released: ReleaseRequestsResponse
+    def __init__(self, response: _Optional[_Union[PrepareDraftTokensResponse, _Mapping]] = ..., released: _Optional[_Union[ReleaseRequestsResponse, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequestsRequest(_message.Message):
     __slots__ = ("verifier_id", "request_ids", "reasons")

@@ -80,7 +80,9 @@ class DrafterServiceServicer:
     def PrepareDraftTokensStream(self, request_iterator, context):
         """The same calls over one long-lived stream per verifier: one response per
         request, in order. Optional: a verifier falls back to PrepareDraftTokens
-        where it is UNIMPLEMENTED. It spares each step a unary call's setup.
+        where it is UNIMPLEMENTED. It spares each step a unary call's setup, and
+        (capability "stream-releases") carries the releases to the replica that
+        holds the state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -158,10 +158,11 @@ function unary(handler, { token, log }) {
   };
 }
 
-// PrepareDraftTokensStream: the unary `handler` once per message, answered in order; a message
-// that fails ends the stream with its status, as the unary call would have failed. `open` holds
-// the streams: a stream lasts as long as its verifier, so shutdown ends them (OK) itself.
-function stream(handler, { token, log }, open) {
+// PrepareDraftTokensStream: per message, the unary handler of its kind (`prepare` for `request`,
+// `release` for `release`), answered in order; a message that fails ends the stream with its
+// status, as the unary call would have failed. `open` holds the streams: a stream lasts as long
+// as its verifier, so shutdown ends them (OK) itself.
+function stream({ prepare, release }, { token, log }, open) {
   const expected = token ? Buffer.from(`Bearer ${token}`) : null;
   return (call) => {
     let failed = false;
@@ -175,7 +176,8 @@ function stream(handler, { token, log }, open) {
     call.on('data', (message) => {
       if (failed) return;
       try {
-        call.write({ response: handler(message.request || {}) });
+        if (message.message === 'release') call.write({ released: release(message.release) });
+        else call.write({ response: prepare(message.request || {}) });
       } catch (err) {
         fail(statusOf(err, log));
       }
@@ -239,6 +241,10 @@ function main(argv) {
     store.validate(request, grpc.status.INVALID_ARGUMENT);
     return { results: store.prepare(request) };
   };
+  const release = (request) => {
+    if (!request.verifier_id) throw new StatusError(grpc.status.INVALID_ARGUMENT, 'verifier_id must not be empty');
+    return { released: store.release(request.verifier_id, request.request_ids) };
+  };
   server.addService(loadDrafterService(opts.protoDir), {
     GetDrafterInfo: unary(() => ({
       name: NAME,
@@ -246,14 +252,12 @@ function main(argv) {
       max_draft_len: opts.maxDraftLen,
       vocab_size: opts.vocabSize,
       tokenizer: '',
-      capabilities: ['ngram', 'prompt-lookup'],
+      // stream-releases: releases on PrepareDraftTokensStream reach the replica holding the state.
+      capabilities: ['ngram', 'prompt-lookup', 'stream-releases'],
     }), ctx),
     PrepareDraftTokens: unary(prepare, ctx),
-    PrepareDraftTokensStream: stream(prepare, ctx, streams),
-    ReleaseRequests: unary((request) => {
-      if (!request.verifier_id) throw new StatusError(grpc.status.INVALID_ARGUMENT, 'verifier_id must not be empty');
-      return { released: store.release(request.verifier_id, request.request_ids) };
-    }, ctx),
+    PrepareDraftTokensStream: stream({ prepare, release }, ctx, streams),
+    ReleaseRequests: unary(release, ctx),
   });
 
   // Idle eviction: a verifier that died without ReleaseRequests leaks nothing.

@@ -77,6 +77,7 @@ def test_health_serving_and_drafter_info(drafter, stub):
     assert info.max_draft_len == 8
     assert info.vocab_size == 0
     assert "ngram" in info.capabilities
+    assert "stream-releases" in info.capabilities  # releases on the stream reach the state's replica
 
 
 def test_worked_example_of_protocol_md(stub):
@@ -315,6 +316,22 @@ def test_stream_answers_each_message_in_order_as_unary_calls_do(stub):
     unary = [call(stub, "v-unary", *sequences) for sequences in STREAM_STEPS]
     assert stream_calls(stub, "v-stream", STREAM_STEPS) == unary
     assert unary[1] == [(OK, [2, 3, 1]), (OK, [8, 7])]
+
+
+def test_a_release_on_the_stream_drops_the_state_and_answers_in_order(stub):
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    responses = stub.PrepareDraftTokensStream(iter(requests.get, None), timeout=10)
+    try:
+        requests.put(pb.PrepareDraftTokensStreamRequest(request=pb.PrepareDraftTokensRequest(
+            verifier_id="v-stream-release", sequences=STREAM_STEPS[0])))
+        assert next(responses).response.results[0].status == OK
+        requests.put(pb.PrepareDraftTokensStreamRequest(release=pb.ReleaseRequestsRequest(
+            verifier_id="v-stream-release", request_ids=["a", "unknown"], reasons=[pb.RELEASE_REASON_FINISHED])))
+        answer = next(responses)
+        assert answer.WhichOneof("message") == "released" and answer.released.released == 1
+    finally:
+        requests.put(None)
+    assert call(stub, "v-stream-release", seq("a", 5, [3])) == [(RESYNC, [])]
 
 
 def test_a_bad_message_ends_the_stream_with_invalid_argument(stub):

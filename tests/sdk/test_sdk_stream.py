@@ -1,5 +1,6 @@
-"""PrepareDraftTokensStream on the SDK's server: PrepareDraftTokens, one call per message of
-one stream, answered in order; a failing message ends the stream with the unary call's status."""
+"""PrepareDraftTokensStream on the SDK's server: PrepareDraftTokens (and ReleaseRequests), one call
+per message of one stream, answered in order; a failing message ends the stream with the unary
+call's status."""
 
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def test_stream_answers_each_message_in_order_as_the_unary_calls_do():
             assert await call.code() == grpc.StatusCode.OK
             assert streamed == unary
             assert [r.draft_tokens for r in streamed[1].results] == [[7, 6, 5, 4], [7, 8, 9]]
+
+    asyncio.run(body())
+
+
+def test_a_release_on_the_stream_drops_the_state_and_answers_in_order():
+    async def body():
+        drafter = RecordingDrafter()
+        async with serving(drafter) as c:
+            call = c.stub.PrepareDraftTokensStream()
+            await call.write(message("v", *STEPS[1][1:], seq("a", 0, [1, 2, 3])))
+            assert [r.status for r in (await call.read()).response.results] == [pb.DRAFT_STATUS_OK] * 2
+            await call.write(pb.PrepareDraftTokensStreamRequest(release=pb.ReleaseRequestsRequest(
+                verifier_id="v", request_ids=["a", "unknown"], reasons=[pb.RELEASE_REASON_FINISHED])))
+            answer = await call.read()
+            assert answer.WhichOneof("message") == "released" and answer.released.released == 1
+            assert drafter.released == [("v", "a")]
+            await call.write(message("v", seq("a", 3, [4]), seq("b", 3, [6])))  # "a" is gone, "b" is not
+            assert [r.status for r in (await call.read()).response.results] == [
+                pb.DRAFT_STATUS_RESYNC_REQUIRED, pb.DRAFT_STATUS_OK]
+            await call.write(pb.PrepareDraftTokensStreamRequest(release=pb.ReleaseRequestsRequest(
+                request_ids=["b"])))  # no verifier_id: ends the stream as the unary call fails
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "verifier_id must not be empty" in info.value.details()
+            assert drafter.released == [("v", "a")]
 
     asyncio.run(body())
 

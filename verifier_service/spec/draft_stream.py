@@ -1,4 +1,5 @@
-"""PrepareDraftTokens over one long-lived gRPC stream, for a thread that blocks on each answer.
+"""PrepareDraftTokens (and ReleaseRequests) over one long-lived gRPC stream, for a thread that
+blocks on each answer.
 
 A unary call pays gRPC's per-call setup on both sides (an HTTP/2 stream, headers, the
 server's call object and its interceptors): about half a millisecond of every remote step
@@ -11,7 +12,8 @@ stepping thread no wake-up of another thread.
 A stream ends when its drafter goes away, restarts or ages its connection out (the SDK's
 `max_connection_age_s`); a stream found ended before a message is sent is replaced then,
 so only a message in flight at that moment fails. A new stream goes wherever the channel's
-load balancing sends a new call, so one verifier drafts on one replica at a time.
+load balancing sends a new call, so one verifier drafts on one replica at a time; releases
+sent on it (`release`, to drafters with the capability "stream-releases") reach that replica.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ class StreamDeadlineExceeded(grpc.RpcError):
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+
+class StreamAnswerMismatch(grpc.RpcError):
+    """The drafter answered a message with the other kind of answer (a release's for a request's,
+    or the reverse): it breaks the protocol, so the stream was dropped."""
+
+    def __init__(self, asked: str, answered: str | None) -> None:
+        super().__init__()
+        self._details = f"PrepareDraftTokensStream answered {answered or 'nothing'} where {asked} was due"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INTERNAL
 
     def details(self) -> str:
         return self._details
@@ -78,8 +95,9 @@ class _Pending:
 
 
 class DraftStream:
-    """Sends one PrepareDraftTokensRequest at a time and waits for its answer (`call`), from one
-    thread at a time. `close` ends the stream and the watchdog."""
+    """Sends one message at a time (a PrepareDraftTokensRequest: `call`; a ReleaseRequestsRequest:
+    `release`) and waits for its answer, from one thread at a time. `close` ends the stream and
+    the watchdog."""
 
     def __init__(self, open_stream: OpenStream) -> None:
         self._open_stream = open_stream
@@ -94,24 +112,31 @@ class DraftStream:
              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         """The drafter's answer, or grpc.RpcError (StreamDeadlineExceeded when late; UNIMPLEMENTED
         from a drafter without the stream)."""
+        return self._ask(Request(request=request), "response", timeout_s).response
+
+    def release(self, request: drafter_pb2.ReleaseRequestsRequest,
+                timeout_s: float) -> drafter_pb2.ReleaseRequestsResponse:
+        """The drafter's answer to a release, as `call`'s (only to a drafter with "stream-releases")."""
+        return self._ask(Request(release=request), "released", timeout_s).released
+
+    def _ask(self, message: Request, answer: str, timeout_s: float) -> Response:
         deadline = time.monotonic() + timeout_s
         try:
-            return self._send(request, deadline, timeout_s)
+            return self._send(message, answer, deadline, timeout_s)
         except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
             if time.monotonic() >= deadline:
                 raise StreamDeadlineExceeded(timeout_s) from None
-            return self._send(request, deadline, timeout_s)
+            return self._send(message, answer, deadline, timeout_s)
 
-    def _send(self, request: drafter_pb2.PrepareDraftTokensRequest, deadline: float,
-              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
+    def _send(self, message: Request, answer: str, deadline: float, timeout_s: float) -> Response:
         stream = self._live_stream()
         pending = _Pending(stream, deadline)
         with self._lock:
             self._pending = pending
         self._watch(timeout_s)
-        stream.requests.put(Request(request=request))
+        stream.requests.put(message)
         try:
-            return next(stream.responses).response
+            response = next(stream.responses)
         except grpc.RpcError:
             if pending.expired:
                 raise StreamDeadlineExceeded(timeout_s) from None
@@ -123,6 +148,10 @@ class DraftStream:
                 self._pending = None
             if pending.expired or stream.responses.done():  # type: ignore[attr-defined]
                 self._drop(stream)
+        if response.WhichOneof("message") != answer:  # out of step with the drafter: start over
+            self._drop(stream)
+            raise StreamAnswerMismatch(answer, response.WhichOneof("message"))
+        return response
 
     def close(self) -> None:
         self._closed.set()

@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, STREAM_RELEASES, Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
 from verifier_service.spec.circuit_breaker import CircuitBreaker
@@ -99,7 +99,9 @@ class Transport(Protocol):
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
 
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None: ...
+    # on_stream: the drafter takes releases where it drafts (capability "stream-releases").
+    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
+                      on_stream: bool) -> None: ...
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse: ...
 
@@ -171,7 +173,14 @@ class GrpcTransport:
         return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
                                                                      metadata=self._metadata))
 
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None:
+    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
+                      on_stream: bool) -> None:
+        """On the draft stream where the drafter takes it there, so it reaches the replica that
+        holds the sequences; else unary, to whichever replica the balancer picks."""
+        if on_stream and self.one_replica:
+            assert self._stream is not None
+            self._stream.release(request, timeout_s)
+            return
         await _awaitable(self._stub.ReleaseRequests.future(request, timeout=timeout_s, metadata=self._metadata))
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
@@ -227,7 +236,8 @@ class InProcessTransport:
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         return await self._servicer.run(self._servicer.prepare, request)
 
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> None:
+    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
+                      on_stream: bool) -> None:
         await self._servicer.run(self._servicer.release, request)
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
@@ -454,7 +464,8 @@ class DrafterClient:
         try:
             if sync is not None:
                 await self.transport.prepare(sync, timeout_s)
-            await self.transport.release(request, timeout_s)
+            await self.transport.release(request, timeout_s, self.info is not None and
+                                         STREAM_RELEASES in self.info.capabilities)
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("release failed: %s", _describe(exc))
 

@@ -1,7 +1,8 @@
 """The verifier's blocking transport drafts over one PrepareDraftTokensStream (draft_stream.py):
 one stream for many steps, unary calls for drafters without it, a per-message deadline that
-cancels the stream, and a new stream after the drafter restarts. Real SDK servers on port 0;
-the transport blocks its own thread, as it does on the verifier's model thread."""
+cancels the stream, a new stream after the drafter restarts, and releases on the stream. Real
+SDK servers on port 0; the transport blocks its own thread, as it does on the verifier's model
+thread."""
 
 from __future__ import annotations
 
@@ -157,6 +158,71 @@ def test_a_stream_ended_before_its_answer_is_retried_once_on_a_new_stream():
         transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
         try:
             assert drafts(await prepare(transport, step("a", [1, 2]))) == [("a", [7])]
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert streams == 2
+
+    asyncio.run(body())
+
+
+async def release(transport: GrpcTransport, request_id: str, on_stream: bool) -> None:
+    request = pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[request_id],
+                                        reasons=[pb.RELEASE_REASON_FINISHED])
+    await asyncio.to_thread(asyncio.run, transport.release(request, 5.0, on_stream))
+
+
+def test_releases_go_on_the_stream_where_the_drafter_takes_them_there():
+    async def body():
+        log = MethodLog()
+        drafter = Reverse()
+        server = await start_server(drafter, host="127.0.0.1", port=0, interceptors=[log])
+        await server.wait_loaded()
+        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+        try:
+            for request_id in ("a", "b"):
+                await prepare(transport, step(request_id, [1, 2]))
+            await release(transport, "a", on_stream=True)
+            store = server.servicer.store
+            assert ("v", "a") not in store and ("v", "b") in store
+            await release(transport, "b", on_stream=False)  # a drafter without "stream-releases"
+            assert len(store) == 0
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert (log.count(STREAM), log.count("ReleaseRequests")) == (1, 1)
+
+    asyncio.run(body())
+
+
+def test_an_answer_of_the_wrong_kind_fails_the_call_and_the_next_opens_a_new_stream():
+    """A drafter that ignores `release` answers it as an (empty) PrepareDraftTokens call."""
+    async def body():
+        streams = 0
+
+        async def stream(requests, context):  # noqa: ANN001, ANN202
+            nonlocal streams
+            streams += 1
+            async for message in requests:
+                yield pb.PrepareDraftTokensStreamResponse(response=pb.PrepareDraftTokensResponse(results=[
+                    pb.DraftResult(request_id=s.request_id, status=pb.DRAFT_STATUS_OK, draft_tokens=[7])
+                    for s in message.request.sequences]))
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("splitspec.v1.DrafterService", {
+            STREAM: grpc.stream_stream_rpc_method_handler(
+                stream, pb.PrepareDraftTokensStreamRequest.FromString,
+                pb.PrepareDraftTokensStreamResponse.SerializeToString)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
+        try:
+            assert drafts(await prepare(transport, step("a", [1, 2]))) == [("a", [7])]
+            with pytest.raises(grpc.RpcError) as info:
+                await release(transport, "a", on_stream=True)
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "answered response where released was due" in info.value.details()
+            assert drafts(await prepare(transport, step("b", [3]))) == [("b", [7])]
         finally:
             await transport.close()
             await server.stop(0)

@@ -72,7 +72,7 @@ class RoundRobin:
             raise TimeoutError("deadline exceeded")
         return response
 
-    async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float) -> None:
+    async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float, on_stream: bool) -> None:
         for servicer in self.replicas:
             servicer.release(request)
 

@@ -5,7 +5,8 @@ every replica. A verifier drafts over one PrepareDraftTokensStream, which the
 channel places on one replica: that replica sees every step. Against drafters
 without the stream, each step's unary PrepareDraftTokens goes to the next replica,
 and overlapping deltas keep every replica in sync. Either way: drafts on every
-decode step, no resyncs in steady state, output exactly plain decoding.
+decode step, no resyncs in steady state, output exactly plain decoding. Over the
+stream, releases reach the replica that drafted too.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import asyncio
 import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
-from verifier_support import MethodLog
+from verifier_support import MethodLog, wait_until
 
 from drafter_sdk import DraftRequest, start_server
-from drafter_sdk.proto import verifier_pb2
+from drafter_sdk.drafter import Key, ReleaseReason
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.proto import verifier_pb2
 from verifier_service.spec.config import ConfigError, validate
 from verifier_service.spec.drafter_client import DrafterClientStats
 from verifier_service.spec.drafters import build_drafter_client
@@ -41,6 +43,12 @@ class CountingNgram(NgramDrafter):
     def __init__(self) -> None:
         super().__init__(max_draft_len=4)
         self.in_sync = 0
+        self.finished: list[str] = []  # request ids released as FINISHED while held here
+
+    def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
+        super().on_release(key)
+        if reason == ReleaseReason.FINISHED:
+            self.finished.append(key[1])
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
         self.in_sync += len(requests)
@@ -67,9 +75,10 @@ async def generate_over_two_replicas(stream: bool) -> tuple[list[CountingNgram],
             assert client.overlap_steps == 8  # the default with round_robin
             replies = await asyncio.gather(*(verifier.stub.Generate(token_request(ids, MAX_NEW_TOKENS))
                                               for ids in prompts))
-            stats = client.stats
             info = await verifier.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())
             assert info.drafter.draft_stream is stream
+            await wait_until(lambda: not client._background, "the releases")
+            stats = client.stats
     finally:
         for server in servers:
             await server.stop(0)
@@ -82,10 +91,14 @@ async def generate_over_two_replicas(stream: bool) -> tuple[list[CountingNgram],
     return drafters, stats
 
 
-def test_verifier_streams_to_one_replica_which_sees_every_step():
+def test_verifier_streams_to_one_replica_which_sees_every_step_and_every_release():
     drafters, stats = asyncio.run(generate_over_two_replicas(stream=True))
     assert sorted(d.in_sync > 0 for d in drafters) == [False, True], [d.in_sync for d in drafters]
     assert stats.resyncs == 0
+    # Releases go on the stream too (capability stream-releases): the replica that holds the
+    # sequences forgets each of them as FINISHED, which a learning drafter needs.
+    drafting = next(d for d in drafters if d.in_sync)
+    assert len(drafting.finished) == len(PROMPTS) and not drafting._requests, drafting.finished
 
 
 def test_unary_calls_spread_over_round_robin_replicas_and_overlapping_deltas_keep_both_in_sync():
