@@ -3,7 +3,8 @@
 Calibration happens here, once, before the engine exists: on CPU it chooses the
 runner's linear layout for each token count, and it measures the forward-cost
 curve the draft planner is constructed with (model/step_costs.py) and the
-default step token budget of chunked prefill is read from.
+default step token budget of chunked prefill is read from; what an earlier start
+on the same machine measured is taken from the timing cache (model/timing_cache.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
+from verifier_service.model.timing_cache import TimingCache
 from verifier_service.settings import ServerSettings
 from verifier_service.spec.drafter_client import DrafterClient
 from verifier_service.spec.drafters import build_drafter_client
@@ -122,7 +124,7 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
                                      batch_tokens if budget is not None else max(batch_tokens, CHUNK_PROBE_TOKENS))
     if settings.max_draft_nodes > spec.max_draft_len:  # a full token tree's forward, measured, not extrapolated
         points = sorted({*points, settings.max_draft_nodes + 1})
-    seconds = step_costs.tune_and_measure(runner, points)
+    seconds = _measure(runner, points, settings)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
     planner = DraftPlanner(costs) if adaptive else None
@@ -134,6 +136,24 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
              "%.2fx a one-token step, at most %.1fx); up to %d when none does", budget, budget, costs(budget),
              PREFILL_STEP_COST, idle)
     return planner, StepBudget(budget, idle)
+
+
+def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
+    """step_costs.tune_and_measure, with what the timing cache holds of it (a single rank only:
+    tensor-parallel ranks time their forwards together)."""
+    cache = (TimingCache.for_runner(runner, step_costs.CONTEXT_LEN, step_costs.REPEATS)
+             if settings.timing_cache and settings.tensor_parallel_size == 1
+             and step_costs.full_context(runner, points) else None)
+    known = cache.load() if cache is not None else {}
+    measured = step_costs.measure_layouts(runner, points, known=known)
+    if cache is not None:
+        cached = sum(t in known.get(layout, {}) for layout, seconds in measured.items() for t in seconds)
+        total = sum(len(seconds) for seconds in measured.values())
+        log.info("timing cache %s: %d of %d forward timings found, %d measured", cache.path, cached, total,
+                 total - cached)
+        if cached < total:
+            cache.save({layout: {**known.get(layout, {}), **seconds} for layout, seconds in measured.items()})
+    return step_costs.choose_layouts(runner, measured)
 
 
 def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:

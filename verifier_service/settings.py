@@ -24,6 +24,8 @@ class ServerSettings:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
+    # Keep the start-up's forward timings for the next start on this machine (model/timing_cache.py).
+    timing_cache: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation

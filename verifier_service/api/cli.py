@@ -25,7 +25,7 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
                        help=help_text + shown, **options)
 
 
-SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "tensor_parallel_size",
+SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "timing_cache", "tensor_parallel_size",
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
@@ -62,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false", default=argparse.SUPPRESS,
                    help="CPU: do not keep a oneDNN-reordered copy of the linear weights (it is kept only "
                         "if faster for some token counts, and costs as much memory as those weights)")
+    m.add_argument("--no-timing-cache", dest="timing_cache", action="store_false", default=argparse.SUPPRESS,
+                   help="time the forwards at start-up afresh (choosing the CPU linear layouts and the cost "
+                        "curve), and keep nothing; by default the timings are kept under $SPLITSPEC_CACHE_DIR "
+                        "(~/.cache/splitspec) for the next start with the same machine, software and model shapes")
     _setting(m, "tensor_parallel_size", "shard the model over N ranks, one GPU each on CUDA (nccl; gloo on CPU); "
                                         "ranks 1..N-1 are started here unless torchrun started them", type=int)
     c = p.add_argument_group("capacity")

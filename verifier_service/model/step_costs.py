@@ -23,6 +23,8 @@ from verifier_service.model.runner import ForwardBatch, ModelRunner
 log = logging.getLogger(__name__)
 
 MAX_PROBE_TOKENS = 256
+CONTEXT_LEN = 256  # cached tokens before each timed forward
+REPEATS = 3  # timed forwards per token count and layout, after one warm-up
 
 
 def probe_points(max_draft_len: int, max_batch_tokens: int) -> list[int]:
@@ -36,7 +38,14 @@ def probe_points(max_draft_len: int, max_batch_tokens: int) -> list[int]:
     return points
 
 
-def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 5,
+def full_context(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN) -> bool:
+    """Whether `measure` times every one of the counts after the whole `context_len` (the KV
+    slots are long enough): only such figures compare across starts."""
+    capacity = runner.kv_cache.shape.capacity
+    return max(token_counts) < capacity // 2 and capacity - max(token_counts) >= context_len
+
+
+def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN, repeats: int = 5,
             statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
     """Seconds of one forward of t new tokens after `context_len` cached ones, for each t:
     the `statistic` of `repeats` runs (min resists a noisy machine; median is the typical cost).
@@ -70,19 +79,46 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256
         cache.free(slot)
 
 
-def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = 256, repeats: int = 3,
+# Seconds by linear layout (Layout.value; "" where the runner has no choice: CUDA) and token count.
+Measurements = dict[str, dict[int, float]]
+
+
+def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN,
+                     repeats: int = REPEATS,
                      statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
     """Choose the runner's fastest linear layout per token count (where it has a choice: CPU), then
     return `measure`'s seconds with the chosen layouts. The median, not the min: a layout whose
     best run is fast but whose typical run is not (seen with oneDNN at one token) must lose."""
+    return choose_layouts(runner, measure_layouts(runner, token_counts, context_len, repeats, statistic))
+
+
+def measure_layouts(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN,
+                    repeats: int = REPEATS, statistic: Callable[[list[float]], float] = statistics.median,
+                    known: Measurements | None = None) -> Measurements:
+    """`measure`'s seconds under each of the runner's linear layouts, for the token counts that
+    `known` (earlier measurements: model/timing_cache.py) lacks; the rest are taken from it."""
+    layouts = runner.layouts
+    measured: Measurements = {}
+    for layout in layouts.available if layouts is not None else [None]:
+        name = layout.value if layout is not None else ""
+        seconds = {t: s for t, s in (known or {}).get(name, {}).items() if t in token_counts}
+        missing = [t for t in token_counts if t not in seconds]
+        if missing:
+            if layouts is not None and layout is not None:
+                layouts.choose({t: layout for t in missing})
+            seconds.update(measure(runner, missing, context_len, repeats, statistic))
+        measured[name] = seconds
+    return measured
+
+
+def choose_layouts(runner: ModelRunner, measured: Measurements) -> dict[int, float]:
+    """Give each measured token count its fastest layout; the seconds with the layouts chosen."""
     layouts = runner.layouts
     if layouts is None:
-        return measure(runner, token_counts, context_len, repeats, statistic)
-    by_layout: dict[Layout, dict[int, float]] = {}
-    for layout in layouts.available:
-        layouts.choose({t: layout for t in token_counts})
-        by_layout[layout] = measure(runner, token_counts, context_len, repeats, statistic)
-    best = {t: min(by_layout, key=lambda layout: by_layout[layout][t]) for t in by_layout[Layout.PLAIN]}
+        return measured[""]
+    by_layout = {layout: measured[layout.value] for layout in layouts.available}
+    best = {t: min(by_layout, key=lambda layout: by_layout[layout].get(t, float("inf")))
+            for t in by_layout[Layout.PLAIN]}
     layouts.choose(best)
     layouts.drop_unused_packing()
     log.info("linear layout by tokens in a forward: %s", layouts.describe())

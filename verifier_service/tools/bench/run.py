@@ -129,8 +129,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nwrote {out / 'trees.json'}")
         return 0
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
+    # Each verifier measures its own forward costs, as the figures compared were measured.
     common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--dtype", args.dtype,
-              "--log-level", "WARNING", "--http-port", "off"] + (["--model", args.model] if args.model else [])
+              "--log-level", "WARNING", "--http-port", "off", "--no-timing-cache"] + (
+                  ["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg

@@ -50,7 +50,8 @@ def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, a
     # One request at a time: one KV slot, so start-up measures forwards of up to one draft only.
     return LocalService([script("splitspec-verifier"), "--speculative-config", str(config),
                          "--max-draft-nodes", str(nodes), "--max-num-seqs", "1", "--device", args.device,
-                         "--dtype", args.dtype, "--http-port", "off", "--log-level", "WARNING", *extra],
+                         "--dtype", args.dtype, "--http-port", "off", "--log-level", "WARNING", "--no-timing-cache",
+                         *extra],
                         name=name, startup_timeout_s=1200)
 
 

@@ -1,0 +1,107 @@
+"""Forward costs measured at one start-up, kept for the next (a timing cache, as TensorRT keeps one).
+
+On a CPU, start-up times every probed token count under each linear layout to choose the fastest
+(model/step_costs.py): 14 s of the embedded SmolLM2's start on a 2-core CPU, every restart. What
+it measures depends on the machine, the software and the model's shapes, not on the weights: so
+the seconds are kept under the cache folder (`$SPLITSPEC_CACHE_DIR`, where GGUF conversions go;
+"off" keeps nothing), keyed by all of that, and a start that finds every point it needs measures
+nothing. `--no-timing-cache` measures afresh and keeps nothing (what `splitspec bench` does: each
+verifier it compares runs on its own measurement). A file is written whole and renamed into place,
+so verifiers starting together never read half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter_sdk.gguf_conversion import cache_root
+from verifier_service.model.runner import ModelRunner
+from verifier_service.model.step_costs import Measurements
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TimingCache:
+    path: Path
+
+    @classmethod
+    def for_runner(cls, runner: ModelRunner, context_len: int, repeats: int) -> "TimingCache | None":
+        """The cache file for this runner's measurements (`measure`'s context_len and repeats);
+        None when caching is off."""
+        root = cache_root()
+        if root is None:
+            return None
+        key = json.dumps(_key(runner, context_len, repeats), sort_keys=True)
+        return cls(root / "timing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+
+    def load(self) -> Measurements:
+        """What earlier starts measured; {} when there is nothing readable."""
+        try:
+            raw = json.loads(self.path.read_text())
+            return {layout: {int(t): float(s) for t, s in seconds.items()} for layout, seconds in raw.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("ignoring the unreadable timing cache %s (%s)", self.path, e)
+            return {}
+
+    def save(self, measured: Measurements) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.stem}.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(measured, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("cannot keep the forward costs in %s (%s); the next start measures them again", self.path, e)
+
+
+def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, object]:
+    """Everything a forward's time depends on but the weights' values and the machine's load."""
+    config = runner.model.config.to_dict()
+    for name in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(name, None)
+    device = runner.device
+    return {
+        "format": FORMAT,
+        "splitspec": importlib.metadata.version("splitspec"),
+        "torch": torch.__version__,
+        "device": _device_name(device),
+        "threads": torch.get_num_threads(),
+        "dtype": str(runner.dtype),
+        "model": config,
+        "layouts": [layout.value for layout in runner.layouts.available] if runner.layouts is not None else [],
+        "measure": {"context_len": context_len, "repeats": repeats},
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{torch.cuda.get_device_name(index)}:sm{major}{minor}"
+    return f"{device.type}:{_cpu_model()}:{os.cpu_count()} cpus"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
