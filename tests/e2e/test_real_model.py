@@ -60,15 +60,15 @@ async def generate_all(spec) -> list[verifier_pb2.GenerateResponse]:  # noqa: AN
         return replies
 
 
-def test_plain_decoding_equals_transformers_generate() -> None:
-    replies = asyncio.run(generate_all(spec_config("NONE")))
-    assert [list(r.output.token_ids) for r in replies] == references()
-
-
 def test_in_process_ngram_is_exact_and_accepts_drafts() -> None:
     replies = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
     assert [list(r.output.token_ids) for r in replies] == references()
     assert replies[0].output.stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+
+
+def test_plain_decoding_equals_transformers_generate() -> None:
+    replies = asyncio.run(generate_all(spec_config("NONE")))
+    assert [list(r.output.token_ids) for r in replies] == references()
 
 
 def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:

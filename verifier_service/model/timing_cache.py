@@ -36,6 +36,7 @@ FORMAT = 1
 @dataclass(frozen=True)
 class TimingCache:
     path: Path
+    key: dict[str, object]  # what the timings depend on; kept in the file, for whoever reads it
 
     @classmethod
     def for_runner(cls, runner: ModelRunner, context_len: int, repeats: int) -> "TimingCache | None":
@@ -44,17 +45,18 @@ class TimingCache:
         root = cache_root()
         if root is None:
             return None
-        key = json.dumps(_key(runner, context_len, repeats), sort_keys=True)
-        return cls(root / "timing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+        key = _key(runner, context_len, repeats)
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(root / "timing" / f"{digest}.json", key)
 
     def load(self) -> Measurements:
         """What earlier starts measured; {} when there is nothing readable."""
         try:
-            raw = json.loads(self.path.read_text())
+            raw = json.loads(self.path.read_text())["seconds"]
             return {layout: {int(t): float(s) for t, s in seconds.items()} for layout, seconds in raw.items()}
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring the unreadable timing cache %s (%s)", self.path, e)
             return {}
 
@@ -63,7 +65,7 @@ class TimingCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.stem}.")
             with os.fdopen(fd, "w") as f:
-                json.dump(measured, f, indent=1, sort_keys=True)
+                json.dump({"key": self.key, "seconds": measured}, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("cannot keep the forward costs in %s (%s); the next start measures them again", self.path, e)
