@@ -142,9 +142,9 @@ def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -
     """step_costs.tune_and_measure, with what the timing cache holds of it (a single rank only:
     tensor-parallel ranks time their forwards together)."""
     cache = (TimingCache.for_runner(runner, step_costs.CONTEXT_LEN, step_costs.REPEATS)
-             if settings.timing_cache and settings.tensor_parallel_size == 1
+             if settings.timing_cache != "off" and settings.tensor_parallel_size == 1
              and step_costs.full_context(runner, points) else None)
-    known = cache.load() if cache is not None else {}
+    known = cache.load() if cache is not None and settings.timing_cache == "on" else {}
     measured = step_costs.measure_layouts(runner, points, known=known)
     if cache is not None:
         cached = sum(t in known.get(layout, {}) for layout, seconds in measured.items() for t in seconds)

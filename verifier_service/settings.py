@@ -24,8 +24,10 @@ class ServerSettings:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
-    # Keep the start-up's forward timings for the next start on this machine (model/timing_cache.py).
-    timing_cache: bool = True
+    # The start-up's forward timings (model/timing_cache.py): "on" takes what an earlier start on this
+    # machine kept and times the rest, "refresh" times everything and keeps it, "off" times everything
+    # and keeps nothing.
+    timing_cache: str = "on"
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation

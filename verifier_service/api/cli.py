@@ -62,10 +62,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false", default=argparse.SUPPRESS,
                    help="CPU: do not keep a oneDNN-reordered copy of the linear weights (it is kept only "
                         "if faster for some token counts, and costs as much memory as those weights)")
-    m.add_argument("--no-timing-cache", dest="timing_cache", action="store_false", default=argparse.SUPPRESS,
-                   help="time the forwards at start-up afresh (choosing the CPU linear layouts and the cost "
-                        "curve), and keep nothing; by default the timings are kept under $SPLITSPEC_CACHE_DIR "
-                        "(~/.cache/splitspec) for the next start with the same machine, software and model shapes")
+    _setting(m, "timing_cache", "the forward timings of start-up (the CPU linear layouts, the cost curve), kept "
+                                "under $SPLITSPEC_CACHE_DIR (~/.cache/splitspec) per machine, software and model "
+                                "shapes: on takes what an earlier start kept and times the rest, refresh times "
+                                "everything and keeps it, off times everything and keeps nothing",
+             choices=["on", "refresh", "off"])
     _setting(m, "tensor_parallel_size", "shard the model over N ranks, one GPU each on CUDA (nccl; gloo on CPU); "
                                         "ranks 1..N-1 are started here unless torchrun started them", type=int)
     c = p.add_argument_group("capacity")

@@ -5,8 +5,9 @@ On a CPU, start-up times every probed token count under each linear layout to ch
 it measures depends on the machine, the software and the model's shapes, not on the weights: so
 the seconds are kept under the cache folder (`$SPLITSPEC_CACHE_DIR`, where GGUF conversions go;
 "off" keeps nothing), keyed by all of that, and a start that finds every point it needs measures
-nothing. `--no-timing-cache` measures afresh and keeps nothing (what `splitspec bench` does: each
-verifier it compares runs on its own measurement). A file is written whole and renamed into place,
+nothing. `--timing-cache refresh` measures afresh and keeps that; `splitspec bench` starts one
+verifier so, alone, and the verifiers it compares with it together after, on those timings.
+`--timing-cache off` measures and keeps nothing. A file is written whole and renamed into place,
 so verifiers starting together never read half of one.
 """
 

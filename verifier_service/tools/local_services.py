@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,3 +124,15 @@ class LocalService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_together(stack: contextlib.ExitStack, services: list[LocalService]) -> list[LocalService]:
+    """Start `services` at once, each waiting for SERVING on a thread of its own; they stop when
+    `stack` closes. The first start that fails is raised once every start has ended."""
+    for service in services:
+        stack.callback(service.stop)
+    with ThreadPoolExecutor(max_workers=len(services)) as pool:
+        starts = [pool.submit(service.start) for service in services]
+    for started in starts:
+        started.result()
+    return services

@@ -19,7 +19,7 @@ from verifier_service.model.runner import ModelRunner
 from verifier_service.settings import ServerSettings
 
 POINTS = [1, 2, 3, 16]
-ON, OFF = ServerSettings(), ServerSettings(timing_cache=False)
+ON, OFF, REFRESH = ServerSettings(), ServerSettings(timing_cache="off"), ServerSettings(timing_cache="refresh")
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_other_shapes_or_cache_off_measure_afresh(runners, cache_dir, monkeypatc
     base.measure(POINTS)
     deeper.measure(POINTS)
     assert deeper.forwards > 0 and len(timing_files(cache_dir)) == 2
-    off.measure(POINTS, OFF)  # --no-timing-cache
+    off.measure(POINTS, OFF)  # --timing-cache off
     assert off.forwards > 0 and len(timing_files(cache_dir)) == 2
     short.measure(POINTS)  # KV slots too short for the whole probe context: not comparable, not kept
     assert short.forwards > 0 and len(timing_files(cache_dir)) == 2
@@ -113,6 +113,18 @@ def test_an_unreadable_cache_file_is_measured_over(runners, cache_dir, caplog) -
     assert third.forwards == 0
 
 
-def test_the_flag_turns_it_off() -> None:
-    assert settings_from_args(parser().parse_args([])).timing_cache is True
-    assert settings_from_args(parser().parse_args(["--no-timing-cache"])).timing_cache is False
+def test_refresh_times_everything_again_and_keeps_it(runners, cache_dir) -> None:  # noqa: ANN001
+    first, refreshed, third = Counted(), Counted(), Counted()
+    runners += [first, refreshed, third]
+    first.measure(POINTS)
+    seconds = refreshed.measure(POINTS, REFRESH)
+    assert refreshed.forwards > 0  # what first kept was not used ...
+    assert third.measure(POINTS) == seconds and third.forwards == 0  # ... and what refreshed timed was kept
+
+
+def test_the_flag() -> None:
+    assert settings_from_args(parser().parse_args([])).timing_cache == "on"
+    for value in ("off", "refresh"):
+        assert settings_from_args(parser().parse_args(["--timing-cache", value])).timing_cache == value
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--timing-cache", "sometimes"])

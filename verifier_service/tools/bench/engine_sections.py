@@ -96,7 +96,8 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
             print(f"starting verifier-{name} ...", flush=True)
             return stack.enter_context(LocalService([script("splitspec-verifier"), *spec, *extra],
                                                     name=f"verifier-{name}", startup_timeout_s=STARTUP_TIMEOUT_S))
-        default = verifier("default", "--metrics-port", str(metrics_port))
+        # It times its forwards afresh and keeps them; the verifiers after it start on those timings.
+        default = verifier("default", "--metrics-port", str(metrics_port), "--timing-cache", "refresh")
         if "overhead" in chosen:
             results["overhead"] = _overhead(default, (metrics_port, drafter_metrics_port), tokenizer, args,
                                             forward_s)

@@ -37,7 +37,7 @@ from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench import trees as bench_trees
 from verifier_service.tools.bench.engine_sections import STARTUP_TIMEOUT_S
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
-from verifier_service.tools.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, script, start_together
 
 log = logging.getLogger(__name__)
 PLAIN = "splitspec plain"
@@ -129,10 +129,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nwrote {out / 'trees.json'}")
         return 0
     engine_sections.sections(args)  # a bad --engine-sections fails before anything runs
-    # Each verifier measures its own forward costs, as the figures compared were measured.
     common = ["--max-draft-len", str(args.max_draft_len), "--device", args.device, "--dtype", args.dtype,
-              "--log-level", "WARNING", "--http-port", "off", "--no-timing-cache"] + (
-                  ["--model", args.model] if args.model else [])
+              "--log-level", "WARNING", "--http-port", "off"] + (["--model", args.model] if args.model else [])
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
     common += args.verifier_arg
@@ -153,6 +151,11 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print("starting the drafters and verifiers ...", flush=True)
     with contextlib.ExitStack() as stack:
+        # Plain decoding's verifier first, alone: it times its forwards afresh and keeps the timings. Every
+        # later verifier starts on them (model/timing_cache.py), so the systems compared plan with one cost
+        # curve, and they can start together.
+        plain_verifier = stack.enter_context(_service([script("splitspec-verifier"), *common, "--timing-cache",
+                                                       "refresh"], name="verifier-plain"))
         model_system = []
         if args.draft_model:
             drafter_argv = [script("splitspec-drafter"), "model", "--device", args.draft_device, "--dtype",
@@ -163,8 +166,8 @@ def main(args: argparse.Namespace) -> int:
                 [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
-        _run_systems(args, common, model, tokenizer, prompts, curve, seconds, report, model_system, draft_path,
-                     out)
+        _run_systems(args, common, plain_verifier, model, tokenizer, prompts, curve, seconds, report, model_system,
+                     draft_path, out)
     if args.suffix_speed_outputs:
         print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
         report.suffix_speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
@@ -175,26 +178,27 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_systems(args: argparse.Namespace, common: list[str], model: torch.nn.Module,
+def _run_systems(args: argparse.Namespace, common: list[str], plain_verifier: LocalService, model: torch.nn.Module,
                  tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
                  seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
                  draft_path: str | None, out: Path) -> None:
-    """Start the n-gram and suffix drafters and five verifiers, run every system (plus `extra_systems`) on
-    every prompt, summarise into `report`; with a draft model, its own figures too; then the engine
-    sections asked for."""
-    with _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                   "--max-matching-ngram-size", str(args.ngram_size)], name="drafter") as drafter, \
-         _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter") as suffix_drafter, \
-         _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                   "--drafter-target", drafter.address, *common], name="verifier-remote") as remote, \
-         _service([script("splitspec-verifier"), "--speculative-mode", "ngram",
-                   "--max-matching-ngram-size", str(args.ngram_size), *common],
-                  name="verifier-inprocess") as local, \
-         _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                   "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote") as sremote, \
-         _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
-                  name="verifier-suffix-inprocess") as slocal, \
-         _service([script("splitspec-verifier"), *common], name="verifier-plain") as plain_verifier:
+    """Start the n-gram and suffix drafters and four more verifiers beside plain decoding's, run every system
+    (plus `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too;
+    then the engine sections asked for."""
+    with contextlib.ExitStack() as stack:
+        drafter, suffix_drafter = start_together(stack, [
+            _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
+                      "--max-matching-ngram-size", str(args.ngram_size)], name="drafter"),
+            _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter")])
+        remote, local, sremote, slocal = start_together(stack, [
+            _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
+                      "--drafter-target", drafter.address, *common], name="verifier-remote"),
+            _service([script("splitspec-verifier"), "--speculative-mode", "ngram",
+                      "--max-matching-ngram-size", str(args.ngram_size), *common], name="verifier-inprocess"),
+            _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
+                      "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote"),
+            _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
+                     name="verifier-suffix-inprocess")])
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         # Each system has a verifier of its own: sharing one, the second system to run a prompt would
         # find it in the prefix cache and skip its prefill.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.bench.systems import Run, VerifierSystem
-from verifier_service.tools.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, script, start_together
 
 PLAIN = "plain"
 
@@ -39,7 +39,7 @@ class TreeRow:
 
 
 def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, adaptive: bool, min_prob: float,
-              folder: Path) -> LocalService:
+              folder: Path, timing_cache: str = "on") -> LocalService:
     config = folder / f"{name}.json"
     # The suffix drafter's own floor (min_token_prob, its default) shapes its chains and trees alike.
     knobs = ({"ngram": {"maxMatchingNgramSize": args.ngram_size, "treeMinProb": min_prob}}
@@ -50,8 +50,8 @@ def _verifier(name: str, args: argparse.Namespace, draft_len: int, nodes: int, a
     # One request at a time: one KV slot, so start-up measures forwards of up to one draft only.
     return LocalService([script("splitspec-verifier"), "--speculative-config", str(config),
                          "--max-draft-nodes", str(nodes), "--max-num-seqs", "1", "--device", args.device,
-                         "--dtype", args.dtype, "--http-port", "off", "--log-level", "WARNING", "--no-timing-cache",
-                         *extra],
+                         "--dtype", args.dtype, "--http-port", "off", "--log-level", "WARNING", "--timing-cache",
+                         timing_cache, *extra],
                         name=name, startup_timeout_s=1200)
 
 
@@ -65,11 +65,12 @@ def run(args: argparse.Namespace, prompts: list[workloads.Prompt], run_all) -> l
               ("chain planner", n, 0, True, 0.0), (f"tree planner (<= {n} nodes)", n, n, True, 0.0)]
     print(f"starting {len(setups) + 1} verifiers (chains, trees and plain decoding) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        services = [stack.enter_context(_verifier(f"v{i}", args, k, m, adaptive, floor, Path(tmp)))
-                    for i, (name, k, m, adaptive, floor) in enumerate(setups)]
         # Plain decoding on a verifier of its own: on a shared one, the second system to run a prompt
-        # would find it in the prefix cache and skip its prefill.
-        plain = stack.enter_context(_verifier("plain", args, n, 0, False, 0.0, Path(tmp)))
+        # would find it in the prefix cache and skip its prefill. It starts first, alone, and times its
+        # forwards afresh (up to n + 1 tokens, a tree's too); the others start together on those timings.
+        plain = stack.enter_context(_verifier("plain", args, n, 0, False, 0.0, Path(tmp), "refresh"))
+        services = start_together(stack, [_verifier(f"v{i}", args, k, m, adaptive, floor, Path(tmp))
+                                           for i, (name, k, m, adaptive, floor) in enumerate(setups)])
         systems = [VerifierSystem(PLAIN, plain.address, speculate=False)] + [
             VerifierSystem(name, service.address, speculate=True) for (name, *_), service in zip(setups, services)]
         runs = run_all(systems, prompts, args)
