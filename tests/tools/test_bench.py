@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from tiny_model import tiny_model, tiny_tokenizer
 
+from verifier_service.tools import cli
 from verifier_service.tools.bench import report as bench_report
 from verifier_service.tools.bench import suffix_speed
+from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.bench.systems import Run
 from verifier_service.tools.local_services import script
 
@@ -159,3 +161,12 @@ def test_decode_speed_leaves_the_prefill_out() -> None:
     one_token = Run(token_ids=[1], seconds=1.0, decode_seconds=0.0)
     assert bench_report.decode_speed(one_token, fast_prefill) is None
     assert math.isnan(bench_report.relative_decode_speed([one_token], [fast_prefill]))
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-tp"])
+def test_a_bad_concurrency_fails_before_anything_runs(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert positive_ints("1,4,16") == [1, 4, 16] and positive_ints("") == []
+    for bad in ("0", "2,x", "-1"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([command, "--concurrency", bad])
+        assert exit_info.value.code == 2 and "--concurrency" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench import trees as bench_trees
 from verifier_service.tools.bench.engine_sections import STARTUP_TIMEOUT_S
+from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.bench.systems import Run, TransformersSystem, VerifierSystem
 from verifier_service.tools.local_services import LocalService, script, start_together
 
@@ -64,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-size", type=int, default=3, help="max matching n-gram size (ours and transformers')")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and system (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate() systems")
-    p.add_argument("--concurrency", default="", help="also measure serving throughput, e.g. 1,4,16")
+    p.add_argument("--concurrency", type=positive_ints, default=[],
+                   help="also measure serving throughput, e.g. 1,4,16")
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for every verifier")
     p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
@@ -328,7 +330,7 @@ async def _request_bytes(address: str, vocab_size: int) -> list[tuple[int, int]]
 def _serving(address: str, prompts: list[workloads.Prompt], args: argparse.Namespace) -> list[dict]:
     prompts = [p for p in prompts if p.token_ids]  # follow-up turns need an answer to send back
     rows = []
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
+    for concurrency in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(concurrency, 4) * 2 if concurrency > 1 else 4)]
         result: dict[str, tuple[float, list[Run]]] = {}
         for speculate in (False, True):

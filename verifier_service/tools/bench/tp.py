@@ -40,6 +40,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.model import loader as model_loader
 from verifier_service.tools.bench import workloads
+from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.local_services import LocalService, script
 
 
@@ -59,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per rank, for every verifier started")
     p.add_argument("--threads-per-rank", type=int,
                    help="CPU: intra-op threads of each rank (default: cores / N, so every size uses the same cores)")
-    p.add_argument("--concurrency", default="4", help="plain requests at once for the serving figure, e.g. 1,16")
+    p.add_argument("--concurrency", type=positive_ints, default=[4],
+                   help="plain requests at once for the serving figure, e.g. 1,16 (default: 4)")
     p.add_argument("--out", default="bench-results", help="folder for tp.json")
     p.set_defaults(func=main)
 
@@ -82,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.tensor_parallel_sizes.split(",")]
-    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    concurrency = args.concurrency
     with tempfile.TemporaryDirectory(prefix="splitspec-bench-tp-") as scratch, contextlib.ExitStack() as stack:
         model = str(_random_like_embedded(Path(scratch))) if args.random_like_embedded else args.model
         source = model_loader.resolve_source(model)
