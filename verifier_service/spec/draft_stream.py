@@ -12,8 +12,11 @@ stepping thread no wake-up of another thread.
 A stream ends when its drafter goes away, restarts or ages its connection out (the SDK's
 `max_connection_age_s`); a stream found ended before a message is sent is replaced then,
 so only a message in flight at that moment fails. A new stream goes wherever the channel's
-load balancing sends a new call, so one verifier drafts on one replica at a time; releases
-sent on it (`release`, to drafters with the capability "stream-releases") reach that replica.
+load balancing sends a new call, so one verifier drafts on one replica at a time. What the
+verifier needs no answer to (a finished request's sync-only call; its release, to drafters with
+the capability "stream-releases") goes on the same stream, to that replica, without waiting
+(`send`): its answer is read, and dropped, before the next call's own, so a slow or hung drafter
+costs those messages nothing on the stepping thread.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,6 +36,7 @@ Request = drafter_pb2.PrepareDraftTokensStreamRequest
 Response = drafter_pb2.PrepareDraftTokensStreamResponse
 # A stream call of the sync API: responses by next(), plus grpc.Future's done() and cancel().
 OpenStream = Callable[[Iterator[Request]], Iterator[Response]]
+ANSWER = {"request": "response", "release": "released"}  # a message's kind -> its answer's
 
 
 class StreamDeadlineExceeded(grpc.RpcError):
@@ -80,6 +85,7 @@ class _Open:
 
     requests: queue.SimpleQueue[Request | None]  # None ends the request iterator
     responses: Iterator[Response]
+    owed: deque[str] = field(default_factory=deque)  # answer kinds of messages sent by `send`, in order
 
     def end(self) -> None:
         """Half-close, and cancel whatever is still in flight."""
@@ -95,9 +101,9 @@ class _Pending:
 
 
 class DraftStream:
-    """Sends one message at a time (a PrepareDraftTokensRequest: `call`; a ReleaseRequestsRequest:
-    `release`) and waits for its answer, from one thread at a time. `close` ends the stream and
-    the watchdog."""
+    """Sends a PrepareDraftTokensRequest and waits for its answer (`call`), or sends a message
+    whose answer nobody waits for (`send`), from one thread at a time. `close` ends the stream
+    and the watchdog."""
 
     def __init__(self, open_stream: OpenStream) -> None:
         self._open_stream = open_stream
@@ -112,23 +118,23 @@ class DraftStream:
              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         """The drafter's answer, or grpc.RpcError (StreamDeadlineExceeded when late; UNIMPLEMENTED
         from a drafter without the stream)."""
-        return self._ask(Request(request=request), "response", timeout_s).response
-
-    def release(self, request: drafter_pb2.ReleaseRequestsRequest,
-                timeout_s: float) -> drafter_pb2.ReleaseRequestsResponse:
-        """The drafter's answer to a release, as `call`'s (only to a drafter with "stream-releases")."""
-        return self._ask(Request(release=request), "released", timeout_s).released
-
-    def _ask(self, message: Request, answer: str, timeout_s: float) -> Response:
+        message = Request(request=request)
         deadline = time.monotonic() + timeout_s
         try:
-            return self._send(message, answer, deadline, timeout_s)
+            return self._call(message, deadline, timeout_s)
         except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
             if time.monotonic() >= deadline:
                 raise StreamDeadlineExceeded(timeout_s) from None
-            return self._send(message, answer, deadline, timeout_s)
+            return self._call(message, deadline, timeout_s)
 
-    def _send(self, message: Request, answer: str, deadline: float, timeout_s: float) -> Response:
+    def send(self, message: Request) -> None:
+        """Send without waiting: the answer is read before the next `call`'s, within its deadline
+        (its failure is that call's). Lost with the stream if the stream ends first."""
+        stream = self._live_stream()
+        stream.owed.append(ANSWER[str(message.WhichOneof("message"))])
+        stream.requests.put(message)
+
+    def _call(self, message: Request, deadline: float, timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         stream = self._live_stream()
         pending = _Pending(stream, deadline)
         with self._lock:
@@ -136,6 +142,8 @@ class DraftStream:
         self._watch(timeout_s)
         stream.requests.put(message)
         try:
+            while stream.owed:  # the answers to what `send` sent come first
+                self._expect(stream, next(stream.responses), stream.owed.popleft())
             response = next(stream.responses)
         except grpc.RpcError:
             if pending.expired:
@@ -148,10 +156,13 @@ class DraftStream:
                 self._pending = None
             if pending.expired or stream.responses.done():  # type: ignore[attr-defined]
                 self._drop(stream)
+        self._expect(stream, response, "response")
+        return response.response
+
+    def _expect(self, stream: _Open, response: Response, answer: str) -> None:
         if response.WhichOneof("message") != answer:  # out of step with the drafter: start over
             self._drop(stream)
             raise StreamAnswerMismatch(answer, response.WhichOneof("message"))
-        return response
 
     def close(self) -> None:
         self._closed.set()

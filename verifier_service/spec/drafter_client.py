@@ -99,6 +99,9 @@ class Transport(Protocol):
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
 
+    # A sync-only PrepareDraftTokens (draft_len 0) whose answer nobody needs.
+    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None: ...
+
     # on_stream: the drafter takes releases where it drafts (capability "stream-releases").
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
                       on_stream: bool) -> None: ...
@@ -173,13 +176,22 @@ class GrpcTransport:
         return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
                                                                      metadata=self._metadata))
 
+    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
+        """On the draft stream, unanswered (draft_stream.py), where the steps go; else a unary call
+        awaited as a future: the stepping thread never waits for it."""
+        if self.one_replica:
+            assert self._stream is not None
+            self._stream.send(drafter_pb2.PrepareDraftTokensStreamRequest(request=request))
+            return
+        await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s, metadata=self._metadata))
+
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
                       on_stream: bool) -> None:
-        """On the draft stream where the drafter takes it there, so it reaches the replica that
-        holds the sequences; else unary, to whichever replica the balancer picks."""
+        """On the draft stream, unanswered, where the drafter takes it there: it reaches the replica
+        that holds the sequences. Else unary, to whichever replica the balancer picks."""
         if on_stream and self.one_replica:
             assert self._stream is not None
-            self._stream.release(request, timeout_s)
+            self._stream.send(drafter_pb2.PrepareDraftTokensStreamRequest(release=request))
             return
         await _awaitable(self._stub.ReleaseRequests.future(request, timeout=timeout_s, metadata=self._metadata))
 
@@ -235,6 +247,9 @@ class InProcessTransport:
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         return await self._servicer.run(self._servicer.prepare, request)
+
+    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
+        await self._servicer.run(self._servicer.prepare, request)
 
     async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
                       on_stream: bool) -> None:
@@ -463,7 +478,7 @@ class DrafterClient:
         timeout_s = max(self.deadline_s, 1.0)
         try:
             if sync is not None:
-                await self.transport.prepare(sync, timeout_s)
+                await self.transport.sync(sync, timeout_s)
             await self.transport.release(request, timeout_s, self.info is not None and
                                          STREAM_RELEASES in self.info.capabilities)
         except Exception as exc:  # noqa: BLE001 - best effort

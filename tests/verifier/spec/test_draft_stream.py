@@ -166,27 +166,35 @@ def test_a_stream_ended_before_its_answer_is_retried_once_on_a_new_stream():
     asyncio.run(body())
 
 
-async def release(transport: GrpcTransport, request_id: str, on_stream: bool) -> None:
+async def release(transport: GrpcTransport, request_id: str, on_stream: bool) -> float:
+    """The seconds the calling thread spent on it."""
     request = pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[request_id],
                                         reasons=[pb.RELEASE_REASON_FINISHED])
-    await asyncio.to_thread(asyncio.run, transport.release(request, 5.0, on_stream))
+
+    def timed() -> float:
+        started = time.monotonic()
+        asyncio.run(transport.release(request, 5.0, on_stream))
+        return time.monotonic() - started
+
+    return await asyncio.to_thread(timed)
 
 
 def test_releases_go_on_the_stream_where_the_drafter_takes_them_there():
     async def body():
         log = MethodLog()
-        drafter = Reverse()
-        server = await start_server(drafter, host="127.0.0.1", port=0, interceptors=[log])
+        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
         await server.wait_loaded()
         transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+        store = server.servicer.store
         try:
             for request_id in ("a", "b"):
                 await prepare(transport, step(request_id, [1, 2]))
             await release(transport, "a", on_stream=True)
-            store = server.servicer.store
+            # Its answer is read before the next call's, which finds the release applied.
+            assert drafts(await prepare(transport, step("c", [3, 4]))) == [("c", [4, 3])]
             assert ("v", "a") not in store and ("v", "b") in store
             await release(transport, "b", on_stream=False)  # a drafter without "stream-releases"
-            assert len(store) == 0
+            assert ("v", "b") not in store
         finally:
             await transport.close()
             await server.stop(0)
@@ -195,37 +203,74 @@ def test_releases_go_on_the_stream_where_the_drafter_takes_them_there():
     asyncio.run(body())
 
 
-def test_an_answer_of_the_wrong_kind_fails_the_call_and_the_next_opens_a_new_stream():
+def raw_server(answer):  # noqa: ANN001, ANN201
+    """A PrepareDraftTokensStream server answering each message with `answer(message)` (None: never);
+    its `streams` counts the streams opened."""
+    async def stream(requests, context):  # noqa: ANN001, ANN202
+        server.streams += 1
+        async for message in requests:
+            response = answer(message)
+            if response is None:
+                await asyncio.sleep(3600)
+            yield response
+
+    server = grpc.aio.server()
+    server.streams = 0
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("splitspec.v1.DrafterService", {
+        STREAM: grpc.stream_stream_rpc_method_handler(
+            stream, pb.PrepareDraftTokensStreamRequest.FromString,
+            pb.PrepareDraftTokensStreamResponse.SerializeToString)})])
+    return server
+
+
+def sevens(message: pb.PrepareDraftTokensStreamRequest) -> pb.PrepareDraftTokensStreamResponse:
+    return pb.PrepareDraftTokensStreamResponse(response=pb.PrepareDraftTokensResponse(results=[
+        pb.DraftResult(request_id=s.request_id, status=pb.DRAFT_STATUS_OK, draft_tokens=[7])
+        for s in message.request.sequences]))
+
+
+def test_a_hung_release_costs_the_caller_nothing_and_the_next_call_its_deadline():
+    async def body():
+        server = raw_server(lambda m: None if m.WhichOneof("message") == "release" else sevens(m))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
+        try:
+            # One deadline throughout, as the verifier's (the watchdog sleeps a deadline while idle).
+            assert drafts(await prepare(transport, step("a", [1, 2]), 0.5)) == [("a", [7])]
+            assert await release(transport, "a", on_stream=True) < 0.05  # sent, not waited for
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                await prepare(transport, step("b", [3]), 0.5)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 0.5 <= time.monotonic() - started < 1.0
+            assert drafts(await prepare(transport, step("c", [4]), 0.5)) == [("c", [7])]  # on a new stream
+        finally:
+            await transport.close()
+            await server.stop(0)
+        assert server.streams == 2
+
+    asyncio.run(body())
+
+
+def test_an_answer_of_the_wrong_kind_fails_the_next_call_which_opens_a_new_stream():
     """A drafter that ignores `release` answers it as an (empty) PrepareDraftTokens call."""
     async def body():
-        streams = 0
-
-        async def stream(requests, context):  # noqa: ANN001, ANN202
-            nonlocal streams
-            streams += 1
-            async for message in requests:
-                yield pb.PrepareDraftTokensStreamResponse(response=pb.PrepareDraftTokensResponse(results=[
-                    pb.DraftResult(request_id=s.request_id, status=pb.DRAFT_STATUS_OK, draft_tokens=[7])
-                    for s in message.request.sequences]))
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("splitspec.v1.DrafterService", {
-            STREAM: grpc.stream_stream_rpc_method_handler(
-                stream, pb.PrepareDraftTokensStreamRequest.FromString,
-                pb.PrepareDraftTokensStreamResponse.SerializeToString)})])
+        server = raw_server(sevens)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         transport = GrpcTransport(f"127.0.0.1:{port}", block=True)
         try:
             assert drafts(await prepare(transport, step("a", [1, 2]))) == [("a", [7])]
+            await release(transport, "a", on_stream=True)
             with pytest.raises(grpc.RpcError) as info:
-                await release(transport, "a", on_stream=True)
+                await prepare(transport, step("b", [3]))
             assert info.value.code() == grpc.StatusCode.INTERNAL
             assert "answered response where released was due" in info.value.details()
-            assert drafts(await prepare(transport, step("b", [3]))) == [("b", [7])]
+            assert drafts(await prepare(transport, step("c", [3]))) == [("c", [7])]
         finally:
             await transport.close()
             await server.stop(0)
-        assert streams == 2
+        assert server.streams == 2
 
     asyncio.run(body())

@@ -72,6 +72,9 @@ class RoundRobin:
             raise TimeoutError("deadline exceeded")
         return response
 
+    async def sync(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
+        await self.prepare(request, timeout_s)
+
     async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float, on_stream: bool) -> None:
         for servicer in self.replicas:
             servicer.release(request)
