@@ -80,7 +80,7 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
     device = runner.device
     return {
         "format": FORMAT,
-        "splitspec": importlib.metadata.version("splitspec"),
+        "splitspec": _version(),
         "torch": torch.__version__,
         "device": _device_name(device),
         "threads": torch.get_num_threads(),
@@ -89,6 +89,13 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
         "layouts": [layout.value for layout in runner.layouts.available] if runner.layouts is not None else [],
         "measure": {"context_len": context_len, "repeats": repeats},
     }
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("splitspec")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "source"
 
 
 def _device_name(device: torch.device) -> str:
