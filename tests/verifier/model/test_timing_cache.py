@@ -128,3 +128,14 @@ def test_the_flag() -> None:
         assert settings_from_args(parser().parse_args(["--timing-cache", value])).timing_cache == value
     with pytest.raises(SystemExit):
         parser().parse_args(["--timing-cache", "sometimes"])
+
+
+def test_a_runner_without_layouts_as_on_cuda_keeps_one_curve(runners, cache_dir) -> None:  # noqa: ANN001
+    first, second = Counted(), Counted()
+    runners += [first, second]
+    for counted in (first, second):  # what a CUDA runner is: no linear layouts to choose
+        counted.runner.layouts.uninstall()
+        counted.runner.layouts = None
+    seconds = first.measure(POINTS)
+    assert sorted(seconds) == POINTS and first.forwards == 1 + len(POINTS) * (1 + 3)
+    assert second.measure(POINTS) == seconds and second.forwards == 0
