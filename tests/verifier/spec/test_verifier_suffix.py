@@ -157,6 +157,29 @@ def test_cache_scope_verifier_keeps_verifiers_apart() -> None:
     assert second.output.stats.mean_acceptance_length < 2.0, second.output.stats
 
 
+def test_behind_two_replicas_the_drafting_replica_learns_every_finished_request() -> None:
+    """Issue 12's replicas: the verifier drafts over its stream on one replica, and its final syncs and
+    releases go there too, so that replica learns every output it drafted for and drafts it again."""
+    async def main() -> list[verifier_pb2.GenerateResponse]:
+        drafters = [SuffixDrafter(), SuffixDrafter()]
+        async with serve_drafter(drafters[0]) as a, serve_drafter(drafters[1]) as b:
+            config = spec_config("USER_PROVIDED", 8, drafter_target=f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
+                                 deadline_ms=30000)
+            async with run_verifier(config, model=shared_model()) as v:
+                runs = []
+                for _ in range(3):
+                    runs.append(await v.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S))
+                    await wait_until(lambda: not a.servicer.store and not b.servicer.store, "the release")
+        assert sorted(d.cached_requests for d in drafters) == [0, 3]
+        return runs
+
+    runs = asyncio.run(main())
+    for run in runs:
+        assert list(run.output.token_ids) == list(cached_reference(tuple(FRESH_PROMPT), 48))
+    assert runs[0].output.stats.mean_acceptance_length < 2.0, runs[0].output.stats
+    assert all(r.output.stats.mean_acceptance_length >= 4.0 for r in runs[1:]), [r.output.stats for r in runs]
+
+
 def test_cancelled_requests_are_not_learned() -> None:
     async def main() -> None:
         drafter = SuffixDrafter()
