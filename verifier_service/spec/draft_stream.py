@@ -39,44 +39,43 @@ OpenStream = Callable[[Iterator[Request]], Iterator[Response]]
 ANSWER = {"request": "response", "release": "released"}  # a message's kind -> its answer's
 
 
-class StreamDeadlineExceeded(grpc.RpcError):
-    """No answer within the deadline on the stream (which was cancelled)."""
+class StreamError(grpc.RpcError):
+    """A stream message that failed, with the status a unary call would have failed with."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__()
-        self._details = f"no answer within {timeout_s * 1000:g} ms on PrepareDraftTokensStream"
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+        return self._code
 
     def details(self) -> str:
         return self._details
 
 
-class StreamAnswerMismatch(grpc.RpcError):
+class StreamDeadlineExceeded(StreamError):
+    """No answer within the deadline on the stream (which was cancelled)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"no answer within {timeout_s * 1000:g} ms on PrepareDraftTokensStream")
+
+
+class StreamAnswerMismatch(StreamError):
     """The drafter answered a message with the other kind of answer (a release's for a request's,
     or the reverse): it breaks the protocol, so the stream was dropped."""
 
     def __init__(self, asked: str, answered: str | None) -> None:
-        super().__init__()
-        self._details = f"PrepareDraftTokensStream answered {answered or 'nothing'} where {asked} was due"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(grpc.StatusCode.INTERNAL,
+                         f"PrepareDraftTokensStream answered {answered or 'nothing'} where {asked} was due")
 
 
-class StreamEnded(grpc.RpcError):
+class StreamEnded(StreamError):
     """The drafter ended the stream (OK) without answering the message: it stops (the SDK's
     `DrafterServicer.drain`), or it is broken."""
 
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "PrepareDraftTokensStream ended without an answer"
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, "PrepareDraftTokensStream ended without an answer")
 
 
 @dataclass
@@ -156,7 +155,7 @@ class DraftStream:
                 self._pending = None
             if pending.expired or stream.responses.done():  # type: ignore[attr-defined]
                 self._drop(stream)
-        self._expect(stream, response, "response")
+        self._expect(stream, response, ANSWER["request"])
         return response.response
 
     def _expect(self, stream: _Open, response: Response, answer: str) -> None:
