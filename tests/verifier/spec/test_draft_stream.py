@@ -7,13 +7,15 @@ thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from verifier_support import MethodLog
 
-from drafter_sdk import Drafter, DraftRequest, start_server
+from drafter_sdk import Drafter, DraftRequest, RunningDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
 from verifier_service.spec.drafter_client import GrpcTransport
 
@@ -51,18 +53,25 @@ def drafts(response: pb.PrepareDraftTokensResponse) -> list[tuple[str, list[int]
     return [(r.request_id, list(r.draft_tokens)) for r in response.results]
 
 
+@contextlib.asynccontextmanager
+async def blocking_transport(drafter: Drafter, log: MethodLog) -> AsyncIterator[tuple[RunningDrafter, GrpcTransport]]:
+    """An SDK server on port 0 (its calls logged) and the verifier's blocking transport to it."""
+    server = await start_server(drafter, host="127.0.0.1", port=0, interceptors=[log])
+    await server.wait_loaded()
+    transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
+    try:
+        yield server, transport
+    finally:
+        await transport.close()
+        await server.stop(0)
+
+
 def test_steps_share_one_stream():
     async def body():
         log = MethodLog()
-        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
-        await server.wait_loaded()
-        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
-        try:
+        async with blocking_transport(Reverse(), log) as (_, transport):
             for n in range(1, 6):
                 assert drafts(await prepare(transport, step(f"r{n}", list(range(n + 1))))) == [(f"r{n}", [n, n - 1])]
-        finally:
-            await transport.close()
-            await server.stop(0)
         assert (log.count(STREAM), log.count(UNARY)) == (1, 0)
 
     asyncio.run(body())
@@ -71,15 +80,9 @@ def test_steps_share_one_stream():
 def test_a_drafter_without_the_stream_gets_unary_calls():
     async def body():
         log = MethodLog(refuse_stream=True)
-        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
-        await server.wait_loaded()
-        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
-        try:
+        async with blocking_transport(Reverse(), log) as (_, transport):
             for n in range(3):
                 assert drafts(await prepare(transport, step(f"r{n}", [1, 2, 3]))) == [(f"r{n}", [3, 2])]
-        finally:
-            await transport.close()
-            await server.stop(0)
         assert (log.count(STREAM), log.count(UNARY)) == (1, 3)  # asked once (again after STREAM_RECHECK_S)
 
     asyncio.run(body())
@@ -88,10 +91,7 @@ def test_a_drafter_without_the_stream_gets_unary_calls():
 def test_a_late_answer_fails_its_call_at_the_deadline_and_the_next_call_opens_a_new_stream():
     async def body():
         log = MethodLog()
-        server = await start_server(Reverse(slow_s=0.6), host="127.0.0.1", port=0, interceptors=[log])
-        await server.wait_loaded()
-        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
-        try:
+        async with blocking_transport(Reverse(slow_s=0.6), log) as (_, transport):
             assert drafts(await prepare(transport, step("a", [1, 2]), 0.1)) == [("a", [2, 1])]
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
@@ -102,9 +102,6 @@ def test_a_late_answer_fails_its_call_at_the_deadline_and_the_next_call_opens_a_
             await asyncio.sleep(0.7)  # the worker finishes the slow call, whose answer nobody reads
             # The next answer is the next call's own, not the late one.
             assert drafts(await prepare(transport, step("b", [5, 6, 7]), 2.0)) == [("b", [7, 6])]
-        finally:
-            await transport.close()
-            await server.stop(0)
         assert log.count(STREAM) == 2 and log.count(UNARY) == 0
 
     asyncio.run(body())
@@ -182,11 +179,8 @@ async def release(transport: GrpcTransport, request_id: str, on_stream: bool) ->
 def test_releases_go_on_the_stream_where_the_drafter_takes_them_there():
     async def body():
         log = MethodLog()
-        server = await start_server(Reverse(), host="127.0.0.1", port=0, interceptors=[log])
-        await server.wait_loaded()
-        transport = GrpcTransport(f"127.0.0.1:{server.port}", block=True)
-        store = server.servicer.store
-        try:
+        async with blocking_transport(Reverse(), log) as (server, transport):
+            store = server.servicer.store
             for request_id in ("a", "b"):
                 await prepare(transport, step(request_id, [1, 2]))
             await release(transport, "a", on_stream=True)
@@ -195,9 +189,6 @@ def test_releases_go_on_the_stream_where_the_drafter_takes_them_there():
             assert ("v", "a") not in store and ("v", "b") in store
             await release(transport, "b", on_stream=False)  # a drafter without "stream-releases"
             assert ("v", "b") not in store
-        finally:
-            await transport.close()
-            await server.stop(0)
         assert (log.count(STREAM), log.count("ReleaseRequests")) == (1, 1)
 
     asyncio.run(body())
