@@ -1,10 +1,14 @@
 """Local processes started together (the benchmark's verifiers): all SERVING, or, when one fails,
-the error raised and every process stopped."""
+the error raised and every process stopped; and none left serving when their command is stopped."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +34,43 @@ def test_a_failed_start_is_raised_and_stops_the_others() -> None:
         with contextlib.ExitStack() as stack:
             start_together(stack, [good, broken])
     assert good.process is not None and good.process.poll() is not None
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    try:  # a zombie waits for a reaper that a container may not run: it serves nothing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_to_a_command_stops_the_services_it_started() -> None:
+    """`kill PID` (or a supervisor) signals the `splitspec` command alone: it must unwind and stop the
+    drafter it started, not exit and leave it serving."""
+    command = subprocess.Popen([script("splitspec"), "bench-drafter-memory", "--sequences", "2", "--tokens", "50",
+                                "--unbounded-calls", "1000000", "--calls", "0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(command.pid)):
+            assert command.poll() is None and time.monotonic() < deadline, "no drafter was started"
+            time.sleep(0.05)
+        (drafter_pid,) = children
+        argv = Path(f"/proc/{drafter_pid}/cmdline").read_text().split("\0")
+        port_file = Path(argv[argv.index("--port-file") + 1])
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the drafter never bound its port"
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the flood
+        assert _running(drafter_pid)
+        command.send_signal(signal.SIGTERM)
+        code = command.wait(timeout=60)
+        assert not _running(drafter_pid), "the drafter outlived the command that started it"
+        assert code == 128 + signal.SIGTERM
+    finally:
+        command.kill()
+        command.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import grpc
@@ -107,6 +108,19 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=generate)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind the command as Ctrl-C does, so that the services it started stop with it.
+
+    `kill PID` or a supervisor stopping `splitspec bench` signals this process only; by default it
+    would die without running its `finally` blocks and leave its verifiers and drafters serving.
+    A second SIGTERM is ignored, so it cannot cut that clean-up short (SIGKILL still can)."""
+    def handler(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Heavy imports only for the commands that need them.
     from verifier_service.tools import demo
@@ -124,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_drafter_memory.add_parser(sub)
     bench_http.add_parser(sub)
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     return args.func(args)
 
 
