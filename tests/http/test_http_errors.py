@@ -53,6 +53,17 @@ BAD = [
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
+    # Fields that would change the answer and are not served: refused, never answered as if absent.
+    (CHAT, {"messages": MSG, "frequency_penalty": 0.5}, 400, "frequency_penalty: not supported"),
+    (CHAT, {"messages": MSG, "presence_penalty": -1}, 400, "presence_penalty: not supported"),
+    (CHAT, {"messages": MSG, "repetition_penalty": 1.1}, 400, "repetition_penalty: not supported"),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 100}}, 400, "logit_bias: not supported"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, 'or send {"type": "text"}'),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice: not supported"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": 4}, 400, "min_tokens: not supported"),
+    (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
+    (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here; served: tiny"),
     ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
@@ -72,15 +83,24 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
                     assert set(error) == {"message", "type", "param", "code"}
                 r = await http.get(CHAT)
                 assert r.status_code == 405 and "error" in r.json()
-                # Unknown fields are ignored; the served name is accepted.
+                # Unknown fields are ignored, unsupported ones accepted at their neutral values (as clients
+                # send them by default); the served name is accepted.
                 r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "model": "tiny",
                                                        "frequency_penalty": 0, "user": "u"})
+                assert r.status_code == 200, r.text
+                r = await http.post(CHAT, json={
+                    "messages": MSG, "max_tokens": 2, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                    "best_of": 1, "guided_json": None, "echo": False})
                 assert r.status_code == 200, r.text
                 # The server kept serving through all of it, and nothing is left in the engine.
                 await wait_until(h.idle, "the engine idle")
             with pytest.raises(openai.BadRequestError) as bad:
                 await h.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
             assert "messages" in str(bad.value)
+            with pytest.raises(openai.BadRequestError, match="frequency_penalty: not supported"):
+                await h.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                                       frequency_penalty=0.5)
             with pytest.raises(openai.NotFoundError):
                 await h.client.chat.completions.create(model="nope", messages=MSG, max_tokens=3)
 

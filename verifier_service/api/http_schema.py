@@ -1,7 +1,10 @@
 """The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `stop_token_ids` and
-`ignore_eos`); unknown fields are ignored, as OpenAI's own server ignores them.
+`ignore_eos`); unknown fields are ignored, as OpenAI's own server ignores them. Known
+fields that would change the answer but are not served here (penalties, logit bias,
+structured output, tools, vLLM's guided decoding ...) are refused unless neutral: an
+answer that silently ignored them would look right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
 A per-request speculation override rides in `speculation: {disable, max_draft_len}`
@@ -10,9 +13,11 @@ A per-request speculation override rides in `speculation: {disable, max_draft_le
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.request_parsing import MAX_LOGPROBS
@@ -23,8 +28,26 @@ INT32 = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 
+# OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
+# values that change nothing (besides leaving them out or null).
+UNSUPPORTED = {
+    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+    "logit_bias": {}, "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [],
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "echo": False, "suffix": None,
+}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _unsupported_field(value: Any, info: ValidationInfo) -> Any:
+    neutral = UNSUPPORTED[info.field_name]
+    if value is not None and value != neutral:
+        hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
+        raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
+    return None
 
 
 class SpeculationOverride(_Body):
@@ -52,6 +75,26 @@ class GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationOverride | None = None
+    # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_unsupported_field)
 
     @property
     def include_usage(self) -> bool:
@@ -139,8 +182,6 @@ class CompletionRequest(GenerationBody):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
                                                                                               max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    suffix: None = None
 
     @property
     def logprobs_count(self) -> int | None:
