@@ -144,9 +144,11 @@ def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -
     cache = (TimingCache.for_runner(runner, step_costs.CONTEXT_LEN, step_costs.REPEATS)
              if settings.timing_cache != "off" and settings.tensor_parallel_size == 1
              and step_costs.full_context(runner, points) else None)
-    known = cache.load() if cache is not None and settings.timing_cache == "on" else {}
-    measured = step_costs.measure_layouts(runner, points, known=known)
-    if cache is not None:
+    if cache is None:
+        return step_costs.choose_layouts(runner, step_costs.measure_layouts(runner, points))
+    with cache.turn():
+        known = cache.load() if settings.timing_cache == "on" else {}
+        measured = step_costs.measure_layouts(runner, points, known=known)
         cached = sum(t in known.get(layout, {}) for layout, seconds in measured.items() for t in seconds)
         total = sum(len(seconds) for seconds in measured.values())
         log.info("timing cache %s: %d of %d forward timings found, %d measured", cache.path, cached, total,

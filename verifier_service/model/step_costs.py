@@ -82,6 +82,32 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CON
 # Seconds by linear layout (Layout.value; "" where the runner has no choice: CUDA) and token count.
 Measurements = dict[str, dict[int, float]]
 
+# Timings that contradict each other this much were taken on a busy machine: a forward of fewer tokens
+# that took DISTURBED_RATIO times as long as one of more tokens, and DISTURBED_S longer (so that a fast
+# device's jitter of a few milliseconds is not mistaken for it).
+DISTURBED_RATIO = 2.0
+DISTURBED_S = 0.010
+
+
+def disturbance(measured: Measurements) -> str | None:
+    """Why these timings cannot be the machine's own, or None. A longer forward costs at least as
+    much as a shorter one; other work on the machine only ever adds time, and adds it at random, so
+    a shorter forward far slower than a longer one (each under its fastest layout) means it was
+    disturbed. Verifiers timing their forwards together on two cores once gave 0.5-1.5 s for 2-9
+    tokens against 58 ms for 16, and a planner that believed them never drafted."""
+    best: dict[int, float] = {}
+    for seconds in measured.values():
+        for t, s in seconds.items():
+            best[t] = min(s, best.get(t, s))
+    longer: tuple[int, float] | None = None  # the fastest forward of more tokens than the one looked at
+    for t in sorted(best, reverse=True):
+        s = best[t]
+        if longer is not None and s > DISTURBED_RATIO * longer[1] and s - longer[1] > DISTURBED_S:
+            return f"{t} tokens took {s * 1e3:.1f} ms, {longer[0]} tokens {longer[1] * 1e3:.1f} ms"
+        if longer is None or s < longer[1]:
+            longer = (t, s)
+    return None
+
 
 def tune_and_measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN,
                      repeats: int = REPEATS,

@@ -9,10 +9,17 @@ nothing. `--timing-cache refresh` measures afresh and keeps that; `splitspec ben
 verifier so, alone, and the verifiers it compares with it together after, on those timings.
 `--timing-cache off` measures and keeps nothing. A file is written whole and renamed into place,
 so verifiers starting together never read half of one.
+
+Timings taken on a busy machine would mislead every later start, so verifiers starting together on
+one machine take turns to measure (a lock file beside the cache: each then reads what the one before
+it measured), and timings that contradict each other as only a busy machine makes them
+(step_costs.disturbance) are neither kept nor read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -20,6 +27,7 @@ import logging
 import os
 import platform
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +35,7 @@ import torch
 
 from drafter_sdk.gguf_conversion import cache_root
 from verifier_service.model.runner import ModelRunner
-from verifier_service.model.step_costs import Measurements
+from verifier_service.model.step_costs import Measurements, disturbance
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +58,49 @@ class TimingCache:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return cls(root / "timing" / f"{digest}.json", key)
 
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Held while this start reads, measures and keeps its timings: one verifier of this machine
+        (of this cache folder) at a time, so that verifiers starting together neither time their
+        forwards against each other nor measure what another has just kept. The kernel lets go of
+        the lock when its holder exits, however it exits."""
+        lock_path = self.path.parent / ".measuring.lock"
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(lock_path, "a")
+        except OSError as e:
+            log.warning("cannot take turns to time forwards (%s); timing them now", e)
+            yield
+            return
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another verifier on this machine to finish timing its forwards")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield  # closing the file releases the lock
+
     def load(self) -> Measurements:
-        """What earlier starts measured; {} when there is nothing readable."""
+        """What earlier starts measured; {} when there is nothing readable or it looks disturbed."""
         try:
             raw = json.loads(self.path.read_text())["seconds"]
-            return {layout: {int(t): float(s) for t, s in seconds.items()} for layout, seconds in raw.items()}
+            measured = {layout: {int(t): float(s) for t, s in seconds.items()} for layout, seconds in raw.items()}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring the unreadable timing cache %s (%s)", self.path, e)
             return {}
+        if why := disturbance(measured):
+            log.warning("ignoring the timing cache %s: it was measured on a busy machine (%s)", self.path, why)
+            return {}
+        return measured
 
     def save(self, measured: Measurements) -> None:
+        """Keep `measured`, unless it looks disturbed: then the next start measures again."""
+        if why := disturbance(measured):
+            log.warning("forward timings disturbed by other work on this machine (%s): not kept in %s, the next "
+                        "start times them again; give the verifier whole cores (README)", why, self.path)
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.stem}.")

@@ -4,8 +4,12 @@ when it is off."""
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from drafter_sdk.gguf_conversion import CACHE_ENV
 from verifier_service import builder
 from verifier_service.api.cli import parser, settings_from_args
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model import step_costs
 from verifier_service.model.runner import ModelRunner
 from verifier_service.settings import ServerSettings
 
@@ -139,3 +144,63 @@ def test_a_runner_without_layouts_as_on_cuda_keeps_one_curve(runners, cache_dir)
     seconds = first.measure(POINTS)
     assert sorted(seconds) == POINTS and first.forwards == 1 + len(POINTS) * (1 + 3)
     assert second.measure(POINTS) == seconds and second.forwards == 0
+
+
+def test_disturbed_timings_are_neither_kept_nor_read(runners, cache_dir, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """A busy machine only adds time: a shorter forward far slower than a longer one was disturbed."""
+    assert step_costs.disturbance({"a": {1: 0.030, 2: 0.031, 9: 0.050, 16: 0.058}}) is None
+    assert step_costs.disturbance({"a": {1: 0.0010, 2: 0.0040, 16: 0.0011}}) is None  # a fast device's jitter
+    assert step_costs.disturbance({"a": {1: 0.030, 2: 1.3, 16: 0.058}, "b": {2: 0.5}}) == \
+        "2 tokens took 500.0 ms, 16 tokens 58.0 ms"  # each count under its fastest layout
+    assert step_costs.disturbance({"a": {2: 0.2}, "b": {2: 0.03, 16: 0.05}}) is None
+
+    first, second, third = Counted(), Counted(), Counted()
+    runners += [first, second, third]
+    measure = step_costs.measure
+
+    def busy(runner, token_counts, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seconds = measure(runner, token_counts, *args, **kwargs)
+        return {t: s + (1.0 if t == 2 else 0.0) for t, s in seconds.items()}
+
+    monkeypatch.setattr(step_costs, "measure", busy)
+    with caplog.at_level(logging.WARNING):
+        first.measure(POINTS)
+    assert "disturbed by other work on this machine (2 tokens took" in caplog.text
+    assert timing_files(cache_dir) == []
+    monkeypatch.setattr(step_costs, "measure", measure)
+    second.measure(POINTS)  # what the busy start measured was not kept: measured again, and kept
+    assert second.forwards > 0 and len(timing_files(cache_dir)) == 1
+
+    (path,) = timing_files(cache_dir)  # a file a busy machine wrote (an earlier version kept such)
+    kept = json.loads(path.read_text())
+    kept["seconds"] = {layout: {**seconds, "2": 1.0} for layout, seconds in kept["seconds"].items()}
+    path.write_text(json.dumps(kept))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        third.measure(POINTS)
+    assert third.forwards > 0 and "measured on a busy machine" in caplog.text
+
+
+def test_verifiers_starting_together_take_turns_to_measure(runners, cache_dir) -> None:  # noqa: ANN001
+    """Two starts at once: one measures, the other waits for it and takes its timings; neither times
+    its forwards against the other's."""
+    a, b = Counted(), Counted()
+    runners += [a, b]
+    for counted in (a, b):  # slow forwards: without turns, both would be measuring at once
+        forward = counted.runner.forward
+
+        def slow(batch, forward=forward):  # noqa: ANN001, ANN202
+            time.sleep(0.005)
+            return forward(batch)
+
+        counted.runner.forward = slow  # type: ignore[method-assign]
+    start = threading.Barrier(2)
+
+    def measure(counted: Counted) -> dict[int, float]:
+        start.wait()
+        return counted.measure(POINTS)
+
+    with ThreadPoolExecutor(2) as pool:
+        seconds = list(pool.map(measure, (a, b)))
+    assert sorted([a.forwards == 0, b.forwards == 0]) == [False, True]
+    assert seconds[0] == seconds[1]

@@ -153,11 +153,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print("starting the drafters and verifiers ...", flush=True)
     with contextlib.ExitStack() as stack:
-        # Plain decoding's verifier first, alone: it times its forwards afresh and keeps the timings. Every
-        # later verifier starts on them (model/timing_cache.py), so the systems compared plan with one cost
-        # curve, and they can start together.
-        plain_verifier = stack.enter_context(_service([script("splitspec-verifier"), *common, "--timing-cache",
-                                                       "refresh"], name="verifier-plain"))
+        # The in-process n-gram verifier first, alone: it times its forwards afresh, at every token count
+        # that any verifier here probes (plain decoding's are a subset), and keeps the timings. Every later
+        # verifier starts on them (model/timing_cache.py), so the systems compared plan with one cost curve,
+        # measured on a quiet machine, and they can start together.
+        local = stack.enter_context(_service([script("splitspec-verifier"), "--speculative-mode", "ngram",
+                                              "--max-matching-ngram-size", str(args.ngram_size), *common,
+                                              "--timing-cache", "refresh"], name="verifier-inprocess"))
         model_system = []
         if args.draft_model:
             drafter_argv = [script("splitspec-drafter"), "model", "--device", args.draft_device, "--dtype",
@@ -168,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
                 [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
-        _run_systems(args, common, plain_verifier, model, tokenizer, prompts, curve, seconds, report, model_system,
+        _run_systems(args, common, local, model, tokenizer, prompts, curve, seconds, report, model_system,
                      draft_path, out)
     if args.suffix_speed_outputs:
         print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
@@ -180,11 +182,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_systems(args: argparse.Namespace, common: list[str], plain_verifier: LocalService, model: torch.nn.Module,
+def _run_systems(args: argparse.Namespace, common: list[str], local: LocalService, model: torch.nn.Module,
                  tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
                  seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
                  draft_path: str | None, out: Path) -> None:
-    """Start the n-gram and suffix drafters and four more verifiers beside plain decoding's, run every system
+    """Start the n-gram and suffix drafters and four more verifiers beside the in-process n-gram one, run every system
     (plus `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too;
     then the engine sections asked for."""
     with contextlib.ExitStack() as stack:
@@ -192,11 +194,10 @@ def _run_systems(args: argparse.Namespace, common: list[str], plain_verifier: Lo
             _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter"),
             _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter")])
-        remote, local, sremote, slocal = start_together(stack, [
+        plain_verifier, remote, sremote, slocal = start_together(stack, [
+            _service([script("splitspec-verifier"), *common], name="verifier-plain"),
             _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                       "--drafter-target", drafter.address, *common], name="verifier-remote"),
-            _service([script("splitspec-verifier"), "--speculative-mode", "ngram",
-                      "--max-matching-ngram-size", str(args.ngram_size), *common], name="verifier-inprocess"),
             _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                       "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote"),
             _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
@@ -236,7 +237,7 @@ def _run_systems(args: argparse.Namespace, common: list[str], plain_verifier: Lo
             _draft_model_figures(args, draft_path, prompts, [r.token_ids for r in runs[PLAIN]], seconds, curve,
                                  model.config.vocab_size, report)
         if args.engine_sections:
-            for verifier in (remote, local, sremote, slocal):
+            for verifier in (plain_verifier, remote, local, sremote, slocal):
                 verifier.stop()  # the engine sections start their own verifiers
             engine_sections.run(args, tokenizer, common, lambda n: _forward_costs(model, 0, n)[1], out)
 
