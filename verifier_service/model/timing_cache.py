@@ -27,9 +27,11 @@ import logging
 import os
 import platform
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -40,6 +42,9 @@ from verifier_service.model.step_costs import Measurements, disturbance
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+# How long a start waits for its turn to measure: a busy CPU may take minutes, a hung holder forever.
+TURN_WAIT_S = 600.0
+TURN_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,15 @@ class TimingCache:
             yield
             return
         with lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _try_lock(lock):
                 log.info("waiting for another verifier on this machine to finish timing its forwards")
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                deadline = time.monotonic() + TURN_WAIT_S
+                while not _try_lock(lock):
+                    if time.monotonic() > deadline:
+                        log.warning("another verifier on this machine has timed its forwards for %.0f s; timing "
+                                    "them now", TURN_WAIT_S)
+                        break
+                    time.sleep(TURN_POLL_S)
             yield  # closing the file releases the lock
 
     def load(self) -> Measurements:
@@ -109,6 +118,14 @@ class TimingCache:
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("cannot keep the forward costs in %s (%s); the next start measures them again", self.path, e)
+
+
+def _try_lock(f: IO[str]) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, object]:

@@ -4,6 +4,7 @@ when it is off."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import threading
@@ -18,8 +19,8 @@ from tiny_model import tiny_model
 from drafter_sdk.gguf_conversion import CACHE_ENV
 from verifier_service import builder
 from verifier_service.api.cli import parser, settings_from_args
+from verifier_service.model import step_costs, timing_cache
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
-from verifier_service.model import step_costs
 from verifier_service.model.runner import ModelRunner
 from verifier_service.settings import ServerSettings
 
@@ -204,3 +205,17 @@ def test_verifiers_starting_together_take_turns_to_measure(runners, cache_dir) -
         seconds = list(pool.map(measure, (a, b)))
     assert sorted([a.forwards == 0, b.forwards == 0]) == [False, True]
     assert seconds[0] == seconds[1]
+
+
+def test_a_turn_held_too_long_is_not_waited_for_forever(runners, cache_dir, monkeypatch, caplog) -> None:  # noqa: ANN001
+    counted = Counted()
+    runners.append(counted)
+    monkeypatch.setattr(timing_cache, "TURN_WAIT_S", 0.3)
+    (cache_dir / "timing").mkdir()
+    with open(cache_dir / "timing" / ".measuring.lock", "a") as held:  # another verifier, hung while measuring
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with caplog.at_level(logging.INFO, logger="verifier_service.model.timing_cache"):
+            started = time.monotonic()
+            counted.measure(POINTS)
+    assert time.monotonic() - started >= 0.3 and counted.forwards > 0
+    assert "waiting for another verifier" in caplog.text and "timing them now" in caplog.text
