@@ -93,7 +93,7 @@ def disturbance(measured: Measurements) -> str | None:
     """Why these timings cannot be the machine's own, or None. A longer forward costs at least as
     much as a shorter one; other work on the machine only ever adds time, and adds it at random, so
     a shorter forward far slower than a longer one (each under its fastest layout) means it was
-    disturbed. Verifiers timing their forwards together on two cores once gave 0.5-1.5 s for 2-9
+    disturbed. Verifiers timing their forwards together on two cores once gave 0.14-1.55 s for 2-9
     tokens against 58 ms for 16, and a planner that believed them never drafted."""
     best: dict[int, float] = {}
     for seconds in measured.values():
