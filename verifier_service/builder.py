@@ -127,6 +127,10 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     seconds = _measure(runner, points, settings)
     costs = step_costs.CostCurve.from_seconds(seconds)
     log.info("forward cost by tokens (x one token, %.1f ms): %s", 1000 * seconds[min(seconds)], costs.describe())
+    if adaptive and all(costs(k + 1) >= k + 1 for k in range(1, spec.max_draft_len + 1)):
+        log.warning("on these forward costs no draft pays, even if every token were accepted (%d tokens cost "
+                    "%.2fx one): the planner will not draft. Timed on a busy machine? Restart the verifier alone "
+                    "with --timing-cache refresh", 2, costs(2))
     planner = DraftPlanner(costs) if adaptive else None
     if budget is not None:
         return planner, StepBudget(budget)

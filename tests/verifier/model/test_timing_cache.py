@@ -219,3 +219,19 @@ def test_a_turn_held_too_long_is_not_waited_for_forever(runners, cache_dir, monk
             counted.measure(POINTS)
     assert time.monotonic() - started >= 0.3 and counted.forwards > 0
     assert "waiting for another verifier" in caplog.text and "timing them now" in caplog.text
+
+
+def test_a_curve_on_which_no_draft_pays_is_said_so(runners, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """Forward costs no draft could beat (as a busy start-up measures them) leave speculation off
+    without an error anywhere: the log says why."""
+    counted = Counted()
+    runners.append(counted)
+    settings = settings_from_args(parser().parse_args(["--speculative-mode", "ngram", "--max-draft-len", "4"]))
+    for seconds, warned in (({1: 0.03, 2: 0.031, 3: 0.034, 4: 0.04, 5: 0.045, 16: 0.06}, False),
+                            ({1: 0.03, 2: 0.36, 3: 0.36, 4: 0.36, 5: 0.36, 16: 0.36}, True)):
+        monkeypatch.setattr(builder, "_measure", lambda runner, points, settings, seconds=seconds: seconds)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="verifier_service.builder"):
+            planner, _ = builder.calibrate(counted.runner, settings, 512)
+        assert planner is not None
+        assert ("no draft pays, even if every token were accepted (2 tokens cost 12.00x one)" in caplog.text) is warned
