@@ -1,9 +1,9 @@
 """The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
 
-Field names and meanings are OpenAI's (plus vLLM's `top_k`, `stop_token_ids` and
-`ignore_eos`); unknown fields are ignored, as OpenAI's own server ignores them. Known
-fields that would change the answer but are not served here (penalties, logit bias,
-structured output, tools, vLLM's guided decoding ...) are refused unless neutral: an
+Field names and meanings are OpenAI's (plus vLLM's `top_k`, `repetition_penalty`,
+`stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
+ignores them. Known fields that would change the answer but are not served here (logit
+bias, structured output, tools, vLLM's guided decoding ...) are refused unless neutral: an
 answer that silently ignored them would look right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
@@ -31,10 +31,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-    "logit_bias": {}, "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [],
+    "min_p": 0, "min_tokens": 0, "logit_bias": {}, "best_of": 1, "response_format": {"type": "text"},
+    "tools": [], "functions": [], "echo": False, "suffix": None, "structured_outputs": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "echo": False, "suffix": None,
 }
 
 
@@ -75,10 +74,10 @@ class GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationOverride | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
     min_p: Any = None
     min_tokens: Any = None
     logit_bias: Any = None
@@ -121,6 +120,12 @@ class GenerationBody(_Body):
             s.top_k = max(self.top_k, 0)
         if self.seed is not None:
             s.seed = (self.seed + choice) % 2**64
+        if self.frequency_penalty is not None:
+            s.frequency_penalty = self.frequency_penalty
+        if self.presence_penalty is not None:
+            s.presence_penalty = self.presence_penalty
+        if self.repetition_penalty is not None:
+            s.repetition_penalty = self.repetition_penalty
         st = p.stopping
         if self.max_new_tokens is not None:
             st.max_new_tokens = self.max_new_tokens

@@ -18,6 +18,7 @@ from verifier_service.spec.policy import SpeculationParams
 MAX_TEMPERATURE = 100.0
 # Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # frequency and presence penalties, as OpenAI bounds them
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
@@ -144,8 +145,16 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None) -> SamplingP
         raise _invalid(f"top_k must be >= 0 (0 = off), not {s.top_k}")
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -MAX_PENALTY <= _finite(name, getattr(s, name)) <= MAX_PENALTY:
+            raise _invalid(f"{name} must be within [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = none), "
+                           f"not {getattr(s, name):g}")
+    if _finite("repetition_penalty", s.repetition_penalty) < 0:
+        raise _invalid(f"repetition_penalty must be > 0 (0 or 1 = none), not {s.repetition_penalty:g}")
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
-                          seed=s.seed if s.HasField("seed") else None, logprobs=logprobs)
+                          seed=s.seed if s.HasField("seed") else None, logprobs=logprobs,
+                          frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                          repetition_penalty=s.repetition_penalty or 1.0)
 
 
 def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:

@@ -38,6 +38,7 @@ on, is one draw from p followed by a lookup among the siblings.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,10 +54,17 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: each emitted token's own; N: also the top N
+    frequency_penalty: float = 0.0  # engine/penalties.py
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class VerifyRow:
     params: SamplingParams
     generator: torch.Generator | None
     parents: list[int] = field(default_factory=list)  # a token tree's (drafter_sdk/tree.py); [] = a chain
+    # The sequence's committed tokens, which penalties count (engine/penalties.py).
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

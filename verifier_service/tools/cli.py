@@ -19,7 +19,10 @@ from drafter_sdk.security import (
 
 def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
     params = verifier_pb2.GenerationParams(
-        sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+        sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                             frequency_penalty=args.frequency_penalty,
+                                             presence_penalty=args.presence_penalty,
+                                             repetition_penalty=args.repetition_penalty),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or []),
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
     if args.seed is not None:
@@ -93,6 +96,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = none")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print text as it is accepted")
     p.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")

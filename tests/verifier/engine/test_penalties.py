@@ -1,0 +1,167 @@
+"""Frequency, presence and repetition penalties: each verify row is penalised with the counts of its
+own prefix (a chain's draft prefix, a tree node's path), so speculation stays exact: greedy and
+seeded outputs with penalties equal plain decoding's with the same penalties, and transformers'
+generate() with its repetition penalty."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+import grpc
+import httpx
+import pytest
+import torch
+from test_tree_verification import TreeOracle
+from test_verifier_sampling import in_process_drafter
+from transformers import RepetitionPenaltyLogitsProcessor
+from verifier_harness import run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    OracleDrafter,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+    serve_drafter,
+    shared_model,
+)
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.engine.penalties import penalize
+from verifier_service.engine.sampler import SamplingParams, VerifyRow
+
+PENALTIES = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "repetition_penalty": 1.3}
+PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:8]]
+N = 24
+
+
+def expected_row(logits: torch.Tensor, prompt: list[int], generated: list[int], p: SamplingParams) -> torch.Tensor:
+    """One position's penalised logits, from the definitions: transformers' repetition penalty over
+    everything before it, then OpenAI's frequency and presence penalties over the generated tokens."""
+    x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([prompt + generated]), logits[None])[0]
+    for token in set(generated):
+        x[token] -= p.frequency_penalty * generated.count(token) + p.presence_penalty
+    return x
+
+
+def test_each_row_is_penalised_with_its_own_prefix() -> None:
+    rng = random.Random(0)
+    vocab = 40
+    p = SamplingParams(**PENALTIES)
+    prompt, output = [rng.randrange(vocab) for _ in range(12)], [rng.randrange(vocab) for _ in range(9)]
+    chain = [3, 3, 7, 1]
+    tree, parents = [5, 3, 5, 5, 9], [-1, -1, 0, 1, 2]  # paths: 5 | 3 | 5 5 | 3 5 | 5 5 9
+    plain = VerifyRow([], SamplingParams(), None)  # no penalty: its rows stay as they are
+    rows = [VerifyRow(chain, p, None, [], prompt, output), plain,
+            VerifyRow(tree, p, None, parents, prompt, output), VerifyRow([], p, None, [], prompt, [])]
+    logits = torch.randn(len(chain) + 1 + 1 + len(tree) + 1 + 1, vocab, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    out = penalize(logits, rows)
+    assert torch.equal(logits, before), "the raw logits stay for the log-probabilities"
+    want = [expected_row(logits[j], prompt, output + chain[:j], p) for j in range(len(chain) + 1)]
+    want.append(logits[5])
+    paths = [[], [5], [3], [5, 5], [3, 5], [5, 5, 9]]
+    want += [expected_row(logits[6 + r], prompt, output + path, p) for r, path in enumerate(paths)]
+    want.append(expected_row(logits[12], prompt, [], p))  # a prompt's first token: repetition only
+    assert torch.allclose(out, torch.stack(want), atol=1e-6)
+    assert penalize(logits, [plain] * len(logits)) is logits
+
+
+def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
+    return run_together(v, [functools.partial(v.stub.Generate, token_request(p, N, **fields), timeout=WAIT_S)
+                            for p in prompts])
+
+
+def test_greedy_with_penalties_is_exact_with_chains_and_trees() -> None:
+    sampling = verifier_pb2.SamplingParams(**PENALTIES)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
+            unpenalised = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {})]
+        assert plain != unpenalised, "the penalties changed nothing: the test would prove nothing"
+        refs = {tuple(p): out for p, out in zip(PROMPTS, plain)}
+        # Chains whose every position is accepted and rejected somewhere (an oracle of the penalised output).
+        oracle = OracleDrafter(refs, corrupt=0.2, seed=5)
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=shared_model()) as v:
+                chained = await generate_all(v, PROMPTS, {"sampling": sampling})
+        assert [list(r.output.token_ids) for r in chained] == plain
+        assert not oracle.feedback_errors, oracle.feedback_errors[:3]
+        assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
+        # Trees whose correct path is not the first branch.
+        trees = TreeOracle(refs, ("path", "deep", "all-wrong"), seed=3)
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
+            engine = engine_of(v)
+            in_process_drafter(engine, trees)
+            await engine.drafter.connect()
+            treed = await generate_all(v, PROMPTS, {"sampling": sampling})
+        assert [list(r.output.token_ids) for r in treed] == plain
+        assert trees.trees > 0 and sum(r.output.stats.num_accepted_tokens for r in treed) > 0
+
+    asyncio.run(main())
+
+
+def test_repetition_penalty_equals_transformers_generate() -> None:
+    model = shared_model()
+
+    async def main() -> list[list[int]]:
+        async with run_verifier(spec_config("NGRAM", 4), model=model) as v:
+            responses = await generate_all(v, PROMPTS[:4], {"sampling": verifier_pb2.SamplingParams(
+                repetition_penalty=1.5)})
+        return [list(r.output.token_ids) for r in responses]
+
+    for prompt, got in zip(PROMPTS[:4], asyncio.run(main())):
+        x = torch.tensor([prompt])
+        want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, do_sample=False,
+                              repetition_penalty=1.5)[0, len(prompt):].tolist()
+        assert got == want
+
+
+def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculation() -> None:
+    sampling = verifier_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, **PENALTIES)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
+        # Drafts of the sampled output, corrupted: with the seed's draws, exactly their matching prefixes pass.
+        oracle = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, plain)}, corrupt=0.2, seed=9)
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=shared_model()) as v:
+                speculated = await generate_all(v, PROMPTS, {"sampling": sampling})
+        assert [list(r.output.token_ids) for r in speculated] == plain
+        assert not oracle.feedback_errors, oracle.feedback_errors[:3]
+        assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("frequency_penalty", 2.5, "frequency_penalty must be within [-2, 2]"),
+    ("presence_penalty", -3.0, "presence_penalty must be within [-2, 2]"),
+    ("presence_penalty", float("nan"), "presence_penalty must be a finite number"),
+    ("repetition_penalty", -1.0, "repetition_penalty must be > 0"),
+])
+def test_bad_penalties_fail_alone_over_grpc_and_http(field: str, value: float, words: str) -> None:
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await v.stub.Generate(token_request([5, 6], 2, sampling=verifier_pb2.SamplingParams(**{field: value})),
+                                      timeout=WAIT_S)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in bad.value.details()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=WAIT_S) as h:
+                if value == value:  # NaN is not JSON: the HTTP front's own check (tested there) refuses it
+                    r = await h.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, field: value})
+                    assert r.status_code == 400 and words in r.json()["error"]["message"]
+                # The same penalties through HTTP are the same request as through gRPC.
+                r = await h.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, **PENALTIES})
+                grpc_reply = await v.stub.Generate(token_request(PROMPTS[0], 8, sampling=verifier_pb2.SamplingParams(
+                    **PENALTIES)), timeout=WAIT_S)
+                assert r.json()["choices"][0]["splitspec"]["token_ids"] == list(grpc_reply.output.token_ids)
+
+    asyncio.run(main())

@@ -1,0 +1,73 @@
+"""Frequency, presence and repetition penalties, applied to every verify row with the counts of
+exactly the tokens before that row's position.
+
+A penalty makes the next-token distribution depend on the tokens already there. A verify row
+stands at one position: after the sequence's committed tokens plus, for row j of a chain, the
+draft's first j tokens, or, for a tree node's row, the tokens on its path from the root. Each row
+penalised with the counts of its own prefix is the penalised target's conditional at that
+position, just as the unpenalised row is the target's; the sampler's argument (engine/sampler.py)
+holds for any target, so speculation stays lossless, and a greedy or seeded request emits the
+tokens plain decoding with the same penalties emits.
+
+- `frequency_penalty` f, `presence_penalty` p (OpenAI): over the generated tokens only, each
+  logit loses f times its token's count, and p once if the token occurs;
+- `repetition_penalty` r (vLLM; transformers' RepetitionPenaltyLogitsProcessor): over the prompt
+  and the generated tokens, a token's positive logit is divided by r, a negative one multiplied.
+Repetition first, then frequency and presence, as vLLM applies them, all before temperature,
+top-k and top-p. Log-probabilities stay those of the raw logits (sampler.token_logprobs), as vLLM
+reports them by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_sdk.tree import ROOT
+from verifier_service.engine.sampler import VerifyRow
+
+
+def penalize(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
+    """logits [sum(len(draft)+1), V], laid out as verify_batch reads them -> the same with every
+    penalised row rewritten; `logits` itself is left as it is (a copy, where any row is penalised)."""
+    if not any(row.params.penalized for row in rows):
+        return logits
+    out = logits.clone()
+    offset = 0
+    for row in rows:
+        n = len(row.draft) + 1
+        if row.params.penalized:
+            out[offset:offset + n] = _penalized(logits[offset:offset + n], row)
+        offset += n
+    return out
+
+
+def _penalized(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
+    """logits [n, V] of one sequence's rows -> penalised, row by row with its own prefix's counts."""
+    n, vocab = logits.shape
+    device = logits.device
+    params = row.params
+    counts = torch.zeros(n, vocab, device=device)  # [n, V] generated tokens before each row's position
+    if row.output_ids:
+        counts += torch.bincount(torch.tensor(row.output_ids, device=device), minlength=vocab)[:vocab]
+    for r, path in enumerate(_prefixes(row.draft, row.parents), start=1):
+        counts[r].index_add_(0, torch.tensor(path, device=device), torch.ones(len(path), device=device))
+    x = logits.float()
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if row.prompt_ids:
+            seen[:, torch.tensor(row.prompt_ids, device=device)] = True
+        rp = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return x.to(logits.dtype)
+
+
+def _prefixes(draft: list[int], parents: list[int]) -> list[list[int]]:
+    """The draft tokens before each draft row's position: a chain's row j+1 follows draft[:j+1]; a
+    tree node's row follows its path from the root (the node included)."""
+    if not parents:
+        return [draft[:j + 1] for j in range(len(draft))]
+    paths: list[list[int]] = []
+    for token, parent in zip(draft, parents):
+        paths.append((paths[parent] if parent != ROOT else []) + [token])
+    return paths
