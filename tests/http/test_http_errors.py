@@ -54,7 +54,8 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
     # Fields that would change the answer and are not served: refused, never answered as if absent.
-    (CHAT, {"messages": MSG, "logit_bias": {"5": 100}}, 400, "logit_bias: not supported"),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias must be within [-100, 100]"),
+    (CHAT, {"messages": MSG, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "frequency_penalty": 2.5}, 400, "frequency_penalty must be within [-2, 2]"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, 'or send {"type": "text"}'),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
@@ -96,8 +97,9 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
             with pytest.raises(openai.BadRequestError) as bad:
                 await h.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
             assert "messages" in str(bad.value)
-            with pytest.raises(openai.BadRequestError, match="logit_bias: not supported"):
-                await h.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logit_bias={"5": 10})
+            with pytest.raises(openai.BadRequestError, match="response_format: not supported"):
+                await h.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                                       response_format={"type": "json_object"})
             with pytest.raises(openai.NotFoundError):
                 await h.client.chat.completions.create(model="nope", messages=MSG, max_tokens=3)
 

@@ -2,8 +2,8 @@
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
-ignores them. Known fields that would change the answer but are not served here (logit
-bias, structured output, tools, vLLM's guided decoding ...) are refused unless neutral: an
+ignores them. Known fields that would change the answer but are not served here (structured
+output, tools, vLLM's guided decoding ...) are refused unless neutral: an
 answer that silently ignored them would look right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
@@ -31,7 +31,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "min_p": 0, "min_tokens": 0, "logit_bias": {}, "best_of": 1, "response_format": {"type": "text"},
+    "min_p": 0, "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"},
     "tools": [], "functions": [], "echo": False, "suffix": None, "structured_outputs": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }
@@ -77,10 +77,10 @@ class GenerationBody(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     min_p: Any = None
     min_tokens: Any = None
-    logit_bias: Any = None
     best_of: Any = None
     response_format: Any = None
     tools: Any = None
@@ -126,6 +126,8 @@ class GenerationBody(_Body):
             s.presence_penalty = self.presence_penalty
         if self.repetition_penalty is not None:
             s.repetition_penalty = self.repetition_penalty
+        if self.logit_bias:
+            s.logit_bias.update(self.logit_bias)
         st = p.stopping
         if self.max_new_tokens is not None:
             st.max_new_tokens = self.max_new_tokens

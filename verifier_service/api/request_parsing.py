@@ -19,6 +19,7 @@ MAX_TEMPERATURE = 100.0
 # Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # frequency and presence penalties, as OpenAI bounds them
+MAX_LOGIT_BIAS = 100.0  # as OpenAI bounds it
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
@@ -70,7 +71,7 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     logprobs = request.logprobs if request.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise _invalid(f"logprobs must be within [0, {MAX_LOGPROBS}], not {logprobs}")
-    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs),
+    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation))
 
 
@@ -134,7 +135,7 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None) -> SamplingParams:
+def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: int) -> SamplingParams:
     temperature = _finite("temperature", s.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {temperature:g}")
@@ -151,10 +152,17 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None) -> SamplingP
                            f"not {getattr(s, name):g}")
     if _finite("repetition_penalty", s.repetition_penalty) < 0:
         raise _invalid(f"repetition_penalty must be > 0 (0 or 1 = none), not {s.repetition_penalty:g}")
+    for token, bias in s.logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise _invalid(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not -MAX_LOGIT_BIAS <= _finite("logit_bias", bias) <= MAX_LOGIT_BIAS:
+            raise _invalid(f"logit_bias must be within [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias:g} "
+                           f"(token {token})")
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None, logprobs=logprobs,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                          repetition_penalty=s.repetition_penalty or 1.0)
+                          repetition_penalty=s.repetition_penalty or 1.0,
+                          logit_bias=tuple(sorted((t, b) for t, b in s.logit_bias.items() if b)))
 
 
 def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:

@@ -22,8 +22,8 @@ import torch
 
 from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine import tree_verify
+from verifier_service.engine.logits_processors import process_logits
 from verifier_service.engine.model_thread import ModelThread
-from verifier_service.engine.penalties import penalize
 from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -159,7 +159,7 @@ class Engine:
         """The packed forward, the verification of every draft and the log-probabilities asked for."""
         rows = plan.verify_rows()
         logits = self._timed_forward(plan.forward_batch())
-        tokens = verify_batch(penalize(logits, rows), rows)
+        tokens = verify_batch(process_logits(logits, rows), rows)
         return plan.spread(tokens), plan.spread(token_logprobs(logits, rows, tokens))
 
     def _timed_forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -54,17 +54,21 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: each emitted token's own; N: also the top N
-    frequency_penalty: float = 0.0  # engine/penalties.py
+    # engine/logits_processors.py
+    frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def penalized(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+    def processes_logits(self) -> bool:
+        """Whether its logits change before sampling (engine/logits_processors.py)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class VerifyRow:
     params: SamplingParams
     generator: torch.Generator | None
     parents: list[int] = field(default_factory=list)  # a token tree's (drafter_sdk/tree.py); [] = a chain
-    # The sequence's committed tokens, which penalties count (engine/penalties.py).
+    # The sequence's committed tokens, which penalties count (engine/logits_processors.py).
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
 

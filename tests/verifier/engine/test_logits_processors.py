@@ -1,11 +1,12 @@
-"""Frequency, presence and repetition penalties: each verify row is penalised with the counts of its
-own prefix (a chain's draft prefix, a tree node's path), so speculation stays exact: greedy and
-seeded outputs with penalties equal plain decoding's with the same penalties, and transformers'
+"""Logit bias and the frequency, presence and repetition penalties: each verify row is penalised with
+the counts of its own prefix (a chain's draft prefix, a tree node's path), so speculation stays
+exact: greedy and seeded outputs equal plain decoding's with the same settings, and transformers'
 generate() with its repetition penalty."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import random
 
@@ -30,7 +31,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.engine.penalties import penalize
+from verifier_service.engine.logits_processors import process_logits
 from verifier_service.engine.sampler import SamplingParams, VerifyRow
 
 PENALTIES = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "repetition_penalty": 1.3}
@@ -39,8 +40,12 @@ N = 24
 
 
 def expected_row(logits: torch.Tensor, prompt: list[int], generated: list[int], p: SamplingParams) -> torch.Tensor:
-    """One position's penalised logits, from the definitions: transformers' repetition penalty over
-    everything before it, then OpenAI's frequency and presence penalties over the generated tokens."""
+    """One position's processed logits, from the definitions: the bias, then transformers' repetition
+    penalty over everything before it, then OpenAI's frequency and presence penalties over the
+    generated tokens."""
+    logits = logits.clone()
+    for token, bias in p.logit_bias:
+        logits[token] += bias
     x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([prompt + generated]), logits[None])[0]
     for token in set(generated):
         x[token] -= p.frequency_penalty * generated.count(token) + p.presence_penalty
@@ -50,7 +55,7 @@ def expected_row(logits: torch.Tensor, prompt: list[int], generated: list[int], 
 def test_each_row_is_penalised_with_its_own_prefix() -> None:
     rng = random.Random(0)
     vocab = 40
-    p = SamplingParams(**PENALTIES)
+    p = SamplingParams(**PENALTIES, logit_bias=((3, -2.5), (8, 4.0)))
     prompt, output = [rng.randrange(vocab) for _ in range(12)], [rng.randrange(vocab) for _ in range(9)]
     chain = [3, 3, 7, 1]
     tree, parents = [5, 3, 5, 5, 9], [-1, -1, 0, 1, 2]  # paths: 5 | 3 | 5 5 | 3 5 | 5 5 9
@@ -59,7 +64,7 @@ def test_each_row_is_penalised_with_its_own_prefix() -> None:
             VerifyRow(tree, p, None, parents, prompt, output), VerifyRow([], p, None, [], prompt, [])]
     logits = torch.randn(len(chain) + 1 + 1 + len(tree) + 1 + 1, vocab, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
-    out = penalize(logits, rows)
+    out = process_logits(logits, rows)
     assert torch.equal(logits, before), "the raw logits stay for the log-probabilities"
     want = [expected_row(logits[j], prompt, output + chain[:j], p) for j in range(len(chain) + 1)]
     want.append(logits[5])
@@ -67,7 +72,7 @@ def test_each_row_is_penalised_with_its_own_prefix() -> None:
     want += [expected_row(logits[6 + r], prompt, output + path, p) for r, path in enumerate(paths)]
     want.append(expected_row(logits[12], prompt, [], p))  # a prompt's first token: repetition only
     assert torch.allclose(out, torch.stack(want), atol=1e-6)
-    assert penalize(logits, [plain] * len(logits)) is logits
+    assert process_logits(logits, [plain] * len(logits)) is logits
 
 
 def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
@@ -75,14 +80,15 @@ def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
                             for p in prompts])
 
 
-def test_greedy_with_penalties_is_exact_with_chains_and_trees() -> None:
-    sampling = verifier_pb2.SamplingParams(**PENALTIES)
-
+def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> None:
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            unprocessed = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {})]
+            banned = collections.Counter(t for out in unprocessed for t in out).most_common(1)[0][0]
+            sampling = verifier_pb2.SamplingParams(**PENALTIES, logit_bias={banned: -100.0})
             plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
-            unpenalised = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {})]
-        assert plain != unpenalised, "the penalties changed nothing: the test would prove nothing"
+        assert plain != unprocessed, "the penalties changed nothing: the test would prove nothing"
+        assert all(banned not in out for out in plain)
         refs = {tuple(p): out for p, out in zip(PROMPTS, plain)}
         # Chains whose every position is accepted and rejected somewhere (an oracle of the penalised output).
         oracle = OracleDrafter(refs, corrupt=0.2, seed=5)
@@ -146,22 +152,27 @@ def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculatio
     ("presence_penalty", -3.0, "presence_penalty must be within [-2, 2]"),
     ("presence_penalty", float("nan"), "presence_penalty must be a finite number"),
     ("repetition_penalty", -1.0, "repetition_penalty must be > 0"),
+    ("logit_bias", {5: 101.0}, "logit_bias must be within [-100, 100], not 101 (token 5)"),
+    ("logit_bias", {100000: 1.0}, "logit_bias: token id 100000 is outside the vocabulary"),
 ])
-def test_bad_penalties_fail_alone_over_grpc_and_http(field: str, value: float, words: str) -> None:
+def test_bad_settings_fail_alone_over_grpc_and_http(field: str, value: object, words: str) -> None:
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await v.stub.Generate(token_request([5, 6], 2, sampling=verifier_pb2.SamplingParams(**{field: value})),
                                       timeout=WAIT_S)
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in bad.value.details()
+            # A bad request fails alone: the server answers the next one.
+            assert len((await v.stub.Generate(token_request([5, 6], 2), timeout=WAIT_S)).output.token_ids) == 2
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=WAIT_S) as h:
                 if value == value:  # NaN is not JSON: the HTTP front's own check (tested there) refuses it
                     r = await h.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, field: value})
                     assert r.status_code == 400 and words in r.json()["error"]["message"]
                 # The same penalties through HTTP are the same request as through gRPC.
-                r = await h.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, **PENALTIES})
+                r = await h.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, **PENALTIES,
+                                                          "logit_bias": {"7": 3.0}})
                 grpc_reply = await v.stub.Generate(token_request(PROMPTS[0], 8, sampling=verifier_pb2.SamplingParams(
-                    **PENALTIES)), timeout=WAIT_S)
+                    **PENALTIES, logit_bias={7: 3.0})), timeout=WAIT_S)
                 assert r.json()["choices"][0]["splitspec"]["token_ids"] == list(grpc_reply.output.token_ids)
 
     asyncio.run(main())

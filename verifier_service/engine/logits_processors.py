@@ -1,4 +1,5 @@
-"""Frequency, presence and repetition penalties, applied to every verify row with the counts of
+"""What a request asks to change in the target's logits before sampling: a logit bias and the
+frequency, presence and repetition penalties, applied to every verify row with the counts of
 exactly the tokens before that row's position.
 
 A penalty makes the next-token distribution depend on the tokens already there. A verify row
@@ -7,15 +8,16 @@ draft's first j tokens, or, for a tree node's row, the tokens on its path from t
 penalised with the counts of its own prefix is the penalised target's conditional at that
 position, just as the unpenalised row is the target's; the sampler's argument (engine/sampler.py)
 holds for any target, so speculation stays lossless, and a greedy or seeded request emits the
-tokens plain decoding with the same penalties emits.
+tokens plain decoding with the same settings emits.
 
-- `frequency_penalty` f, `presence_penalty` p (OpenAI): over the generated tokens only, each
-  logit loses f times its token's count, and p once if the token occurs;
+In the order vLLM applies them, all before temperature, top-k and top-p:
+- `logit_bias` (OpenAI): a fixed amount added to each listed token's logit;
 - `repetition_penalty` r (vLLM; transformers' RepetitionPenaltyLogitsProcessor): over the prompt
-  and the generated tokens, a token's positive logit is divided by r, a negative one multiplied.
-Repetition first, then frequency and presence, as vLLM applies them, all before temperature,
-top-k and top-p. Log-probabilities stay those of the raw logits (sampler.token_logprobs), as vLLM
-reports them by default.
+  and the generated tokens, a token's positive logit is divided by r, a negative one multiplied;
+- `frequency_penalty` f, `presence_penalty` p (OpenAI): over the generated tokens only, each
+  logit loses f times its token's count, and p once if the token occurs.
+Log-probabilities stay those of the raw logits (sampler.token_logprobs), as vLLM reports them by
+default.
 """
 
 from __future__ import annotations
@@ -26,32 +28,39 @@ from drafter_sdk.tree import ROOT
 from verifier_service.engine.sampler import VerifyRow
 
 
-def penalize(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
-    """logits [sum(len(draft)+1), V], laid out as verify_batch reads them -> the same with every
-    penalised row rewritten; `logits` itself is left as it is (a copy, where any row is penalised)."""
-    if not any(row.params.penalized for row in rows):
+def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
+    """logits [sum(len(draft)+1), V], laid out as verify_batch reads them -> the same with the rows of
+    every request that asks for it rewritten; `logits` itself is left as it is (a copy, if any is)."""
+    if not any(row.params.processes_logits for row in rows):
         return logits
     out = logits.clone()
     offset = 0
     for row in rows:
         n = len(row.draft) + 1
-        if row.params.penalized:
-            out[offset:offset + n] = _penalized(logits[offset:offset + n], row)
+        if row.params.processes_logits:
+            out[offset:offset + n] = _processed(logits[offset:offset + n], row)
         offset += n
     return out
 
 
-def _penalized(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
-    """logits [n, V] of one sequence's rows -> penalised, row by row with its own prefix's counts."""
+def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
+    """logits [n, V] of one sequence's rows -> biased, then penalised row by row with its own prefix's
+    counts."""
     n, vocab = logits.shape
     device = logits.device
     params = row.params
+    x = logits.float()
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        x = x.index_add(1, torch.tensor(tokens, device=device),
+                        torch.tensor(biases, device=device).expand(n, -1).contiguous())
+    if params.frequency_penalty == params.presence_penalty == 0.0 and params.repetition_penalty == 1.0:
+        return x.to(logits.dtype)
     counts = torch.zeros(n, vocab, device=device)  # [n, V] generated tokens before each row's position
     if row.output_ids:
         counts += torch.bincount(torch.tensor(row.output_ids, device=device), minlength=vocab)[:vocab]
     for r, path in enumerate(_prefixes(row.draft, row.parents), start=1):
         counts[r].index_add_(0, torch.tensor(path, device=device), torch.ones(len(path), device=device))
-    x = logits.float()
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if row.prompt_ids:
