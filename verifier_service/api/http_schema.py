@@ -1,6 +1,6 @@
 """The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
 
-Field names and meanings are OpenAI's (plus vLLM's `top_k`, `repetition_penalty`,
+Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
 ignores them. Known fields that would change the answer but are not served here (structured
 output, tools, vLLM's guided decoding ...) are refused unless neutral: an
@@ -31,7 +31,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "min_p": 0, "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"},
+    "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"},
     "tools": [], "functions": [], "echo": False, "suffix": None, "structured_outputs": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }
@@ -66,6 +66,7 @@ class GenerationBody(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, le=INT32)  # vLLM: -1 or 0 = off
+    min_p: float | None = None  # vLLM's
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -79,7 +80,6 @@ class GenerationBody(_Body):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
-    min_p: Any = None
     min_tokens: Any = None
     best_of: Any = None
     response_format: Any = None
@@ -118,6 +118,8 @@ class GenerationBody(_Body):
             s.top_p = self.top_p
         if self.top_k is not None:
             s.top_k = max(self.top_k, 0)
+        if self.min_p is not None:
+            s.min_p = self.min_p
         if self.seed is not None:
             s.seed = (self.seed + choice) % 2**64
         if self.frequency_penalty is not None:

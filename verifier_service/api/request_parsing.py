@@ -144,6 +144,8 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: 
         raise _invalid(f"top_p must be within (0, 1] (0 = unset), not {top_p:g}")
     if s.top_k < 0:
         raise _invalid(f"top_k must be >= 0 (0 = off), not {s.top_k}")
+    if not 0.0 <= _finite("min_p", s.min_p) <= 1.0:
+        raise _invalid(f"min_p must be within [0, 1] (0 = off), not {s.min_p:g}")
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0
     for name in ("frequency_penalty", "presence_penalty"):
@@ -158,7 +160,7 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: 
         if not -MAX_LOGIT_BIAS <= _finite("logit_bias", bias) <= MAX_LOGIT_BIAS:
             raise _invalid(f"logit_bias must be within [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias:g} "
                            f"(token {token})")
-    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
+    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                           seed=s.seed if s.HasField("seed") else None, logprobs=logprobs,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,

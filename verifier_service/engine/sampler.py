@@ -52,6 +52,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: each emitted token's own; N: also the top N
     # engine/logits_processors.py
@@ -94,7 +95,7 @@ class VerifyRow:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (in that order, as transformers does)."""
+    """Probabilities after temperature, top-k, top-p and min-p (in that order, as transformers does)."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_k > 0 and params.top_k < probs.shape[-1]:
         top = torch.topk(probs, params.top_k, dim=-1)
@@ -106,6 +107,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Drop a token once the mass ranked before it already reaches top_p.
         sorted_p[(sorted_p.cumsum(-1) - sorted_p) >= params.top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if params.min_p > 0.0:  # relative to the most likely token left (which stays), so scale does not matter
+        probs = torch.where(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 

@@ -20,6 +20,7 @@ from drafter_sdk.security import (
 def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
     params = verifier_pb2.GenerationParams(
         sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                             min_p=args.min_p,
                                              frequency_penalty=args.frequency_penalty,
                                              presence_penalty=args.presence_penalty,
                                              repetition_penalty=args.repetition_penalty),
@@ -95,6 +96,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int)
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")

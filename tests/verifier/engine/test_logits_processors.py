@@ -129,7 +129,7 @@ def test_repetition_penalty_equals_transformers_generate() -> None:
 
 
 def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculation() -> None:
-    sampling = verifier_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, **PENALTIES)
+    sampling = verifier_pb2.SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=7, **PENALTIES)
 
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
@@ -152,6 +152,7 @@ def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculatio
     ("presence_penalty", -3.0, "presence_penalty must be within [-2, 2]"),
     ("presence_penalty", float("nan"), "presence_penalty must be a finite number"),
     ("repetition_penalty", -1.0, "repetition_penalty must be > 0"),
+    ("min_p", 1.5, "min_p must be within [0, 1]"),
     ("logit_bias", {5: 101.0}, "logit_bias must be within [-100, 100], not 101 (token 5)"),
     ("logit_bias", {100000: 1.0}, "logit_bias: token id 100000 is outside the vocabulary"),
 ])

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 from scipy import stats
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
     LOOPING_SEEDS,
@@ -41,7 +41,8 @@ from verifier_service.spec.drafter_client import DrafterClient, InProcessTranspo
 
 ALPHA = 1e-3  # fixed seeds make every test deterministic; this only guards against a bad seed choice
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
-          SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, top_k=4, top_p=0.7)]
+          SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, top_k=4, top_p=0.7),
+          SamplingParams(temperature=1.2, min_p=0.2)]
 
 
 def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -50,12 +51,16 @@ def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scores = TopKLogitsWarper(p.top_k)(None, scores)
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(None, scores)
+    if p.min_p:
+        scores = MinPLogitsWarper(p.min_p)(None, scores)
     return torch.softmax(scores, dim=-1)
 
 
 @pytest.mark.parametrize("params", PARAMS + [SamplingParams(temperature=0.5, top_k=10, top_p=0.5),
                                              SamplingParams(temperature=2.0, top_k=2, top_p=0.9),
-                                             SamplingParams(temperature=1.0, top_k=50, top_p=0.95)])
+                                             SamplingParams(temperature=1.0, top_k=50, top_p=0.95),
+                                             SamplingParams(temperature=0.8, min_p=0.05),
+                                             SamplingParams(temperature=1.5, top_k=20, top_p=0.9, min_p=0.1)])
 def test_target_probs_match_transformers_warpers(params: SamplingParams) -> None:
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 2
     assert torch.allclose(target_probs(logits, params), hf_probs(logits, params), atol=1e-6)
@@ -135,7 +140,7 @@ COMBOS = [("constant-0", p) for p in PARAMS] + [("constant-likely", PARAMS[0]), 
 
 
 @pytest.mark.parametrize(("drafter", "params"), COMBOS,
-                         ids=[f"{d}-t{p.temperature}-k{p.top_k}-p{p.top_p}" for d, p in COMBOS])
+                         ids=[f"{d}-t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}" for d, p in COMBOS])
 def test_point_mass_rule_keeps_the_target_distribution(drafter: str, params: SamplingParams) -> None:
     counts = speculative_samples(params, DRAFTERS[drafter], 2000)
     assert chi_square_p(counts, exact_joint(params, 0, 3)) > ALPHA
@@ -190,7 +195,8 @@ def model_joint(prompt: list[int], params: SamplingParams, n: int = 3) -> dict[t
 def sampled_request(prompt: list[int], seed: int, params: SamplingParams, n: int = 3,
                     **fields: object) -> verifier_pb2.GenerateRequest:
     return token_request(prompt, n, sampling=verifier_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed), **fields)
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed),
+        **fields)
 
 
 def in_process_drafter(engine, drafter) -> None:  # noqa: ANN001
