@@ -60,7 +60,7 @@ BAD = [
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, 'or send {"type": "text"}'),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice: not supported"),
-    (COMPLETIONS, {"prompt": "x", "min_tokens": 4}, 400, "min_tokens: not supported"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": 4, "max_tokens": 3}, 400, "min_new_tokens (4) is more than"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),

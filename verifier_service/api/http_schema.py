@@ -1,7 +1,7 @@
 """The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
+`min_tokens`, `stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
 ignores them. Known fields that would change the answer but are not served here (structured
 output, tools, vLLM's guided decoding ...) are refused unless neutral: an
 answer that silently ignored them would look right and not be what was asked for.
@@ -31,7 +31,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"},
+    "best_of": 1, "response_format": {"type": "text"},
     "tools": [], "functions": [], "echo": False, "suffix": None, "structured_outputs": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }
@@ -71,6 +71,7 @@ class GenerationBody(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0, le=UINT32)  # vLLM's
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,7 +81,6 @@ class GenerationBody(_Body):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
-    min_tokens: Any = None
     best_of: Any = None
     response_format: Any = None
     tools: Any = None
@@ -138,6 +138,8 @@ class GenerationBody(_Body):
         if self.stop_token_ids:
             st.stop_token_ids.extend(self.stop_token_ids)
         st.ignore_eos = self.ignore_eos
+        if self.min_tokens is not None:
+            st.min_new_tokens = self.min_tokens
         if self.speculation is not None:
             p.speculation.disable = self.speculation.disable
             if self.speculation.max_draft_len is not None:

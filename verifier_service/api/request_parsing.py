@@ -191,9 +191,11 @@ def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: L
     bad = next((t for t in st.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise _invalid(f"stop token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    if st.min_new_tokens > max_new:
+        raise _invalid(f"min_new_tokens ({st.min_new_tokens}) is more than max_new_tokens ({max_new})")
     return StoppingParams(
         max_new_tokens=max_new, stop=tuple(st.stop), stop_token_ids=frozenset(st.stop_token_ids),
-        eos_token_ids=frozenset() if st.ignore_eos else limits.eos_token_ids)
+        eos_token_ids=frozenset() if st.ignore_eos else limits.eos_token_ids, min_new_tokens=st.min_new_tokens)
 
 
 def _speculation(s: verifier_pb2.SpeculationOverrides) -> SpeculationParams:

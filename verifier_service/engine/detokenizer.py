@@ -11,9 +11,10 @@ from transformers import PreTrainedTokenizerBase
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
+        self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
         self._ids: list[int] = []
         self._prefix = 0  # decode from here for context (merging spaces)
         self._read = 0  # ids before this are already in _text
@@ -54,6 +55,9 @@ class Detokenizer:
     def _find_stop(self) -> None:
         if not self._stop or self.stopped_by is not None:
             return
+        if len(self._ids) <= self._min_tokens:
+            self._searched = len(self._text)
+            return
         hits = [(i, s) for s in self._stop if (i := self._text.find(s, self._searched)) >= 0]
         if hits:
             index, stop = min(hits)
@@ -66,7 +70,7 @@ class Detokenizer:
         """Length of the text's tail that is a proper prefix of some stop string."""
         if self.stopped_by is not None:
             return 0
-        for n in range(min(len(self._text), max((len(s) for s in self._stop), default=0)), 0, -1):
+        for n in range(min(len(self._text) - self._searched, max((len(s) for s in self._stop), default=0)), 0, -1):
             tail = self._text[-n:]
             if any(s.startswith(tail) and s != tail for s in self._stop):
                 return n

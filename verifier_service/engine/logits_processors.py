@@ -1,6 +1,6 @@
-"""What a request asks to change in the target's logits before sampling: a logit bias and the
-frequency, presence and repetition penalties, applied to every verify row with the counts of
-exactly the tokens before that row's position.
+"""What a request asks to change in the target's logits before sampling: a logit bias, the stops
+held back until its minimum length, and the frequency, presence and repetition penalties, applied
+to every verify row with the counts of exactly the tokens before that row's position.
 
 A penalty makes the next-token distribution depend on the tokens already there. A verify row
 stands at one position: after the sequence's committed tokens plus, for row j of a chain, the
@@ -12,6 +12,8 @@ tokens plain decoding with the same settings emits.
 
 In the order vLLM applies them, all before temperature, top-k and top-p:
 - `logit_bias` (OpenAI): a fixed amount added to each listed token's logit;
+- `min_new_tokens` (vLLM's `min_tokens`): at a position fewer tokens past the committed ones than
+  the sequence still lacks, its end-of-sequence and stop token ids get no chance at all;
 - `repetition_penalty` r (vLLM; transformers' RepetitionPenaltyLogitsProcessor): over the prompt
   and the generated tokens, a token's positive logit is divided by r, a negative one multiplied;
 - `frequency_penalty` f, `presence_penalty` p (OpenAI): over the generated tokens only, each
@@ -24,20 +26,20 @@ from __future__ import annotations
 
 import torch
 
-from drafter_sdk.tree import ROOT
+from drafter_sdk.tree import ROOT, depths
 from verifier_service.engine.sampler import VerifyRow
 
 
 def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
     """logits [sum(len(draft)+1), V], laid out as verify_batch reads them -> the same with the rows of
     every request that asks for it rewritten; `logits` itself is left as it is (a copy, if any is)."""
-    if not any(row.params.processes_logits for row in rows):
+    if not any(row.processes_logits for row in rows):
         return logits
     out = logits.clone()
     offset = 0
     for row in rows:
         n = len(row.draft) + 1
-        if row.params.processes_logits:
+        if row.processes_logits:
             out[offset:offset + n] = _processed(logits[offset:offset + n], row)
         offset += n
     return out
@@ -49,11 +51,14 @@ def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
     n, vocab = logits.shape
     device = logits.device
     params = row.params
-    x = logits.float()
+    x = logits.to(torch.float32, copy=True)  # the raw logits stay for the log-probabilities
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
-        x = x.index_add(1, torch.tensor(tokens, device=device),
-                        torch.tensor(biases, device=device).expand(n, -1).contiguous())
+        x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
+    if row.held:
+        for r, depth in enumerate(_depths(row.draft, row.parents)):
+            if depth < row.held_for:
+                x[r, torch.tensor(row.held, device=device)] = -torch.inf
     if params.frequency_penalty == params.presence_penalty == 0.0 and params.repetition_penalty == 1.0:
         return x.to(logits.dtype)
     counts = torch.zeros(n, vocab, device=device)  # [n, V] generated tokens before each row's position
@@ -69,6 +74,11 @@ def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
         x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
     x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return x.to(logits.dtype)
+
+
+def _depths(draft: list[int], parents: list[int]) -> list[int]:
+    """Draft tokens before each row's position (the root row first): its depth."""
+    return [0, *(depths(parents) if parents else range(1, len(draft) + 1))]
 
 
 def _prefixes(draft: list[int], parents: list[int]) -> list[list[int]]:

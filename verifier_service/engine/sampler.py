@@ -92,6 +92,14 @@ class VerifyRow:
     # The sequence's committed tokens, which penalties count (engine/logits_processors.py).
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    # min_new_tokens (engine/logits_processors.py): these ids cannot come next at a position fewer
+    # than `held_for` tokens past the committed ones.
+    held_for: int = 0
+    held: tuple[int, ...] = ()
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.params.processes_logits or bool(self.held_for and self.held)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

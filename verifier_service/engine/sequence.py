@@ -28,6 +28,7 @@ class StoppingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
+    min_new_tokens: int = 0  # until then, no EOS or stop token id, and no stop string, ends it
 
 
 @dataclass
@@ -124,6 +125,14 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         return self.stopping.max_new_tokens - len(self.output_ids)
+
+    def held_stops(self) -> tuple[int, tuple[int, ...]]:
+        """(how many more tokens until min_new_tokens, the token ids that cannot come before then):
+        (0, ()) once none are held."""
+        until = self.stopping.min_new_tokens - len(self.output_ids)
+        if until <= 0:
+            return 0, ()
+        return until, tuple(sorted(self.stopping.eos_token_ids | self.stopping.stop_token_ids))
 
     @property
     def num_cached_tokens(self) -> int:

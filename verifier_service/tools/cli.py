@@ -24,7 +24,8 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
                                              frequency_penalty=args.frequency_penalty,
                                              presence_penalty=args.presence_penalty,
                                              repetition_penalty=args.repetition_penalty),
-        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or []),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or [],
+                                               min_new_tokens=args.min_new_tokens),
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
     if args.seed is not None:
         params.sampling.seed = args.seed
@@ -93,6 +94,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="localhost:50051", help="verifier address")
     p.add_argument("--raw", action="store_true", help="send as raw text instead of a chat user message")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no end (EOS, stop token or string) before them")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -177,3 +177,19 @@ def test_bad_settings_fail_alone_over_grpc_and_http(field: str, value: object, w
                 assert r.json()["choices"][0]["splitspec"]["token_ids"] == list(grpc_reply.output.token_ids)
 
     asyncio.run(main())
+
+
+def test_stops_are_held_at_every_position_short_of_the_minimum() -> None:
+    """min_new_tokens: a row whose position lies fewer tokens past the committed ones than the
+    sequence still lacks cannot end it; the rows at or past the minimum are left as they are."""
+    vocab = 12
+    tree, parents = [5, 3, 5, 9], [-1, -1, 0, 2]  # depths 1, 1, 2, 3
+    rows = [VerifyRow([4, 5, 6], SamplingParams(), None, [], [1], [2, 3], held_for=2, held=(0, 7)),
+            VerifyRow(tree, SamplingParams(), None, parents, [1], [2], held_for=2, held=(7,))]
+    logits = torch.randn(4 + 5, vocab, generator=torch.Generator().manual_seed(2))
+    out = process_logits(logits, rows)
+    held = {0: (0, 7), 1: (0, 7), 4: (7,), 5: (7,), 6: (7,)}  # chain rows at depth 0-1; the tree's root, depth-1 nodes
+    for r in range(len(logits)):
+        want = logits[r].clone()
+        want[list(held.get(r, ()))] = -torch.inf
+        assert torch.equal(out[r], want), r

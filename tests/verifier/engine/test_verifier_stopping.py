@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_model import tiny_model, tiny_tokenizer
@@ -150,6 +151,47 @@ def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
             assert list(r.output.token_ids) == reference_greedy(model, PROMPT, 30)  # generate() stops there too
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, ignore_eos=True)), timeout=WAIT_S)
             assert len(r.output.token_ids) == 30 and r.output.finish_reason == LENGTH
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
+def test_min_new_tokens_holds_eos_stop_token_ids_and_stop_strings(mode: str) -> None:
+    """vLLM's min_tokens: before it, the end of sequence and the stop token ids cannot come next (as
+    transformers' min_new_tokens holds EOS back), and a stop string counts only where it starts after
+    the text of those tokens; drafts change none of it."""
+    bang, space = CHAIN[-1], CHAIN[2]
+    model = scripted_model(CHAIN)
+    model.generation_config.eos_token_id = bang  # "!" (the 15th generated token) is the end of sequence
+    x = torch.tensor([PROMPT])
+
+    def generate(min_new_tokens: int, eos: list[int]) -> list[int]:  # stop token ids are more ends to generate()
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, min_new_tokens=min_new_tokens,
+                              eos_token_id=eos, do_sample=False)[0, len(PROMPT):].tolist()
+
+    want = generate(20, [bang])
+    assert bang not in want[:20] and len(want) >= 20
+    want_space = generate(4, [bang, space])
+    assert space not in want_space[:4] and want_space != [CHAIN[1], space]
+
+    async def main() -> None:
+        async with run_verifier(spec_config(mode, 8), model=model) as v:
+            gen = v.stub.Generate
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, min_new_tokens=20)), timeout=WAIT_S)
+            assert list(r.output.token_ids) == want
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, min_new_tokens=4, stop_token_ids=[space])),
+                          timeout=WAIT_S)
+            assert list(r.output.token_ids) == want_space
+            # "i 東" starts the text of the first 3 tokens: only its next occurrence, a cycle later, stops.
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=40, min_new_tokens=3, stop=["i 東"],
+                                                       ignore_eos=True)), timeout=WAIT_S)
+            assert r.output.text == "i 東京🙂é!H" and r.output.stop_reason == "i 東"
+            assert r.output.finish_reason == STOP
+            assert list(r.output.token_ids) == [CHAIN[(1 + i) % len(CHAIN)] for i in range(21)]
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await gen(ids_request(PROMPT, stopping(max_new_tokens=3, min_new_tokens=4)), timeout=WAIT_S)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "more than max_new_tokens" in bad.value.details()
 
     asyncio.run(main())
 
