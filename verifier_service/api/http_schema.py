@@ -31,9 +31,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "best_of": 1, "response_format": {"type": "text"},
-    "tools": [], "functions": [], "echo": False, "suffix": None, "structured_outputs": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [], "echo": False,
+    "suffix": None, "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None,
 }
 
 

@@ -46,8 +46,8 @@ def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
 
 
 def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
-    """logits [n, V] of one sequence's rows -> biased, then penalised row by row with its own prefix's
-    counts."""
+    """logits [n, V] of one sequence's rows -> biased, stops held where the row is short of the
+    minimum, then penalised row by row with its own prefix's counts."""
     n, vocab = logits.shape
     device = logits.device
     params = row.params
