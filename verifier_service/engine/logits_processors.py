@@ -24,6 +24,8 @@ default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from drafter_sdk.tree import ROOT, depths
@@ -35,23 +37,29 @@ def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
     every request that asks for it rewritten; `logits` itself is left as it is (a copy, if any is)."""
     if not any(row.processes_logits for row in rows):
         return logits
-    out = logits.clone()
+    out = logits.clone()  # the raw logits stay for the log-probabilities
     offset = 0
     for row in rows:
         n = len(row.draft) + 1
         if row.processes_logits:
-            out[offset:offset + n] = _processed(logits[offset:offset + n], row)
+            _process(out[offset:offset + n], row)
         offset += n
     return out
 
 
-def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
-    """logits [n, V] of one sequence's rows -> biased, stops held where the row is short of the
-    minimum, then penalised row by row with its own prefix's counts."""
-    n, vocab = logits.shape
-    device = logits.device
+def _process(logits: torch.Tensor, row: VerifyRow) -> None:
+    """logits [n, V] of one sequence's rows, in place: biased, stops held where the row is short of
+    the minimum, then penalised row by row with its own prefix's counts (in float32)."""
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    _process_float(x, row)
+    if x is not logits:
+        logits.copy_(x)
+
+
+def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
+    n = x.shape[0]
+    device = x.device
     params = row.params
-    x = logits.to(torch.float32, copy=True)  # the raw logits stay for the log-probabilities
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
@@ -60,20 +68,26 @@ def _processed(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
             if depth < row.held_for:
                 x[r, torch.tensor(row.held, device=device)] = -torch.inf
     if params.frequency_penalty == params.presence_penalty == 0.0 and params.repetition_penalty == 1.0:
-        return x.to(logits.dtype)
-    counts = torch.zeros(n, vocab, device=device)  # [n, V] generated tokens before each row's position
+        return
+    # Only the tokens of the prompt, the output and the draft can be penalised: work on their columns.
+    seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids, *row.draft}), device=device)  # [m]
+
+    def columns(tokens: Sequence[int]) -> torch.Tensor:
+        return torch.searchsorted(seen, torch.tensor(tokens, device=device, dtype=seen.dtype))
+
+    counts = torch.zeros(n, len(seen), device=device)  # [n, m] generated tokens before each row's position
     if row.output_ids:
-        counts += torch.bincount(torch.tensor(row.output_ids, device=device), minlength=vocab)[:vocab]
+        counts += torch.bincount(columns(row.output_ids), minlength=len(seen))
     for r, path in enumerate(_prefixes(row.draft, row.parents), start=1):
-        counts[r].index_add_(0, torch.tensor(path, device=device), torch.ones(len(path), device=device))
+        counts[r].index_add_(0, columns(path), torch.ones(len(path), device=device))
+    sub = x[:, seen]  # [n, m]
     if params.repetition_penalty != 1.0:
-        seen = counts > 0
+        repeated = counts > 0
         if row.prompt_ids:
-            seen[:, torch.tensor(row.prompt_ids, device=device)] = True
+            repeated[:, columns(row.prompt_ids)] = True
         rp = params.repetition_penalty
-        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-    x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    return x.to(logits.dtype)
+        sub = torch.where(repeated, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    x[:, seen] = sub - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
 def _depths(draft: list[int], parents: list[int]) -> list[int]:

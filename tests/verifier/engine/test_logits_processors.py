@@ -72,6 +72,8 @@ def test_each_row_is_penalised_with_its_own_prefix() -> None:
     want += [expected_row(logits[6 + r], prompt, output + path, p) for r, path in enumerate(paths)]
     want.append(expected_row(logits[12], prompt, [], p))  # a prompt's first token: repetition only
     assert torch.allclose(out, torch.stack(want), atol=1e-6)
+    # bfloat16 logits (CUDA) are processed in float32 and written back.
+    assert torch.allclose(process_logits(logits.bfloat16(), rows).float(), out, rtol=1e-2, atol=1e-2)
     assert process_logits(logits, [plain] * len(logits)) is logits
 
 
