@@ -1,7 +1,8 @@
-"""Logit bias and the frequency, presence and repetition penalties: each verify row is penalised with
-the counts of its own prefix (a chain's draft prefix, a tree node's path), so speculation stays
-exact: greedy and seeded outputs equal plain decoding's with the same settings, and transformers'
-generate() with its repetition penalty."""
+"""Logit bias, the stops held until min_new_tokens, and the frequency, presence and repetition
+penalties: each verify row is processed with its own prefix (a chain's draft prefix, a tree node's
+path), so speculation stays exact: greedy and seeded outputs equal plain decoding's with the same
+settings, and transformers' generate() with its repetition penalty. (min_p: test_verifier_sampling;
+min_new_tokens end to end: test_verifier_stopping.)"""
 
 from __future__ import annotations
 
