@@ -83,6 +83,19 @@ def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
                             for p in prompts])
 
 
+async def through_oracle_chains(outputs: list[list[int]], sampling: verifier_pb2.SamplingParams, seed: int) -> list:
+    """Every prompt again with an oracle drafter of `outputs`, corrupted, so that every draft position
+    is accepted somewhere and rejected somewhere; checks the verifier's feedback to it."""
+    oracle = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, outputs)}, corrupt=0.2, seed=seed)
+    async with serve_drafter(oracle) as drafter:
+        spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+        async with run_verifier(spec, model=shared_model()) as v:
+            responses = await generate_all(v, PROMPTS, {"sampling": sampling})
+    assert not oracle.feedback_errors, oracle.feedback_errors[:3]
+    assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
+    return responses
+
+
 def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> None:
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
@@ -92,18 +105,10 @@ def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> No
             plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
         assert plain != unprocessed, "the penalties changed nothing: the test would prove nothing"
         assert all(banned not in out for out in plain)
-        refs = {tuple(p): out for p, out in zip(PROMPTS, plain)}
-        # Chains whose every position is accepted and rejected somewhere (an oracle of the penalised output).
-        oracle = OracleDrafter(refs, corrupt=0.2, seed=5)
-        async with serve_drafter(oracle) as drafter:
-            spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
-            async with run_verifier(spec, model=shared_model()) as v:
-                chained = await generate_all(v, PROMPTS, {"sampling": sampling})
+        chained = await through_oracle_chains(plain, sampling, seed=5)
         assert [list(r.output.token_ids) for r in chained] == plain
-        assert not oracle.feedback_errors, oracle.feedback_errors[:3]
-        assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
         # Trees whose correct path is not the first branch.
-        trees = TreeOracle(refs, ("path", "deep", "all-wrong"), seed=3)
+        trees = TreeOracle({tuple(p): out for p, out in zip(PROMPTS, plain)}, ("path", "deep", "all-wrong"), seed=3)
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
             engine = engine_of(v)
             in_process_drafter(engine, trees)
@@ -137,15 +142,9 @@ def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculatio
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
             plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
-        # Drafts of the sampled output, corrupted: with the seed's draws, exactly their matching prefixes pass.
-        oracle = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, plain)}, corrupt=0.2, seed=9)
-        async with serve_drafter(oracle) as drafter:
-            spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
-            async with run_verifier(spec, model=shared_model()) as v:
-                speculated = await generate_all(v, PROMPTS, {"sampling": sampling})
+        # Drafts of the sampled output: with the seed's draws, exactly their matching prefixes pass.
+        speculated = await through_oracle_chains(plain, sampling, seed=9)
         assert [list(r.output.token_ids) for r in speculated] == plain
-        assert not oracle.feedback_errors, oracle.feedback_errors[:3]
-        assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
 
     asyncio.run(main())
 
