@@ -64,9 +64,8 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
         tokens, biases = zip(*params.logit_bias)
         x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
     if row.held:
-        for r, depth in enumerate(_depths(row.draft, row.parents)):
-            if depth < row.held_for:
-                x[r, torch.tensor(row.held, device=device)] = -torch.inf
+        short = [r for r, depth in enumerate(_depths(row.draft, row.parents)) if depth < row.held_for]
+        x[torch.tensor(short, device=device)[:, None], torch.tensor(row.held, device=device)] = -torch.inf
     if params.frequency_penalty == params.presence_penalty == 0.0 and params.repetition_penalty == 1.0:
         return
     # Only the tokens of the prompt, the output and the draft can be penalised: work on their columns.
