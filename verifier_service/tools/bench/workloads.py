@@ -94,6 +94,9 @@ JSON_TEMPLATE = ('Describe the Python standard-library function `{name}` as a JS
                  'keys: "name", "module", "summary" (one sentence), "parameters" (a list of objects with "name" '
                  'and "description"), "returns", "example" (one line of code). Reply with the JSON only.\n\n'
                  'Its documentation:\n{doc}')
+# The answer starts with the object's opening, as a JSON mode's answer would: without it the embedded
+# 135M model answers in Python code or prose, and the answers share no form.
+JSON_ANSWER_START = '{\n  "name": "'
 
 
 def templated(count: int) -> list[tuple[str, str]]:
@@ -153,6 +156,8 @@ def build(names: list[str], count: int, tokenizer: PreTrainedTokenizerBase) -> l
                 continue
             name, text = item
             ids = tokenizer(text)["input_ids"] if workload == "code" else chat_ids(text, tokenizer)
+            if workload == "templated":
+                ids += tokenizer(JSON_ANSWER_START, add_special_tokens=False)["input_ids"]
             label = "recurring-first" if workload == "recurring" and name.startswith("round 1/") else workload
             prompts.append(Prompt(label, name, ids))
     return prompts
