@@ -7,7 +7,7 @@ metrics on their own port. The owner flips health to SERVING once it is ready
 (a drafter's `load()`, the verifier's model), and `stop` drains: health goes
 NOT_SERVING for every service, new calls are refused, in-flight ones get the
 grace period. `write_port_file` publishes the bound port atomically, and
-`stop_on_signals` wires SIGTERM/SIGINT to a callback.
+`stop_on_signals` wires SIGTERM/SIGINT, and the parent's exit, to a callback.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ from drafter_sdk.security import BearerTokenServerInterceptor, Tokens
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+# Set by a process that starts this one as its child (verifier_service/tools/local_services.py): the read
+# end of a pipe whose only write end that parent holds. The kernel closes it when the parent exits,
+# however it exits (SIGKILL included, where the parent can stop nothing itself), and this process
+# then stops. PR_SET_PDEATHSIG would not do: it fires when the forking *thread* exits.
+LIFELINE_FD_ENV = "SPLITSPEC_LIFELINE_FD"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -136,10 +141,23 @@ def write_port_file(path: str | os.PathLike[str], port: int) -> None:
 
 
 def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:
-    """Call `callback(signal)` on SIGTERM or SIGINT, from the running event loop."""
+    """Call `callback(signal)` on SIGTERM or SIGINT, from the running event loop; and as on SIGTERM
+    when this process's lifeline breaks (`LIFELINE_FD_ENV`)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, callback, sig)
+    fd = os.environ.pop(LIFELINE_FD_ENV, None)  # popped: a child of this process holds no such pipe
+    if fd is None:
+        return
+    lifeline = int(fd)
+
+    def broken() -> None:  # readable means end of file: its writer never writes
+        loop.remove_reader(lifeline)
+        os.close(lifeline)
+        log.warning("the process that started this one has gone: stopping as on SIGTERM")
+        callback(signal.SIGTERM)
+
+    loop.add_reader(lifeline, broken)
 
 
 class _Undecodable:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_sigterm_to_a_command_stops_the_services_it_started() -> None:
-    """`kill PID` (or a supervisor) signals the `splitspec` command alone: it must unwind and stop the
-    drafter it started, not exit and leave it serving."""
+@contextlib.contextmanager
+def _command_flooding_its_drafter() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A `splitspec` command that started a drafter and is flooding it with calls: (command, drafter pid)."""
     command = subprocess.Popen([script("splitspec"), "bench-drafter-memory", "--sequences", "2", "--tokens", "50",
                                 "--unbounded-calls", "1000000", "--calls", "0"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -67,10 +68,42 @@ def test_sigterm_to_a_command_stops_the_services_it_started() -> None:
             time.sleep(0.05)
         time.sleep(1.0)  # into the flood
         assert _running(drafter_pid)
+        yield command, drafter_pid
+    finally:
+        command.kill()
+        command.wait()
+
+
+def test_sigterm_to_a_command_stops_the_services_it_started() -> None:
+    """`kill PID` (or a supervisor) signals the `splitspec` command alone: it must unwind and stop the
+    drafter it started, not exit and leave it serving."""
+    with _command_flooding_its_drafter() as (command, drafter_pid):
         command.send_signal(signal.SIGTERM)
         code = command.wait(timeout=60)
         assert not _running(drafter_pid), "the drafter outlived the command that started it"
         assert code == 128 + signal.SIGTERM
-    finally:
+
+
+def test_a_killed_command_leaves_no_service_serving() -> None:
+    """SIGKILL (the OOM killer, a CI timeout) stops the command before it can stop anything: the
+    drafter must notice its lifeline break and stop by itself."""
+    with _command_flooding_its_drafter() as (command, drafter_pid):
         command.kill()
         command.wait()
+        deadline = time.monotonic() + 30
+        while _running(drafter_pid):
+            assert time.monotonic() < deadline, "the drafter kept serving after its command was killed"
+            time.sleep(0.05)
+
+
+def test_a_service_started_here_keeps_serving_until_stopped() -> None:
+    """The lifeline is held for the service's whole life, across a restart, not only while it starts."""
+    service = drafter("held")
+    with service:
+        first_pid = service.process.pid
+        time.sleep(1.0)
+        assert _running(first_pid)
+        service.stop()
+        service.start()
+        time.sleep(1.0)
+        assert service.process.poll() is None and service.process.pid != first_pid

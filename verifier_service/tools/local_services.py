@@ -1,4 +1,8 @@
-"""Start splitspec services as real local processes (demo, benchmark, tests)."""
+"""Start splitspec services as real local processes (demo, benchmark, tests).
+
+Each child gets a lifeline (drafter_sdk/service.py, `LIFELINE_FD_ENV`): it stops when this
+process exits, even when this process is killed too hard to stop it (SIGKILL, the OOM killer),
+so no verifier is left holding its KV cache behind a killed `splitspec bench`."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_sdk.service import LIFELINE_FD_ENV
 
 
 def script(name: str) -> str:
@@ -36,6 +42,7 @@ class LocalService:
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     port: int = field(default=0, init=False)
     starts: int = field(default=0, init=False)
+    _lifeline: int | None = field(default=None, init=False)  # the write end of the child's lifeline
 
     def __post_init__(self) -> None:
         self.workdir = self.workdir or Path(tempfile.mkdtemp(prefix=f"splitspec-{self.name}-"))
@@ -59,12 +66,16 @@ class LocalService:
         port_file.unlink(missing_ok=True)
         self.starts += 1
         argv = [*self.argv, "--port", str(port), "--port-file", str(port_file)]
-        env = {**os.environ, **(self.env or {})}
-        if self.current_log is None:
-            self.process = subprocess.Popen(argv, env=env)
-        else:
-            with open(self.current_log, "wb") as log_file:
-                self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self._cut_lifeline()
+        child_end, self._lifeline = os.pipe()  # neither end is inherited by other children
+        env = {**os.environ, **(self.env or {}), LIFELINE_FD_ENV: str(child_end)}
+        try:
+            with (open(self.current_log, "wb") if self.current_log is not None
+                  else contextlib.nullcontext(None)) as log_file:
+                self.process = subprocess.Popen(argv, env=env, pass_fds=(child_end,), stdout=log_file,
+                                                stderr=subprocess.STDOUT if log_file is not None else None)
+        finally:
+            os.close(child_end)
         try:
             while not port_file.exists() or not port_file.read_text().strip():
                 self._check_alive()
@@ -110,14 +121,22 @@ class LocalService:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL if it does not exit in time; the exit status."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+            if self.process is None or self.process.poll() is not None:
+                return self.process.returncode if self.process else 0
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                return self.process.wait()
+        finally:
+            self._cut_lifeline()
+
+    def _cut_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def __enter__(self) -> "LocalService":
         return self.start()
