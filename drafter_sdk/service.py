@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import signal
+import stat
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
@@ -31,10 +32,11 @@ from drafter_sdk.security import BearerTokenServerInterceptor, Tokens
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-# Set by a process that starts this one as its child (verifier_service/tools/local_services.py): the read
-# end of a pipe whose only write end that parent holds. The kernel closes it when the parent exits,
-# however it exits (SIGKILL included, where the parent can stop nothing itself), and this process
-# then stops. PR_SET_PDEATHSIG would not do: it fires when the forking *thread* exits.
+# Set by a process that starts this one as its child (verifier_service/tools/local_services.py): the
+# read end of a pipe whose only write end that parent holds, as "descriptor:inode". The kernel closes
+# the write end when the parent exits, however it exits (SIGKILL included, where the parent can stop
+# nothing itself), and this process then stops. PR_SET_PDEATHSIG would not do: it fires when the
+# forking *thread* exits.
 LIFELINE_FD_ENV = "SPLITSPEC_LIFELINE_FD"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -146,10 +148,9 @@ def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, callback, sig)
-    fd = os.environ.pop(LIFELINE_FD_ENV, None)  # popped: a child of this process holds no such pipe
-    if fd is None:
+    lifeline = held_lifeline(os.environ.pop(LIFELINE_FD_ENV, ""))  # popped: no child of this one holds it
+    if lifeline is None:
         return
-    lifeline = int(fd)
 
     def broken() -> None:  # readable means end of file: its writer never writes
         loop.remove_reader(lifeline)
@@ -158,6 +159,18 @@ def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:
         callback(signal.SIGTERM)
 
     loop.add_reader(lifeline, broken)
+
+
+def held_lifeline(value: str) -> int | None:
+    """The lifeline's descriptor, if this process holds the very pipe `value` ("fd:inode") names. A
+    process started by the one given it (torchrun's ranks) inherits the variable but not the pipe,
+    and may hold an unrelated file under that number."""
+    fd, _, inode = value.partition(":")
+    try:
+        held = os.fstat(int(fd))
+    except (ValueError, OSError):
+        return None
+    return int(fd) if stat.S_ISFIFO(held.st_mode) and str(held.st_ino) == inode else None
 
 
 class _Undecodable:

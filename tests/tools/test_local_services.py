@@ -4,6 +4,7 @@ the error raised and every process stopped; and none left serving when their com
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from drafter_sdk.service import held_lifeline
 from verifier_service.tools.local_services import LocalService, script, start_together
 
 
@@ -107,3 +109,20 @@ def test_a_service_started_here_keeps_serving_until_stopped() -> None:
         service.start()
         time.sleep(1.0)
         assert service.process.poll() is None and service.process.pid != first_pid
+
+
+def test_a_lifeline_is_taken_only_where_its_very_pipe_is_held(tmp_path: Path) -> None:
+    """A grandchild (torchrun's rank) inherits the variable, not the pipe: under that number it may
+    hold nothing, or an unrelated file, and must not stop when that file is readable."""
+    read_end, write_end = os.pipe()
+    other_read, other_write = os.pipe()
+    try:
+        with open(tmp_path / "file", "w") as unrelated:
+            assert held_lifeline(f"{read_end}:{os.fstat(read_end).st_ino}") == read_end
+            assert held_lifeline(f"{other_read}:{os.fstat(read_end).st_ino}") is None  # another pipe
+            assert held_lifeline(f"{unrelated.fileno()}:{os.fstat(unrelated.fileno()).st_ino}") is None
+            assert held_lifeline(f"999:{os.fstat(read_end).st_ino}") is None  # nothing under that number
+            assert held_lifeline("") is None
+    finally:
+        for fd in (read_end, write_end, other_read, other_write):
+            os.close(fd)

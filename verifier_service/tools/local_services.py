@@ -68,7 +68,7 @@ class LocalService:
         argv = [*self.argv, "--port", str(port), "--port-file", str(port_file)]
         self._cut_lifeline()
         child_end, self._lifeline = os.pipe()  # neither end is inherited by other children
-        env = {**os.environ, **(self.env or {}), LIFELINE_FD_ENV: str(child_end)}
+        env = {**os.environ, **(self.env or {}), LIFELINE_FD_ENV: f"{child_end}:{os.fstat(child_end).st_ino}"}
         try:
             with (open(self.current_log, "wb") if self.current_log is not None
                   else contextlib.nullcontext(None)) as log_file:
