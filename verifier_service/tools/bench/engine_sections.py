@@ -41,6 +41,10 @@ from verifier_service.tools.local_services import LocalService, script
 
 SECTIONS = ("overhead", "prefill-gap", "multi-turn")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
+# WARM_UP_LONG: before a long prompt is timed, each verifier prefills one of the same length (reversed, so
+# that nothing of it is cached). A process's first forward of that size paid about 1.5 s more on the 2-core
+# CI VM (SmolLM2, 1,800 tokens: 3.4-3.9 s, then 1.9-2.3 s; the heap grows, page by page): timed cold,
+# the unchunked verifier's first long prompt carried it and the chunked one's small steps did not.
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
 
@@ -203,6 +207,7 @@ def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer:
     streams = [p.token_ids for p in workloads.build(["open"], 3, tokenizer)]
     client = Client(v.address)
     client.stream(streams[0][:32], 8, speculate=False)  # warm-up
+    client.stream(long_prompt[::-1], 1, speculate=False)  # a prompt as long: see WARM_UP_LONG
     arrivals: list[list[float]] = [[] for _ in streams]
     length = max(args.max_new_tokens, 128)  # long enough to outlast the long prompt's prefill
     threads = [threading.Thread(target=client.stream, args=(streams[i], length, False, arrivals[i]))
@@ -237,8 +242,9 @@ def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrai
     clients = {label: Client(v.address) for label, v in configs}
     contexts = {label: list(doc) for label, _ in configs}
     by_config: dict[str, list[dict]] = {label: [] for label, _ in configs}
-    for client in clients.values():
-        client.stream(doc[:32][::-1], 8, speculate=False)  # warm-up (a prefix of nothing later asked)
+    for client in clients.values():  # warm-ups: prefixes of nothing later asked
+        client.stream(doc[:32][::-1], 8, speculate=False)
+        client.stream(doc[::-1], 1, speculate=False)  # a prompt as long: see WARM_UP_LONG
     # Turn by turn, on then off: both see the same moment's load (the machine may be shared).
     for q in questions:
         for label, _ in configs:
