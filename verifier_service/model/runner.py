@@ -61,8 +61,7 @@ class PackedStep:
 
     def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device) -> None:
         self.cache = cache
-        # (offset, n, slot, start, mask, causal): row tokens offset..offset+n-1 go to slot positions start...
-        self.rows: list[tuple[int, int, int, int, torch.Tensor | None, bool]] = []
+        self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         positions: list[int] = []
         offset = 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
@@ -74,13 +73,14 @@ class PackedStep:
                 mask, row_positions = tree_mask(tree, start, device)
                 positions += row_positions
             else:
-                if n > 1 and start > 0:  # queries see keys up to their own position (bottom-right aligned causal)
+                # Queries see keys up to their own position (bottom-right aligned causal). A whole prompt
+                # from position 0 needs no mask: SDPA's own causal attention skips the masked blocks (an
+                # 1,800-token prompt's attention took half the time, same bits).
+                if n > 1 and start > 0:
                     keys = torch.arange(start + n, device=device)
                     mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
                 positions += range(start, start + n)
-            # A whole prompt from position 0: SDPA's own causal attention, which skips the masked blocks
-            # instead of reading a mask (an 1,800-token prompt's attention took half the time, same bits).
-            self.rows.append((offset, n, slot, start, mask, mask is None and n > 1))
+            self.rows.append((offset, n, slot, start, mask))
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
@@ -88,13 +88,14 @@ class PackedStep:
                scaling: float | None) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         outputs = []
-        for offset, n, slot, start, mask, causal in self.rows:
+        for offset, n, slot, start, mask in self.rows:
             # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
             k_cache[slot, :, start:start + n] = key[0, :, offset:offset + n]
             v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
-                v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, is_causal=causal, scale=scaling,
+                v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, is_causal=mask is None and n > 1,
+                scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1]))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2)  # [1, N, heads, D], as transformers expects
