@@ -41,10 +41,6 @@ from verifier_service.tools.local_services import LocalService, script
 
 SECTIONS = ("overhead", "prefill-gap", "multi-turn")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
-# WARM_UP_LONG: before a long prompt is timed, each verifier prefills one of the same length (reversed, so
-# that nothing of it is cached). A process's first forward of that size paid about 1.5 s more on the 2-core
-# CI VM (SmolLM2, 1,800 tokens: 3.4-3.9 s, then 1.9-2.3 s; the heap grows, page by page): timed cold,
-# the unchunked verifier's first long prompt carried it and the chunked one's small steps did not.
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
 
@@ -207,7 +203,7 @@ def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer:
     streams = [p.token_ids for p in workloads.build(["open"], 3, tokenizer)]
     client = Client(v.address)
     client.stream(streams[0][:32], 8, speculate=False)  # warm-up
-    client.stream(long_prompt[::-1], 1, speculate=False)  # a prompt as long: see WARM_UP_LONG
+    _warm_up_long(client, long_prompt)
     arrivals: list[list[float]] = [[] for _ in streams]
     length = max(args.max_new_tokens, 128)  # long enough to outlast the long prompt's prefill
     threads = [threading.Thread(target=client.stream, args=(streams[i], length, False, arrivals[i]))
@@ -230,6 +226,14 @@ def _prefill_gap(v: LocalService, label: str, long_prompt: list[int], tokenizer:
             "max_over_median": max(during, default=0.0) / median, "long_ttft_s": long_first - admitted}
 
 
+def _warm_up_long(client: Client, prompt: list[int]) -> None:
+    """Prefill a prompt as long as `prompt`, reversed so that nothing of it is cached, untimed. A
+    process's first forward of that size paid about 1.5 s more on the 2-core CI VM (SmolLM2, 1,800
+    tokens: 3.4-3.9 s, then 1.9-2.3 s; the heap grows, page by page): timed cold, the unchunked
+    verifier's first long prompt carried it and the chunked one's small steps did not."""
+    client.stream(prompt[::-1], 1, speculate=False)
+
+
 # --- multi-turn -----------------------------------------------------------------------------------
 
 def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrainedTokenizerBase,
@@ -244,7 +248,7 @@ def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrai
     by_config: dict[str, list[dict]] = {label: [] for label, _ in configs}
     for client in clients.values():  # warm-ups: prefixes of nothing later asked
         client.stream(doc[:32][::-1], 8, speculate=False)
-        client.stream(doc[::-1], 1, speculate=False)  # a prompt as long: see WARM_UP_LONG
+        _warm_up_long(client, doc)
     # Turn by turn, on then off: both see the same moment's load (the machine may be shared).
     for q in questions:
         for label, _ in configs:
