@@ -70,10 +70,12 @@ class LocalService:
         child_end, self._lifeline = os.pipe()  # neither end is inherited by other children
         env = {**os.environ, **(self.env or {}), LIFELINE_FD_ENV: f"{child_end}:{os.fstat(child_end).st_ino}"}
         try:
-            with (open(self.current_log, "wb") if self.current_log is not None
-                  else contextlib.nullcontext(None)) as log_file:
-                self.process = subprocess.Popen(argv, env=env, pass_fds=(child_end,), stdout=log_file,
-                                                stderr=subprocess.STDOUT if log_file is not None else None)
+            if self.current_log is None:
+                self.process = subprocess.Popen(argv, env=env, pass_fds=(child_end,))
+            else:
+                with open(self.current_log, "wb") as log_file:
+                    self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                                    pass_fds=(child_end,))
         finally:
             os.close(child_end)
         try:
