@@ -122,6 +122,36 @@ def test_seeded_sampling_reproduces_and_n_choices_are_separate_sequences() -> No
     asyncio.run(main())
 
 
+def test_a_batch_of_prompts_answers_each_as_if_sent_alone() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            texts = [PROMPT, "d10 add"]
+            ask = dict(model="tiny", max_tokens=12, temperature=0.9, seed=3, n=2)
+            batch = await h.client.completions.create(prompt=texts, **ask)
+            # Prompt by prompt, n choices each, every one what its prompt gets alone (choice j seeded seed + j).
+            alone = [await h.client.completions.create(prompt=t, **ask) for t in texts]
+            assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+            assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+            assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once
+            assert batch.usage.completion_tokens == 48
+            stream = await h.client.completions.create(prompt=texts, stream=True, **ask)
+            streamed = [""] * 4
+            async for chunk in stream:
+                for c in chunk.choices:
+                    streamed[c.index] += c.text
+            assert streamed == [c.text for c in batch.choices]
+            # Token-id prompts, greedy, with speculation: each as alone, drafts accepted.
+            ids = [h.tokenizer(t)["input_ids"] for t in texts]
+            greedy = await h.client.completions.create(model="tiny", prompt=ids, max_tokens=20)
+            for c, one in zip(greedy.choices, ids, strict=True):
+                single = (await h.client.completions.create(model="tiny", prompt=one, max_tokens=20)).choices[0]
+                assert c.model_extra["splitspec"]["token_ids"] == single.model_extra["splitspec"]["token_ids"]
+            assert greedy.model_extra["speculation"]["num_accepted_tokens"] > 0
+            await wait_until(h.idle, "the engine idle")
+
+    asyncio.run(main())
+
+
 def test_logprobs_equal_with_and_without_speculation_and_over_grpc() -> None:
     async def main() -> None:
         async with http_verifier() as h:

@@ -50,7 +50,13 @@ BAD = [
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [5, 100000]}, 400, "outside the vocabulary"),
     (COMPLETIONS, {"prompt": [5, -1]}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[]]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", 5]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[5], "a"]}, 400, "prompt"),
+    # A batch is all or none: the first prompt's sequence, already queued, goes again (the engine ends idle).
+    (COMPLETIONS, {"prompt": ["hi", ""]}, 400, "prompt.1: prompt is empty"),
+    (COMPLETIONS, {"prompt": ["hi", "x " * 2000]}, 400, "prompt.1: the prompt has"),
+    (COMPLETIONS, {"prompt": ["hi"] * 100, "n": 8}, 400, "make 800 sequences"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
     # Fields that would change the answer and are not served: refused, never answered as if absent.

@@ -168,7 +168,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
         raise HttpError(404, f"the model {body.model!r} is not served here; served: {', '.join(names)}",
                         param="model", code="model_not_found")
     seqs = _start(gen, body)
-    responder = Responder(chat, body.model or names[0], rt.tokenizer, body.include_usage)
+    responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -192,10 +192,17 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
 
 
 def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
-    """Start every choice as its own sequence; all or none."""
+    """Start every choice (n for each prompt) as its own sequence; all or none."""
+    choices = body.num_prompts * body.n
+    scheduler = gen.runtime.engine.scheduler
+    most = scheduler.max_num_seqs + scheduler.max_queue_len
+    if choices > most:  # a batch that could never be queued whole: retrying would not help
+        raise HttpError(400, f"{body.num_prompts} prompts x n={body.n} make {choices} sequences; this server "
+                             f"takes at most {most} at once (--max-num-seqs + --max-queue-len): split the batch",
+                        param="prompt")
     seqs: list[Sequence] = []
     try:
-        for i in range(body.n):
+        for i in range(choices):
             seqs.append(gen.start(body.params(i)))
     except BaseException as exc:
         for seq in seqs:
@@ -203,7 +210,8 @@ def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
         if isinstance(exc, Unavailable):
             raise HttpError(503, str(exc)) from None
         if isinstance(exc, RequestError):
-            raise HttpError(GRPC_TO_HTTP.get(exc.code, 400), exc.message) from None
+            which = f"prompt.{len(seqs) // body.n}: " if body.num_prompts > 1 else ""  # as pydantic names items
+            raise HttpError(GRPC_TO_HTTP.get(exc.code, 400), which + exc.message) from None
         if isinstance(exc, QueueFullError):
             raise HttpError(429, str(exc)) from None
         raise

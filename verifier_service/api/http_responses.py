@@ -43,8 +43,9 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
     }
 
 
-def usage(seqs: list[Sequence]) -> dict[str, int]:
-    prompt = len(seqs[0].prompt_ids)  # the same prompt for every choice
+def usage(seqs: list[Sequence], n: int) -> dict[str, int]:
+    """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output."""
+    prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = sum(len(s.output_ids) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -69,11 +70,12 @@ class Choice:
 
 @dataclass
 class Responder:
-    """Builds the bodies of one request: `chat` or completions, for `model`."""
+    """Builds the bodies of one request: `chat` or completions, for `model`, `n` choices for each prompt."""
 
     chat: bool
     model: str
     tokenizer: PreTrainedTokenizerBase
+    n: int = 1
     include_usage: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -128,7 +130,7 @@ class Responder:
                   "stop_reason": seq.stop_reason or None,
                   "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
             body["choices"].append(c)
-        body["usage"] = usage(seqs)
+        body["usage"] = usage(seqs, self.n)
         body["speculation"] = speculation(seqs)
         return body
 
@@ -154,7 +156,7 @@ class Responder:
 
     def usage_chunk(self, seqs: list[Sequence]) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body |= {"choices": [], "usage": usage(seqs), "speculation": speculation(seqs)}
+        body |= {"choices": [], "usage": usage(seqs, self.n), "speculation": speculation(seqs)}
         return sse(body)
 
     def _sse(self, choice: dict[str, object]) -> str:

@@ -107,10 +107,16 @@ class GenerationBody(_Body):
     def logprobs_count(self) -> int | None:
         raise NotImplementedError
 
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
-        """The GenerationParams of choice `choice` (of n): its own seed, so that seeded choices differ."""
+        """The GenerationParams of choice `choice`. Choices run prompt by prompt, n for each (OpenAI's and
+        vLLM's order); the j-th of a prompt's n is seeded seed + j, so that seeded choices differ and each
+        prompt's choices are those it gets when sent alone."""
         p = verifier_pb2.GenerationParams()
-        self._input(p)
+        self._input(p, choice // self.n)
         s = p.sampling
         if self.temperature is not None:
             s.temperature = self.temperature
@@ -121,7 +127,7 @@ class GenerationBody(_Body):
         if self.min_p is not None:
             s.min_p = self.min_p
         if self.seed is not None:
-            s.seed = (self.seed + choice) % 2**64
+            s.seed = (self.seed + choice % self.n) % 2**64
         if self.frequency_penalty is not None:
             s.frequency_penalty = self.frequency_penalty
         if self.presence_penalty is not None:
@@ -148,7 +154,7 @@ class GenerationBody(_Body):
             p.logprobs = self.logprobs_count
         return p
 
-    def _input(self, p: verifier_pb2.GenerationParams) -> None:
+    def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         raise NotImplementedError
 
 
@@ -182,26 +188,36 @@ class ChatCompletionRequest(GenerationBody):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def _input(self, p: verifier_pb2.GenerationParams) -> None:
+    def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         # OpenAI's newer "developer" role is what chat templates call "system".
         p.chat.messages.extend(verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
                                                         content=m.text) for m in self.messages)
 
 
 class CompletionRequest(GenerationBody):
-    # One prompt: text, or token ids. (A list of one text is accepted, as clients send it.)
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1,
-                                                                                              max_length=1)]
+    # Text, token ids, or a batch of either (OpenAI's and vLLM's); each prompt is answered as if sent alone.
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
-    def _input(self, p: verifier_pb2.GenerationParams) -> None:
-        if isinstance(self.prompt, str):
-            p.prompt = self.prompt
-        elif isinstance(self.prompt[0], str):
-            p.prompt = self.prompt[0]
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts: one, unless a list of texts or of token-id lists was sent."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
+        text_or_ids = self.prompts[prompt]
+        if isinstance(text_or_ids, str):
+            p.prompt = text_or_ids
         else:
-            p.token_ids.ids.extend(self.prompt)
+            p.token_ids.ids.extend(text_or_ids)
