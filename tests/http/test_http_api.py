@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
 from tiny_model import tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
@@ -147,6 +148,48 @@ def test_a_batch_of_prompts_answers_each_as_if_sent_alone() -> None:
                 single = (await h.client.completions.create(model="tiny", prompt=one, max_tokens=20)).choices[0]
                 assert c.model_extra["splitspec"]["token_ids"] == single.model_extra["splitspec"]["token_ids"]
             assert greedy.model_extra["speculation"]["num_accepted_tokens"] > 0
+            await wait_until(h.idle, "the engine idle")
+
+    asyncio.run(main())
+
+
+def test_echo_with_logprobs_scores_each_prompt_as_an_evaluation_harness_asks() -> None:
+    """lm-evaluation-harness scores a text with a batch of token-id prompts, echo, logprobs and max_tokens 1:
+    each choice is its prompt then its token, the prompt's tokens' log-probabilities first (the first null)."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            ids = [h.tokenizer(t)["input_ids"] for t in (PROMPT, "d10 add d10")]
+            scored = await h.client.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=2, echo=True,
+                                                       temperature=0)
+            for c, prompt in zip(scored.choices, ids, strict=True):
+                alone = await grpc_generate(h, token_ids=verifier_pb2.TokenIds(ids=prompt), prompt_logprobs=2,
+                                            logprobs=2, stopping=verifier_pb2.StoppingCriteria(max_new_tokens=1))
+                lp = c.logprobs
+                assert c.text == h.tokenizer.decode(prompt) + alone.text
+                assert lp.tokens == [h.tokenizer.decode([t]) for t in [*prompt, *alone.token_ids]]
+                expected = [*alone.prompt_logprobs, *alone.logprobs]
+                assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+                assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected], abs=1e-6)
+                assert [list(top) for top in lp.top_logprobs[1:]] == [  # (two tokens may spell the same text)
+                    list(dict.fromkeys(h.tokenizer.decode([t.token_id]) for t in e.top)) for e in expected]
+                assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt)] == len(h.tokenizer.decode(prompt))
+                assert lp.text_offset == sorted(lp.text_offset)
+            # Streamed: the prompt comes first in each choice's first chunk; the same text and log-probabilities.
+            whole = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, logprobs=0,
+                                                      echo=True)
+            text, tokens, offsets = "", [], []
+            stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, logprobs=0,
+                                                       echo=True, stream=True)
+            async for chunk in stream:
+                for c in chunk.choices:
+                    text += c.text
+                    tokens += c.logprobs.tokens
+                    offsets += c.logprobs.text_offset
+            assert (text, tokens, offsets) == (whole.choices[0].text, whole.choices[0].logprobs.tokens,
+                                               whole.choices[0].logprobs.text_offset)
+            # Without logprobs: the text only.
+            plain = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, echo=True)
+            assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
             await wait_until(h.idle, "the engine idle")
 
     asyncio.run(main())

@@ -52,7 +52,7 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens),
-        generator=generator)
+        generator=generator, prompt_logprobs=parsed.prompt_logprobs)
 
 
 class Generations:

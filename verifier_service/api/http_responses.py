@@ -6,7 +6,11 @@ under vLLM's names, the speculation stats. What speculation did per token rides 
 an extension, `splitspec: {token_ids, drafted, token_text}` on each choice (on each
 chunk's choice when streaming): `drafted[i]` says whether token i was an accepted
 draft token, and `token_text[i]` is the text it released (their concatenation is the
-choice's text), so a client can show exactly which characters the drafter supplied.
+choice's generated text), so a client can show exactly which characters the drafter supplied.
+
+A completion with `echo` starts each choice's text with its prompt (as the prompt's tokens
+spell it), and with `logprobs` its log-probabilities with the prompt's tokens' first, the
+first token's null: nothing precedes it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from transformers import PreTrainedTokenizerBase
 
+from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 
@@ -65,20 +71,24 @@ class Choice:
         outs = self.outputs
         return Output([t for o in outs for t in o.token_ids], "".join(self.text), outs[-1].finish_reason,
                       outs[-1].stop_reason, drafted=[d for o in outs for d in o.drafted],
-                      logprobs=[lp for o in outs for lp in o.logprobs], pieces=[p for o in outs for p in o.pieces])
+                      logprobs=[lp for o in outs for lp in o.logprobs], pieces=[p for o in outs for p in o.pieces],
+                      prompt_logprobs=outs[0].prompt_logprobs)
 
 
 @dataclass
 class Responder:
-    """Builds the bodies of one request: `chat` or completions, for `model`, `n` choices for each prompt."""
+    """Builds the bodies of one request: `chat` or completions, for `model`, `n` choices for each prompt;
+    with `echo` (completions), each choice's text after its prompt's."""
 
     chat: bool
     model: str
     tokenizer: PreTrainedTokenizerBase
     n: int = 1
     include_usage: bool = False
+    echo: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
 
     @property
     def _id(self) -> str:
@@ -104,6 +114,36 @@ class Responder:
                 "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in out.logprobs],
                 "text_offset": offsets}
 
+    def _prompt(self, seq: Sequence, out: Output) -> tuple[str, dict[str, list] | None]:
+        """What `echo` puts first: the prompt's text, as its tokens spell it, and (when the request asked
+        for prompt log-probabilities) its tokens' completions-style log-probabilities."""
+        detokenizer = Detokenizer(self.tokenizer)
+        pieces = []
+        for token in seq.prompt_ids:
+            detokenizer.add(token)
+            pieces.append(detokenizer.take())
+        detokenizer.flush()
+        pieces[-1] += detokenizer.take(final=True)
+        text = "".join(pieces)
+        if seq.prompt_logprobs is None:
+            return text, None
+        return text, {"tokens": [self._token(t) for t in seq.prompt_ids],
+                      "token_logprobs": [None] + [lp.logprob for lp in out.prompt_logprobs],
+                      "top_logprobs": [None] + [{self._token(t): v for t, v in lp.top} for lp in out.prompt_logprobs],
+                      "text_offset": list(accumulate((len(p) for p in pieces[:-1]), initial=0))}
+
+    def _completion(self, seq: Sequence, out: Output, offset: int, echo: bool) -> tuple[str, dict[str, list] | None]:
+        """A completion choice's text and log-probabilities from `out`, whose text starts `offset` characters
+        into the choice's; with `echo`, after the prompt's."""
+        if not echo:
+            return out.text, self._logprobs(out, offset)
+        text, logprobs = self._prompt(seq, out)
+        generated = self._logprobs(out, offset + len(text))
+        if logprobs is not None and generated is not None:
+            for key, values in generated.items():
+                logprobs[key] += values
+        return text + out.text, logprobs or generated
+
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, object]:
         def entry(token_id: int, logprob: float) -> dict[str, object]:
             text = self._token(token_id)
@@ -123,10 +163,10 @@ class Responder:
             out = choice.joined()
             c: dict[str, object] = {"index": i}
             if self.chat:
-                c["message"] = {"role": "assistant", "content": out.text}
+                c |= {"message": {"role": "assistant", "content": out.text}, "logprobs": self._logprobs(out, 0)}
             else:
-                c["text"] = out.text
-            c |= {"logprobs": self._logprobs(out, 0), "finish_reason": FINISH.get(seq.finish_reason),
+                c["text"], c["logprobs"] = self._completion(seq, out, 0, self.echo)
+            c |= {"finish_reason": FINISH.get(seq.finish_reason),
                   "stop_reason": seq.stop_reason or None,
                   "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
             body["choices"].append(c)
@@ -143,10 +183,13 @@ class Responder:
         """One output of one choice; `offset`: characters of this choice sent before it."""
         c: dict[str, object] = {"index": index}
         if self.chat:
-            c["delta"] = {"content": out.text}
+            c |= {"delta": {"content": out.text}, "logprobs": self._logprobs(out, offset)}
         else:
-            c["text"] = out.text
-        c |= {"logprobs": self._logprobs(out, offset), "finish_reason": FINISH.get(out.finish_reason)}
+            echo = self.echo and index not in self._echoed  # the prompt goes first, in the choice's first chunk
+            c["text"], c["logprobs"] = self._completion(seq, out, offset + self._echoed.get(index, 0), echo)
+            if echo:
+                self._echoed[index] = len(c["text"]) - len(out.text)
+        c["finish_reason"] = FINISH.get(out.finish_reason)
         ext = self._extension(out)
         if out.finish_reason is not None:
             c["stop_reason"] = out.stop_reason or None

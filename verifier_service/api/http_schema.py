@@ -31,10 +31,11 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {
-    "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [], "echo": False,
+    "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [],
     "suffix": None, "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None,
 }
+UNSUPPORTED_IN_CHAT = {"echo": False}  # vLLM's chat echo (the last message repeated); completions serve echo
 
 
 class _Body(BaseModel):
@@ -42,7 +43,7 @@ class _Body(BaseModel):
 
 
 def _unsupported_field(value: Any, info: ValidationInfo) -> Any:
-    neutral = UNSUPPORTED[info.field_name]
+    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT)[info.field_name]
     if value is not None and value != neutral:
         hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
         raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
@@ -90,7 +91,6 @@ class GenerationBody(_Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    echo: Any = None
     suffix: Any = None
 
     _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_unsupported_field)
@@ -110,6 +110,10 @@ class GenerationBody(_Body):
     @property
     def num_prompts(self) -> int:
         return 1
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return False
 
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
         """The GenerationParams of choice `choice`. Choices run prompt by prompt, n for each (OpenAI's and
@@ -179,6 +183,9 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Any = None  # refused unless neutral (UNSUPPORTED_IN_CHAT); never read
+
+    _check_echo = field_validator(*UNSUPPORTED_IN_CHAT, mode="before")(_unsupported_field)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -199,10 +206,19 @@ class CompletionRequest(GenerationBody):
     prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before each choice's text; with logprobs, its tokens' log-probabilities too (the first
+    # token's null), as an evaluation harness asks to score a text: echo, logprobs, max_tokens 1.
+    echo: bool = False
 
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def params(self, choice: int) -> verifier_pb2.GenerationParams:
+        p = super().params(choice)
+        if self.echo and self.logprobs is not None:
+            p.prompt_logprobs = self.logprobs
+        return p
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -214,6 +230,10 @@ class CompletionRequest(GenerationBody):
     @property
     def num_prompts(self) -> int:
         return len(self.prompts)
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return self.echo
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         text_or_ids = self.prompts[prompt]

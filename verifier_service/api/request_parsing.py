@@ -61,6 +61,7 @@ class ParsedRequest:
     sampling: SamplingParams
     stopping: StoppingParams
     speculation: SpeculationParams
+    prompt_logprobs: int | None = None  # alternatives at each prompt position (None: no prompt log-probabilities)
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -68,11 +69,19 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     prompt_ids = _prompt_ids(request, tokenizer, limits)
-    logprobs = request.logprobs if request.HasField("logprobs") else None
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise _invalid(f"logprobs must be within [0, {MAX_LOGPROBS}], not {logprobs}")
+    logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
-                         _stopping(request, len(prompt_ids), limits), _speculation(request.speculation))
+                         _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
+                         prompt_logprobs)
+
+
+def _logprobs(request: verifier_pb2.GenerationParams, name: str) -> int | None:
+    if not request.HasField(name):
+        return None
+    count = getattr(request, name)
+    if count > MAX_LOGPROBS:
+        raise _invalid(f"{name} must be within [0, {MAX_LOGPROBS}], not {count}")
+    return count
 
 
 def _prompt_ids(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:

@@ -76,7 +76,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
             prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq),
             logprobs=logprob_messages(seq.output_logprobs), drafted=seq.output_drafted,
-            cached_prompt_tokens=seq.cached_prompt_tokens))
+            cached_prompt_tokens=seq.cached_prompt_tokens, prompt_logprobs=logprob_messages(seq.prompt_token_logprobs)))
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
@@ -85,7 +85,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         request_id = request.params.request_id or seq.request_id
         async for out in self._outputs(seq, context, arrival):
             chunk = verifier_pb2.GenerationOutput(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                                  logprobs=logprob_messages(out.logprobs), drafted=out.drafted)
+                                                  logprobs=logprob_messages(out.logprobs), drafted=out.drafted,
+                                                  prompt_logprobs=logprob_messages(out.prompt_logprobs))
             if out.finish_reason is not None:
                 chunk.finish_reason = FINISH[out.finish_reason]
                 chunk.stop_reason = out.stop_reason

@@ -24,7 +24,7 @@ from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine import tree_verify
 from verifier_service.engine.logits_processors import process_logits
 from verifier_service.engine.model_thread import ModelThread
-from verifier_service.engine.sampler import TokenLogprob, token_logprobs, verify_batch
+from verifier_service.engine.sampler import TokenLogprob, prompt_token_logprobs, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.metrics import VerifierMetrics
@@ -156,9 +156,14 @@ class Engine:
         return reply
 
     def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
-        """The packed forward, the verification of every draft and the log-probabilities asked for."""
+        """The packed forward, the verification of every draft and the log-probabilities asked for
+        (the prompts' go to the plan)."""
         rows = plan.verify_rows()
         logits = self._timed_forward(plan.forward_batch())
+        verified = sum(len(row.draft) + 1 for row in rows)  # the prompt positions' logits come after
+        plan.prompt_logprobs = prompt_token_logprobs(logits[verified:], plan.prompt_logprob_targets(),
+                                                     [s.prompt_logprobs for s in plan.prefills])
+        logits = logits[:verified]
         tokens = verify_batch(process_logits(logits, rows), rows)
         return plan.spread(tokens), plan.spread(token_logprobs(logits, rows, tokens))
 

@@ -69,10 +69,11 @@ class PrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
-    def acquire(self, prompt: Seq[int]) -> tuple[int, int, tuple[int, int, int] | None]:
+    def acquire(self, prompt: Seq[int], reuse: bool = True) -> tuple[int, int, tuple[int, int, int] | None]:
         """A slot for `prompt`: (slot, positions already valid in it, copy (src, dst, n) to run
-        before they are) . At least the prompt's last token is always left to compute."""
-        if not self.enabled:
+        before they are) . At least the prompt's last token is always left to compute. Without
+        `reuse` (a prompt whose every position must be computed), a slot without a match."""
+        if not self.enabled or not reuse:
             return self._allocate(), 0, None
         self.queries += len(prompt)
         hashes = chain_hashes(prompt, 0, (len(prompt) - 1) // BLOCK_SIZE, b"")

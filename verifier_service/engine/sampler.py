@@ -198,10 +198,33 @@ def token_logprobs(logits: torch.Tensor, rows: list[VerifyRow],
                 emitted_from = logits[[offset, *(offset + 1 + node for node in path)]]
             else:
                 emitted_from = logits[offset:offset + len(emitted)]
-            logp = torch.log_softmax(emitted_from.float(), dim=-1)
-            chosen = logp.gather(-1, torch.tensor(emitted, device=logp.device)[:, None])[:, 0].tolist()
-            top_v, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
-            out.append([TokenLogprob(t, lp, tuple(zip(ids, vals)))
-                        for t, lp, ids, vals in zip(emitted, chosen, top_i.tolist(), top_v.tolist())])
+            out.append(logprobs_of(emitted_from, emitted, n))
         offset += len(row.draft) + 1
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[list[int] | None],
+                          counts: list[int | None]) -> list[list[TokenLogprob] | None]:
+    """Per prefill, the log-probabilities of the prompt tokens its chunk's positions predict
+    (`targets`: StepPlan.prompt_logprob_targets; `logits`: those positions', in that order), each
+    with the `counts` most likely alternatives; None where none were asked for."""
+    out: list[list[TokenLogprob] | None] = []
+    offset = 0
+    for want, n in zip(targets, counts):
+        if want is None or n is None:
+            out.append(None)
+            continue
+        out.append(logprobs_of(logits[offset:offset + len(want)], want, n))
+        offset += len(want)
+    return out
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
+    """logits [len(tokens), V] -> each token's log-probability there, with the n most likely alternatives."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprob(t, lp, tuple(zip(ids, vals)))
+            for t, lp, ids, vals in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]

@@ -8,7 +8,9 @@ produced and commits them. Admission is bounded by free KV slots and
 Chunked prefill: a step carries at most `max_num_batched_tokens` tokens. The running
 sequences' decode and verify rows come first; prompts fill what is left, oldest
 first, a chunk per step, so a long prompt no longer stalls every stream for its
-whole prefill. Only a prompt's last chunk asks for logits (its first token).
+whole prefill. Only a prompt's last chunk asks for logits (its first token), unless the
+request asked for its prompt's log-probabilities: then every position's, its chunks at most
+PROMPT_LOGPROBS_CHUNK tokens (a chunk's logits are that many vocabulary-wide rows).
 A step in which no sequence decodes may carry up to `max_idle_batched_tokens`
 instead: chunks there would protect no stream and only delay the prompt's first
 token (each chunk pays the weights' streaming once more).
@@ -29,6 +31,8 @@ from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.runner import ForwardBatch
 from verifier_service.spec.policy import SpeculationPolicy
+
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 class QueueFullError(Exception):
@@ -54,6 +58,8 @@ class StepPlan:
     # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
     # filled in by the engine with the step's tokens.
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    # Per prefill, filled in by the engine: its chunk's prompt_logprob_targets' log-probabilities.
+    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)  # per prefill: prompt tokens computed (default: the rest)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # cached prefixes to copy first
     # Filled in by Scheduler.update: what each sequence receives from this step (the engine hands
@@ -72,13 +78,25 @@ class StepPlan:
     def sequences(self) -> list[Sequence]:
         return self.prefills + self.decodes
 
+    def prompt_logprob_targets(self) -> list[list[int] | None]:
+        """Per prefill: the prompt tokens its chunk's positions predict, where the request asked for their
+        log-probabilities (else None). A prompt's last position predicts the first new token instead."""
+        return [s.prompt_ids[s.num_prefilled + 1:s.num_prefilled + n + 1] if s.prompt_logprobs is not None else None
+                for s, n in zip(self.prefills, self.chunks)]
+
     def forward_batch(self) -> ForwardBatch:
+        """The packed forward. Its logits: the verify rows' (verify_rows), then the prompt positions of
+        prompt_logprob_targets."""
         ids: list[int] = []
         logit_index: list[int] = []
-        for seq, n, last in zip(self.prefills, self.chunks, self.finishing):
+        prompt_index: list[int] = []
+        for seq, n, last, targets in zip(self.prefills, self.chunks, self.finishing, self.prompt_logprob_targets()):
+            first = len(ids)
             ids += seq.prompt_ids[seq.num_prefilled:seq.num_prefilled + n]
-            if last:  # a prompt needs logits at its last token only
+            if last:  # a prompt needs logits at its last token only ...
                 logit_index.append(len(ids) - 1)
+            if targets is not None:  # ... unless its own tokens' log-probabilities were asked for
+                prompt_index += range(first, first + len(targets))
         for seq, draft in zip(self.decodes, self.drafts):  # logits at the last token and every draft token
             first = len(ids)
             ids += [seq.last_token, *draft]
@@ -87,7 +105,7 @@ class StepPlan:
             input_ids=ids, slots=[s.slot for s in self.sequences],
             starts=[s.num_prefilled for s in self.prefills] + [s.num_cached_tokens for s in self.decodes],
             lengths=self.chunks + [len(d) + 1 for d in self.drafts],
-            logit_index=logit_index, copies=self.copies)
+            logit_index=logit_index + prompt_index, copies=self.copies)
         batch.kv_moves = [(s.slot, a, b) for s in self.decodes for a, b in s.kv_moves]
         if any(self.tree_parents):
             batch.parents = [p for n in self.chunks for p in range(-1, n - 1)]
@@ -156,17 +174,19 @@ class Scheduler:
             if budget <= 0:
                 break
             prefills.append(seq)
-            chunks.append(min(len(seq.prompt_ids) - seq.num_prefilled, budget))
+            chunks.append(_chunk(seq, budget))
             budget -= chunks[-1]
         while (self.waiting and budget > 0 and self.prefix_cache.num_available
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting.popleft()
-            seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids)
+            # Every prompt position of a request for prompt log-probabilities is computed: nothing reused.
+            seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids,
+                                                                          reuse=seq.prompt_logprobs is None)
             seq.cached_prompt_tokens = seq.num_prefilled
             copies += [copy] if copy is not None else []
             self.running.append(seq)
             prefills.append(seq)
-            chunks.append(min(len(seq.prompt_ids) - seq.num_prefilled, budget))
+            chunks.append(_chunk(seq, budget))
             budget -= chunks[-1]
         return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
 
@@ -196,8 +216,9 @@ class Scheduler:
             self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
             seq.kv_moves = tree_verify.accepted_moves(seq.num_cached_tokens, draft, parents, tokens)
-        for seq, n in zip(plan.prefills, plan.chunks):
+        for seq, n, logprobs in zip(plan.prefills, plan.chunks, plan.prompt_logprobs or [None] * len(plan.prefills)):
             seq.num_prefilled += n  # its KV is written, cancelled or not
+            seq.prompt_token_logprobs += logprobs or []
         finished = []
         logprobs = plan.logprobs or [None] * len(new_tokens)
         for i, (seq, tokens, token_logprobs) in enumerate(zip(plan.sequences, new_tokens, logprobs)):
@@ -246,3 +267,9 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """Prompt tokens `seq` prefills this step, within the step's `budget`."""
+    left = len(seq.prompt_ids) - seq.num_prefilled
+    return min(left, budget, PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs is not None else left)

@@ -79,6 +79,8 @@ class Output:
     # The text each token released ("".join(pieces) == text): a token may release nothing (half a
     # character, or a possible stop string held back) and a later one release it.
     pieces: list[str] = field(default_factory=list)
+    # In a request's first output, when it asked for them: of each prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -105,6 +107,10 @@ class Sequence:
     cached_prompt_tokens: int = 0  # of those, reused from the prefix cache
     # (from, to) K/V positions of its slot to copy at the next forward: its last accepted tree path.
     kv_moves: list[tuple[int, int]] = field(default_factory=list)
+    # Alternatives asked for at each prompt position (None: no prompt log-probabilities); those
+    # computed so far, of prompt_ids[1:], chunk by chunk.
+    prompt_logprobs: int | None = None
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -192,4 +198,4 @@ class Sequence:
             tokens, "".join(pieces), self.finish_reason, self.stop_reason,
             drafted=self.output_drafted[len(self.output_drafted) - n:],
             logprobs=self.output_logprobs[len(self.output_logprobs) - n:] if self.output_logprobs else [],
-            pieces=pieces)
+            pieces=pieces, prompt_logprobs=self.prompt_token_logprobs if len(self.output_ids) == n else [])
