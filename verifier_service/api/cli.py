@@ -13,7 +13,7 @@ import sys
 
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.api.server import run, run_follower
-from verifier_service.model import loader, ranks
+from verifier_service.model import host_memory, loader, ranks
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
 from verifier_service.spec import config
 
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shown = f"rank {rank.rank} " if rank.size > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {shown}%(name)s: %(message)s")
+    host_memory.keep_freed_memory()  # before the model's first forward
     if not rank.leader:
         return run_follower(settings, rank)
     try:
