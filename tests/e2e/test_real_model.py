@@ -84,7 +84,7 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
 def test_demo_runs_end_to_end() -> None:
     """`splitspec demo`: both services start, outputs are identical, drafts are accepted, clean shutdown."""
     # Its own process group: if the test times out, the demo's verifier and drafter go with it.
-    demo = subprocess.Popen([script("splitspec"), "demo", "--max-new-tokens", "48"], stdout=subprocess.PIPE,
+    demo = subprocess.Popen([script("splitspec"), "demo", "--max-new-tokens", "24"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = demo.communicate(timeout=280)
