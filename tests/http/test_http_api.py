@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API through the official openai client, against a real verifier
 (tiny random model, HTTP on port 0) with a remote SDK n-gram drafter over gRPC: the same tokens
 as gRPC, streaming equal to the whole answer, usage and speculation stats, stop strings, seeds,
-n, logprobs with and without speculation."""
+n, batches of prompts, logprobs with and without speculation, echo with the prompt's logprobs."""
 
 from __future__ import annotations
 
