@@ -190,6 +190,15 @@ def test_echo_with_logprobs_scores_each_prompt_as_an_evaluation_harness_asks() -
             # Without logprobs: the text only.
             plain = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, echo=True)
             assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
+            # max_tokens 0 (vLLM's prompt-only echo): the prompt and its log-probabilities, nothing generated.
+            alone = await h.client.completions.create(model="tiny", prompt=ids[0], max_tokens=0, logprobs=2, echo=True)
+            c = alone.choices[0]
+            assert c.text == h.tokenizer.decode(ids[0]) and c.finish_reason == "length"
+            assert c.logprobs.token_logprobs == scored.choices[0].logprobs.token_logprobs[:-1]
+            assert c.model_extra["splitspec"]["token_ids"] == [] and alone.usage.completion_tokens == 0
+            stream = await h.client.completions.create(model="tiny", prompt=ids[0], max_tokens=0, logprobs=2,
+                                                       echo=True, stream=True)
+            assert "".join([ch.choices[0].text async for ch in stream if ch.choices]) == c.text
             await wait_until(h.idle, "the engine idle")
 
     asyncio.run(main())

@@ -169,7 +169,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
                         param="model", code="model_not_found")
     seqs = _start(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
-                          body.echoes_prompt)
+                          body.echoes_prompt, body.prompt_only)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

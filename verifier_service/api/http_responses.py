@@ -49,10 +49,11 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
     }
 
 
-def usage(seqs: list[Sequence], n: int) -> dict[str, int]:
-    """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output."""
+def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, int]:
+    """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output
+    (none shown: none counted)."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
-    completion = sum(len(s.output_ids) for s in seqs)
+    completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -78,7 +79,8 @@ class Choice:
 @dataclass
 class Responder:
     """Builds the bodies of one request: `chat` or completions, for `model`, `n` choices for each prompt;
-    with `echo` (completions), each choice's text after its prompt's."""
+    with `echo` (completions), each choice's text after its prompt's; with `prompt_only` too, the prompt
+    alone (the token generated with it is not shown)."""
 
     chat: bool
     model: str
@@ -86,6 +88,7 @@ class Responder:
     n: int = 1
     include_usage: bool = False
     echo: bool = False
+    prompt_only: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
@@ -151,6 +154,13 @@ class Responder:
 
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
+    def _shown(self, out: Output) -> Output:
+        """What the client sees of an output: all of it, or with `prompt_only` none of its token (it ends
+        as "length", for the max_tokens 0 it was asked for)."""
+        if not self.prompt_only:
+            return out
+        return Output([], "", out.finish_reason and FinishReason.LENGTH, prompt_logprobs=out.prompt_logprobs)
+
     @staticmethod
     def _extension(out: Output) -> dict[str, object]:
         return {"token_ids": out.token_ids, "drafted": out.drafted, "token_text": out.pieces}
@@ -160,17 +170,17 @@ class Responder:
         body = self._head("chat.completion" if self.chat else "text_completion")
         body["choices"] = []
         for i, (seq, choice) in enumerate(zip(seqs, choices)):
-            out = choice.joined()
+            out = self._shown(choice.joined())
             c: dict[str, object] = {"index": i}
             if self.chat:
                 c |= {"message": {"role": "assistant", "content": out.text}, "logprobs": self._logprobs(out, 0)}
             else:
                 c["text"], c["logprobs"] = self._completion(seq, out, 0, self.echo)
-            c |= {"finish_reason": FINISH.get(seq.finish_reason),
-                  "stop_reason": seq.stop_reason or None,
+            c |= {"finish_reason": FINISH.get(out.finish_reason),
+                  "stop_reason": out.stop_reason or None,
                   "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
             body["choices"].append(c)
-        body["usage"] = usage(seqs, self.n)
+        body["usage"] = usage(seqs, self.n, self.prompt_only)
         body["speculation"] = speculation(seqs)
         return body
 
@@ -181,6 +191,7 @@ class Responder:
 
     def chunk(self, index: int, out: Output, offset: int, seq: Sequence) -> str:
         """One output of one choice; `offset`: characters of this choice sent before it."""
+        out = self._shown(out)
         c: dict[str, object] = {"index": index}
         if self.chat:
             c |= {"delta": {"content": out.text}, "logprobs": self._logprobs(out, offset)}
@@ -199,7 +210,7 @@ class Responder:
 
     def usage_chunk(self, seqs: list[Sequence]) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body |= {"choices": [], "usage": usage(seqs, self.n), "speculation": speculation(seqs)}
+        body |= {"choices": [], "usage": usage(seqs, self.n, self.prompt_only), "speculation": speculation(seqs)}
         return sse(body)
 
     def _sse(self, choice: dict[str, object]) -> str:

@@ -115,6 +115,10 @@ class GenerationBody(_Body):
     def echoes_prompt(self) -> bool:
         return False
 
+    @property
+    def prompt_only(self) -> bool:
+        return False
+
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
         """The GenerationParams of choice `choice`. Choices run prompt by prompt, n for each (OpenAI's and
         vLLM's order); the j-th of a prompt's n is seeded seed + j, so that seeded choices differ and each
@@ -206,13 +210,31 @@ class CompletionRequest(GenerationBody):
     prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0, le=UINT32)  # 0, with echo: the prompt alone (vLLM's)
     # The prompt before each choice's text; with logprobs, its tokens' log-probabilities too (the first
-    # token's null), as an evaluation harness asks to score a text: echo, logprobs, max_tokens 1.
-    echo: bool = False
+    # token's null), as an evaluation harness asks to score a text: echo, logprobs, max_tokens 1 (or 0).
+    echo: bool = Field(False, validate_default=True)
+
+    @field_validator("echo")
+    @classmethod
+    def _prompt_alone_needs_echo(cls, echo: bool, info: ValidationInfo) -> bool:
+        if info.data.get("max_tokens") == 0 and not echo:
+            raise PydanticCustomError("echo", "max_tokens 0 asks for the prompt alone, which needs echo true")
+        return echo
 
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo the prompt and generate nothing: one token is generated (the prefill computes its logits
+        anyway) and not shown."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
 
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
         p = super().params(choice)
