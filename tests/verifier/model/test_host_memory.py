@@ -38,7 +38,7 @@ def second_forward(mode: str, **env: str) -> tuple[str, int]:
 def test_freed_memory_is_reused_without_page_faults() -> None:
     kept, faults = second_forward("keep")
     assert kept == "True"
-    assert faults < 2000  # 64 MiB afresh is 16,384 pages
+    assert faults < 4096  # a quarter of the working set at most: 64 MiB afresh is 16,384 pages
     default, faults = second_forward("default")
     assert faults > 10_000, "glibc's defaults give the memory back: the check above could not fail"
 
