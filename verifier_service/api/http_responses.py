@@ -108,14 +108,16 @@ class Responder:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(lp) for lp in out.logprobs]}
-        offsets, at = [], offset
-        for piece in out.pieces:
-            offsets.append(at)
-            at += len(piece)
-        return {"tokens": [self._token(lp.token_id) for lp in out.logprobs],
-                "token_logprobs": [lp.logprob for lp in out.logprobs],
-                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in out.logprobs],
-                "text_offset": offsets}
+        return self._completion_logprobs(out.token_ids, out.logprobs, out.pieces, offset)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None], pieces: list[str],
+                             offset: int) -> dict[str, list]:
+        """Completions' log-probabilities of tokens (None: a token without one) that released `pieces`,
+        the first `offset` characters into the choice's text."""
+        return {"tokens": [self._token(t) for t in token_ids],
+                "token_logprobs": [lp and lp.logprob for lp in logprobs],
+                "top_logprobs": [lp and {self._token(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": list(accumulate((len(p) for p in pieces[:-1]), initial=offset))}
 
     def _prompt(self, seq: Sequence, out: Output) -> tuple[str, dict[str, list] | None]:
         """What `echo` puts first: the prompt's text, as its tokens spell it, and (when the request asked
@@ -130,10 +132,7 @@ class Responder:
         text = "".join(pieces)
         if seq.prompt_logprobs is None:
             return text, None
-        return text, {"tokens": [self._token(t) for t in seq.prompt_ids],
-                      "token_logprobs": [None] + [lp.logprob for lp in out.prompt_logprobs],
-                      "top_logprobs": [None] + [{self._token(t): v for t, v in lp.top} for lp in out.prompt_logprobs],
-                      "text_offset": list(accumulate((len(p) for p in pieces[:-1]), initial=0))}
+        return text, self._completion_logprobs(seq.prompt_ids, [None, *out.prompt_logprobs], pieces, 0)
 
     def _completion(self, seq: Sequence, out: Output, offset: int, echo: bool) -> tuple[str, dict[str, list] | None]:
         """A completion choice's text and log-probabilities from `out`, whose text starts `offset` characters
