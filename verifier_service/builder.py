@@ -21,6 +21,7 @@ from verifier_service.engine.engine import Engine
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.scheduler import Scheduler
+from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
@@ -53,6 +54,7 @@ class Runtime:
     max_model_len: int
     eos_token_ids: frozenset[int]
     tokenizer_fingerprint: str  # drafters reporting another one get no calls
+    grammars: Grammars  # compiles requests' structured-output constraints
 
     @property
     def drafter(self) -> DrafterClient | None:
@@ -214,4 +216,5 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint)
+    return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint,
+                   Grammars(tokenizer, runner.vocab_size, eos_ids))

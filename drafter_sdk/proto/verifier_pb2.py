@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from drafter_sdk.proto import speculative_pb2 as splitspec_dot_v1_dot_speculative__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitspec/v1/verifier.proto\x12\x0csplitspec.v1\x1a\x1esplitspec/v1/speculative.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.splitspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x94\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\rB\x11\n\x0f_max_new_tokens\"U\n\x14SpeculationOverrides\x12\x1a\n\rmax_draft_len\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x42\x10\n\x0e_max_draft_len\"\x8b\x03\n\x10GenerationParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.StoppingCriteria\x12\x37\n\x0bspeculation\x18\x07 \x01(\x0b\x32\".splitspec.v1.SpeculationOverrides\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"A\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationParams\"G\n\x15GenerateStreamRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationParams\"\x9c\x02\n\x10SpeculationStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x05 \x03(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x1c\n\x14num_drafter_failures\x18\x08 \x01(\r\x12\x15\n\rauto_disabled\x18\t \x01(\x08\x12\x17\n\x0fnum_draft_nodes\x18\n \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.splitspec.v1.TopLogprob\"\xe7\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12-\n\x05stats\x18\x07 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x0f\n\x07\x64rafted\x18\t \x03(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"B\n\x10GenerateResponse\x12.\n\x06output\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationOutput\"H\n\x16GenerateStreamResponse\x12.\n\x06output\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationOutput\"\x16\n\x14GetServerInfoRequest\"\xcd\x01\n\rDrafterHealth\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.DrafterState\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x04\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x17\n\x0f\x64isabled_reason\x18\x08 \x01(\t\x12\x14\n\x0c\x64raft_stream\x18\t \x01(\x08\"\x9e\x03\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x15\n\rmax_queue_len\x18\x06 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x07 \x01(\r\x12;\n\x12speculative_config\x18\x08 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeConfig\x12,\n\x07\x64rafter\x18\t \x01(\x0b\x32\x1b.splitspec.v1.DrafterHealth\x12\x13\n\x0bverifier_id\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0f \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\xa9\x01\n\x0c\x44rafterState\x12\x1d\n\x19\x44RAFTER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFTER_STATE_NOT_CONFIGURED\x10\x01\x12\x19\n\x15\x44RAFTER_STATE_HEALTHY\x10\x02\x12\x1d\n\x19\x44RAFTER_STATE_UNAVAILABLE\x10\x03\x12\x1e\n\x1a\x44RAFTER_STATE_INCOMPATIBLE\x10\x04\x32\x95\x02\n\x0fVerifierService\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.splitspec.v1.GenerateStreamRequest\x1a$.splitspec.v1.GenerateStreamResponse0\x01\x12X\n\rGetServerInfo\x12\".splitspec.v1.GetServerInfoRequest\x1a#.splitspec.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitspec/v1/verifier.proto\x12\x0csplitspec.v1\x1a\x1esplitspec/v1/speculative.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.splitspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x94\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\rB\x11\n\x0f_max_new_tokens\"U\n\x14SpeculationOverrides\x12\x1a\n\rmax_draft_len\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x42\x10\n\x0e_max_draft_len\"\xc6\x03\n\x10GenerationParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.StoppingCriteria\x12\x37\n\x0bspeculation\x18\x07 \x01(\x0b\x32\".splitspec.v1.SpeculationOverrides\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x39\n\x11structured_output\x18\n \x01(\x0b\x32\x1e.splitspec.v1.StructuredOutputB\x07\n\x05inputB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xab\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.splitspec.v1.StructuredOutputChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"*\n\x17StructuredOutputChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"A\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationParams\"G\n\x15GenerateStreamRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationParams\"\x9c\x02\n\x10SpeculationStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x05 \x03(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x1c\n\x14num_drafter_failures\x18\x08 \x01(\r\x12\x15\n\rauto_disabled\x18\t \x01(\x08\x12\x17\n\x0fnum_draft_nodes\x18\n \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.splitspec.v1.TopLogprob\"\xe7\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12-\n\x05stats\x18\x07 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x0f\n\x07\x64rafted\x18\t \x03(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"B\n\x10GenerateResponse\x12.\n\x06output\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationOutput\"H\n\x16GenerateStreamResponse\x12.\n\x06output\x18\x01 \x01(\x0b\x32\x1e.splitspec.v1.GenerationOutput\"\x16\n\x14GetServerInfoRequest\"\xcd\x01\n\rDrafterHealth\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.DrafterState\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x04\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x17\n\x0f\x64isabled_reason\x18\x08 \x01(\t\x12\x14\n\x0c\x64raft_stream\x18\t \x01(\x08\"\x9e\x03\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x15\n\rmax_queue_len\x18\x06 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x07 \x01(\r\x12;\n\x12speculative_config\x18\x08 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeConfig\x12,\n\x07\x64rafter\x18\t \x01(\x0b\x32\x1b.splitspec.v1.DrafterHealth\x12\x13\n\x0bverifier_id\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0f \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\xa9\x01\n\x0c\x44rafterState\x12\x1d\n\x19\x44RAFTER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFTER_STATE_NOT_CONFIGURED\x10\x01\x12\x19\n\x15\x44RAFTER_STATE_HEALTHY\x10\x02\x12\x1d\n\x19\x44RAFTER_STATE_UNAVAILABLE\x10\x03\x12\x1e\n\x1a\x44RAFTER_STATE_INCOMPATIBLE\x10\x04\x32\x95\x02\n\x0fVerifierService\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.splitspec.v1.GenerateStreamRequest\x1a$.splitspec.v1.GenerateStreamResponse0\x01\x12X\n\rGetServerInfo\x12\".splitspec.v1.GetServerInfoRequest\x1a#.splitspec.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2873
-  _globals['_FINISHREASON']._serialized_end=2968
-  _globals['_DRAFTERSTATE']._serialized_start=2971
-  _globals['_DRAFTERSTATE']._serialized_end=3140
+  _globals['_FINISHREASON']._serialized_start=3150
+  _globals['_FINISHREASON']._serialized_end=3245
+  _globals['_DRAFTERSTATE']._serialized_start=3248
+  _globals['_DRAFTERSTATE']._serialized_end=3417
   _globals['_CHATMESSAGE']._serialized_start=77
   _globals['_CHATMESSAGE']._serialized_end=121
   _globals['_CHATMESSAGES']._serialized_start=123
@@ -53,29 +53,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONOVERRIDES']._serialized_start=669
   _globals['_SPECULATIONOVERRIDES']._serialized_end=754
   _globals['_GENERATIONPARAMS']._serialized_start=757
-  _globals['_GENERATIONPARAMS']._serialized_end=1152
-  _globals['_GENERATEREQUEST']._serialized_start=1154
-  _globals['_GENERATEREQUEST']._serialized_end=1219
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1221
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1292
-  _globals['_SPECULATIONSTATS']._serialized_start=1295
-  _globals['_SPECULATIONSTATS']._serialized_end=1579
-  _globals['_TOPLOGPROB']._serialized_start=1581
-  _globals['_TOPLOGPROB']._serialized_end=1628
-  _globals['_TOKENLOGPROB']._serialized_start=1630
-  _globals['_TOKENLOGPROB']._serialized_end=1718
-  _globals['_GENERATIONOUTPUT']._serialized_start=1721
-  _globals['_GENERATIONOUTPUT']._serialized_end=2080
-  _globals['_GENERATERESPONSE']._serialized_start=2082
-  _globals['_GENERATERESPONSE']._serialized_end=2148
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2150
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2222
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2224
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2246
-  _globals['_DRAFTERHEALTH']._serialized_start=2249
-  _globals['_DRAFTERHEALTH']._serialized_end=2454
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2457
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2871
-  _globals['_VERIFIERSERVICE']._serialized_start=3143
-  _globals['_VERIFIERSERVICE']._serialized_end=3420
+  _globals['_GENERATIONPARAMS']._serialized_end=1211
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1214
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1385
+  _globals['_STRUCTUREDOUTPUTCHOICES']._serialized_start=1387
+  _globals['_STRUCTUREDOUTPUTCHOICES']._serialized_end=1429
+  _globals['_GENERATEREQUEST']._serialized_start=1431
+  _globals['_GENERATEREQUEST']._serialized_end=1496
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1498
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1569
+  _globals['_SPECULATIONSTATS']._serialized_start=1572
+  _globals['_SPECULATIONSTATS']._serialized_end=1856
+  _globals['_TOPLOGPROB']._serialized_start=1858
+  _globals['_TOPLOGPROB']._serialized_end=1905
+  _globals['_TOKENLOGPROB']._serialized_start=1907
+  _globals['_TOKENLOGPROB']._serialized_end=1995
+  _globals['_GENERATIONOUTPUT']._serialized_start=1998
+  _globals['_GENERATIONOUTPUT']._serialized_end=2357
+  _globals['_GENERATERESPONSE']._serialized_start=2359
+  _globals['_GENERATERESPONSE']._serialized_end=2425
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2427
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2499
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2501
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2523
+  _globals['_DRAFTERHEALTH']._serialized_start=2526
+  _globals['_DRAFTERHEALTH']._serialized_end=2731
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2734
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3148
+  _globals['_VERIFIERSERVICE']._serialized_start=3420
+  _globals['_VERIFIERSERVICE']._serialized_end=3697
 # @@protoc_insertion_point(module_scope)

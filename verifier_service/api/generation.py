@@ -13,13 +13,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 import torch
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api.request_parsing import Limits, ParsedRequest, parse
+from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestError, parse
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.engine.structured_output import ConstraintError
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec.policy import SpecState
 
@@ -48,11 +50,17 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
             generator.manual_seed(parsed.sampling.seed)
         else:
             generator.seed()
+    grammar = None
+    if parsed.constraint is not None:
+        try:
+            grammar = rt.grammars.compile(parsed.constraint)
+        except ConstraintError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     return Sequence(
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens),
-        generator=generator, prompt_logprobs=parsed.prompt_logprobs)
+        generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar)
 
 
 class Generations:

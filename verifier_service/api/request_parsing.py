@@ -3,6 +3,7 @@ refusing client mistakes with clear messages."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from drafter_sdk.proto import verifier_pb2
 from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.sequence import StoppingParams
+from verifier_service.engine.structured_output import Constraint
 from verifier_service.spec.policy import SpeculationParams
 
 MAX_TEMPERATURE = 100.0
@@ -62,6 +64,7 @@ class ParsedRequest:
     stopping: StoppingParams
     speculation: SpeculationParams
     prompt_logprobs: int | None = None  # alternatives at each prompt position (None: no prompt log-probabilities)
+    constraint: Constraint | None = None  # structured output, compiled when the sequence is made
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -72,7 +75,38 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
-                         prompt_logprobs)
+                         prompt_logprobs, _constraint(request))
+
+
+def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:
+    """The structured-output constraint's shape (it compiles later, against the model's tokenizer)."""
+    if not request.HasField("structured_output"):
+        return None
+    so = request.structured_output
+    kind = so.WhichOneof("constraint")
+    if kind is None:
+        raise _invalid("structured_output: set one of json_schema, json_object, regex, choice or grammar")
+    if request.stopping.ignore_eos or request.stopping.min_new_tokens:
+        raise _invalid("structured_output cannot be combined with ignore_eos or min_new_tokens: the constraint "
+                       "decides where the answer ends")
+    if kind == "json_object":
+        if not so.json_object:
+            raise _invalid("structured_output.json_object must be true when set")
+        return Constraint(kind)
+    if kind == "choice":
+        choices = list(so.choice.choices)
+        if not choices or not all(choices):
+            raise _invalid("structured_output.choice needs at least one choice, none of them empty")
+        return Constraint(kind, json.dumps(choices))
+    text = getattr(so, kind)
+    if not text:
+        raise _invalid(f"structured_output.{kind} is empty")
+    if kind == "json_schema":
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise _invalid(f"structured_output.json_schema is not valid JSON: {e}") from None
+    return Constraint(kind, text)
 
 
 def _logprobs(request: verifier_pb2.GenerationParams, name: str) -> int | None:

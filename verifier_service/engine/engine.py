@@ -136,7 +136,9 @@ class Engine:
 
     async def _draft(self, plan: StepPlan) -> DraftReply | None:
         """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
-        fills in the plan's drafts to verify and its shadow drafts (asked for, not verified)."""
+        fills in the plan's drafts to verify and its shadow drafts (asked for, not verified). Draft
+        tokens a request's structured-output constraint refuses could never be accepted: they are
+        cut, not verified."""
         none: list[list[int]] = [[] for _ in plan.decodes]
         plan.drafts, plan.shadows, plan.parents = none, none, none
         if self.drafter is None or not any(plan.draft_asks):
@@ -152,6 +154,10 @@ class Engine:
             seq.stats.num_drafter_failures += failed
         plan.parents = reply.parents or none
         plan.drafts = [d if p else d[:k] for d, p, k in zip(reply.drafts, plan.parents, plan.draft_lens)]
+        if any(s.grammar is not None for s in plan.decodes):
+            plan.drafts, plan.parents = map(list, zip(*[
+                s.grammar.cut(d, p) if s.grammar is not None else (d, p)
+                for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
         plan.shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, plan.draft_lens)]
         return reply
 

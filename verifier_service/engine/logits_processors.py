@@ -1,6 +1,6 @@
-"""What a request asks to change in the target's logits before sampling: a logit bias, the stops
-held back until its minimum length, and the frequency, presence and repetition penalties, applied
-to every verify row with the counts of exactly the tokens before that row's position.
+"""What a request asks to change in the target's logits before sampling: a structured-output mask,
+a logit bias, the stops held back until its minimum length, and the frequency, presence and
+repetition penalties, applied to every verify row with exactly the tokens before that row's position.
 
 A penalty makes the next-token distribution depend on the tokens already there. A verify row
 stands at one position: after the sequence's committed tokens plus, for row j of a chain, the
@@ -11,6 +11,8 @@ holds for any target, so speculation stays lossless, and a greedy or seeded requ
 tokens plain decoding with the same settings emits.
 
 In the order vLLM applies them, all before temperature, top-k and top-p:
+- structured output (engine/structured_output.py): the tokens the request's constraint refuses at a
+  row's position get no chance at all (vLLM, too, masks before its sampler's processors);
 - `logit_bias` (OpenAI): a fixed amount added to each listed token's logit;
 - `min_new_tokens` (vLLM's `min_tokens`): at a position fewer tokens past the committed ones than
   the sequence still lacks, its end-of-sequence and stop token ids get no chance at all;
@@ -28,8 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from drafter_sdk.tree import ROOT, depths
+from drafter_sdk.tree import depths
 from verifier_service.engine.sampler import VerifyRow
+from verifier_service.engine.tree_verify import draft_paths
 
 
 def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
@@ -60,6 +63,8 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
     n = x.shape[0]
     device = x.device
     params = row.params
+    if row.grammar is not None:  # first: what it refuses stays at -inf through every step below
+        x.masked_fill_(~row.grammar.row_masks(row.draft, row.parents).to(device), -torch.inf)
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
@@ -77,7 +82,7 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
     counts = torch.zeros(n, len(seen), device=device)  # [n, m] generated tokens before each row's position
     if row.output_ids:
         counts += torch.bincount(columns(row.output_ids), minlength=len(seen))
-    for r, path in enumerate(_prefixes(row.draft, row.parents), start=1):
+    for r, path in enumerate(draft_paths(row.draft, row.parents), start=1):
         counts[r].index_add_(0, columns(path), torch.ones(len(path), device=device))
     sub = x[:, seen]  # [n, m]
     if params.repetition_penalty != 1.0:
@@ -92,14 +97,3 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
 def _depths(draft: list[int], parents: list[int]) -> list[int]:
     """Draft tokens before each row's position (the root row first): its depth."""
     return [0, *(depths(parents) if parents else range(1, len(draft) + 1))]
-
-
-def _prefixes(draft: list[int], parents: list[int]) -> list[list[int]]:
-    """The draft tokens before each draft row's position: a chain's row j+1 follows draft[:j+1]; a
-    tree node's row follows its path from the root (the node included)."""
-    if not parents:
-        return [draft[:j + 1] for j in range(len(draft))]
-    paths: list[list[int]] = []
-    for token, parent in zip(draft, parents):
-        paths.append((paths[parent] if parent != ROOT else []) + [token])
-    return paths

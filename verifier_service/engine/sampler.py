@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_sdk.tree import accepted_path
+from verifier_service.engine.structured_output import Grammar
 from verifier_service.engine.tree_verify import walk
 
 
@@ -96,10 +97,11 @@ class VerifyRow:
     # than `held_for` tokens past the committed ones.
     held_for: int = 0
     held: tuple[int, ...] = ()
+    grammar: Grammar | None = None  # structured output (engine/structured_output.py), at the committed tokens
 
     @property
     def processes_logits(self) -> bool:
-        return self.params.processes_logits or bool(self.held_for and self.held)
+        return self.params.processes_logits or bool(self.held_for and self.held) or self.grammar is not None
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import SamplingParams, TokenLogprob
+from verifier_service.engine.structured_output import Grammar
 from verifier_service.spec.drafter_client import DeltaHistory
 from verifier_service.spec.policy import SpecState
 
@@ -111,6 +112,7 @@ class Sequence:
     # computed so far, of prompt_ids[1:], chunk by chunk.
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: Grammar | None = None  # its structured-output constraint, at its committed tokens
 
     @property
     def all_ids(self) -> list[int]:
@@ -181,6 +183,8 @@ class Sequence:
             if self.finished:
                 break
             self._pieces.append(self.detokenizer.take())
+        if self.grammar is not None:
+            self.grammar.commit(kept)
         if self.finished:
             self.detokenizer.flush()
             self._pieces.append(self.detokenizer.take(final=True))

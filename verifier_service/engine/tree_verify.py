@@ -39,6 +39,17 @@ def depth(draft: Sequence[int], parents: Sequence[int]) -> int:
     return max(depths(parents), default=0) if parents else len(draft)
 
 
+def draft_paths(draft: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
+    """The draft tokens up to and including each draft token: a chain's prefixes, a tree node's
+    path from the root. Draft row 1 + i stands right after draft_paths(...)[i]."""
+    if not parents:
+        return [list(draft[:j + 1]) for j in range(len(draft))]
+    paths: list[list[int]] = []
+    for token, parent in zip(draft, parents):
+        paths.append((paths[parent] if parent != ROOT else []) + [token])
+    return paths
+
+
 def accepted_moves(num_cached: int, draft: Sequence[int], parents: Sequence[int],
                    new_tokens: Sequence[int]) -> list[tuple[int, int]]:
     """The K/V copies (from, to) that put a tree's accepted path where plain decoding writes it;

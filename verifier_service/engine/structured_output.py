@@ -1,0 +1,145 @@
+"""Structured output: an answer held to a JSON schema, any JSON object, a regular expression, a list of
+choices or a grammar, by llguidance's token masks, with speculation on.
+
+A constraint is a matcher over the tokens emitted so far; at each position it allows some tokens.
+A verify row stands at one position (engine/logits_processors.py): after the committed tokens and,
+for a draft row, the draft tokens on its path. Its logits are masked to what the matcher allows
+there, so each row is the constrained target's conditional at its position, and the sampler's
+argument (engine/sampler.py) holds as it does for penalties: greedy and seeded requests emit what
+constrained plain decoding emits. A draft token the constraint refuses could never be accepted, so
+drafts are cut before the forward (a chain at its first refused token, a tree's refused nodes with
+everything below them): verification spends nothing on them.
+
+Once the constraint is complete, only end-of-sequence is allowed; that is where the answer ends,
+which is why ignore_eos and min_new_tokens are refused beside a constraint (request_parsing.py).
+Log-probabilities stay those of the raw logits, as for the other logits processors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from drafter_sdk.tree import ROOT
+from verifier_service.engine.tree_verify import draft_paths
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class ConstraintError(ValueError):
+    """The constraint does not compile: the request's mistake."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str  # one of KINDS
+    text: str = ""  # the schema (JSON), the regex, the choices (a JSON list) or the grammar; "" for json_object
+
+    def grammar(self) -> str:
+        """llguidance's grammar of this constraint."""
+        if self.kind == "json_object":
+            return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+        return llguidance.grammar_from(self.kind, self.text)
+
+
+class Grammars:
+    """Compiles constraints for one model's tokenizer and vocabulary. The tokenizer's llguidance
+    form is built on first use (about a second for a large vocabulary), not at start-up."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll is None:
+            eos = self._eos or None
+            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        return self._ll
+
+    def compile(self, constraint: Constraint) -> Grammar:
+        """A fresh matcher at the answer's start. Raises ConstraintError."""
+        try:
+            grammar = constraint.grammar()
+        except (ValueError, TypeError) as e:
+            raise ConstraintError(f"structured_output.{constraint.kind}: {e}") from None
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+        if matcher.is_error():
+            raise ConstraintError(f"structured_output.{constraint.kind}: {matcher.get_error()}")
+        return Grammar(matcher, self.vocab_size, self._eos)
+
+
+class Grammar:
+    """One request's constraint, at the position after its committed tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+
+    def _allowed(self) -> np.ndarray:
+        """bool [V]: the tokens allowed next. Should the matcher allow none (it never should), the
+        end-of-sequence tokens, so that the request ends instead of sampling from nothing."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:self._vocab_size].astype(bool)
+        if not allowed.any():
+            log.warning("structured output: the constraint allows no token (%s); ending the answer",
+                        self._matcher.get_error() or "no error")
+            allowed[self._eos] = True
+        return allowed
+
+    def row_masks(self, draft: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """bool [len(draft) + 1, V]: the tokens allowed at each verify row (the root's, then each
+        draft token's row, after its path). A row no emitted token can come from (past a refused
+        draft token, or past an end-of-sequence token) allows everything."""
+        anything = np.ones(self._vocab_size, dtype=bool)
+        rows = [self._allowed()]
+        for path in draft_paths(draft, parents):
+            if path[-1] in self._eos or self._matcher.validate_tokens(path) < len(path):
+                rows.append(anything)
+                continue
+            self._matcher.consume_tokens(path)
+            rows.append(self._allowed())
+            self._matcher.rollback(len(path))
+        return torch.from_numpy(np.stack(rows))
+
+    def cut(self, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+        """The draft without the tokens the constraint refuses: a chain up to its first refused
+        token, a tree without its refused nodes and everything below them."""
+        if not draft:
+            return draft, parents
+        if not parents:
+            return draft[:self._matcher.validate_tokens(draft)], parents
+        kept: dict[int, int] = {}  # node -> its index in the cut tree
+        tokens: list[int] = []
+        new_parents: list[int] = []
+        for node, path in enumerate(draft_paths(draft, parents)):
+            parent = parents[node]
+            if parent != ROOT and parent not in kept:
+                continue
+            if self._matcher.validate_tokens(path) == len(path):
+                kept[node] = len(tokens)
+                tokens.append(draft[node])
+                new_parents.append(ROOT if parent == ROOT else kept[parent])
+        return tokens, new_parents
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The request emitted these tokens (each allowed where it was sampled). Past the constraint's
+        end the matcher has stopped: what follows is the end-of-sequence token, which ends the request."""
+        for token in tokens:
+            if self._matcher.is_stopped():
+                return
+            if not self._matcher.consume_token(token):
+                log.warning("structured output: emitted token %d was refused (%s)", token, self._matcher.get_error())
+                return
