@@ -64,9 +64,22 @@ BAD = [
     (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias must be within [-100, 100]"),
     (CHAT, {"messages": MSG, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "frequency_penalty": 2.5}, 400, "frequency_penalty must be within [-2, 2]"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, 'or send {"type": "text"}'),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    (CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice: not supported"),
+    # Structured output: one constraint, well formed, that compiles, and that ends the answer itself.
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema: json_schema is required"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CHAT, {"messages": MSG, "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+     "ask for one structured output, not 2 (guided_regex, guided_choice)"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400,
+     "not 2 (response_format, structured_outputs.regex)"),
+    (COMPLETIONS, {"prompt": "x", "guided_json": {"type": "nonsense"}}, 400, "structured_output.json_schema: "),
+    (COMPLETIONS, {"prompt": "x", "guided_json": "{not json"}, 400, "json_schema is not valid JSON"),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "(unclosed"}, 400, "structured_output.regex: "),
+    (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "structured_output.choice needs at least one"),
+    (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: undefined_rule"}, 400, "structured_output.grammar: "),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, 400,
+     "structured_output cannot be combined with ignore_eos"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": 4, "max_tokens": 3}, 400, "min_new_tokens (4) is more than"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
@@ -104,9 +117,9 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
             with pytest.raises(openai.BadRequestError) as bad:
                 await h.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
             assert "messages" in str(bad.value)
-            with pytest.raises(openai.BadRequestError, match="response_format: not supported"):
+            with pytest.raises(openai.BadRequestError, match="structured_output.regex"):
                 await h.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
-                                                       response_format={"type": "json_object"})
+                                                       extra_body={"structured_outputs": {"regex": "("}})
             with pytest.raises(openai.NotFoundError):
                 await h.client.chat.completions.create(model="nope", messages=MSG, max_tokens=3)
 

@@ -2,9 +2,11 @@
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
-ignores them. Known fields that would change the answer but are not served here (structured
-output, tools, vLLM's guided decoding ...) are refused unless neutral: an
-answer that silently ignored them would look right and not be what was asked for.
+ignores them. Structured output comes as OpenAI's `response_format`, vLLM's `structured_outputs`
+or its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`: one of them.
+Known fields that would change the answer but are not served here (tools, functions, `best_of`,
+`suffix`) are refused unless neutral: an answer that silently ignored them would look right and
+not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
 A per-request speculation override rides in `speculation: {disable, max_draft_len}`
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
@@ -30,11 +32,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
-UNSUPPORTED = {
-    "best_of": 1, "response_format": {"type": "text"}, "tools": [], "functions": [],
-    "suffix": None, "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None,
-}
+UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None}
 UNSUPPORTED_IN_CHAT = {"echo": False}  # vLLM's chat echo (the last message repeated); completions serve echo
 
 
@@ -59,6 +57,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's: free text, any JSON object (JSON mode), or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if (value is None) == (info.data.get("type") == "json_schema"):
+            raise PydanticCustomError("json_schema", "json_schema is required with type json_schema, and only then")
+        return value
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationBody(_Body):
     """What chat and completions share."""
 
@@ -81,19 +109,28 @@ class GenerationBody(_Body):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
-    response_format: Any = None
     tools: Any = None
     functions: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     suffix: Any = None
 
     _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_unsupported_field)
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> GenerationBody:
+        try:
+            self.structured_output()
+        except ValueError as e:
+            raise PydanticCustomError("structured_output", str(e)) from None
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -160,10 +197,54 @@ class GenerationBody(_Body):
                 p.speculation.max_draft_len = self.speculation.max_draft_len
         if self.logprobs_count is not None:
             p.logprobs = self.logprobs_count
+        constraint = self.structured_output()
+        if constraint is not None:
+            p.structured_output.CopyFrom(constraint)
         return p
+
+    def structured_output(self) -> verifier_pb2.StructuredOutput | None:
+        """The one constraint asked for, by whichever field (None: free text); several are a ValueError.
+        The constraint itself is checked where gRPC's is (request_parsing.py)."""
+        found: list[tuple[str, verifier_pb2.StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", verifier_pb2.StructuredOutput(json_object=True)))
+        elif rf is not None and rf.json_schema is not None:
+            found.append(("response_format", _json_schema(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            found += [(f"structured_outputs.{name}", c) for name, c in _vllm_constraints(
+                so.json_, so.regex, so.choice, so.grammar, so.json_object)]
+        found += [(name, c) for name, c in _vllm_constraints(
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, None, prefix="guided_")]
+        if len(found) > 1:
+            raise ValueError(f"ask for one structured output, not {len(found)} ({', '.join(n for n, _ in found)})")
+        return found[0][1] if found else None
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         raise NotImplementedError
+
+
+def _json_schema(schema: dict[str, Any] | str) -> verifier_pb2.StructuredOutput:
+    return verifier_pb2.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _vllm_constraints(schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
+                      grammar: str | None, json_object: bool | None, prefix: str = ""
+                      ) -> list[tuple[str, verifier_pb2.StructuredOutput]]:
+    found = []
+    if schema is not None:
+        found.append((f"{prefix}json", _json_schema(schema)))
+    if regex is not None:
+        found.append((f"{prefix}regex", verifier_pb2.StructuredOutput(regex=regex)))
+    if choice is not None:
+        found.append((f"{prefix}choice", verifier_pb2.StructuredOutput(
+            choice=verifier_pb2.StructuredOutputChoices(choices=choice))))
+    if grammar is not None:
+        found.append((f"{prefix}grammar", verifier_pb2.StructuredOutput(grammar=grammar)))
+    if json_object:
+        found.append((f"{prefix}json_object", verifier_pb2.StructuredOutput(json_object=True)))
+    return found
 
 
 class TextPart(_Body):
