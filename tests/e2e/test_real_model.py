@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import re
 import signal
@@ -79,6 +80,32 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
     assert [list(r.output.token_ids) for r in replies] == references()
     assert replies[0].output.stats.mean_acceptance_length > 2.0
     assert all(r.output.stats.num_drafter_failures == 0 for r in replies)
+
+
+def test_a_json_schema_answer_parses_and_speculation_changes_no_token() -> None:
+    """Structured output on the real model: a chat answer held to a JSON schema is that JSON, and the
+    in-process n-gram drafter (its drafts cut to what the schema allows) changes no token."""
+    model, tokenizer = smollm()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "country", "population"], "additionalProperties": False}
+    request = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+        chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(
+            role="user", content="Describe the capital of France as JSON: its city, country and population.")]),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=80),
+        structured_output=verifier_pb2.StructuredOutput(json_schema=json.dumps(schema))))
+
+    async def answer(spec) -> verifier_pb2.GenerationOutput:  # noqa: ANN001
+        async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
+                                kv_cache_memory_gb=0.5) as v:
+            return (await v.stub.Generate(request, timeout=300)).output
+
+    plain = asyncio.run(answer(spec_config("NONE")))
+    drafted = asyncio.run(answer(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
+    assert list(drafted.token_ids) == list(plain.token_ids)
+    assert plain.finish_reason == verifier_pb2.FINISH_REASON_STOP, plain.text
+    value = json.loads(plain.text)
+    assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
 
 
 def test_demo_runs_end_to_end() -> None:

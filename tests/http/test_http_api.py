@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API through the official openai client, against a real verifier
 (tiny random model, HTTP on port 0) with a remote SDK n-gram drafter over gRPC: the same tokens
 as gRPC, streaming equal to the whole answer, usage and speculation stats, stop strings, seeds,
-n, batches of prompts, logprobs with and without speculation, echo with the prompt's logprobs."""
+n, batches of prompts, logprobs with and without speculation, echo with the prompt's logprobs,
+structured output."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
@@ -247,6 +249,47 @@ def test_logprobs_equal_with_and_without_speculation_and_over_grpc() -> None:
             assert lps.text_offset == plain_lps.text_offset
             no = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
             assert no.choices[0].logprobs is None
+
+    asyncio.run(main())
+
+
+def test_structured_output_through_the_openai_client_equals_grpc_with_and_without_speculation() -> None:
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and guided_choice:
+    the answer obeys, streamed equals whole, and speculation and gRPC give the same tokens."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # compact: a random model would wander in whitespace
+
+    async def main() -> None:
+        async with http_verifier() as h:
+            fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+            ask = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=40, response_format=fmt)
+            spec = await h.client.chat.completions.create(**ask)
+            plain = await h.client.chat.completions.create(**ask, extra_body={"speculation": {"disable": True}})
+            answer = json.loads(spec.choices[0].message.content)
+            assert set(answer) == {"city", "ok"} and isinstance(answer["ok"], bool)
+            assert spec.choices[0].finish_reason == "stop" and plain.choices[0].message.content == \
+                spec.choices[0].message.content
+            assert spec.model_extra["speculation"]["num_drafts"] > 0  # the drafter was asked, its drafts checked
+            stream = await h.client.chat.completions.create(**ask, stream=True)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == \
+                spec.choices[0].message.content
+            grpc_out = await grpc_generate(
+                h, chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPT)]),
+                stopping=verifier_pb2.StoppingCriteria(max_new_tokens=40),
+                structured_output=verifier_pb2.StructuredOutput(json_schema=json.dumps(schema)))
+            assert list(grpc_out.token_ids) == spec.choices[0].model_extra["splitspec"]["token_ids"]
+
+            whole = await h.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=40, response_format={"type": "json_object"})
+            if whole.choices[0].finish_reason == "stop":
+                assert isinstance(json.loads(whole.choices[0].message.content), dict)
+            else:  # out of tokens mid-object: still the start of one
+                assert whole.choices[0].message.content.startswith("{")
+            for extra in ({"structured_outputs": {"choice": ["red", "green"]}}, {"guided_choice": ["red", "green"]}):
+                comp = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body=extra)
+                assert comp.choices[0].text in ("red", "green") and comp.choices[0].finish_reason == "stop"
+            await wait_until(h.idle, "the engine idle")
 
     asyncio.run(main())
 

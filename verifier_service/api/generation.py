@@ -21,7 +21,7 @@ from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestE
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
-from verifier_service.engine.structured_output import ConstraintError
+from verifier_service.engine.structured_output import ConstraintError, StructuredOutputUnavailable
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec.policy import SpecState
 
@@ -56,6 +56,8 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
             grammar = rt.grammars.compile(parsed.constraint)
         except ConstraintError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except StructuredOutputUnavailable as e:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     return Sequence(
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),

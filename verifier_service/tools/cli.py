@@ -29,6 +29,15 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
     if args.seed is not None:
         params.sampling.seed = args.seed
+    if args.json_schema is not None:
+        with open(args.json_schema, encoding="utf-8") as f:
+            params.structured_output.json_schema = f.read()
+    elif args.json:
+        params.structured_output.json_object = True
+    elif args.regex is not None:
+        params.structured_output.regex = args.regex
+    elif args.choice:
+        params.structured_output.choice.choices.extend(args.choice)
     if args.raw:
         params.prompt = args.prompt
     else:
@@ -106,6 +115,11 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print text as it is accepted")
     p.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
+    form = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    form.add_argument("--json-schema", metavar="FILE", help="answer with JSON following this JSON Schema file")
+    form.add_argument("--json", action="store_true", help="answer with a JSON object")
+    form.add_argument("--regex", help="answer with text this regular expression matches whole")
+    form.add_argument("--choice", action="append", help="answer with exactly one of these (repeatable)")
     p.add_argument("--timeout", type=float, default=600.0)
     s = p.add_argument_group("security")
     s.add_argument("--tls", action="store_true", help="connect over TLS, verifying with the system's CA roots")

@@ -1,9 +1,11 @@
 """Structured output (engine/structured_output.py): every constraint kind is obeyed, speculation changes
 no token (greedy and seeded; chains, trees and a drafter that knows the answer), draft tokens the
-constraint refuses are cut before the forward, and bad constraints fail alone with INVALID_ARGUMENT."""
+constraint refuses are cut before the forward, bad constraints fail alone with INVALID_ARGUMENT, and
+`splitspec generate` asks for each kind."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -12,14 +14,22 @@ import grpc
 import pytest
 from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
-from verifier_support import OracleDrafter, ScriptedDrafter, byte_token_ids, one_torch_thread, serve_drafter  # noqa: F401
-from verifier_support import shared_model
+from verifier_support import (
+    OracleDrafter,
+    ScriptedDrafter,
+    byte_token_ids,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    serve_drafter,
+    shared_model,
+)
 
 from drafter_sdk.proto import verifier_pb2 as pb
-from verifier_service.engine.structured_output import Constraint, Grammars
+from verifier_service.engine.structured_output import Constraint, Grammars, StructuredOutputUnavailable
+from verifier_service.tools import cli
 
 # Compact JSON: llguidance's default allows any whitespace between items, where a random model would wander.
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["name", "n"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
 REGEX = r"(fox|dog)+ [0-9]{3}"
 CHOICES = ["yes", "no", "maybe so"]
@@ -39,7 +49,7 @@ def obeys(kind: str, text: str) -> bool:
     """The whole answer is what the constraint allows (for an answer that ended by itself)."""
     if kind == "json_schema":
         value = json.loads(text)
-        return set(value) == {"name", "n"} and isinstance(value["name"], str) and isinstance(value["n"], int)
+        return set(value) == {"name", "n"} and len(value["name"]) <= 6 and value["n"] in range(1000)
     if kind == "json_object":
         return isinstance(json.loads(text), dict)
     if kind == "regex":
@@ -99,7 +109,8 @@ def test_every_constraint_is_obeyed_and_speculation_changes_no_token() -> None:
         assert [list(out.token_ids) for out in told] == [references[tuple(r.params.token_ids.ids)] for _, r in greedy]
         assert sum(out.stats.num_accepted_tokens for out in told) > 0
         assert not [e for e in oracle.feedback_errors if "left the reference" in e]
-        assert sum(out.stats.num_draft_tokens for out in told) < sum(len(d) for call in oracle.calls for d in call.drafts)
+        proposed = sum(len(d) for call in oracle.calls for d in call.drafts)
+        assert sum(out.stats.num_draft_tokens for out in told) < proposed
 
     asyncio.run(main())
 
@@ -142,6 +153,12 @@ def test_a_tree_is_cut_below_its_refused_nodes_and_each_row_masked_after_its_pat
     assert masks[4].nonzero().flatten().tolist() == [tiny_tokenizer().eos_token_id]  # complete: only the end
 
 
+def test_a_tokenizer_llguidance_cannot_read_makes_structured_output_unavailable() -> None:
+    not_fast = object()  # llguidance reads only fast (Rust-backed) tokenizers
+    with pytest.raises(StructuredOutputUnavailable, match="not available for this model's tokenizer"):
+        Grammars(not_fast, 400, frozenset()).compile(Constraint("regex", "a"))
+
+
 @pytest.mark.parametrize(("constraint", "stopping", "words"), [
     (pb.StructuredOutput(json_schema='{"type": "nonsense"}'), {}, "structured_output.json_schema: "),
     (pb.StructuredOutput(json_schema="{"), {}, "json_schema is not valid JSON"),
@@ -167,3 +184,26 @@ def test_a_bad_constraint_fails_alone(constraint: pb.StructuredOutput, stopping:
             assert ok.output.text in CHOICES
 
     asyncio.run(main())
+
+
+def test_splitspec_generate_asks_for_a_structured_answer(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    parser = argparse.ArgumentParser()
+    cli.add_generate(parser.add_subparsers())
+
+    async def main() -> list[tuple[int, str]]:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model()) as v:
+            runs = []
+            for flags in (["--json-schema", str(schema)], ["--regex", REGEX], ["--choice", "yes", "--choice", "no"]):
+                args = parser.parse_args(["generate", PROMPTS[0], "--raw", "--max-new-tokens", str(NEW_TOKENS),
+                                          "--target", v.address, *flags])
+                code = await asyncio.to_thread(args.func, args)  # the client blocks: off the server's loop
+                runs.append((code, capsys.readouterr().out.strip()))
+            return runs
+
+    (c1, as_json), (c2, as_regex), (c3, as_choice) = asyncio.run(main())
+    assert c1 == c2 == c3 == 0
+    assert obeys("json_schema", as_json) and re.fullmatch(REGEX, as_regex) and as_choice in ("yes", "no")
+    with pytest.raises(SystemExit):  # one kind at a time
+        parser.parse_args(["generate", "x", "--json", "--regex", "a"])
