@@ -127,14 +127,16 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
 
 
 @pytest.mark.timeout(600)  # three verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(tmp_path: Path, model_dir: Path) -> None:
+def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_and_structured_output(
+        tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--engine-only", "--engine-sections", "all",
          "--max-new-tokens", "12", "--long-prompt-tokens", "300", "--document-tokens", "200", "--turns", "3",
-         "--out", str(out)], capture_output=True, text=True, timeout=600)
+         "--prompts", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Per-step overhead" in done.stdout and "Multi-turn chat" in done.stdout
+    assert "Structured output: 2 templated prompts" in done.stdout
     report = json.loads((out / "engine.json").read_text())
     assert [r["system"] for r in report["overhead"]["rows"]] == ["plain", "remote n-gram"]
     assert all(r["steps"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in report["overhead"]["rows"])
@@ -146,6 +148,11 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_and_multi_turn_ttft(
     turns = report["multi_turn"]["rows"]
     assert len(turns) == 3 and all(t["identical"] for t in turns)
     assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 192 for t in turns[1:])
+    structured = report["structured"]["rows"]
+    assert [(r["output"], r["speculation"]) for r in structured] == [
+        ("free", "plain"), ("free", "remote n-gram"), ("JSON schema", "plain"), ("JSON schema", "remote n-gram")]
+    assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in structured)
+    assert [r["valid_json"] is None for r in structured] == [True, True, False, False]
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:

@@ -11,7 +11,10 @@
 - prefill-gap: three plain streams' inter-token gaps while a long prompt is admitted, with the
   default chunked prefill and with the whole prompt in one step;
 - multi-turn: time to first token of each turn of a chat over a long document, with prefix
-  caching on and off (the outputs must be identical).
+  caching on and off (the outputs must be identical);
+- structured: the templated workload's JSON descriptions asked for free and held to a JSON schema
+  (structured output), plain and with the remote n-gram drafter: decoding speed, tokens per step,
+  whether each held answer is valid JSON of the schema, and whether speculation changed a token.
 
 Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching, and one n-gram
 drafter (with /metrics); each section uses prompts of its own, so no cached prefix crosses from one
@@ -39,7 +42,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.local_services import LocalService, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
         if "multi-turn" in chosen:
             uncached = verifier("uncached", "--no-prefix-caching")
             results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
+        if "structured" in chosen:
+            results["structured"] = _structured(default, tokenizer, args)
     _print(results)
     (out / "engine.json").write_text(json.dumps(results, indent=2))
     return results
@@ -269,6 +274,60 @@ def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrai
     return {"document_tokens": len(doc), "rows": rows}
 
 
+# --- structured output ----------------------------------------------------------------------------
+
+TEMPLATED_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "module", "summary", "parameters", "returns", "example"],
+    "properties": {
+        "name": {"type": "string"}, "module": {"type": "string"}, "summary": {"type": "string"},
+        "parameters": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "description"],
+            "properties": {"name": {"type": "string"}, "description": {"type": "string"}}}},
+        "returns": {"type": "string"}, "example": {"type": "string"}}}
+
+
+def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
+    """Each templated prompt (its chat alone, the answer not started) four ways, one after another:
+    free and held to TEMPLATED_SCHEMA, each plain and with the remote n-gram drafter."""
+    schema = verifier_pb2.StructuredOutput(json_schema=json.dumps(TEMPLATED_SCHEMA))
+    prompts = [workloads.chat_ids(text, tokenizer) for _, text in workloads.templated(args.prompts)]
+    systems = [("free", None, False), ("free", None, True), ("JSON schema", schema, False), ("JSON schema", schema, True)]
+    client = Client(v.address)
+    client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
+    client.stream(prompts[0][:32][::-1], 8, speculate=False, structured=schema)  # llguidance's vocabulary, once
+    runs: dict[int, list[tuple[list[float], verifier_pb2.GenerationOutput]]] = {i: [] for i in range(len(systems))}
+    for prompt in prompts:
+        for i, (_, form, speculate) in enumerate(systems):
+            runs[i].append(client.stream(prompt, args.max_new_tokens, speculate=speculate, structured=form))
+    client.close()
+    rows = []
+    for i, (form_name, form, speculate) in enumerate(systems):
+        outs = [final for _, final in runs[i]]
+        plain = [final for _, final in runs[i - 1]] if speculate else outs
+        steps = sum(o.stats.num_steps for o in outs)
+        rows.append({
+            "output": form_name, "speculation": "remote n-gram" if speculate else "plain",
+            "tok_s": statistics.median((len(a) - 1) / max(a[-1] - a[0], 1e-9) for a, _ in runs[i]),
+            "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
+            "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
+            "valid_json": sum(_valid(tokenizer.decode(o.token_ids, skip_special_tokens=True)) for o in outs)
+            if form is not None else None,
+            "finished": sum(o.finish_reason == verifier_pb2.FINISH_REASON_STOP for o in outs),
+            "identical_to_plain": sum(list(a.token_ids) == list(b.token_ids) for a, b in zip(outs, plain)),
+            "prompts": len(outs)})
+    return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
+
+
+def _valid(text: str) -> bool:
+    """The text is one JSON object of TEMPLATED_SCHEMA's keys."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == set(TEMPLATED_SCHEMA["required"])
+
+
 class Client:
     """Streams a request and notes when each token arrives."""
 
@@ -276,13 +335,16 @@ class Client:
         self._channel = grpc.insecure_channel(address)
         self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
 
-    def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None
+    def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None,
+               structured: verifier_pb2.StructuredOutput | None = None
                ) -> tuple[list[float], verifier_pb2.GenerationOutput]:
-        """Arrival times (appended to `arrivals` as tokens come, if given) and the final output."""
+        """Arrival times (appended to `arrivals` as tokens come, if given) and the final output. The
+        end-of-sequence token is ignored (every request runs its length) unless a structured output,
+        whose end it is, is asked for."""
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=ids),
-            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
-            speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
+            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=structured is None),
+            speculation=verifier_pb2.SpeculationOverrides(disable=not speculate), structured_output=structured))
         arrivals = [] if arrivals is None else arrivals
         tokens: list[int] = []
         final = verifier_pb2.GenerationOutput()
@@ -320,6 +382,17 @@ def _print(results: dict) -> None:
         for r in results["prefill_gap"]:
             print(f"{r['config']:<20}{r['long_prompt_tokens']:>7}{r['median_gap_ms']:>15.1f}"
                   f"{r['max_gap_during_prefill_ms']:>12.1f}{r['max_over_median']:>12.1f}{r['long_ttft_s']:>13.2f}")
+    if "structured" in results:
+        st = results["structured"]
+        print(f"\nStructured output: {st['prompts']} templated prompts, free and held to a JSON schema "
+              f"(decode tok/s: median over prompts, after the first token)")
+        print(f"{'output':<13}{'speculation':<15}{'tok/s':>7}{'tokens/step':>13}{'tokens':>8}{'valid JSON':>12}"
+              f"{'ended':>7}{'identical':>11}")
+        for r in st["rows"]:
+            valid = "-" if r["valid_json"] is None else f"{r['valid_json']}/{r['prompts']}"
+            print(f"{r['output']:<13}{r['speculation']:<15}{r['tok_s']:>7.1f}{r['tokens_per_step']:>13.2f}"
+                  f"{r['mean_tokens']:>8.0f}{valid:>12}{r['finished']:>7}{r['identical_to_plain']:>8}/{r['prompts']}")
+        print("identical: equal to the same output plain; ended: stopped by itself, not by max_new_tokens")
     if "multi_turn" in results:
         m = results["multi_turn"]
         print(f"\nMulti-turn chat over a {m['document_tokens']}-token document: time to first token")
