@@ -276,15 +276,19 @@ def _multi_turn(cached: LocalService, uncached: LocalService, tokenizer: PreTrai
 
 # --- structured output ----------------------------------------------------------------------------
 
+# Bounded, as one would hold a small model: left to itself, the 135M model repeats a list item or a
+# sentence until max_new_tokens.
 TEMPLATED_SCHEMA = {
     "type": "object", "additionalProperties": False,
     "required": ["name", "module", "summary", "parameters", "returns", "example"],
     "properties": {
-        "name": {"type": "string"}, "module": {"type": "string"}, "summary": {"type": "string"},
-        "parameters": {"type": "array", "items": {
+        "name": {"type": "string", "maxLength": 40}, "module": {"type": "string", "maxLength": 40},
+        "summary": {"type": "string", "maxLength": 160},
+        "parameters": {"type": "array", "maxItems": 4, "items": {
             "type": "object", "additionalProperties": False, "required": ["name", "description"],
-            "properties": {"name": {"type": "string"}, "description": {"type": "string"}}}},
-        "returns": {"type": "string"}, "example": {"type": "string"}}}
+            "properties": {"name": {"type": "string", "maxLength": 24},
+                           "description": {"type": "string", "maxLength": 120}}}},
+        "returns": {"type": "string", "maxLength": 120}, "example": {"type": "string", "maxLength": 80}}}
 
 
 def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
@@ -292,7 +296,8 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     free and held to TEMPLATED_SCHEMA, each plain and with the remote n-gram drafter."""
     schema = verifier_pb2.StructuredOutput(json_schema=json.dumps(TEMPLATED_SCHEMA))
     prompts = [workloads.chat_ids(text, tokenizer) for _, text in workloads.templated(args.prompts)]
-    systems = [("free", None, False), ("free", None, True), ("JSON schema", schema, False), ("JSON schema", schema, True)]
+    systems = [("free", None, False), ("free", None, True), ("JSON schema", schema, False),
+               ("JSON schema", schema, True)]
     client = Client(v.address)
     client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
     client.stream(prompts[0][:32][::-1], 8, speculate=False, structured=schema)  # llguidance's vocabulary, once
