@@ -80,6 +80,8 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: undefined_rule"}, 400, "structured_output.grammar: "),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, 400,
      "structured_output cannot be combined with ignore_eos"),
+    (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, 400,
+     "structured_outputs.whitespace_pattern: not supported"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": 4, "max_tokens": 3}, 400, "min_new_tokens (4) is more than"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),

@@ -78,13 +78,25 @@ class ResponseFormat(_Body):
 
 
 class StructuredOutputs(_Body):
-    """vLLM's `structured_outputs` (one of them)."""
+    """vLLM's `structured_outputs` (one of them). `disable_any_whitespace` makes JSON compact; vLLM's
+    options this server does not serve are refused unless neutral."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_additional_properties: Any = None
+
+    @field_validator("structural_tag", "whitespace_pattern", "disable_additional_properties", mode="before")
+    @classmethod
+    def _not_served(cls, value: Any) -> None:
+        if value not in (None, False):
+            raise PydanticCustomError("unsupported", "not supported by this server (leave it out)")
+        return None
 
 
 class GenerationBody(_Body):
@@ -214,7 +226,7 @@ class GenerationBody(_Body):
         so = self.structured_outputs
         if so is not None:
             found += [(f"structured_outputs.{name}", c) for name, c in _vllm_constraints(
-                so.json_, so.regex, so.choice, so.grammar, so.json_object)]
+                so.json_, so.regex, so.choice, so.grammar, so.json_object, compact=so.disable_any_whitespace)]
         found += [(name, c) for name, c in _vllm_constraints(
             self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, None, prefix="guided_")]
         if len(found) > 1:
@@ -225,16 +237,27 @@ class GenerationBody(_Body):
         raise NotImplementedError
 
 
-def _json_schema(schema: dict[str, Any] | str) -> verifier_pb2.StructuredOutput:
+def _json_schema(schema: dict[str, Any] | str, compact: bool = False) -> verifier_pb2.StructuredOutput:
+    """`compact`: no whitespace between JSON items (llguidance's schema option; vLLM's disable_any_whitespace)."""
+    if compact:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:  # request_parsing names the mistake
+                return verifier_pb2.StructuredOutput(json_schema=schema)
+        if isinstance(schema, dict):
+            options = schema.get("x-guidance")
+            schema = {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}),
+                                               "whitespace_flexible": False}}
     return verifier_pb2.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
 
 
 def _vllm_constraints(schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
-                      grammar: str | None, json_object: bool | None, prefix: str = ""
+                      grammar: str | None, json_object: bool | None, prefix: str = "", compact: bool = False
                       ) -> list[tuple[str, verifier_pb2.StructuredOutput]]:
     found = []
     if schema is not None:
-        found.append((f"{prefix}json", _json_schema(schema)))
+        found.append((f"{prefix}json", _json_schema(schema, compact)))
     if regex is not None:
         found.append((f"{prefix}regex", verifier_pb2.StructuredOutput(regex=regex)))
     if choice is not None:
@@ -243,7 +266,8 @@ def _vllm_constraints(schema: dict[str, Any] | str | None, regex: str | None, ch
     if grammar is not None:
         found.append((f"{prefix}grammar", verifier_pb2.StructuredOutput(grammar=grammar)))
     if json_object:
-        found.append((f"{prefix}json_object", verifier_pb2.StructuredOutput(json_object=True)))
+        found.append((f"{prefix}json_object", _json_schema({"type": "object"}, compact) if compact
+                      else verifier_pb2.StructuredOutput(json_object=True)))
     return found
 
 
