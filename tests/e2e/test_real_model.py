@@ -49,7 +49,23 @@ def references() -> list[list[int]]:
     return [reference_greedy(model, chat_ids(p), NEW_TOKENS) for p in PROMPTS]
 
 
-async def generate_all(spec) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
+# Structured output: an answer held to this schema (engine/structured_output.py).
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                         "population": {"type": "integer"}},
+        "required": ["city", "country", "population"], "additionalProperties": False}
+
+
+def city_request(speculate: bool) -> verifier_pb2.GenerateRequest:
+    return verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+        chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(
+            role="user", content="Describe the capital of France as JSON: its city, country and population.")]),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=80),
+        structured_output=verifier_pb2.StructuredOutput(json_schema=json.dumps(CITY)),
+        speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
+
+
+async def generate_all(spec, structured: bool = False) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
+    """The PROMPTS' replies; with `structured`, then the CITY answer with speculation and without."""
     model, tokenizer = smollm()
     async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
                             kv_cache_memory_gb=0.5) as v:
@@ -58,13 +74,21 @@ async def generate_all(spec) -> list[verifier_pb2.GenerateResponse]:  # noqa: AN
             chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPTS[0])]),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS))), timeout=300)
         assert list(chat.output.token_ids) == list(replies[0].output.token_ids), "chat input renders as the template does"
+        if structured:
+            replies += [await v.stub.Generate(city_request(speculate), timeout=300) for speculate in (True, False)]
         return replies
 
 
 def test_in_process_ngram_is_exact_and_accepts_drafts() -> None:
-    replies = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
+    """And a chat answer held to a JSON schema is that JSON, the same with and without the drafter."""
+    *replies, held, held_plain = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True),
+                                                          structured=True))
     assert [list(r.output.token_ids) for r in replies] == references()
     assert replies[0].output.stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+    assert list(held.output.token_ids) == list(held_plain.output.token_ids) and held.output.stats.num_drafts > 0
+    assert held.output.finish_reason == verifier_pb2.FINISH_REASON_STOP, held.output.text
+    value = json.loads(held.output.text)
+    assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
 
 
 def test_plain_decoding_equals_transformers_generate() -> None:
@@ -80,32 +104,6 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
     assert [list(r.output.token_ids) for r in replies] == references()
     assert replies[0].output.stats.mean_acceptance_length > 2.0
     assert all(r.output.stats.num_drafter_failures == 0 for r in replies)
-
-
-def test_a_json_schema_answer_parses_and_speculation_changes_no_token() -> None:
-    """Structured output on the real model: a chat answer held to a JSON schema is that JSON, and the
-    in-process n-gram drafter (its drafts cut to what the schema allows) changes no token."""
-    model, tokenizer = smollm()
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
-                                               "population": {"type": "integer"}},
-              "required": ["city", "country", "population"], "additionalProperties": False}
-    request = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
-        chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(
-            role="user", content="Describe the capital of France as JSON: its city, country and population.")]),
-        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=80),
-        structured_output=verifier_pb2.StructuredOutput(json_schema=json.dumps(schema))))
-
-    async def answer(spec) -> verifier_pb2.GenerationOutput:  # noqa: ANN001
-        async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
-                                kv_cache_memory_gb=0.5) as v:
-            return (await v.stub.Generate(request, timeout=300)).output
-
-    plain = asyncio.run(answer(spec_config("NONE")))
-    drafted = asyncio.run(answer(spec_config("NGRAM", 8, adaptiveDraftLen=True)))
-    assert list(drafted.token_ids) == list(plain.token_ids)
-    assert plain.finish_reason == verifier_pb2.FINISH_REASON_STOP, plain.text
-    value = json.loads(plain.text)
-    assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
 
 
 def test_demo_runs_end_to_end() -> None:
