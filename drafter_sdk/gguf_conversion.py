@@ -10,7 +10,10 @@ from it as the GGUF load would, so the weights are the same either way.
 The cache key is the GGUF's absolute path, size and modification time, and the transformers
 version that converted it: a replaced file or an upgraded converter converts again. A lock file
 serialises converters (tensor-parallel ranks start together); a conversion is written to a
-temporary folder and renamed into place, so a reader never sees half of one.
+temporary folder and renamed into place, so a reader never sees half of one. Before that, the
+written folder is loaded back and compared with what the GGUF loaded to, every tensor and the
+tokenizer's chat template, special tokens and vocabulary (about a second): a conversion that would
+load to anything else is not kept, and the GGUF is loaded directly instead.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSPEC_CACHE_DIR"  # where conversions live; "off" loads every GGUF directly
 DONE = "converted"  # written last: a folder without it is not a conversion
+
+
+class ConversionMismatch(RuntimeError):
+    """The written folder does not load back to what the GGUF loaded to."""
 
 
 def cache_root() -> Path | None:
@@ -66,7 +75,7 @@ def convert(folder: str, gguf_file: str) -> Path | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (target / DONE).exists():
                 _write(folder, gguf_file, target)
-    except OSError as e:
+    except (OSError, ConversionMismatch) as e:
         log.warning("cannot cache the conversion of %s under %s (%s); loading the GGUF directly", gguf_path, root, e)
         return None
     return target
@@ -85,10 +94,29 @@ def _write(folder: str, gguf_file: str, target: Path) -> None:
     try:
         tokenizer.save_pretrained(staging)
         model.save_pretrained(staging)
-        (staging / DONE).write_text(f"{folder}/{gguf_file}\n")
+        checked = check_loads_back(model, tokenizer, staging)
+        (staging / DONE).write_text(f"{folder}/{gguf_file}\nloads back equal: {checked} tensors and the tokenizer\n")
         if target.exists():  # an unfinished folder from a conversion that died
             shutil.rmtree(target)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf_file, time.monotonic() - started)
+
+
+def check_loads_back(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> int:
+    """Load `folder` and compare it with `model` and `tokenizer`: every tensor bit for bit, and the
+    tokenizer's vocabulary, special tokens and chat template. Returns the tensors compared; raises
+    ConversionMismatch at the first difference."""
+    saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    original = model.state_dict()
+    if saved.keys() != original.keys():
+        raise ConversionMismatch(f"the saved model has other tensors ({sorted(saved.keys() ^ original.keys())[:3]})")
+    different = next((name for name, t in original.items() if not torch.equal(saved[name], t)), None)
+    if different is not None:
+        raise ConversionMismatch(f"tensor {different} loads back different")
+    loaded = AutoTokenizer.from_pretrained(folder)
+    if (tokenizer_fingerprint(loaded) != tokenizer_fingerprint(tokenizer)
+            or loaded.chat_template != tokenizer.chat_template or loaded.eos_token_id != tokenizer.eos_token_id):
+        raise ConversionMismatch("the saved tokenizer loads back different")
+    return len(original)

@@ -33,8 +33,6 @@ from verifier_service.engine.tree_verify import draft_paths
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
 
 class ConstraintError(ValueError):
     """The constraint does not compile: the request's mistake."""
@@ -46,7 +44,7 @@ class StructuredOutputUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Constraint:
-    kind: str  # one of KINDS
+    kind: str  # StructuredOutput's oneof: json_schema, json_object, regex, choice or grammar
     text: str = ""  # the schema (JSON), the regex, the choices (a JSON list) or the grammar; "" for json_object
 
     def grammar(self) -> str:
