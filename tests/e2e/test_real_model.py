@@ -28,7 +28,7 @@ PROMPTS = [
     f"Add type hints to this Python function. Reply with the full function only.\n\n{FUNCTION}",
     "What is the capital of France? Answer in one sentence.",
 ]
-NEW_TOKENS = 40
+NEW_TOKENS = 24
 
 
 @functools.cache
@@ -64,8 +64,9 @@ def city_request(speculate: bool) -> verifier_pb2.GenerateRequest:
         speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
 
 
-async def generate_all(spec, structured: bool = False) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
-    """The PROMPTS' replies; with `structured`, then the CITY answer with speculation and without."""
+async def generate_all(spec, also_plain: bool = False) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
+    """The PROMPTS' replies. With `also_plain`, then the same without speculation (the per-request
+    override: plain decoding on the same verifier), then the CITY answer with speculation and without."""
     model, tokenizer = smollm()
     async with run_verifier(spec, model=model, tokenizer=tokenizer, max_model_len=1024,
                             kv_cache_memory_gb=0.5) as v:
@@ -74,26 +75,27 @@ async def generate_all(spec, structured: bool = False) -> list[verifier_pb2.Gene
             chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPTS[0])]),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS))), timeout=300)
         assert list(chat.output.token_ids) == list(replies[0].output.token_ids), "chat input renders as the template does"
-        if structured:
+        if also_plain:
+            plain = verifier_pb2.SpeculationOverrides(disable=True)
+            replies += [await v.stub.Generate(token_request(chat_ids(p), NEW_TOKENS, speculation=plain), timeout=300)
+                        for p in PROMPTS]
             replies += [await v.stub.Generate(city_request(speculate), timeout=300) for speculate in (True, False)]
         return replies
 
 
-def test_in_process_ngram_is_exact_and_accepts_drafts() -> None:
-    """And a chat answer held to a JSON schema is that JSON, the same with and without the drafter."""
-    *replies, held, held_plain = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True),
-                                                          structured=True))
-    assert [list(r.output.token_ids) for r in replies] == references()
-    assert replies[0].output.stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+def test_in_process_ngram_and_plain_decoding_equal_generate() -> None:
+    """Speculative and plain decoding both equal transformers' generate(); and a chat answer held to a
+    JSON schema is that JSON, the same with and without the drafter."""
+    replies = asyncio.run(generate_all(spec_config("NGRAM", 8, adaptiveDraftLen=True), also_plain=True))
+    speculative, plain, (held, held_plain) = replies[:3], replies[3:6], replies[6:]
+    assert [list(r.output.token_ids) for r in speculative] == references()
+    assert [list(r.output.token_ids) for r in plain] == references()
+    assert speculative[0].output.stats.mean_acceptance_length > 2.0  # repeating a paragraph: drafts are accepted
+    assert all(r.output.stats.num_drafts == 0 for r in plain)
     assert list(held.output.token_ids) == list(held_plain.output.token_ids) and held.output.stats.num_drafts > 0
     assert held.output.finish_reason == verifier_pb2.FINISH_REASON_STOP, held.output.text
     value = json.loads(held.output.text)
     assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
-
-
-def test_plain_decoding_equals_transformers_generate() -> None:
-    replies = asyncio.run(generate_all(spec_config("NONE")))
-    assert [list(r.output.token_ids) for r in replies] == references()
 
 
 def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
