@@ -9,6 +9,7 @@ The text relayed is the engine's: stop strings never leak and characters never s
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestE
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
-from verifier_service.engine.structured_output import ConstraintError, StructuredOutputUnavailable
+from verifier_service.engine.structured_output import ConstraintError, Grammar, StructuredOutputUnavailable
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec.policy import SpecState
 
@@ -42,7 +43,8 @@ class GenerationFailed(Exception):
         self.unavailable = unavailable
 
 
-def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
+def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = None) -> Sequence:
+    """`grammar`: parsed.constraint compiled (compile_constraint)."""
     generator = None
     if not parsed.sampling.greedy:
         generator = torch.Generator(device=rt.engine.runner.device)
@@ -50,19 +52,25 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest) -> Sequence:
             generator.manual_seed(parsed.sampling.seed)
         else:
             generator.seed()
-    grammar = None
-    if parsed.constraint is not None:
-        try:
-            grammar = rt.grammars.compile(parsed.constraint)
-        except ConstraintError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except StructuredOutputUnavailable as e:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     return Sequence(
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens),
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar)
+
+
+async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Grammar | None:
+    """The request's structured-output constraint, compiled on a worker thread: llguidance lets go of
+    the GIL, and a large schema takes a while (0.34 s for 5,000 properties here), during which the
+    servers keep answering. Raises RequestError."""
+    if parsed.constraint is None:
+        return None
+    try:
+        return await asyncio.to_thread(rt.grammars.compile, parsed.constraint)
+    except ConstraintError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    except StructuredOutputUnavailable as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
 
 
 class Generations:
@@ -104,11 +112,14 @@ class Generations:
             raise Unavailable(DRAINING)
         return self.runtime, self.limits
 
-    def start(self, params: verifier_pb2.GenerationParams) -> Sequence:
+    async def start(self, params: verifier_pb2.GenerationParams) -> Sequence:
         """Parse, check and submit. Raises Unavailable, request_parsing.RequestError or
         scheduler.QueueFullError."""
         rt, limits = self.check_ready()
-        seq = new_sequence(rt, parse(params, rt.tokenizer, limits))
+        parsed = parse(params, rt.tokenizer, limits)
+        grammar = await compile_constraint(rt, parsed)
+        rt, _ = self.check_ready()  # still serving after the compile
+        seq = new_sequence(rt, parsed, grammar)
         rt.engine.submit(seq)
         return seq
 

@@ -167,7 +167,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     if body.model is not None and body.model not in names:
         raise HttpError(404, f"the model {body.model!r} is not served here; served: {', '.join(names)}",
                         param="model", code="model_not_found")
-    seqs = _start(gen, body)
+    seqs = await _start(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
                           body.echoes_prompt, body.prompt_only)
     if body.stream:
@@ -192,7 +192,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     return JSONResponse(responder.response(seqs, choices))
 
 
-def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
+async def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
     """Start every choice (n for each prompt) as its own sequence; all or none."""
     choices = body.num_prompts * body.n
     scheduler = gen.runtime.engine.scheduler
@@ -204,7 +204,7 @@ def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
     seqs: list[Sequence] = []
     try:
         for i in range(choices):
-            seqs.append(gen.start(body.params(i)))
+            seqs.append(await gen.start(body.params(i)))
     except BaseException as exc:
         for seq in seqs:
             gen.runtime.engine.cancel(seq)

@@ -47,7 +47,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def _start(self, params: verifier_pb2.GenerationParams, context: grpc.aio.ServicerContext) -> Sequence:
         try:
-            return self.generations.start(params)
+            return await self.generations.start(params)
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestError as exc:

@@ -1,7 +1,7 @@
 """Structured output (engine/structured_output.py): every constraint kind is obeyed, speculation changes
 no token (greedy and seeded; chains, trees and a drafter that knows the answer), draft tokens the
-constraint refuses are cut before the forward, bad constraints fail alone with INVALID_ARGUMENT, and
-`splitspec generate` asks for each kind."""
+constraint refuses are cut before the forward, bad constraints fail alone with INVALID_ARGUMENT, the
+servers keep serving while a constraint compiles, and `splitspec generate` asks for each kind."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import re
+import threading
 
 import grpc
 import pytest
@@ -207,3 +208,28 @@ def test_splitspec_generate_asks_for_a_structured_answer(tmp_path, capsys: pytes
     assert obeys("json_schema", as_json) and re.fullmatch(REGEX, as_regex) and as_choice in ("yes", "no")
     with pytest.raises(SystemExit):  # one kind at a time
         parser.parse_args(["generate", "x", "--json", "--regex", "a"])
+
+
+def test_the_servers_keep_serving_while_a_constraint_compiles() -> None:
+    """A constraint compiles on a worker thread: while one is held mid-compile, another request is
+    served from start to end, and the held one then runs as usual."""
+    release = threading.Event()
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model()) as v:
+            grammars = v.running.runtime.grammars
+            compile_now = grammars.compile
+
+            def held(constraint: Constraint):  # noqa: ANN202
+                assert release.wait(60), "never released"
+                return compile_now(constraint)
+
+            grammars.compile = held
+            structured = asyncio.ensure_future(v.stub.Generate(
+                token_request([5, 6, 7], 8, structured_output=CONSTRAINTS["choice"]), timeout=60))
+            free = await v.stub.Generate(token_request([5, 6, 7], 8), timeout=60)
+            assert len(free.output.token_ids) == 8 and not structured.done()
+            release.set()
+            assert (await structured).output.text in CHOICES
+
+    asyncio.run(main())
