@@ -280,12 +280,13 @@ def test_structured_output_through_the_openai_client_equals_grpc_with_and_withou
                 structured_output=verifier_pb2.StructuredOutput(json_schema=json.dumps(schema)))
             assert list(grpc_out.token_ids) == spec.choices[0].model_extra["splitspec"]["token_ids"]
 
-            whole = await h.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                           max_tokens=40, response_format={"type": "json_object"})
-            if whole.choices[0].finish_reason == "stop":
-                assert isinstance(json.loads(whole.choices[0].message.content), dict)
-            else:  # out of tokens mid-object: still the start of one
-                assert whole.choices[0].message.content.startswith("{")
+            for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "any"}}):
+                whole = await h.client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, response_format=fmt)
+                if whole.choices[0].finish_reason == "stop":
+                    assert isinstance(json.loads(whole.choices[0].message.content), dict)
+                else:  # out of tokens mid-object: still the start of one
+                    assert whole.choices[0].message.content.startswith("{")
             loose = {k: v for k, v in schema.items() if k != "x-guidance"}  # vLLM's option makes it compact
             compact = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, extra_body={
                 "structured_outputs": {"json": loose, "disable_any_whitespace": True}})

@@ -59,7 +59,7 @@ class StreamOptions(_Body):
 
 class JsonSchemaFormat(_Body):
     name: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # optional in OpenAI's API: then any JSON object
     strict: bool | None = None
 
 
@@ -222,7 +222,9 @@ class GenerationBody(_Body):
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", verifier_pb2.StructuredOutput(json_object=True)))
         elif rf is not None and rf.json_schema is not None:
-            found.append(("response_format", _json_schema(rf.json_schema.schema_)))
+            schema = rf.json_schema.schema_
+            found.append(("response_format", _json_schema(schema) if schema is not None
+                          else verifier_pb2.StructuredOutput(json_object=True)))
         so = self.structured_outputs
         if so is not None:
             found += [(f"structured_outputs.{name}", c) for name, c in _vllm_constraints(
