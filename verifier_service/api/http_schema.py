@@ -34,6 +34,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None}
 UNSUPPORTED_IN_CHAT = {"echo": False}  # vLLM's chat echo (the last message repeated); completions serve echo
+# vLLM's structured_outputs options that llguidance's constraints here do not take.
+UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern": None,
+                                     "disable_additional_properties": False}
 
 
 class _Body(BaseModel):
@@ -41,7 +44,7 @@ class _Body(BaseModel):
 
 
 def _unsupported_field(value: Any, info: ValidationInfo) -> Any:
-    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT)[info.field_name]
+    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT | UNSUPPORTED_IN_STRUCTURED_OUTPUTS)[info.field_name]
     if value is not None and value != neutral:
         hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
         raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
@@ -87,16 +90,12 @@ class StructuredOutputs(_Body):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Refused unless neutral (UNSUPPORTED_IN_STRUCTURED_OUTPUTS); never read.
     structural_tag: Any = None
     whitespace_pattern: Any = None
     disable_additional_properties: Any = None
 
-    @field_validator("structural_tag", "whitespace_pattern", "disable_additional_properties", mode="before")
-    @classmethod
-    def _not_served(cls, value: Any) -> None:
-        if value not in (None, False):
-            raise PydanticCustomError("unsupported", "not supported by this server (leave it out)")
-        return None
+    _check_unsupported = field_validator(*UNSUPPORTED_IN_STRUCTURED_OUTPUTS, mode="before")(_unsupported_field)
 
 
 class GenerationBody(_Body):
