@@ -63,7 +63,10 @@ def _command_flooding_its_drafter() -> Iterator[tuple[subprocess.Popen[bytes], i
             assert command.poll() is None and time.monotonic() < deadline, "no drafter was started"
             time.sleep(0.05)
         (drafter_pid,) = children
-        argv = Path(f"/proc/{drafter_pid}/cmdline").read_text().split("\0")
+        # Forked but not yet exec'd, the child still shows the command's own argv: wait for the drafter's.
+        while "--port-file" not in (argv := Path(f"/proc/{drafter_pid}/cmdline").read_text().split("\0")):
+            assert time.monotonic() < deadline, f"the child never became the drafter: {argv}"
+            time.sleep(0.05)
         port_file = Path(argv[argv.index("--port-file") + 1])
         while not (port_file.exists() and port_file.read_text().strip()):
             assert time.monotonic() < deadline, "the drafter never bound its port"

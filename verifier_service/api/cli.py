@@ -10,12 +10,15 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
-from verifier_service.api.server import run, run_follower
-from verifier_service.model import host_memory, loader, ranks
+from verifier_service.model import host_memory
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
 from verifier_service.spec import config
+
+if TYPE_CHECKING:
+    from verifier_service.model.ranks import Ranks
 
 
 def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **options: object) -> None:
@@ -119,9 +122,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
 
 
-def check_sharding(settings: ServerSettings, rank: ranks.Ranks) -> None:
+def check_sharding(settings: ServerSettings, rank: Ranks) -> None:
     """Before any other rank starts: can this model be split that many ways here?
     Raises ranks.ShardingError naming the counts."""
+    from verifier_service.model import loader, ranks
+
     if settings.tensor_parallel_size > 1:
         source = loader.resolve_source(settings.model)
         ranks.check_split(loader.load_config(source), settings.tensor_parallel_size, source.name,
@@ -133,8 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+    except config.ConfigError as exc:
+        print(f"splitspec-verifier: {exc}", file=sys.stderr)
+        return 2
+    # Only now torch and transformers (seconds): --help and a bad flag are answered without them.
+    from verifier_service.api.server import run, run_follower
+    from verifier_service.model import ranks
+
+    try:
         rank = ranks.this_rank(settings.tensor_parallel_size)
-    except (config.ConfigError, ranks.ShardingError) as exc:
+    except ranks.ShardingError as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     shown = f"rank {rank.rank} " if rank.size > 1 else ""

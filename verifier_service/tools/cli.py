@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
@@ -145,22 +146,33 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Heavy imports only for the commands that need them.
-    from verifier_service.tools import demo
-    from verifier_service.tools.bench import drafter_memory as bench_drafter_memory
-    from verifier_service.tools.bench import http as bench_http
-    from verifier_service.tools.bench import run as bench
-    from verifier_service.tools.bench import tp as bench_tp
+# name: (the module that defines and runs it, its one line of help). A command's module is imported only when
+# that command runs: bench and most of its kin import torch and transformers (seconds), which `generate`,
+# `demo` and `--help` do not need.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("verifier_service.tools.demo", "run a drafter and a verifier locally and compare with plain decoding"),
+    "bench": ("verifier_service.tools.bench.run",
+              "side-by-side speed: plain, n-gram and suffix drafters (in-process and remote), transformers"),
+    "bench-tp": ("verifier_service.tools.bench.tp",
+                 "tensor parallelism: the same verifier over 1, 2, ... ranks, side by side"),
+    "bench-drafter-memory": ("verifier_service.tools.bench.drafter_memory",
+                             "drafter state bytes per held token, and a flood against the state budget "
+                             "(no model needed)"),
+    "bench-http": ("verifier_service.tools.bench.http",
+                   "the HTTP API's cost over gRPC: batch-1 latency, streaming throughput"),
+}
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="command")
     add_generate(sub)
-    demo.add_parser(sub)
-    bench.add_parser(sub)
-    bench_tp.add_parser(sub)
-    bench_drafter_memory.add_parser(sub)
-    bench_http.add_parser(sub)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     exit_on_sigterm()
     return args.func(args)

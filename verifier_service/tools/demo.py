@@ -105,8 +105,7 @@ def _print_table(rows: list[dict]) -> None:
         print(f"  [{r['workload']}] " + " / ".join(first))
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run a drafter and a verifier locally and compare with plain decoding")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-draft-len", type=int, default=8)

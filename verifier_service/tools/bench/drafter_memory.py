@@ -50,9 +50,7 @@ SETTINGS = {
 }
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-drafter-memory", help="drafter state bytes per held token, and a flood against "
-                                                     "the state budget (no model needed)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequences", type=int, default=64, help="new sequences per flood call")
     p.add_argument("--tokens", type=int, default=4000, help="tokens per flood sequence")
     p.add_argument("--vocab", type=int, default=32000, help="flood token ids are uniform below this")

@@ -37,8 +37,7 @@ from verifier_service.tools.bench import workloads
 from verifier_service.tools.local_services import LocalService, script
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-http", help="the HTTP API's cost over gRPC: batch-1 latency, streaming throughput")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", default="grounded,open", help="comma list of grounded, code, open")
     p.add_argument("--prompts", type=int, default=4, help="prompts per workload")

@@ -53,9 +53,7 @@ def _service(argv: list[str], name: str) -> LocalService:
     return LocalService(argv, name=name, startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="side-by-side speed: plain, n-gram and suffix drafters (in-process and "
-                                     "remote), transformers")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
                    help=f"comma list of {', '.join(workloads.WORKLOADS)}")

@@ -44,8 +44,7 @@ from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.local_services import LocalService, script
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-tp", help="tensor parallelism: the same verifier over 1, 2, ... ranks, side by side")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     source.add_argument("--random-like-embedded", action="store_true",
