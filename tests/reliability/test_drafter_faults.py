@@ -148,14 +148,22 @@ def test_raw_drafter_fault_costs_drafts_only(raw_drafter, workload, fault):
 
 # --- the SDK drafter process: killed, hanging, slow, failing -------------------------------------
 
-@pytest.fixture(params=["oracle", "model"])
-def sdk_drafter(request, workload, tiny_model_dir):
+@pytest.fixture(scope="module", params=["oracle", "model"])
+def sdk_drafter_process(request, workload, tiny_model_dir):
     """The SDK drafter process: drafting from the oracle, or with the SDK's ModelDrafter (the target
-    model drafting for itself, so its drafts are accepted)."""
+    model drafting for itself, so its drafts are accepted). One per kind for the module: each test
+    starts a verifier of its own, which the drafter keeps apart from the earlier ones' requests."""
     with SdkFaultyDrafter(draft_model=tiny_model_dir if request.param == "model" else None) as d:
         d.set("ok", oracle=workload.oracle())
         d.start()
         yield d
+
+
+@pytest.fixture
+def sdk_drafter(sdk_drafter_process):
+    """The module's drafter process, healthy: whatever fault the test before left on is off."""
+    sdk_drafter_process.set("ok")
+    yield sdk_drafter_process
 
 
 def test_drafter_killed_mid_generation_then_restarted(sdk_drafter, workload):
