@@ -50,6 +50,16 @@ class VerifierServiceStub:
                 request_serializer=splitspec_dot_v1_dot_verifier__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_verifier__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/splitspec.v1.VerifierService/Tokenize',
+                request_serializer=splitspec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitspec.v1.VerifierService/Detokenize',
+                request_serializer=splitspec_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -76,6 +86,21 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The tokens a Generate request with the same prompt or chat starts from (vLLM's /tokenize):
+        to count a prompt against max_model_len, or to send token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text, special tokens included (vLLM's /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +118,16 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=splitspec_dot_v1_dot_verifier__pb2.GetServerInfoRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_verifier__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=splitspec_dot_v1_dot_verifier__pb2.TokenizeRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_verifier__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitspec_dot_v1_dot_verifier__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_verifier__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +212,60 @@ class VerifierService:
             '/splitspec.v1.VerifierService/GetServerInfo',
             splitspec_dot_v1_dot_verifier__pb2.GetServerInfoRequest.SerializeToString,
             splitspec_dot_v1_dot_verifier__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.VerifierService/Tokenize',
+            splitspec_dot_v1_dot_verifier__pb2.TokenizeRequest.SerializeToString,
+            splitspec_dot_v1_dot_verifier__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.VerifierService/Detokenize',
+            splitspec_dot_v1_dot_verifier__pb2.DetokenizeRequest.SerializeToString,
+            splitspec_dot_v1_dot_verifier__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -170,6 +170,8 @@ def test_bearer_token_and_tls(tmp_path) -> None:  # noqa: ANN001
                     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
                     assert (await http.get("/v1/models", headers=headers)).status_code == 401
                     assert (await http.get("/metrics", headers=headers)).status_code == 401
+                    assert (await http.post("/tokenize", json={"prompt": "hi"}, headers=headers)).status_code == 401
+                    assert (await http.post("/detokenize", json={"tokens": [1]}, headers=headers)).status_code == 401
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0,
                                         http_client=httpx.AsyncClient(verify=str(pki.ca_cert)))
             r = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)

@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestError, parse
+from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestError, in_vocabulary, input_ids, parse
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -122,6 +122,20 @@ class Generations:
         seq = new_sequence(rt, parsed, grammar)
         rt.engine.submit(seq)
         return seq
+
+    def tokenize(self, request: verifier_pb2.TokenizeRequest) -> verifier_pb2.TokenizeResponse:
+        """The ids Generate would start from for the same input; a prompt too long to generate from
+        is counted, not refused. Raises Unavailable or request_parsing.RequestError."""
+        rt, limits = self.check_ready()
+        ids = input_ids(request, rt.tokenizer, limits, fit_context=False)
+        return verifier_pb2.TokenizeResponse(
+            token_ids=ids, token_strs=rt.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else [],
+            max_model_len=limits.max_model_len)
+
+    def detokenize(self, request: verifier_pb2.DetokenizeRequest) -> verifier_pb2.DetokenizeResponse:
+        """Raises Unavailable or request_parsing.RequestError (an id outside the vocabulary)."""
+        rt, limits = self.check_ready()
+        return verifier_pb2.DetokenizeResponse(text=rt.tokenizer.decode(in_vocabulary(request.token_ids, limits)))
 
     async def outputs(self, seq: Sequence, arrival: float | None = None) -> AsyncIterator[Output]:
         """The sequence's outputs as the engine emits them, empty ones skipped, until the one that

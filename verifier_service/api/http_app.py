@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the same Generations the gRPC front uses.
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events
-with `stream: true`), GET /v1/models, /health, /metrics, and / (the playground).
+with `stream: true`), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /health,
+/metrics, and / (the playground).
 Bodies are read and checked here, not by FastAPI's own validation, so every mistake
 is an OpenAI error object with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
@@ -16,9 +17,10 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -29,12 +31,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import DONE, Choice, Responder, sse
-from verifier_service.api.http_schema import ChatCompletionRequest, CompletionRequest, GenerationBody
+from verifier_service.api.http_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationBody,
+    TokenizeRequest,
+)
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Body = TypeVar("Body", GenerationBody, TokenizeRequest, DetokenizeRequest)
 
 
 @dataclass
@@ -131,6 +142,19 @@ def build_app(state: HttpState) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await _generate(state, request, CompletionRequest, chat=False)
 
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _body(state, request, TokenizeRequest)
+        tokens = _refusals_as_errors(lambda: state.generations.tokenize(body.request()))
+        return JSONResponse({"count": len(tokens.token_ids), "max_model_len": tokens.max_model_len,
+                             "tokens": list(tokens.token_ids),
+                             "token_strs": list(tokens.token_strs) if body.return_token_strs else None})
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _body(state, request, DetokenizeRequest)
+        return JSONResponse({"prompt": _refusals_as_errors(lambda: state.generations.detokenize(body.request())).text})
+
     return app
 
 
@@ -149,8 +173,8 @@ async def _read_json(request: Request, limit: int) -> object:
         raise HttpError(400, f"the body is not valid JSON: {exc}") from None
 
 
-async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
-    arrival = time.perf_counter()
+async def _body(state: HttpState, request: Request, schema: type[Body]) -> Body:
+    """The request's body, checked against `schema`, naming a served model (or none)."""
     data = await _read_json(request, state.max_body_bytes)
     if not isinstance(data, dict):
         raise HttpError(400, "the body must be a JSON object")
@@ -158,15 +182,29 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
         body = schema.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc) from None
-    gen = state.generations
-    try:
-        rt, _ = gen.check_ready()
-    except Unavailable as exc:
-        raise HttpError(503, str(exc)) from None
     names = state.names()
-    if body.model is not None and body.model not in names:
+    if body.model is not None and names and body.model not in names:
         raise HttpError(404, f"the model {body.model!r} is not served here; served: {', '.join(names)}",
                         param="model", code="model_not_found")
+    return body
+
+
+def _refusals_as_errors(answer: Callable[[], T]) -> T:
+    """`answer()`, with a refusal (not served yet, a client mistake) as the HTTP error that says so."""
+    try:
+        return answer()
+    except Unavailable as exc:
+        raise HttpError(503, str(exc)) from None
+    except RequestError as exc:
+        raise HttpError(GRPC_TO_HTTP.get(exc.code, 400), exc.message) from None
+
+
+async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
+    arrival = time.perf_counter()
+    body = await _body(state, request, schema)
+    gen = state.generations
+    rt, _ = _refusals_as_errors(gen.check_ready)
+    names = state.names()
     seqs = await _start(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
                           body.echoes_prompt, body.prompt_only)

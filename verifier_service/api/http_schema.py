@@ -1,4 +1,5 @@
-"""The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams.
+"""The OpenAI request bodies the HTTP front accepts, and their translation into GenerationParams
+(and vLLM's /tokenize and /detokenize bodies into their gRPC requests).
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids` and `ignore_eos`); unknown fields are ignored, as OpenAI's own server
@@ -34,6 +35,8 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None}
 UNSUPPORTED_IN_CHAT = {"echo": False}  # vLLM's chat echo (the last message repeated); completions serve echo
+# vLLM's /tokenize options for rendering a chat otherwise than chat completions do here.
+UNSUPPORTED_IN_TOKENIZE = {"continue_final_message": False, "chat_template": None, "chat_template_kwargs": None}
 # vLLM's structured_outputs options that llguidance's constraints here do not take.
 UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern": None,
                                      "disable_additional_properties": False}
@@ -44,7 +47,8 @@ class _Body(BaseModel):
 
 
 def _unsupported_field(value: Any, info: ValidationInfo) -> Any:
-    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT | UNSUPPORTED_IN_STRUCTURED_OUTPUTS)[info.field_name]
+    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT | UNSUPPORTED_IN_STRUCTURED_OUTPUTS
+               | UNSUPPORTED_IN_TOKENIZE)[info.field_name]
     if value is not None and value != neutral:
         hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
         raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
@@ -288,6 +292,12 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+def chat_messages(messages: list[ChatMessage]) -> verifier_pb2.ChatMessages:
+    # OpenAI's newer "developer" role is what chat templates call "system".
+    return verifier_pb2.ChatMessages(messages=[
+        verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text) for m in messages])
+
+
 class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
@@ -306,9 +316,7 @@ class ChatCompletionRequest(GenerationBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        # OpenAI's newer "developer" role is what chat templates call "system".
-        p.chat.messages.extend(verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
-                                                        content=m.text) for m in self.messages)
+        p.chat.CopyFrom(chat_messages(self.messages))
 
 
 class CompletionRequest(GenerationBody):
@@ -369,3 +377,56 @@ class CompletionRequest(GenerationBody):
             p.prompt = text_or_ids
         else:
             p.token_ids.ids.extend(text_or_ids)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, tokenized as /v1/completions tokenizes it, or chat `messages`,
+    rendered as /v1/chat/completions renders them. vLLM's options that would tokenize otherwise are
+    refused unless they ask for just that (a prompt's special tokens added; a chat's generation
+    prompt added and no special tokens on top of the template's)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    return_token_strs: bool = False
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE, and UNSUPPORTED's tools); never read.
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    tools: Any = None
+
+    _check_unsupported = field_validator(*UNSUPPORTED_IN_TOKENIZE, "tools", mode="before")(_unsupported_field)
+
+    @model_validator(mode="after")
+    def _one_input_tokenized_as_generation_does(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("input", "send either prompt or messages")
+        chat = self.messages is not None
+        if self.add_special_tokens is not None and self.add_special_tokens == chat:
+            raise PydanticCustomError("add_special_tokens", (
+                "messages are rendered by the chat template, which holds the special tokens, as chat completions "
+                "do: leave add_special_tokens out or send false") if chat else (
+                "a prompt gets the tokenizer's special tokens, as completions do: leave add_special_tokens out or "
+                "send true"))
+        if self.add_generation_prompt is not None and not (chat and self.add_generation_prompt):
+            raise PydanticCustomError("add_generation_prompt", "only messages take add_generation_prompt, and only "
+                                      "true, as chat completions render them: leave it out")
+        return self
+
+    def request(self) -> verifier_pb2.TokenizeRequest:
+        if self.messages is not None:
+            return verifier_pb2.TokenizeRequest(chat=chat_messages(self.messages),
+                                                return_token_strs=self.return_token_strs)
+        return verifier_pb2.TokenizeRequest(prompt=self.prompt, return_token_strs=self.return_token_strs)
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+    def request(self) -> verifier_pb2.DetokenizeRequest:
+        return verifier_pb2.DetokenizeRequest(token_ids=self.tokens)

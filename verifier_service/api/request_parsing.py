@@ -1,10 +1,11 @@
 """Turn GenerationParams (the body of Generate and GenerateStream) into engine parameters,
-refusing client mistakes with clear messages."""
+refusing client mistakes with clear messages. Tokenize's input goes through the same tokenization."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -71,7 +72,7 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
           limits: Limits) -> ParsedRequest:
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    prompt_ids = _prompt_ids(request, tokenizer, limits)
+    prompt_ids = input_ids(request, tokenizer, limits)
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
@@ -118,10 +119,14 @@ def _logprobs(request: verifier_pb2.GenerationParams, name: str) -> int | None:
     return count
 
 
-def _prompt_ids(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
+def input_ids(request: verifier_pb2.GenerationParams | verifier_pb2.TokenizeRequest,
+              tokenizer: PreTrainedTokenizerBase, limits: Limits, fit_context: bool = True) -> list[int]:
+    """The prompt's token ids: a Generate request's, or what Tokenize answers for the same input
+    (`fit_context` False: a prompt too long to generate from is counted, not refused)."""
     which = request.WhichOneof("input")
     if which is None:
-        raise _invalid("set one of prompt, chat or token_ids")
+        raise _invalid("set one of prompt, chat or token_ids" if isinstance(request, verifier_pb2.GenerationParams)
+                       else "set one of prompt or chat")
     if which == "prompt":
         if not request.prompt:
             raise _invalid("prompt is empty")
@@ -134,13 +139,20 @@ def _prompt_ids(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTok
         if not ids:
             raise _invalid("token_ids is empty")
         _check_length(len(ids), limits)
-        ids = list(ids)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise _invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        ids = in_vocabulary(request.token_ids.ids, limits)
     if not ids:
         raise _invalid("the prompt tokenizes to no tokens")
-    _check_length(len(ids), limits)
+    if fit_context:
+        _check_length(len(ids), limits)
+    return ids
+
+
+def in_vocabulary(ids: Iterable[int], limits: Limits) -> list[int]:
+    """The ids, each checked to be a token of the model's vocabulary."""
+    ids = list(ids)
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     return ids
 
 

@@ -1,4 +1,4 @@
-"""VerifierService over gRPC: Generate, GenerateStream and GetServerInfo on a Runtime.
+"""VerifierService over gRPC: Generate, GenerateStream, GetServerInfo, Tokenize and Detokenize on a Runtime.
 
 Only reads the runtime: a request is started and its outputs relayed by
 generation.py (shared with the HTTP front); this file turns them into messages
@@ -7,6 +7,7 @@ and status codes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -46,14 +47,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.generations = generations
 
     async def _start(self, params: verifier_pb2.GenerationParams, context: grpc.aio.ServicerContext) -> Sequence:
-        try:
+        async with _refusals_as_statuses(context):
             return await self.generations.start(params)
-        except Unavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         raise AssertionError("unreachable: abort raises")
 
     async def _outputs(self, seq: Sequence, context: grpc.aio.ServicerContext,
@@ -95,6 +90,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 chunk.stats.CopyFrom(stats_message(seq))
             yield verifier_pb2.GenerateStreamResponse(output=chunk)
 
+    async def Tokenize(self, request: verifier_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> verifier_pb2.TokenizeResponse:
+        async with _refusals_as_statuses(context):
+            return self.generations.tokenize(request)
+        raise AssertionError("unreachable: abort raises")
+
+    async def Detokenize(self, request: verifier_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> verifier_pb2.DetokenizeResponse:
+        async with _refusals_as_statuses(context):
+            return self.generations.detokenize(request)
+        raise AssertionError("unreachable: abort raises")
+
     async def GetServerInfo(self, request: verifier_pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> verifier_pb2.GetServerInfoResponse:
         rt = self.generations.runtime
@@ -109,6 +116,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint)
+
+
+@contextlib.asynccontextmanager
+async def _refusals_as_statuses(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """A request refused (not served yet, a client mistake, a full queue) ends its call with the status
+    that says so."""
+    try:
+        yield
+    except Unavailable as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except RequestError as exc:
+        await context.abort(exc.code, exc.message)
+    except QueueFullError as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
 
 def _drafter_health(rt: Runtime) -> verifier_pb2.DrafterHealth:

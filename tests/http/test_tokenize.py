@@ -1,0 +1,119 @@
+"""Tokenize and Detokenize (vLLM's /tokenize and /detokenize) over HTTP and gRPC, on a real verifier:
+the ids are those generation starts from, a prompt too long to generate from is counted, not
+refused, and every option that would tokenize otherwise than generation does is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+from http_support import PROMPT, WAIT_S, http_verifier
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from drafter_sdk.proto import verifier_pb2
+
+CHAT = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+def grpc_chat() -> verifier_pb2.ChatMessages:
+    # The developer role is the template's system role, on both fronts.
+    return verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="system", content="Be brief."),
+                                               verifier_pb2.ChatMessage(role="user", content=PROMPT)])
+
+
+def test_tokenize_gives_the_ids_generation_starts_from() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            stub, tokenizer = h.v.stub, h.tokenizer
+            # A prompt: the tokenizer's own ids, special tokens added, as completions tokenize it.
+            r = (await http.post("/tokenize", json={"model": "tiny", "prompt": PROMPT})).json()
+            ids = tokenizer(PROMPT)["input_ids"]
+            assert r == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+            r = (await http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True})).json()
+            assert r["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+            grpc_r = await stub.Tokenize(verifier_pb2.TokenizeRequest(prompt=PROMPT, return_token_strs=True))
+            assert list(grpc_r.token_ids) == ids and list(grpc_r.token_strs) == r["token_strs"]
+            assert grpc_r.max_model_len == 256
+
+            # Messages: what a chat completion counts as its prompt, and what Generate starts from.
+            chat = (await http.post("/tokenize", json={"messages": CHAT})).json()
+            completion = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1)
+            assert chat["count"] == completion.usage.prompt_tokens
+            grpc_chat_ids = list((await stub.Tokenize(verifier_pb2.TokenizeRequest(chat=grpc_chat()))).token_ids)
+            assert grpc_chat_ids == chat["tokens"]
+            stopping = verifier_pb2.StoppingCriteria(max_new_tokens=8)
+            from_chat = await stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                chat=grpc_chat(), stopping=stopping)), timeout=WAIT_S)
+            from_ids = await stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                token_ids=verifier_pb2.TokenIds(ids=grpc_chat_ids), stopping=stopping)), timeout=WAIT_S)
+            assert list(from_chat.output.token_ids) == list(from_ids.output.token_ids)
+            assert from_chat.output.prompt_tokens == chat["count"]
+
+            # Too long to generate from: counted here, refused by completions.
+            long_prompt = PROMPT * 40
+            r = (await http.post("/tokenize", json={"prompt": long_prompt})).json()
+            assert r["count"] == len(tokenizer(long_prompt)["input_ids"]) > r["max_model_len"]
+            refused = await http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
+            assert refused.status_code == 400 and "context" in refused.json()["error"]["message"]
+
+            # Detokenize: ids back to text, special tokens included, on both fronts.
+            text = (await http.post("/detokenize", json={"model": "tiny", "tokens": chat["tokens"]})).json()
+            assert text == {"prompt": tokenizer.decode(chat["tokens"])}
+            grpc_text = await stub.Detokenize(verifier_pb2.DetokenizeRequest(token_ids=chat["tokens"]))
+            assert grpc_text.text == text["prompt"]
+
+    asyncio.run(main())
+
+
+REFUSALS = [  # body, status, words of the message
+    ({"prompt": PROMPT, "messages": CHAT}, 400, "either prompt or messages"),
+    ({}, 400, "either prompt or messages"),
+    ({"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
+    ({"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ({"messages": CHAT, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ({"prompt": PROMPT, "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ({"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "not served here"),
+    # What generation does, said out loud, is accepted.
+    ({"prompt": PROMPT, "add_special_tokens": True}, 200, ""),
+    ({"messages": CHAT, "add_special_tokens": False, "add_generation_prompt": True, "tools": []}, 200, ""),
+]
+
+
+def test_tokenize_refuses_what_generation_would_not_do() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            for body, status, words in REFUSALS:
+                r = await http.post("/tokenize", json=body)
+                assert r.status_code == status, (body, r.text)
+                if status != 200:
+                    assert words in r.json()["error"]["message"], (body, r.text)
+
+    asyncio.run(main())
+
+
+def test_detokenize_and_grpc_refusals() -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            vocab = len(h.tokenizer)
+            r = await http.post("/detokenize", json={"tokens": [1, vocab]})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and f"token id {vocab} is outside the vocabulary" in message
+            r = await http.post("/detokenize", json={"tokens": [-1]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tokens.0"
+            assert (await http.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+            for call, request, words in [
+                    (h.v.stub.Detokenize, verifier_pb2.DetokenizeRequest(token_ids=[vocab]), "outside the vocabulary"),
+                    (h.v.stub.Tokenize, verifier_pb2.TokenizeRequest(), "set one of prompt or chat"),
+                    (h.v.stub.Tokenize, verifier_pb2.TokenizeRequest(chat=verifier_pb2.ChatMessages()), "no messages")]:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(request, timeout=WAIT_S)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+
+    asyncio.run(main())
