@@ -84,6 +84,17 @@ BAD = [
      "structured_outputs.whitespace_pattern: not supported"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": 4, "max_tokens": 3}, 400, "min_new_tokens (4) is more than"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
+    # vLLM's own options, likewise.
+    (COMPLETIONS, {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output: not"),
+    (COMPLETIONS, {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens: not supported"),
+    (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search: not supported"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids: not supported"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs: not supported"),
+    (COMPLETIONS, {"prompt": "x", "add_special_tokens": False}, 400, "(leave it out or send true)"),
+    (CHAT, {"messages": MSG, "add_special_tokens": True}, 400, "(leave it out or send false)"),
+    (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: not supported"),
+    (CHAT, {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
+    (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message: not supported"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here; served: tiny"),
@@ -107,12 +118,15 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
                 # Unknown fields are ignored, unsupported ones accepted at their neutral values (as clients
                 # send them by default); the served name is accepted.
                 r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "model": "tiny",
-                                                       "frequency_penalty": 0, "user": "u"})
+                                                       "frequency_penalty": 0, "user": "u", "use_beam_search": False,
+                                                       "skip_special_tokens": True, "add_special_tokens": True,
+                                                       "length_penalty": 1, "bad_words": []})
                 assert r.status_code == 200, r.text
                 r = await http.post(CHAT, json={
                     "messages": MSG, "max_tokens": 2, "min_p": 0.0, "min_tokens": 0,
                     "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
-                    "best_of": 1, "guided_json": None, "echo": False})
+                    "best_of": 1, "guided_json": None, "echo": False, "add_generation_prompt": True,
+                    "add_special_tokens": False, "include_stop_str_in_output": False, "chat_template_kwargs": None})
                 assert r.status_code == 200, r.text
                 # The server kept serving through all of it, and nothing is left in the engine.
                 await wait_until(h.idle, "the engine idle")

@@ -6,8 +6,9 @@ Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition
 ignores them. Structured output comes as OpenAI's `response_format`, vLLM's `structured_outputs`
 or its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`: one of them.
 Known fields that would change the answer but are not served here (tools, functions, `best_of`,
-`suffix`) are refused unless neutral: an answer that silently ignored them would look right and
-not be what was asked for.
+`suffix`, and vLLM's own options such as `include_stop_str_in_output`, `skip_special_tokens` or
+`chat_template_kwargs`) are refused unless neutral: an answer that silently ignored them would look
+right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
 A per-request speculation override rides in `speculation: {disable, max_draft_len}`
@@ -17,6 +18,7 @@ A per-request speculation override rides in `speculation: {disable, max_draft_le
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -33,10 +35,21 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
-UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None}
-UNSUPPORTED_IN_CHAT = {"echo": False}  # vLLM's chat echo (the last message repeated); completions serve echo
-# vLLM's /tokenize options for rendering a chat otherwise than chat completions do here.
-UNSUPPORTED_IN_TOKENIZE = {"continue_final_message": False, "chat_template": None, "chat_template_kwargs": None}
+UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None,
+               # vLLM's own sampling and output options
+               "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+               "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
+               "logits_processors": None, "guided_whitespace_pattern": None, "prompt_logprobs": None}
+# vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
+# completions and /tokenize).
+CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "chat_template_kwargs": None,
+                  "documents": None}
+# vLLM's chat echo (the last message repeated; completions serve echo), and the generation prompt and
+# special tokens that chat completions always render as the template has them.
+UNSUPPORTED_IN_CHAT = {"echo": False, "add_generation_prompt": True, "add_special_tokens": False, **CHAT_RENDERING}
+UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True}  # a prompt always gets the tokenizer's special tokens
+UNSUPPORTED_IN_TOKENIZE = {**CHAT_RENDERING, "tools": []}
 # vLLM's structured_outputs options that llguidance's constraints here do not take.
 UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern": None,
                                      "disable_additional_properties": False}
@@ -46,13 +59,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-def _unsupported_field(value: Any, info: ValidationInfo) -> Any:
-    neutral = (UNSUPPORTED | UNSUPPORTED_IN_CHAT | UNSUPPORTED_IN_STRUCTURED_OUTPUTS
-               | UNSUPPORTED_IN_TOKENIZE)[info.field_name]
-    if value is not None and value != neutral:
-        hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
-        raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
-    return None
+def _refused_unless_neutral(neutral_values: dict[str, Any]) -> Callable[[Any, ValidationInfo], Any]:
+    """A validator of fields this server does not serve: each is refused unless left out, null or at
+    its value in `neutral_values` (the one that changes nothing)."""
+    def check(value: Any, info: ValidationInfo) -> None:
+        neutral = neutral_values[info.field_name]
+        if value is not None and value != neutral:
+            hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
+            raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
+    return check
 
 
 class SpeculationOverride(_Body):
@@ -99,7 +114,8 @@ class StructuredOutputs(_Body):
     whitespace_pattern: Any = None
     disable_additional_properties: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED_IN_STRUCTURED_OUTPUTS, mode="before")(_unsupported_field)
+    _check_unsupported = field_validator(*UNSUPPORTED_IN_STRUCTURED_OUTPUTS, mode="before")(
+        _refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS))
 
 
 class GenerationBody(_Body):
@@ -136,8 +152,20 @@ class GenerationBody(_Body):
     tools: Any = None
     functions: Any = None
     suffix: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_logprobs: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_unsupported_field)
+    _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_refused_unless_neutral(UNSUPPORTED))
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> GenerationBody:
@@ -303,9 +331,17 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None  # refused unless neutral (UNSUPPORTED_IN_CHAT); never read
+    # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
+    echo: Any = None
+    add_generation_prompt: Any = None
+    add_special_tokens: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
-    _check_echo = field_validator(*UNSUPPORTED_IN_CHAT, mode="before")(_unsupported_field)
+    _check_unsupported_in_chat = field_validator(*UNSUPPORTED_IN_CHAT, mode="before")(
+        _refused_unless_neutral(UNSUPPORTED_IN_CHAT))
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -328,6 +364,10 @@ class CompletionRequest(GenerationBody):
     # The prompt before each choice's text; with logprobs, its tokens' log-probabilities too (the first
     # token's null), as an evaluation harness asks to score a text: echo, logprobs, max_tokens 1 (or 0).
     echo: bool = Field(False, validate_default=True)
+    add_special_tokens: Any = None  # refused unless neutral (UNSUPPORTED_IN_COMPLETIONS); never read
+
+    _check_unsupported_in_completions = field_validator(*UNSUPPORTED_IN_COMPLETIONS, mode="before")(
+        _refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS))
 
     @field_validator("echo")
     @classmethod
@@ -391,13 +431,15 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
-    # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE, and UNSUPPORTED's tools); never read.
+    # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE); never read.
     continue_final_message: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
+    documents: Any = None
     tools: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED_IN_TOKENIZE, "tools", mode="before")(_unsupported_field)
+    _check_unsupported = field_validator(*UNSUPPORTED_IN_TOKENIZE, mode="before")(
+        _refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE))
 
     @model_validator(mode="after")
     def _one_input_tokenized_as_generation_does(self) -> TokenizeRequest:
