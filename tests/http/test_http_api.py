@@ -171,7 +171,8 @@ def test_echo_with_logprobs_scores_each_prompt_as_an_evaluation_harness_asks() -
                 assert lp.tokens == [h.tokenizer.decode([t]) for t in [*prompt, *alone.token_ids]]
                 expected = [*alone.prompt_logprobs, *alone.logprobs]
                 assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-                assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected], abs=1e-6)
+                # Within the README's 1e-4: batched with another prompt, a forward may take other CPU kernels.
+                assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected], abs=1e-4)
                 assert [list(top) for top in lp.top_logprobs[1:]] == [  # (two tokens may spell the same text)
                     list(dict.fromkeys(h.tokenizer.decode([t.token_id]) for t in e.top)) for e in expected]
                 assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt)] == len(h.tokenizer.decode(prompt))

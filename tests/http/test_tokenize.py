@@ -5,11 +5,13 @@ refused, and every option that would tokenize otherwise than generation does is 
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import grpc
 import httpx
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
+from tiny_model import CHAT_TEMPLATE, tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from drafter_sdk.proto import verifier_pb2
@@ -76,6 +78,7 @@ REFUSALS = [  # body, status, words of the message
     ({"prompt": PROMPT, "add_generation_prompt": True}, 400, "add_generation_prompt"),
     ({"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ({"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ({"prompt": PROMPT, "chat_template_kwargs": {"enable_thinking": False}}, 400, "only messages take"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
     ({"prompt": ""}, 400, "prompt is empty"),
@@ -115,5 +118,49 @@ def test_detokenize_and_grpc_refusals() -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call(request, timeout=WAIT_S)
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+
+    asyncio.run(main())
+
+
+# A template that reads a variable of its own (as Qwen3's reads enable_thinking) and refuses a chat that
+# opens with the assistant (as many templates refuse roles out of order).
+THINKING_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with the user') }}"
+                     "{% endif %}" + CHAT_TEMPLATE
+                     + "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+                       "<think></think>{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_on_every_front() -> None:
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = THINKING_TEMPLATE
+    no_thinking = {"enable_thinking": False}
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": PROMPT}],
+                                             add_generation_prompt=True, tokenize=False, **no_thinking)
+    expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False, tokenizer=tokenizer) as h, \
+                httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            plain = (await http.post("/tokenize", json={"messages": CHAT})).json()["tokens"]
+            held = (await http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": no_thinking})).json()
+            assert held["tokens"] == expected != plain
+            completion = await h.client.chat.completions.create(
+                model="tiny", messages=CHAT, max_tokens=1, extra_body={"chat_template_kwargs": no_thinking})
+            assert completion.usage.prompt_tokens == len(expected)
+            chat = grpc_chat()
+            chat.template_kwargs = '{"enable_thinking": false}'
+            assert list((await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat))).token_ids) == expected
+            for kwargs, words in [("[1]", "must be a JSON object"), ("{nope", "not valid JSON"),
+                                  ('{"add_generation_prompt": false}', "cannot set add_generation_prompt"),
+                                  ('{"messages": []}', "cannot set messages")]:
+                chat.template_kwargs = kwargs
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat), timeout=WAIT_S)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+            # The template's own refusal is the request's mistake, not the server's.
+            r = await http.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}],
+                                                              "max_tokens": 1})
+            assert r.status_code == 400 and "chat template refused these messages: start with the user" in r.text
 
     asyncio.run(main())

@@ -7,7 +7,7 @@ ignores them. Structured output comes as OpenAI's `response_format`, vLLM's `str
 or its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`: one of them.
 Known fields that would change the answer but are not served here (tools, functions, `best_of`,
 `suffix`, and vLLM's own options such as `include_stop_str_in_output`, `skip_special_tokens` or
-`chat_template_kwargs`) are refused unless neutral: an answer that silently ignored them would look
+`chat_template`) are refused unless neutral: an answer that silently ignored them would look
 right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
@@ -43,8 +43,7 @@ UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None,
                "logits_processors": None, "guided_whitespace_pattern": None, "prompt_logprobs": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
-CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "chat_template_kwargs": None,
-                  "documents": None}
+CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "documents": None}
 # vLLM's chat echo (the last message repeated; completions serve echo), and the generation prompt and
 # special tokens that chat completions always render as the template has them.
 UNSUPPORTED_IN_CHAT = {"echo": False, "add_generation_prompt": True, "add_special_tokens": False, **CHAT_RENDERING}
@@ -320,10 +319,11 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-def chat_messages(messages: list[ChatMessage]) -> verifier_pb2.ChatMessages:
+def chat_messages(messages: list[ChatMessage], template_kwargs: dict[str, Any] | None) -> verifier_pb2.ChatMessages:
     # OpenAI's newer "developer" role is what chat templates call "system".
     return verifier_pb2.ChatMessages(messages=[
-        verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text) for m in messages])
+        verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text) for m in messages],
+        template_kwargs=json.dumps(template_kwargs) if template_kwargs else "")
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -331,13 +331,13 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
     echo: Any = None
     add_generation_prompt: Any = None
     add_special_tokens: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
 
     _check_unsupported_in_chat = field_validator(*UNSUPPORTED_IN_CHAT, mode="before")(
@@ -352,7 +352,7 @@ class ChatCompletionRequest(GenerationBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        p.chat.CopyFrom(chat_messages(self.messages))
+        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs))
 
 
 class CompletionRequest(GenerationBody):
@@ -431,10 +431,10 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE); never read.
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
     tools: Any = None
 
@@ -445,6 +445,8 @@ class TokenizeRequest(_Body):
     def _one_input_tokenized_as_generation_does(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("input", "send either prompt or messages")
+        if self.chat_template_kwargs and self.messages is None:
+            raise PydanticCustomError("chat_template_kwargs", "only messages take chat_template_kwargs")
         chat = self.messages is not None
         if self.add_special_tokens is not None and self.add_special_tokens == chat:
             raise PydanticCustomError("add_special_tokens", (
@@ -459,7 +461,7 @@ class TokenizeRequest(_Body):
 
     def request(self) -> verifier_pb2.TokenizeRequest:
         if self.messages is not None:
-            return verifier_pb2.TokenizeRequest(chat=chat_messages(self.messages),
+            return verifier_pb2.TokenizeRequest(chat=chat_messages(self.messages, self.chat_template_kwargs),
                                                 return_token_strs=self.return_token_strs)
         return verifier_pb2.TokenizeRequest(prompt=self.prompt, return_token_strs=self.return_token_strs)
 

@@ -3,12 +3,15 @@ refusing client mistakes with clear messages. Tokenize's input goes through the 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2
@@ -179,9 +182,29 @@ def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBas
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                            "this model has no chat template; send a plain prompt instead")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **_template_kwargs(chat, tokenizer))
+    except jinja2.TemplateError as e:  # a template's raise_exception: roles out of order, and the like
+        raise _invalid(f"the model's chat template refused these messages: {e}") from None
     # The template already holds the special tokens (BOS and the like).
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _template_kwargs(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    if not chat.template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(chat.template_kwargs)
+    except ValueError as e:
+        raise _invalid(f"chat.template_kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise _invalid("chat.template_kwargs must be a JSON object")
+    # The renderer's own parameters, and the messages, are the server's to set.
+    taken = sorted(kwargs.keys() & (set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}))
+    if taken:
+        raise _invalid(f"chat.template_kwargs cannot set {', '.join(taken)}: the server renders the chat with its own")
+    return kwargs
 
 
 def _finite(name: str, value: float) -> float:
