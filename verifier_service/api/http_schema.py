@@ -18,7 +18,6 @@ A per-request speculation override rides in `speculation: {disable, max_draft_le
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -58,15 +57,16 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-def _refused_unless_neutral(neutral_values: dict[str, Any]) -> Callable[[Any, ValidationInfo], Any]:
-    """A validator of fields this server does not serve: each is refused unless left out, null or at
-    its value in `neutral_values` (the one that changes nothing)."""
+def _refused_unless_neutral(neutral_values: dict[str, Any]) -> Any:
+    """The validator, for a body class that declares them, of the fields `neutral_values` names, which
+    this server does not serve: each is refused unless left out, null or at its value there (the
+    one that changes nothing)."""
     def check(value: Any, info: ValidationInfo) -> None:
         neutral = neutral_values[info.field_name]
         if value is not None and value != neutral:
             hint = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
             raise PydanticCustomError("unsupported", f"not supported by this server ({hint})")
-    return check
+    return field_validator(*neutral_values, mode="before")(check)
 
 
 class SpeculationOverride(_Body):
@@ -113,8 +113,7 @@ class StructuredOutputs(_Body):
     whitespace_pattern: Any = None
     disable_additional_properties: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED_IN_STRUCTURED_OUTPUTS, mode="before")(
-        _refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS))
+    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS)
 
 
 class GenerationBody(_Body):
@@ -164,7 +163,7 @@ class GenerationBody(_Body):
     guided_whitespace_pattern: Any = None
     prompt_logprobs: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED, mode="before")(_refused_unless_neutral(UNSUPPORTED))
+    _check_unsupported = _refused_unless_neutral(UNSUPPORTED)
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> GenerationBody:
@@ -340,8 +339,7 @@ class ChatCompletionRequest(GenerationBody):
     chat_template: Any = None
     documents: Any = None
 
-    _check_unsupported_in_chat = field_validator(*UNSUPPORTED_IN_CHAT, mode="before")(
-        _refused_unless_neutral(UNSUPPORTED_IN_CHAT))
+    _check_unsupported_in_chat = _refused_unless_neutral(UNSUPPORTED_IN_CHAT)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -366,8 +364,7 @@ class CompletionRequest(GenerationBody):
     echo: bool = Field(False, validate_default=True)
     add_special_tokens: Any = None  # refused unless neutral (UNSUPPORTED_IN_COMPLETIONS); never read
 
-    _check_unsupported_in_completions = field_validator(*UNSUPPORTED_IN_COMPLETIONS, mode="before")(
-        _refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS))
+    _check_unsupported_in_completions = _refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS)
 
     @field_validator("echo")
     @classmethod
@@ -438,8 +435,7 @@ class TokenizeRequest(_Body):
     documents: Any = None
     tools: Any = None
 
-    _check_unsupported = field_validator(*UNSUPPORTED_IN_TOKENIZE, mode="before")(
-        _refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE))
+    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE)
 
     @model_validator(mode="after")
     def _one_input_tokenized_as_generation_does(self) -> TokenizeRequest:
