@@ -117,8 +117,9 @@ def test_seeded_sampling_reproduces_and_n_choices_are_separate_sequences() -> No
                 for c in chunk.choices:
                     texts[c.index] += c.text
             assert texts == [c.text for c in many.choices]
-            plain = await h.client.completions.create(seed=7, extra_body={"top_k": 50, "speculation": {"disable": True}},
-                                                      **{k: v for k, v in ask.items() if k != "extra_body"})
+            plain = await h.client.completions.create(
+                seed=7, extra_body={"top_k": 50, "speculation": {"disable": True}},
+                **{k: v for k, v in ask.items() if k != "extra_body"})
             assert plain.choices[0].text == a.choices[0].text  # seeded output does not depend on speculation
             assert plain.model_extra["speculation"]["num_drafts"] == 0
 

@@ -49,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _params(ids: list[int], max_new_tokens: int) -> verifier_pb2.GenerationParams:
-    return verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=verifier_pb2.StoppingCriteria(
-        max_new_tokens=max_new_tokens, ignore_eos=True))
+    return verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids),
+                                         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens,
+                                                                                ignore_eos=True))
 
 
 def _body(ids: list[int], max_new_tokens: int, stream: bool) -> dict[str, object]:

@@ -30,10 +30,8 @@ from verifier_service.spec.drafter_client import (
     DraftQuery,
     GrpcTransport,
 )
-from verifier_service.tools.bench import draft_model
-from verifier_service.tools.bench import engine_sections
+from verifier_service.tools.bench import draft_model, engine_sections, replay, suffix_speed, workloads
 from verifier_service.tools.bench import report as rep
-from verifier_service.tools.bench import replay, suffix_speed, workloads
 from verifier_service.tools.bench import trees as bench_trees
 from verifier_service.tools.bench.engine_sections import STARTUP_TIMEOUT_S
 from verifier_service.tools.bench.flags import positive_ints

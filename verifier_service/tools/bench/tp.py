@@ -109,8 +109,9 @@ def _random_like_embedded(folder: Path) -> Path:
     """SmolLM2-135M's shape with 8 heads of 72 dims and 4 KV heads (it has 9 x 64 and 3), random weights."""
     embedded = model_loader.embedded_source()
     cfg = model_loader.load_config(embedded).get_text_config()
-    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=8, num_key_value_heads=4,
+    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                         num_attention_heads=8, num_key_value_heads=4,
                          head_dim=cfg.hidden_size // 8, max_position_embeddings=cfg.max_position_embeddings,
                          rms_norm_eps=cfg.rms_norm_eps, rope_theta=getattr(cfg, "rope_theta", 10000.0),
                          tie_word_embeddings=True, eos_token_id=cfg.eos_token_id, bos_token_id=cfg.bos_token_id)
@@ -127,7 +128,8 @@ def _verifier(size: int, model: str | None, args: argparse.Namespace) -> LocalSe
     env = {"OMP_NUM_THREADS": str(threads)} if args.device in ("auto", "cpu") else {}
     return LocalService([script("splitspec-verifier"), "--tensor-parallel-size", str(size), "--device", args.device,
                          "--speculative-mode", "ngram", "--max-draft-len", str(args.max_draft_len),
-                         "--max-model-len", str(args.max_model_len), "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+                         "--max-model-len", str(args.max_model_len),
+                         "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
                          "--log-level", "WARNING", "--http-port", "off", *(["--model", model] if model else [])],
                         name=f"verifier-tp{size}", env=env, startup_timeout_s=1800)
 
