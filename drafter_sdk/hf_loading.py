@@ -93,8 +93,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
-    """A GGUF's from its cached conversion, as the model will load (reading the GGUF's own metadata
-    takes seconds: transformers parses all of it, the vocabulary included)."""
+    """The model's config; a GGUF's is read from its cached conversion, as the model will be (the
+    GGUF's own metadata takes seconds to read: transformers parses all of it, vocabulary included)."""
     source = converted(source)
     return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
 

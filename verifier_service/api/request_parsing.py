@@ -128,8 +128,8 @@ def input_ids(request: verifier_pb2.GenerationParams | verifier_pb2.TokenizeRequ
     (`fit_context` False: a prompt too long to generate from is counted, not refused)."""
     which = request.WhichOneof("input")
     if which is None:
-        raise _invalid("set one of prompt, chat or token_ids" if isinstance(request, verifier_pb2.GenerationParams)
-                       else "set one of prompt or chat")
+        *first, last = (f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise _invalid(f"set one of {', '.join(first)} or {last}")
     if which == "prompt":
         if not request.prompt:
             raise _invalid("prompt is empty")
