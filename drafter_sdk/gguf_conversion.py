@@ -1,11 +1,12 @@
 """Convert a GGUF file to a Hugging Face folder once, and load that folder from then on.
 
-transformers loads a GGUF by rebuilding its tokenizer and dequantising every tensor, on every
-start: 21 s of the embedded SmolLM2's 28 s start-up on a 2-core CPU, repeated by each verifier
-restart, each tensor-parallel rank and each draft-model drafter. The first load saves what it
-produced (config, tokenizer, float32 weights as safetensors) under the cache folder; later loads
-read that folder. Float32 holds every dequantised value exactly, and a load in another dtype casts
-from it as the GGUF load would, so the weights are the same either way.
+Two loads cannot read a GGUF in one pass (gguf_loading): an architecture other than llama, which
+transformers' own GGUF load takes about 35 s to read for a 135M model on a 2-core CPU (it parses
+the metadata four times), and a sharded load, where each tensor-parallel rank reads its shard of
+each tensor from safetensors. For those, the first load saves what the GGUF loads to (config,
+tokenizer, float32 weights as safetensors) under the cache folder; later loads read that folder.
+Float32 holds every dequantised value exactly, and a load in another dtype casts from it as the
+GGUF load would, so the weights are the same either way.
 
 The cache key is the GGUF's absolute path, size and modification time, and the transformers
 version that converted it: a replaced file or an upgraded converter converts again. A lock file
@@ -31,6 +32,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from drafter_sdk import gguf_loading
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -84,9 +86,10 @@ def convert(folder: str, gguf_file: str) -> Path | None:
 def _write(folder: str, gguf_file: str, target: Path) -> None:
     started = time.monotonic()
     log.info("converting %s once (tokenizer and float32 weights) into %s", gguf_file, target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    # The "quantizer" a GGUF load attaches only dequantised; what it left is plain float32.
+    path = str(Path(folder) / gguf_file)
+    tokenizer = gguf_loading.load_tokenizer(path)
+    model = gguf_loading.load_model(path, torch.float32)
+    # The "quantizer" transformers' GGUF load attaches only dequantised; what it left is plain float32.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

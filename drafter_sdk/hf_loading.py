@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from drafter_sdk import gguf_conversion
+from drafter_sdk import gguf_conversion, gguf_loading
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +93,21 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
-    """The model's config; a GGUF's is read from its cached conversion, as the model will be (the
-    GGUF's own metadata takes seconds to read: transformers parses all of it, vocabulary included)."""
     source = converted(source)
-    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if source.gguf_file is not None:
+        return gguf_loading.load_config(gguf_path(source))
+    return AutoConfig.from_pretrained(source.path)
 
 
-def converted(source: ModelSource) -> ModelSource:
-    """A GGUF source's cached Hugging Face conversion (made on first use; see gguf_conversion);
-    any other source, or a GGUF when the cache is off, as it is."""
-    if source.gguf_file is None:
+def gguf_path(source: ModelSource) -> str:
+    return str(Path(source.path) / source.gguf_file)
+
+
+def converted(source: ModelSource, sharded: bool = False) -> ModelSource:
+    """Where a GGUF source loads from: the file itself when gguf_loading reads it in one pass
+    (seconds) and the load is not sharded; else its cached Hugging Face conversion (made on first
+    use; see gguf_conversion), or the file again when the cache is off. Any other source as it is."""
+    if source.gguf_file is None or (not sharded and gguf_loading.one_pass_header(gguf_path(source))):
         return source
     folder = gguf_conversion.convert(source.path, source.gguf_file)
     return source if folder is None else ModelSource(source.name, str(folder))
@@ -111,17 +116,22 @@ def converted(source: ModelSource) -> ModelSource:
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     source = converted(source)
     log.info("loading tokenizer of %s from %s", source.name, source.path)
-    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if source.gguf_file is not None:
+        return gguf_loading.load_tokenizer(gguf_path(source))
+    return AutoTokenizer.from_pretrained(source.path)
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device | None,
                    **from_pretrained: Any) -> PreTrainedModel:
     """The model in eval mode; moved to `device` unless None (a sharded load places itself)."""
     started = time.monotonic()
-    source = converted(source)
+    source = converted(source, sharded=bool(from_pretrained))
     log.info("loading model %s (%s, %s) from %s", source.name, dtype, device, source.path)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
+    if source.gguf_file is not None:
+        model = gguf_loading.load_model(gguf_path(source), dtype, **from_pretrained)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
     if device is not None:
         model.to(device)
     model.eval()

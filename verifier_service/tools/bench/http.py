@@ -29,7 +29,6 @@ from pathlib import Path
 
 import grpc
 import httpx
-from transformers import AutoTokenizer
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.model import loader as model_loader
@@ -60,7 +59,7 @@ def _body(ids: list[int], max_new_tokens: int, stream: bool) -> dict[str, object
 
 def main(args: argparse.Namespace) -> int:
     source = model_loader.resolve_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tokenizer = model_loader.load_tokenizer(source)
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     port_file = Path(tempfile.mkdtemp(prefix="splitspec-bench-http-")) / "http.port"
     argv = [script("splitspec-verifier"), "--speculative-mode", "ngram", "--log-level", "WARNING",

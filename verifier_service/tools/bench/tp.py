@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.model import loader as model_loader
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         model = str(_random_like_embedded(Path(scratch))) if args.random_like_embedded else args.model
         source = model_loader.resolve_source(model)
         print(f"loading the tokenizer of {source.name} ...", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        tokenizer = model_loader.load_tokenizer(source)
         prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
         stubs = []
         for size in sizes:
@@ -118,7 +118,7 @@ def _random_like_embedded(folder: Path) -> Path:
     torch.manual_seed(0)
     path = folder / "random-like-SmolLM2-135M"
     LlamaForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(embedded.path, gguf_file=embedded.gguf_file).save_pretrained(path)
+    model_loader.load_tokenizer(embedded).save_pretrained(path)
     return path
 
 
