@@ -103,11 +103,10 @@ def gguf_path(source: ModelSource) -> str:
     return str(Path(source.path) / source.gguf_file)
 
 
-def converted(source: ModelSource, sharded: bool = False) -> ModelSource:
-    """Where a GGUF source loads from: the file itself when gguf_loading reads it in one pass
-    (seconds) and the load is not sharded; else its cached Hugging Face conversion (made on first
-    use; see gguf_conversion), or the file again when the cache is off. Any other source as it is."""
-    if source.gguf_file is None or (not sharded and gguf_loading.one_pass_header(gguf_path(source))):
+def converted(source: ModelSource) -> ModelSource:
+    """A GGUF source's cached Hugging Face conversion (made on first use; see gguf_conversion);
+    any other source, or a GGUF when the cache is off, as it is."""
+    if source.gguf_file is None:
         return source
     folder = gguf_conversion.convert(source.path, source.gguf_file)
     return source if folder is None else ModelSource(source.name, str(folder))
@@ -125,7 +124,7 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
                    **from_pretrained: Any) -> PreTrainedModel:
     """The model in eval mode; moved to `device` unless None (a sharded load places itself)."""
     started = time.monotonic()
-    source = converted(source, sharded=bool(from_pretrained))
+    source = converted(source)
     log.info("loading model %s (%s, %s) from %s", source.name, dtype, device, source.path)
     if source.gguf_file is not None:
         model = gguf_loading.load_model(gguf_path(source), dtype, **from_pretrained)

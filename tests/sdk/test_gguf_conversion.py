@@ -1,5 +1,4 @@
-"""The GGUF conversion cache (sharded loads, and architectures not read in one pass): converted once, and kept
-only if it loads back to what the GGUF loads to."""
+"""The GGUF conversion cache: converted once, and kept only if it loads back to what the GGUF loads to."""
 
 from __future__ import annotations
 
@@ -17,16 +16,15 @@ from drafter_sdk import gguf_conversion, hf_loading
 CHAT = [{"role": "user", "content": "Résumé of café ünïcode 🙂, in one line."}]
 
 
-def test_a_sharded_load_converts_once_and_checks_the_conversion_against_the_gguf(tmp_path: Path) -> None:
+def test_a_gguf_is_converted_once_and_checked_against_its_own_load(tmp_path: Path) -> None:
     gguf = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf, Q.Q4_1)
     source = hf_loading.ModelSource("tiny", str(tmp_path), gguf.name)
-    folder = hf_loading.converted(source, sharded=True)
+    folder = hf_loading.converted(source)
     assert folder.gguf_file is None and Path(folder.path).is_relative_to(os.environ[gguf_conversion.CACHE_ENV])
     done = Path(folder.path) / gguf_conversion.DONE
     converted_at = done.stat().st_mtime_ns
-    assert hf_loading.converted(source, sharded=True) == folder and done.stat().st_mtime_ns == converted_at, \
-        "converted once"
+    assert hf_loading.converted(source) == folder and done.stat().st_mtime_ns == converted_at, "converted once"
     # The conversion loaded the folder back and compared it with the GGUF's own load (check_loads_back).
     assert f"loads back equal: {len(tiny_model().state_dict())} tensors and the tokenizer" in done.read_text()
     tokenizer = hf_loading.load_tokenizer(folder)

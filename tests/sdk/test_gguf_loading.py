@@ -11,7 +11,7 @@ from tiny_gguf import Q, write_tiny_gguf
 from tiny_model import tiny_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from drafter_sdk import gguf_loading, hf_loading
+from drafter_sdk import gguf_conversion, gguf_loading, hf_loading
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 
 
@@ -66,15 +66,18 @@ def test_what_one_pass_does_not_read_goes_to_transformers(tmp_path: Path) -> Non
         gguf_loading.read_header(str(text))
 
 
-def test_a_one_pass_gguf_loads_from_the_file_and_a_sharded_load_from_its_conversion(tmp_path: Path) -> None:
+def test_with_the_cache_off_a_gguf_loads_in_one_pass_to_what_its_conversion_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, Q.Q4_1)
     source = hf_loading.ModelSource("tiny", str(tmp_path), path.name)
+    folder = hf_loading.converted(source)
+    assert folder.gguf_file is None
+    monkeypatch.setenv(gguf_conversion.CACHE_ENV, "off")
     assert hf_loading.converted(source) == source
-    sharded = hf_loading.converted(source, sharded=True)
-    assert sharded.gguf_file is None and (Path(sharded.path) / "model.safetensors").exists()
     direct = hf_loading.load_causal_lm(source, torch.float32, torch.device("cpu")).state_dict()
-    from_folder = AutoModelForCausalLM.from_pretrained(sharded.path, dtype=torch.float32).state_dict()
+    from_folder = hf_loading.load_causal_lm(folder, torch.float32, torch.device("cpu")).state_dict()
+    assert direct.keys() == from_folder.keys()
     assert all(torch.equal(from_folder[name], t) for name, t in direct.items())
 
 
