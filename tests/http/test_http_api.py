@@ -10,9 +10,10 @@ import asyncio
 import json
 
 import pytest
+import torch
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
 from tiny_model import tiny_tokenizer
-from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+from verifier_support import one_torch_thread, shared_model  # noqa: F401 - autouse fixture
 
 from drafter_sdk.proto import verifier_pb2
 
@@ -152,6 +153,66 @@ def test_a_batch_of_prompts_answers_each_as_if_sent_alone() -> None:
                 assert c.model_extra["splitspec"]["token_ids"] == single.model_extra["splitspec"]["token_ids"]
             assert greedy.model_extra["speculation"]["num_accepted_tokens"] > 0
             await wait_until(h.idle, "the engine idle")
+
+    asyncio.run(main())
+
+
+def model_prompt_logprobs(prompt: list[int], n: int) -> list[tuple[int, float, int, dict[int, float]] | None]:
+    """From the model itself: per prompt token after the first, (token, log-probability, rank, the n most
+    likely tokens' log-probabilities)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(shared_model()(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    rows: list[tuple[int, float, int, dict[int, float]] | None] = [None]
+    for row, token in zip(logp, prompt[1:]):
+        top = row.topk(n)
+        rows.append((token, row[token].item(), int((row >= row[token]).sum()),
+                     dict(zip(top.indices.tolist(), top.values.tolist()))))
+    return rows
+
+
+def assert_vllm_prompt_logprobs(got: list, prompt: list[int], n: int) -> None:
+    """vLLM's shape: null first, then {token id: {logprob, rank, decoded_token}}, the prompt token first."""
+    expected = model_prompt_logprobs(prompt, n)
+    assert len(got) == len(prompt) and got[0] is None
+    for entry, (token, logprob, rank, top) in zip(got[1:], expected[1:]):
+        assert next(iter(entry)) == str(token)
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == rank
+        assert entry.keys() == {str(token), *map(str, top)}
+        for i, (alt, alt_logprob) in enumerate(top.items(), 1):
+            assert entry[str(alt)]["logprob"] == pytest.approx(alt_logprob, abs=1e-4)
+            assert entry[str(alt)]["rank"] == (rank if alt == token else i)
+        assert all(e["decoded_token"] == tiny_tokenizer().decode([int(t)]) for t, e in entry.items())
+
+
+def test_vllms_prompt_logprobs_score_the_prompt_on_completions_and_chat() -> None:
+    """vLLM's `prompt_logprobs` (the official client sends it in extra_body): each completion choice carries its
+    prompt's, a chat response its one prompt's; with speculation on, and equal to gRPC's (rank included)."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            ids = h.tokenizer(PROMPT)["input_ids"]
+            prompts = [ids, ids[3:9]]
+            r = await h.client.completions.create(model="tiny", prompt=prompts, max_tokens=6, n=2,
+                                                  extra_body={"prompt_logprobs": 2})
+            for c in r.choices:
+                assert_vllm_prompt_logprobs(c.model_extra["prompt_logprobs"], prompts[c.index // 2], 2)
+            grpc_out = await grpc_generate(h, token_ids=verifier_pb2.TokenIds(ids=ids), prompt_logprobs=2,
+                                           stopping=verifier_pb2.StoppingCriteria(max_new_tokens=6))
+            first = r.choices[0].model_extra["prompt_logprobs"]
+            assert [(lp.token_id, lp.rank) for lp in grpc_out.prompt_logprobs] == [
+                (int(t), e["rank"]) for entry in first[1:] for t, e in list(entry.items())[:1]]
+            assert r.choices[0].text == grpc_out.text  # the answer itself is unchanged
+            chat = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=2,
+                                                          extra_body={"prompt_logprobs": 0})
+            rendered = h.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+            chat_ids = h.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            assert chat.usage.prompt_tokens == len(chat_ids)
+            assert_vllm_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat_ids, 0)
+            assert all("prompt_logprobs" not in c.model_extra for c in chat.choices)
+            # Without the field, none: echo's log-probabilities stay where OpenAI puts them.
+            plain = await h.client.completions.create(model="tiny", prompt=ids, max_tokens=2, echo=True, logprobs=1)
+            assert "prompt_logprobs" not in plain.choices[0].model_extra
+            assert plain.choices[0].logprobs.token_logprobs[0] is None
 
     asyncio.run(main())
 

@@ -89,7 +89,10 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens: not supported"),
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search: not supported"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids: not supported"),
-    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs: not supported"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs: prompt_logprobs are not available when stream is true"),
+    (CHAT, {"messages": MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs"),  # vLLM's whole vocabulary
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (COMPLETIONS, {"prompt": "x", "add_special_tokens": False}, 400, "(leave it out or send true)"),
     (CHAT, {"messages": MSG, "add_special_tokens": True}, 400, "(leave it out or send false)"),
     (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: not supported"),

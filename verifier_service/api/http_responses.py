@@ -10,7 +10,9 @@ choice's generated text), so a client can show exactly which characters the draf
 
 A completion with `echo` starts each choice's text with its prompt (as the prompt's tokens
 spell it), and with `logprobs` its log-probabilities with the prompt's tokens' first, the
-first token's null: nothing precedes it.
+first token's null: nothing precedes it. vLLM's `prompt_logprobs` puts them, in vLLM's shape
+(token id -> logprob, rank, decoded_token), in each completion choice, or once in a chat
+response: a chat's choices share one prompt.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Responder:
     include_usage: bool = False
     echo: bool = False
     prompt_only: bool = False
+    prompt_logprobs: bool = False  # vLLM's field asked for (not only echo's)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
@@ -146,6 +149,20 @@ class Responder:
                 logprobs[key] += values
         return text + out.text, logprobs or generated
 
+    def _vllm_prompt_logprobs(self, out: Output) -> list[dict[str, dict[str, object]] | None]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first (nothing precedes it), else
+        {token id: {logprob, rank, decoded_token}} for the token itself, then the alternatives asked for."""
+        def ranked(token_id: int, logprob: float, rank: int) -> dict[str, object]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token(token_id)}
+
+        entries: list[dict[str, dict[str, object]] | None] = [None]
+        for lp in out.prompt_logprobs:
+            entry = {str(lp.token_id): ranked(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, logprob) in enumerate(lp.top, 1):
+                entry.setdefault(str(token_id), ranked(token_id, logprob, rank))
+            entries.append(entry)
+        return entries
+
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, object]:
         def entry(token_id: int, logprob: float) -> dict[str, object]:
             text = self._token(token_id)
@@ -178,7 +195,11 @@ class Responder:
             c |= {"finish_reason": FINISH.get(out.finish_reason),
                   "stop_reason": out.stop_reason or None,
                   "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
+            if self.prompt_logprobs and not self.chat:
+                c["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
             body["choices"].append(c)
+        if self.prompt_logprobs and self.chat:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].joined())
         body["usage"] = usage(seqs, self.n, self.prompt_only)
         body["speculation"] = speculation(seqs)
         return body

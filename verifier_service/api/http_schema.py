@@ -39,7 +39,7 @@ UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None,
                "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
                "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
-               "logits_processors": None, "guided_whitespace_pattern": None, "prompt_logprobs": None}
+               "logits_processors": None, "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
 CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "documents": None}
@@ -145,6 +145,9 @@ class GenerationBody(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's log-probability (the first's null) with this many alternatives, in each
+    # completion choice's `prompt_logprobs` (a chat's: the response's). Not streamed, as in vLLM.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     tools: Any = None
@@ -161,9 +164,15 @@ class GenerationBody(_Body):
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
-    prompt_logprobs: Any = None
 
     _check_unsupported = _refused_unless_neutral(UNSUPPORTED)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, count: int | None, info: ValidationInfo) -> int | None:
+        if count is not None and info.data.get("stream"):
+            raise PydanticCustomError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+        return count
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> GenerationBody:
@@ -238,6 +247,8 @@ class GenerationBody(_Body):
                 p.speculation.max_draft_len = self.speculation.max_draft_len
         if self.logprobs_count is not None:
             p.logprobs = self.logprobs_count
+        if self.prompt_logprobs is not None:
+            p.prompt_logprobs = self.prompt_logprobs
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)
@@ -389,7 +400,7 @@ class CompletionRequest(GenerationBody):
 
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
         p = super().params(choice)
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:  # vLLM's precedence
             p.prompt_logprobs = self.logprobs
         return p
 

@@ -37,7 +37,7 @@ def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
 
 
 def logprob_messages(logprobs: list[TokenLogprob]) -> list[verifier_pb2.TokenLogprob]:
-    return [verifier_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+    return [verifier_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                                       top=[verifier_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
             for lp in logprobs]
 

@@ -79,6 +79,7 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
+    rank: int  # 1 = the most likely token; tokens as likely count ahead of it, as vLLM ranks
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
@@ -226,7 +227,8 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLo
     if not tokens:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])
+    ranks = (logp >= chosen).sum(-1).tolist()
     top_v, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
-    return [TokenLogprob(t, lp, tuple(zip(ids, vals)))
-            for t, lp, ids, vals in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]
+    return [TokenLogprob(t, lp, rank, tuple(zip(ids, vals)))
+            for t, lp, rank, ids, vals in zip(tokens, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist())]

@@ -28,18 +28,21 @@ PROMPT = repetitive_prompt(3)[:40] + [17, 250, 3, 99, 5]
 TOP = 3
 
 
-def reference(prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-probability of each token after the first, top-TOP values, top-TOP ids) from one forward."""
+def reference(prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(log-probability of each token after the first, top-TOP values, top-TOP ids, each token's rank: 1 +
+    the tokens more likely) from one forward."""
     with torch.no_grad():
         logits = shared_model()(torch.tensor([prompt])).logits[0, :-1].float()
     logp = torch.log_softmax(logits, dim=-1)
     top_v, top_i = logp.topk(TOP, dim=-1)
-    return logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0], top_v, top_i
+    chosen = logp.gather(-1, torch.tensor(prompt[1:])[:, None])
+    return chosen[:, 0], top_v, top_i, (logp > chosen).sum(-1).add(1).tolist()
 
 
 def assert_matches(got: list[verifier_pb2.TokenLogprob], prompt: list[int]) -> None:
-    chosen, top_v, top_i = reference(prompt)
+    chosen, top_v, top_i, ranks = reference(prompt)
     assert [lp.token_id for lp in got] == prompt[1:]
+    assert [lp.rank for lp in got] == ranks
     assert torch.tensor([lp.logprob for lp in got]) == pytest.approx(chosen, abs=1e-4)
     assert [[t.token_id for t in lp.top] for lp in got] == top_i.tolist()
     assert torch.tensor([[t.logprob for t in lp.top] for lp in got]) == pytest.approx(top_v, abs=1e-4)
