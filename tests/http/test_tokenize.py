@@ -4,6 +4,7 @@ refused, and every option that would tokenize otherwise than generation does is 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 
@@ -15,6 +16,7 @@ from tiny_model import CHAT_TEMPLATE, tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.tools import cli
 
 CHAT = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
 
@@ -130,7 +132,7 @@ THINKING_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_except
                        "<think></think>{% endif %}")
 
 
-def test_chat_template_kwargs_reach_the_template_on_every_front() -> None:
+def test_chat_template_kwargs_reach_the_template_on_every_front(capsys: pytest.CaptureFixture[str]) -> None:
     tokenizer = copy.deepcopy(tiny_tokenizer())
     tokenizer.chat_template = THINKING_TEMPLATE
     no_thinking = {"enable_thinking": False}
@@ -158,6 +160,17 @@ def test_chat_template_kwargs_reach_the_template_on_every_front() -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat), timeout=WAIT_S)
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+            # `splitspec generate --chat-template-kwargs` sends them too: its answer is gRPC's with them.
+            parser = argparse.ArgumentParser()
+            cli.add_generate(parser.add_subparsers())
+            args = parser.parse_args(["generate", PROMPT, "--max-new-tokens", "8", "--target", h.v.address,
+                                      "--chat-template-kwargs", '{"enable_thinking": false}'])
+            assert await asyncio.to_thread(args.func, args) == 0  # the client blocks: off the server's loop
+            alone = verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=PROMPT)],
+                                              template_kwargs='{"enable_thinking": false}')
+            asked = await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                chat=alone, stopping=verifier_pb2.StoppingCriteria(max_new_tokens=8))), timeout=WAIT_S)
+            assert capsys.readouterr().out == asked.output.text + "\n"
             # The template's own refusal is the request's mistake, not the server's.
             r = await http.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}],
                                                               "max_tokens": 1})

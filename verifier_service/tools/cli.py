@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import signal
 import sys
 
@@ -43,7 +44,19 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
         params.prompt = args.prompt
     else:
         params.chat.messages.append(verifier_pb2.ChatMessage(role="user", content=args.prompt))
+        params.chat.template_kwargs = args.chat_template_kwargs or ""
     return params
+
+
+def json_object(text: str) -> str:
+    """An argparse type: text that parses as a JSON object, passed on as it is."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return text
 
 
 def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
@@ -66,6 +79,9 @@ def generate(args: argparse.Namespace) -> int:
     params = build_params(args)
     if (args.tls_cert is None) != (args.tls_key is None):
         print("splitspec: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.raw and args.chat_template_kwargs:
+        print("splitspec: --chat-template-kwargs renders a chat; --raw sends the text as it is", file=sys.stderr)
         return 2
     try:
         token = read_token(args.auth_token_file)
@@ -103,6 +119,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     p.add_argument("--target", default="localhost:50051", help="verifier address")
     p.add_argument("--raw", action="store_true", help="send as raw text instead of a chat user message")
+    p.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON",
+                   help="more variables for the model's chat template, as a JSON object (vLLM's "
+                        "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--min-new-tokens", type=int, default=0, help="no end (EOS, stop token or string) before them")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
