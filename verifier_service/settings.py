@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
+from verifier_service.api import tool_calls
 from verifier_service.spec.config import ConfigError, validate
 
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
@@ -55,6 +56,9 @@ class ServerSettings:
     # The OpenAI-compatible HTTP API (and /health, /metrics, the playground). None: off; 0: a free port.
     http_port: int | None = 8000
     served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; (): the model's name
+    # Chat tool calling's "auto" choice (api/tool_calls.py), as vLLM's flags: both, or it is refused.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of tool_calls.PARSERS
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.
     rank_timeout_s: float = 60.0
@@ -86,6 +90,10 @@ class ServerSettings:
             raise ConfigError(f"rank_timeout_s must be positive, not {self.rank_timeout_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
+        if self.tool_call_parser not in (None, *tool_calls.PARSERS):
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(tool_calls.PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(f"enable_auto_tool_choice needs tool_call_parser ({', '.join(tool_calls.PARSERS)})")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:

@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
+from verifier_service.api import tool_calls
 from verifier_service.model import host_memory
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
 from verifier_service.spec import config
@@ -32,7 +33,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
-                 "http_port", "served_model_names", "max_draft_nodes")
+                 "http_port", "served_model_names", "enable_auto_tool_choice", "tool_call_parser", "max_draft_nodes")
 
 
 def _http_port(value: str) -> int | None:
@@ -57,6 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,
                    metavar="NAME", help="the names the HTTP API accepts as `model` (the first is reported); "
                                         "default: the model's name and the --model value")
+    p.add_argument("--enable-auto-tool-choice", dest="enable_auto_tool_choice", action="store_true",
+                   default=argparse.SUPPRESS, help='serve chat tool_choice "auto" (the default with tools), reading '
+                                                   "the model's calls with --tool-call-parser (vLLM's flags)")
+    _setting(p, "tool_call_parser", "how --enable-auto-tool-choice reads calls from the model's text: hermes "
+                                    "(<tool_call> blocks: Hermes, Qwen2.5, Qwen3)", choices=tool_calls.PARSERS)
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")

@@ -57,6 +57,7 @@ class HttpState:
     auth_token: str | None
     max_body_bytes: int
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
+    tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -205,9 +206,12 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     gen = state.generations
     rt, _ = _refusals_as_errors(gen.check_ready)
     names = state.names()
+    tools = body.tool_plan(state.tool_call_parser) if isinstance(body, ChatCompletionRequest) else None
+    if tools is not None and (why := tools.unserved()):
+        raise HttpError(400, why, param="tool_choice")
     seqs = await _start(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
-                          body.echoes_prompt, body.prompt_only, body.prompt_logprobs is not None)
+                          body.echoes_prompt, body.prompt_only, body.prompt_logprobs is not None, tools)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -25,6 +25,7 @@ from itertools import accumulate
 
 from transformers import PreTrainedTokenizerBase
 
+from verifier_service.api.tool_calls import CallStream, ToolPlan
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -92,9 +93,11 @@ class Responder:
     echo: bool = False
     prompt_only: bool = False
     prompt_logprobs: bool = False  # vLLM's field asked for (not only echo's)
+    tools: ToolPlan | None = None  # chat: how answers become tool calls (tool_calls.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
+    _calls: dict[int, CallStream] = field(default_factory=dict)  # streaming under a tool plan, per choice
 
     @property
     def _id(self) -> str:
@@ -188,11 +191,13 @@ class Responder:
         for i, (seq, choice) in enumerate(zip(seqs, choices)):
             out = self._shown(choice.joined())
             c: dict[str, object] = {"index": i}
+            finish = FINISH.get(out.finish_reason)
             if self.chat:
-                c |= {"message": {"role": "assistant", "content": out.text}, "logprobs": self._logprobs(out, 0)}
+                message, finish = self._message(out.text, finish)
+                c |= {"message": message, "logprobs": self._logprobs(out, 0)}
             else:
                 c["text"], c["logprobs"] = self._completion(seq, out, 0, self.echo)
-            c |= {"finish_reason": FINISH.get(out.finish_reason),
+            c |= {"finish_reason": finish,
                   "stop_reason": out.stop_reason or None,
                   "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
             if self.prompt_logprobs and not self.chat:
@@ -204,6 +209,19 @@ class Responder:
         body["speculation"] = speculation(seqs)
         return body
 
+    def _calling(self) -> bool:
+        return self.tools is not None and self.tools.mode != "none"
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, object], str | None]:
+        """A whole chat answer's message and finish_reason: its text, or its content and tool calls."""
+        if not self._calling():
+            return {"role": "assistant", "content": text}, finish
+        content, calls, finish = self.tools.answer(text, finish)
+        message: dict[str, object] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.message() for call in calls]
+        return message, finish
+
     def role_chunk(self, index: int) -> str:
         """Chat streams open each choice with the assistant's role, as OpenAI's do."""
         return self._sse({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -213,14 +231,24 @@ class Responder:
         """One output of one choice; `offset`: characters of this choice sent before it."""
         out = self._shown(out)
         c: dict[str, object] = {"index": index}
+        finish = FINISH.get(out.finish_reason)
         if self.chat:
-            c |= {"delta": {"content": out.text}, "logprobs": self._logprobs(out, offset)}
+            delta: dict[str, object] = {"content": out.text}
+            if self._calling():  # content up to where a call may begin; the calls, whole, at the end
+                calls = self._calls.setdefault(index, CallStream(self.tools))
+                delta["content"] = calls.feed(out.text)
+                if out.finish_reason is not None:
+                    rest, made, finish = calls.finish(finish)
+                    delta["content"] += rest
+                    if made:
+                        delta["tool_calls"] = [call.message(i) for i, call in enumerate(made)]
+            c |= {"delta": delta, "logprobs": self._logprobs(out, offset)}
         else:
             echo = self.echo and index not in self._echoed  # the prompt goes first, in the choice's first chunk
             c["text"], c["logprobs"] = self._completion(seq, out, offset + self._echoed.get(index, 0), echo)
             if echo:
                 self._echoed[index] = len(c["text"]) - len(out.text)
-        c["finish_reason"] = FINISH.get(out.finish_reason)
+        c["finish_reason"] = finish
         ext = self._extension(out)
         if out.finish_reason is not None:
             c["stop_reason"] = out.stop_reason or None

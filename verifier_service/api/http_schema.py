@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import tool_calls
 from verifier_service.api.request_parsing import MAX_LOGPROBS
 
 MAX_CHOICES = 8
@@ -34,7 +35,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 # OpenAI's and vLLM's fields that change the answer and that this server does not serve, with the
 # values that change nothing (besides leaving them out or null).
-UNSUPPORTED = {"best_of": 1, "tools": [], "functions": [], "suffix": None,
+UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
                "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
@@ -46,8 +47,9 @@ CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "docum
 # vLLM's chat echo (the last message repeated; completions serve echo), and the generation prompt and
 # special tokens that chat completions always render as the template has them.
 UNSUPPORTED_IN_CHAT = {"echo": False, "add_generation_prompt": True, "add_special_tokens": False, **CHAT_RENDERING}
-UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True}  # a prompt always gets the tokenizer's special tokens
-UNSUPPORTED_IN_TOKENIZE = {**CHAT_RENDERING, "tools": []}
+# A prompt always gets the tokenizer's special tokens; tools need a chat for the template to render them in.
+UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True, "tools": [], "tool_choice": None}
+UNSUPPORTED_IN_TOKENIZE = CHAT_RENDERING
 # vLLM's structured_outputs options that llguidance's constraints here do not take.
 UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern": None,
                                      "disable_additional_properties": False}
@@ -150,7 +152,6 @@ class GenerationBody(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
-    tools: Any = None
     functions: Any = None
     suffix: Any = None
     use_beam_search: Any = None
@@ -280,7 +281,7 @@ class GenerationBody(_Body):
 
 
 def _json_schema(schema: dict[str, Any] | str, compact: bool = False) -> verifier_pb2.StructuredOutput:
-    """`compact`: no whitespace between JSON items (llguidance's schema option; vLLM's disable_any_whitespace)."""
+    """`compact`: no whitespace between JSON items (tool_calls.compact_json_schema)."""
     if compact:
         if isinstance(schema, str):
             try:
@@ -288,9 +289,7 @@ def _json_schema(schema: dict[str, Any] | str, compact: bool = False) -> verifie
             except ValueError:  # request_parsing names the mistake
                 return verifier_pb2.StructuredOutput(json_schema=schema)
         if isinstance(schema, dict):
-            options = schema.get("x-guidance")
-            schema = {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}),
-                                               "whitespace_flexible": False}}
+            return tool_calls.compact_json_schema(schema)
     return verifier_pb2.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
 
 
@@ -318,9 +317,22 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's)
+
+
+class ToolCallMessage(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result
 
     @property
     def text(self) -> str:
@@ -328,12 +340,42 @@ class ChatMessage(_Body):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def message(self) -> verifier_pb2.ChatMessage:
+        # OpenAI's newer "developer" role is what chat templates call "system".
+        return verifier_pb2.ChatMessage(
+            role="system" if self.role == "developer" else self.role, content=self.text,
+            tool_calls=[verifier_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                        for c in self.tool_calls or []],
+            tool_call_id=self.tool_call_id or "")
 
-def chat_messages(messages: list[ChatMessage], template_kwargs: dict[str, Any] | None) -> verifier_pb2.ChatMessages:
-    # OpenAI's newer "developer" role is what chat templates call "system".
-    return verifier_pb2.ChatMessages(messages=[
-        verifier_pb2.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text) for m in messages],
-        template_kwargs=json.dumps(template_kwargs) if template_kwargs else "")
+
+class FunctionTool(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def chat_messages(messages: list[ChatMessage], template_kwargs: dict[str, Any] | None,
+                  tools: list[Tool] | None = None) -> verifier_pb2.ChatMessages:
+    return verifier_pb2.ChatMessages(
+        messages=[m.message() for m in messages],
+        template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
+        tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "")
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -342,6 +384,9 @@ class ChatCompletionRequest(GenerationBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
     echo: Any = None
     add_generation_prompt: Any = None
@@ -361,7 +406,24 @@ class ChatCompletionRequest(GenerationBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs))
+        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs, self.tools))
+
+    def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
+        """How answers become tool calls, "auto" with the server's parser (None: auto not served)."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return tool_calls.plan([t.model_dump() for t in self.tools or []], choice, self.parallel_tool_calls, parser)
+
+    def structured_output(self) -> verifier_pb2.StructuredOutput | None:
+        """A named or required tool choice holds the answer to its calls' JSON, which leaves no room
+        for another constraint. (Checked with the body: so are the tools against tool_choice.)"""
+        asked = super().structured_output()
+        held = self.tool_plan(None).constraint
+        if held is None:
+            return asked
+        if asked is not None:
+            raise ValueError("a named or required tool_choice holds the answer to its calls' JSON: send no "
+                             "response_format or structured_outputs with it")
+        return held
 
 
 class CompletionRequest(GenerationBody):
@@ -373,7 +435,10 @@ class CompletionRequest(GenerationBody):
     # The prompt before each choice's text; with logprobs, its tokens' log-probabilities too (the first
     # token's null), as an evaluation harness asks to score a text: echo, logprobs, max_tokens 1 (or 0).
     echo: bool = Field(False, validate_default=True)
-    add_special_tokens: Any = None  # refused unless neutral (UNSUPPORTED_IN_COMPLETIONS); never read
+    # Refused unless neutral (UNSUPPORTED_IN_COMPLETIONS); never read.
+    add_special_tokens: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
     _check_unsupported_in_completions = _refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS)
 
@@ -440,11 +505,11 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
     # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE); never read.
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
-    tools: Any = None
 
     _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE)
 
@@ -454,6 +519,8 @@ class TokenizeRequest(_Body):
             raise PydanticCustomError("input", "send either prompt or messages")
         if self.chat_template_kwargs and self.messages is None:
             raise PydanticCustomError("chat_template_kwargs", "only messages take chat_template_kwargs")
+        if self.tools and self.messages is None:
+            raise PydanticCustomError("tools", "only messages take tools")
         chat = self.messages is not None
         if self.add_special_tokens is not None and self.add_special_tokens == chat:
             raise PydanticCustomError("add_special_tokens", (
@@ -468,8 +535,8 @@ class TokenizeRequest(_Body):
 
     def request(self) -> verifier_pb2.TokenizeRequest:
         if self.messages is not None:
-            return verifier_pb2.TokenizeRequest(chat=chat_messages(self.messages, self.chat_template_kwargs),
-                                                return_token_strs=self.return_token_strs)
+            chat = chat_messages(self.messages, self.chat_template_kwargs, self.tools)
+            return verifier_pb2.TokenizeRequest(chat=chat, return_token_strs=self.return_token_strs)
         return verifier_pb2.TokenizeRequest(prompt=self.prompt, return_token_strs=self.return_token_strs)
 
 

@@ -177,29 +177,70 @@ def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBas
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
             raise _invalid(f"chat message {i} has role {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
-    _check_chars(sum(len(m.content) for m in chat.messages), limits)
+    _check_chars(len(chat.tools) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                                       for m in chat.messages), limits)
     if not tokenizer.chat_template:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                            "this model has no chat template; send a plain prompt instead")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [_message(i, m) for i, m in enumerate(chat.messages)]
+    tools = _tools(chat, tokenizer)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **_template_kwargs(chat, tokenizer))
+                                             **({"tools": tools} if tools else {}), **_template_kwargs(chat, tokenizer))
     except jinja2.TemplateError as e:  # a template's raise_exception: roles out of order, and the like
         raise _invalid(f"the model's chat template refused these messages: {e}") from None
     # The template already holds the special tokens (BOS and the like).
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _message(i: int, m: verifier_pb2.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: a tool's result names its call; an assistant's calls carry
+    their arguments as an object (templates write them with `tojson`)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            arguments = _json_object(call.arguments or "{}", f"chat message {i} tool call {j} arguments")
+            calls.append({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+        message["tool_calls"] = calls
+    return message
+
+
+def _tools(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+    """The chat's tools, checked: OpenAI's function tools, for a template that renders them (else they
+    would be dropped without a word, and the model never learn of them)."""
+    if not chat.tools:
+        return []
+    try:
+        tools = json.loads(chat.tools)
+    except ValueError as e:
+        raise _invalid(f"chat.tools is not valid JSON: {e}") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise _invalid('chat.tools must be a JSON array of {"type": "function", "function": {"name": ...}}')
+    template = tokenizer.chat_template
+    if "tools" not in (template if isinstance(template, str) else json.dumps(template)):
+        raise _invalid("this model's chat template does not render tools, so the model would never see them")
+    return tools
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise _invalid(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise _invalid(f"{what} must be a JSON object")
+    return value
+
+
 def _template_kwargs(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     if not chat.template_kwargs:
         return {}
-    try:
-        kwargs = json.loads(chat.template_kwargs)
-    except ValueError as e:
-        raise _invalid(f"chat.template_kwargs is not valid JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise _invalid("chat.template_kwargs must be a JSON object")
+    kwargs = _json_object(chat.template_kwargs, "chat.template_kwargs")
     # The renderer's own parameters, and the messages, are the server's to set.
     taken = sorted(kwargs.keys() & (set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}))
     if taken:

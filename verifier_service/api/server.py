@@ -118,7 +118,8 @@ async def start_server(settings: ServerSettings,
             http = await HttpServer.start(
                 generations, host=settings.host, port=settings.http_port, auth_token=settings.auth_token,
                 max_body_bytes=settings.max_message_bytes, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-                tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names)
+                tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names,
+                tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None)
         except BaseException:
             await service.stop(0)
             raise

@@ -1,0 +1,227 @@
+"""Tool calling through the official openai client, on a real verifier (tiny random model, a remote n-gram
+drafter) whose tokenizer has a tools-aware chat template: the tools and the chat's earlier calls reach the
+template; a named or required tool_choice answers calls held to the tools' schemas, the same streamed and
+whole, and the same as gRPC's constrained answer; "auto" reads the model's Hermes <tool_call> blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from http_support import WAIT_S, http_verifier
+from tiny_model import tiny_tokenizer
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import tool_calls
+
+# A Hermes-style template: the tools in a system line, an assistant's calls as <tool_call> blocks.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }} "
+    "{{ t['function']['parameters'] | tojson }}; {% endfor %}\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] is defined and m['tool_calls'] %}<|assistant|>"
+    "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}\n"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['tool_call_id'] }}: {{ m['content'] }}\n"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast.", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def tools_tokenizer():  # noqa: ANN201
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+def serving(auto: bool = True):  # noqa: ANN201
+    settings = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"} if auto else {}
+    return http_verifier(tokenizer=tools_tokenizer(), max_model_len=1024, **settings)
+
+
+async def streamed(client: openai.AsyncOpenAI, **request: object) -> tuple[str, list[dict], str]:
+    """(content, calls, finish_reason) of a streamed chat, its deltas put together as a client does."""
+    content, calls, finish = "", [], None
+    async for chunk in await client.chat.completions.create(model="tiny", stream=True, **request):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.append({"name": call.function.name, "arguments": call.function.arguments})
+            assert call.index == len(calls) - 1 and call.id.startswith("chatcmpl-tool-")
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_tool_choice_answers_its_call_held_to_the_schema_as_grpc_does() -> None:
+    async def main() -> None:
+        async with serving() as h:
+            r = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                                       max_tokens=60)
+            message = r.choices[0].message
+            (call,) = message.tool_calls
+            assert message.content is None and call.type == "function" and call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+            assert r.choices[0].finish_reason == "stop"  # as OpenAI answers a forced call
+            # gRPC, with the same tools and the function's schema (compact JSON) as the constraint: the same text.
+            asked = verifier_pb2.ChatMessage(role="user", content=ASK[0]["content"])
+            chat = verifier_pb2.ChatMessages(messages=[asked], tools=json.dumps(TOOLS))
+            grpc_reply = await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                chat=chat, stopping=verifier_pb2.StoppingCriteria(max_new_tokens=60),
+                structured_output=tool_calls.compact_json_schema(WEATHER))), timeout=WAIT_S)
+            assert grpc_reply.output.text == call.function.arguments
+            assert await streamed(h.client, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60) == (
+                "", [{"name": "get_weather", "arguments": call.function.arguments}], "stop")
+
+    asyncio.run(main())
+
+
+def test_required_answers_calls_of_the_tools_one_unless_parallel() -> None:
+    async def main() -> None:
+        async with serving() as h:
+            for parallel in (False, True):
+                r = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                                           tool_choice="required", parallel_tool_calls=parallel,
+                                                           max_tokens=130)
+                calls = r.choices[0].message.tool_calls
+                assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+                assert len(calls) >= 1 and (parallel or len(calls) == 1)
+                for call in calls:
+                    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+                assert len({c.id for c in calls}) == len(calls)
+                content, streamed_calls, finish = await streamed(
+                    h.client, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                    max_tokens=130)
+                assert (content, finish) == ("", "tool_calls")
+                assert streamed_calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+
+    asyncio.run(main())
+
+
+def test_auto_reads_hermes_calls_and_otherwise_answers_text() -> None:
+    """The random model never calls a tool by itself; a regular expression (structured output) makes it
+    write one Hermes block, which "auto" then reads as a call."""
+    block = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+
+    async def main() -> None:
+        async with serving() as h:
+            r = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80,
+                                                       extra_body={"structured_outputs": {"regex": block}})
+            message = r.choices[0].message
+            (call,) = message.tool_calls
+            assert message.content == "Sure." and call.function.name == "get_time"
+            assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert await streamed(h.client, messages=ASK, tools=TOOLS, max_tokens=80,
+                                  extra_body={"structured_outputs": {"regex": block}}) == (
+                "Sure. ", [{"name": "get_time", "arguments": call.function.arguments}], "tool_calls")
+            # Text without a block stays text, whole and streamed alike.
+            plain = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=30)
+            assert plain.choices[0].message.tool_calls is None
+            assert (await streamed(h.client, messages=ASK, tools=TOOLS, max_tokens=30))[0] == \
+                plain.choices[0].message.content
+        async with serving(auto=False) as h:  # vLLM's rule: "auto" needs a parser
+            with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice --tool-call-parser"):
+                await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4)
+            none = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                                          tool_choice="none", max_tokens=8)
+            assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
+
+    asyncio.run(main())
+
+
+def test_tools_and_earlier_calls_reach_the_template() -> None:
+    history = [*ASK,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    arguments_as_an_object = {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}
+    as_template_reads_them = [*ASK, {**history[1], "tool_calls": [
+        {**history[1]["tool_calls"][0], "function": arguments_as_an_object}]}, history[2]]
+
+    async def main() -> None:
+        tokenizer = tools_tokenizer()
+        rendered = tokenizer.apply_chat_template(as_template_reads_them, tools=TOOLS, add_generation_prompt=True,
+                                                 tokenize=False)
+        assert 'get_weather {"type": "object"' in rendered and '<tool_call>{"name": "get_weather"' in rendered
+        expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        async with serving() as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            tokenized = (await http.post("/tokenize", json={"messages": history, "tools": TOOLS})).json()
+            assert tokenized["tokens"] == expected
+            answer = await h.client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                                            tool_choice="none", max_tokens=2)
+            assert answer.usage.prompt_tokens == len(expected)
+            chat = verifier_pb2.ChatMessages(tools=json.dumps(TOOLS), messages=[
+                verifier_pb2.ChatMessage(role="user", content=ASK[0]["content"]),
+                verifier_pb2.ChatMessage(role="assistant", tool_calls=[verifier_pb2.ToolCall(
+                    id="call_1", name="get_weather", arguments='{"city": "Paris", "days": 1}')]),
+                verifier_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="sunny")])
+            assert list((await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat))).token_ids) == expected
+
+    asyncio.run(main())
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"prompt": "x", "tools": TOOLS}, "tools: not supported"),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice needs tools"),
+    ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice names 'nope', which is not among the tools"),
+    ({"messages": MSG, "tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+     "send no response_format or structured_outputs with it"),
+    ({"messages": MSG, "tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, "two tools have the same name"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_time", "arguments": "[1]"}}]}], "tools": TOOLS, "tool_choice": "none"},
+     "chat message 0 tool call 0 arguments must be a JSON object"),
+])
+def test_tool_mistakes_are_400s_naming_them(body: dict, words: str) -> None:
+    async def main() -> None:
+        async with serving() as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            r = await http.post(path, json={"max_tokens": 4, **body})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+    asyncio.run(main())
+
+
+def test_a_template_without_tools_refuses_them() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:  # the tiny tokenizer's template writes no tools
+            with pytest.raises(openai.BadRequestError, match="chat template does not render tools"):
+                await h.client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="none")
+
+    asyncio.run(main())
+
+
+def test_hermes_reads_blocks_and_leaves_anything_else_as_text() -> None:
+    text = 'Let me check. <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "b"}'
+    assert tool_calls.hermes(text) == ("Let me check.", [tool_calls.Call("a", '{"x": 1}'), tool_calls.Call("b", "{}")])
+    for broken in ('<tool_call>{"name": "a", "arguments": ', "<tool_call>[1]</tool_call>",
+                   '<tool_call>{"arguments": {}}</tool_call>'):
+        assert tool_calls.hermes("so " + broken) == ("so " + broken, [])
+    auto = tool_calls.ToolPlan("auto", parser="hermes")
+    stream = tool_calls.CallStream(auto)
+    pieces = ["Let me", " check. <tool", "_call>", '{"name": "a", "arguments": {}}', "</tool_call>"]
+    assert [stream.feed(p) for p in pieces] == ["Let me", " check. ", "", "", ""]
+    assert stream.finish("stop") == ("", [tool_calls.Call("a", "{}")], "tool_calls")
+    stream = tool_calls.CallStream(auto)
+    assert [stream.feed(p) for p in ["a <to", "ast"]] == ["a ", "<toast"]  # not a tag after all
+    assert stream.finish("length") == ("", [], "length")
