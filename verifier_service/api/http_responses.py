@@ -13,6 +13,9 @@ spell it), and with `logprobs` its log-probabilities with the prompt's tokens' f
 first token's null: nothing precedes it. vLLM's `prompt_logprobs` puts them, in vLLM's shape
 (token id -> logprob, rank, decoded_token), in each completion choice, or once in a chat
 response: a chat's choices share one prompt.
+
+Under a tool choice (tool_calls.py), a chat answer's message carries its calls, and a streamed
+one holds back what may be a call until the answer ends.
 """
 
 from __future__ import annotations
