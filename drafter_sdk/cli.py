@@ -13,6 +13,7 @@ from pathlib import Path
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
+from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import (
     add_server_flags,
     read_named_tokens,
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
           max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
           server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
           max_connection_age_s=args.max_connection_age_s)
+    skip_final_collection()
 
 
 if __name__ == "__main__":

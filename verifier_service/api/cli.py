@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.api import tool_calls
 from verifier_service.model import host_memory
@@ -160,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {shown}%(name)s: %(message)s")
     host_memory.keep_freed_memory()  # before the model's first forward
     if not rank.leader:
-        return run_follower(settings, rank)
+        status = run_follower(settings, rank)
+        skip_final_collection()
+        return status
     try:
         check_sharding(settings, rank)
     except (ranks.ShardingError, FileNotFoundError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv, http_port_file=args.http_port_file))
+    skip_final_collection()
     return 0
 
 

@@ -10,6 +10,7 @@ import sys
 
 import grpc
 
+from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.security import (
     TOKEN_ENV_VAR,
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    return args.func(args)
+    status = args.func(args)
+    skip_final_collection()
+    return status
 
 
 if __name__ == "__main__":
