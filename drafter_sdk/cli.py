@@ -148,6 +148,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
 
 
 def main(argv: list[str] | None = None) -> None:
+    skip_final_collection()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -171,7 +172,6 @@ def main(argv: list[str] | None = None) -> None:
           max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
           server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
           max_connection_age_s=args.max_connection_age_s)
-    skip_final_collection()
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ def check_sharding(settings: ServerSettings, rank: Ranks) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_final_collection()
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
@@ -161,16 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {shown}%(name)s: %(message)s")
     host_memory.keep_freed_memory()  # before the model's first forward
     if not rank.leader:
-        status = run_follower(settings, rank)
-        skip_final_collection()
-        return status
+        return run_follower(settings, rank)
     try:
         check_sharding(settings, rank)
     except (ranks.ShardingError, FileNotFoundError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv, http_port_file=args.http_port_file))
-    skip_final_collection()
     return 0
 
 

@@ -184,6 +184,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_final_collection()
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="command")
@@ -195,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    status = args.func(args)
-    skip_final_collection()
-    return status
+    return args.func(args)
 
 
 if __name__ == "__main__":
