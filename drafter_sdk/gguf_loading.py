@@ -9,8 +9,8 @@ config table, the tokenizer conversion, the tensor processor that undoes llama.c
 permutation, and gguf-py's dequantiser. So the model is the one transformers' GGUF load gives, bit
 for bit; the tests compare the two on GGUFs in each storage type met here.
 
-Only llama-architecture files are read this way: the embedded model and most GGUFs in use, and
-ones transformers loads with its tables alone, no special case. Any other architecture goes
+Only llama, qwen2 and qwen3 files are read this way: the embedded model and most GGUFs in use,
+which transformers loads with its tables alone, no special case. Any other architecture goes
 through transformers' own load (`one_pass_header` says which).
 """
 
@@ -40,7 +40,7 @@ from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, 
 
 log = logging.getLogger(__name__)
 
-ONE_PASS_ARCHITECTURES = frozenset({"llama"})
+ONE_PASS_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
 _VERSIONS = (2, 3)
 # Metadata value types (the GGUF spec's numbering): fixed-size ones as struct codes; 8 is a
 # string, 9 an array.

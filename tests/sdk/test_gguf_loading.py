@@ -15,10 +15,13 @@ from drafter_sdk import gguf_conversion, gguf_loading, hf_loading
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 
 
-@pytest.mark.parametrize("storage", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
-def test_one_pass_loads_what_transformers_loads(tmp_path: Path, storage: gguf.GGMLQuantizationType) -> None:
+@pytest.mark.parametrize("architecture,storage", [
+    *(("llama", q) for q in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_1)), ("qwen2", Q.F32), ("qwen2", Q.Q4_1), ("qwen3", Q.F32),
+    ("qwen3", Q.Q8_0)], ids=lambda p: getattr(p, "name", p))
+def test_one_pass_loads_what_transformers_loads(tmp_path: Path, architecture: str,
+                                                storage: gguf.GGMLQuantizationType) -> None:
     path = tmp_path / "tiny.gguf"
-    written = write_tiny_gguf(path, storage)
+    written = write_tiny_gguf(path, storage, architecture)
     assert gguf_loading.one_pass_header(str(path)) is not None
 
     config = gguf_loading.load_config(str(path))
@@ -50,10 +53,10 @@ def test_a_load_in_another_dtype_casts_the_dequantised_weights(tmp_path: Path) -
 
 
 def test_what_one_pass_does_not_read_goes_to_transformers(tmp_path: Path) -> None:
-    other = tmp_path / "qwen.gguf"
-    write_tiny_gguf(other, architecture="qwen2")
+    other = tmp_path / "phi3.gguf"
+    write_tiny_gguf(other, architecture="phi3")
     header = gguf_loading.read_header(str(other))
-    assert header.architecture == "qwen2" and not header.one_pass
+    assert header.architecture == "phi3" and not header.one_pass
     assert gguf_loading.one_pass_header(str(other)) is None
     short = tmp_path / "short.gguf"
     short.write_bytes(b"GGUF\x03\x00")
