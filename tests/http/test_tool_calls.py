@@ -54,17 +54,20 @@ def serving(auto: bool = True):  # noqa: ANN201
     return http_verifier(tokenizer=tools_tokenizer(), max_model_len=1024, **settings)
 
 
-async def streamed(client: openai.AsyncOpenAI, **request: object) -> tuple[str, list[dict], str]:
-    """(content, calls, finish_reason) of a streamed chat, its deltas put together as a client does."""
-    content, calls, finish = "", [], None
+async def streamed(client: openai.AsyncOpenAI, **request: object) -> tuple[str, list[dict], str, int]:
+    """(content, calls, finish_reason, tool-call deltas) of a streamed chat, put together as a client does."""
+    content, calls, finish, deltas = "", [], None, 0
     async for chunk in await client.chat.completions.create(model="tiny", stream=True, **request):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for call in delta.tool_calls or []:
-            calls.append({"name": call.function.name, "arguments": call.function.arguments})
-            assert call.index == len(calls) - 1 and call.id.startswith("chatcmpl-tool-")
+            deltas += 1
+            if call.id is not None:  # a call's first delta names it
+                assert call.index == len(calls) and call.id.startswith("chatcmpl-tool-")
+                calls.append({"name": call.function.name, "arguments": ""})
+            calls[call.index]["arguments"] += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    return content, calls, finish
+    return content, calls, finish, deltas
 
 
 def test_a_named_tool_choice_answers_its_call_held_to_the_schema_as_grpc_does() -> None:
@@ -84,8 +87,9 @@ def test_a_named_tool_choice_answers_its_call_held_to_the_schema_as_grpc_does() 
                 chat=chat, stopping=verifier_pb2.StoppingCriteria(max_new_tokens=60),
                 structured_output=tool_calls.compact_json_schema(WEATHER))), timeout=WAIT_S)
             assert grpc_reply.output.text == call.function.arguments
-            assert await streamed(h.client, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60) == (
-                "", [{"name": "get_weather", "arguments": call.function.arguments}], "stop")
+            *whole, deltas = await streamed(h.client, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60)
+            assert whole == ["", [{"name": "get_weather", "arguments": call.function.arguments}], "stop"]
+            assert deltas > 1  # the arguments streamed as they were generated
 
     asyncio.run(main())
 
@@ -103,7 +107,7 @@ def test_required_answers_calls_of_the_tools_one_unless_parallel() -> None:
                 for call in calls:
                     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
                 assert len({c.id for c in calls}) == len(calls)
-                content, streamed_calls, finish = await streamed(
+                content, streamed_calls, finish, _ = await streamed(
                     h.client, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
                     max_tokens=130)
                 assert (content, finish) == ("", "tool_calls")
@@ -128,7 +132,7 @@ def test_auto_reads_hermes_calls_and_otherwise_answers_text() -> None:
             assert r.choices[0].finish_reason == "tool_calls"
             assert await streamed(h.client, messages=ASK, tools=TOOLS, max_tokens=80,
                                   extra_body={"structured_outputs": {"regex": block}}) == (
-                "Sure. ", [{"name": "get_time", "arguments": call.function.arguments}], "tool_calls")
+                "Sure. ", [{"name": "get_time", "arguments": call.function.arguments}], "tool_calls", 1)
             # Text without a block stays text, whole and streamed alike.
             plain = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=30)
             assert plain.choices[0].message.tool_calls is None
@@ -220,8 +224,14 @@ def test_hermes_reads_blocks_and_leaves_anything_else_as_text() -> None:
     auto = tool_calls.ToolPlan("auto", parser="hermes")
     stream = tool_calls.CallStream(auto)
     pieces = ["Let me", " check. <tool", "_call>", '{"name": "a", "arguments": {}}', "</tool_call>"]
-    assert [stream.feed(p) for p in pieces] == ["Let me", " check. ", "", "", ""]
-    assert stream.finish("stop") == ("", [tool_calls.Call("a", "{}")], "tool_calls")
+    assert [stream.feed(p) for p in pieces] == [("Let me", []), (" check. ", [])] + [("", [])] * 3
+    rest, (call,), finish = stream.finish("stop")
+    assert (rest, call["index"], call["function"], finish) == ("", 0, {"name": "a", "arguments": "{}"}, "tool_calls")
     stream = tool_calls.CallStream(auto)
-    assert [stream.feed(p) for p in ["a <to", "ast"]] == ["a ", "<toast"]  # not a tag after all
+    assert [stream.feed(p) for p in ["a <to", "ast"]] == [("a ", []), ("<toast", [])]  # not a tag after all
     assert stream.finish("length") == ("", [], "length")
+    named = tool_calls.CallStream(tool_calls.ToolPlan("named", name="f"))
+    _, (first,) = named.feed('{"x"')
+    assert first["function"] == {"name": "f", "arguments": '{"x"'} and first["id"].startswith("chatcmpl-tool-")
+    assert named.feed(": 1}") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
+    assert named.finish("stop") == ("", [], "stop")

@@ -14,8 +14,8 @@ first token's null: nothing precedes it. vLLM's `prompt_logprobs` puts them, in 
 (token id -> logprob, rank, decoded_token), in each completion choice, or once in a chat
 response: a chat's choices share one prompt.
 
-Under a tool choice (tool_calls.py), a chat answer's message carries its calls, and a streamed
-one holds back what may be a call until the answer ends.
+Under a tool choice (tool_calls.py), a chat answer's message carries its calls; streamed, its
+chunks carry them as deltas (tool_calls.CallStream).
 """
 
 from __future__ import annotations
@@ -237,14 +237,15 @@ class Responder:
         finish = FINISH.get(out.finish_reason)
         if self.chat:
             delta: dict[str, object] = {"content": out.text}
-            if self._calling():  # content up to where a call may begin; the calls, whole, at the end
+            if self._calling():  # content up to where a call may begin, and the calls' deltas
                 calls = self._calls.setdefault(index, CallStream(self.tools))
-                delta["content"] = calls.feed(out.text)
+                content, deltas = calls.feed(out.text)
                 if out.finish_reason is not None:
-                    rest, made, finish = calls.finish(finish)
-                    delta["content"] += rest
-                    if made:
-                        delta["tool_calls"] = [call.message(i) for i, call in enumerate(made)]
+                    rest, last, finish = calls.finish(finish)
+                    content, deltas = content + rest, deltas + last
+                delta["content"] = content
+                if deltas:
+                    delta["tool_calls"] = deltas
             c |= {"delta": delta, "logprobs": self._logprobs(out, offset)}
         else:
             echo = self.echo and index not in self._echoed  # the prompt goes first, in the choice's first chunk

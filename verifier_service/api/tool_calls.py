@@ -13,7 +13,8 @@ answer becomes calls:
   blocks of Hermes, Qwen2.5 and Qwen3. Text before the first block is the content; a block that is
   not a call leaves the whole answer as text, as vLLM's parser does.
 
-Streamed, an answer's text goes out as it comes up to where a call may begin; its calls go out
+Streamed, a named call's arguments go out as they are generated, as vLLM streams them; an
+answer's text goes out as it comes, up to where a call may begin; required and auto calls go out
 whole, in the choice's last chunk.
 """
 
@@ -150,33 +151,43 @@ def hermes(text: str) -> tuple[str | None, list[Call]]:
 
 
 class CallStream:
-    """One streamed choice's text under a tool plan: what may go out now as content, and at the end
-    the rest and the calls."""
+    """One streamed choice's text under a tool plan: per piece, the content and tool-call deltas that
+    can go out now; at the end, the rest."""
 
     def __init__(self, tool_plan: ToolPlan) -> None:
         self._plan = tool_plan
         self._text = ""
-        self._sent = 0  # characters of _text sent as content
+        self._sent = 0  # characters of _text sent, as content or as a named call's arguments
 
-    def feed(self, piece: str) -> str:
-        """The content of `piece` that can go out now: none of a held answer; of an auto answer, its
-        text up to its first tool call, keeping back an end that may be a call's start."""
+    def feed(self, piece: str) -> tuple[str, list[dict[str, object]]]:
+        """(content, tool-call deltas) of `piece`. A named call's arguments go out as they come, its
+        first delta naming it, as vLLM streams them; required calls wait for the end; an auto answer's
+        text goes out up to its first call, keeping back an end that may be a call's start."""
         self._text += piece
+        if self._plan.mode == "named":
+            first = self._sent == 0 and self._text
+            self._sent = len(self._text)
+            if first:
+                return "", [Call(self._plan.name, self._text).message(0)]
+            return "", [{"index": 0, "function": {"arguments": piece}}] if piece else []
         if self._plan.held:
-            return ""
+            return "", []
         if self._plan.mode == "auto":
             start = self._text.find(START)
             end = start if start >= 0 else len(self._text) - _partial_start(self._text)
         else:
             end = len(self._text)
         out, self._sent = self._text[self._sent:end], max(self._sent, end)
-        return out
+        return out, []
 
-    def finish(self, finish: str | None) -> tuple[str, list[Call], str | None]:
-        """(the content not yet sent, the calls, the finish_reason) once the answer has ended."""
+    def finish(self, finish: str | None) -> tuple[str, list[dict[str, object]], str | None]:
+        """(the content not yet sent, the tool-call deltas not yet sent, the finish_reason) once the
+        answer has ended."""
         content, calls, reason = self._plan.answer(self._text, finish)
+        if self._plan.mode == "named":
+            return "", [] if self._text else [Call(self._plan.name, "").message(0)], reason
         if calls:
-            return "", calls, reason
+            return "", [call.message(i) for i, call in enumerate(calls)], reason
         return self._text[self._sent:], [], reason
 
 
