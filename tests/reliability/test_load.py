@@ -103,7 +103,9 @@ def test_64_streaming_clients_with_cancellations_leak_nothing(caplog):
                                            for i in range(CLIENTS)))
                     await until(lambda: set(idle(v).values()) == {0}, f"the engine lets go of everything: {idle(v)}")
                     await until(lambda: drafter.stats()["held"] == 0, "the drafter was told to release everything")
-                    assert live_sequences() <= baseline
+                    # A stream's handler may still be unwinding (client gone) after the engine let go: a
+                    # leak stays, and fails here; a late release passes.
+                    await until(lambda: live_sequences() <= baseline, "every Sequence is freed")
                     rss.append(process.memory_info().rss)
                 info = await v.stub.GetServerInfo(pb.GetServerInfoRequest())
             return seen, rss, info
