@@ -163,8 +163,12 @@ def load_config(path: str) -> PretrainedConfig:
     if header is None:
         folder, name = _folder_and_file(path)
         return AutoConfig.from_pretrained(folder, gguf_file=name)
+    return _config(header)
+
+
+def _config(header: GgufHeader) -> PretrainedConfig:
     config = AutoConfig.for_model(**config_values(header))
-    config.name_or_path = _folder_and_file(path)[0]  # as transformers' GGUF load sets it
+    config.name_or_path = _folder_and_file(header.path)[0]  # as transformers' GGUF load sets it
     return config
 
 
@@ -172,9 +176,10 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """In one pass: the tokenizer class AutoTokenizer picks for this config, built from the GGUF by
     transformers (AutoTokenizer would first parse the whole file again for the config)."""
     folder, name = _folder_and_file(path)
-    if one_pass_header(path) is None:
+    header = one_pass_header(path)
+    if header is None:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model_type = load_config(path).model_type
+    model_type = _config(header).model_type
     tokenizer_class = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
     return tokenizer_class.from_pretrained(folder, gguf_file=name)
 
@@ -188,7 +193,7 @@ def load_model(path: str, dtype: torch.dtype, **from_pretrained: Any) -> PreTrai
         return AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
     started = time.monotonic()
-    config = load_config(path)
+    config = _config(header)
     with torch.device("meta"):  # only for the class and its parameter names
         skeleton = AutoModelForCausalLM.from_config(config)
     weights = load_weights(header, config_values(header), list(skeleton.state_dict()), dtype)
