@@ -61,11 +61,6 @@ class ToolPlan:
                     '--tool-call-parser hermes, or name a function, or send "required"')
         return None
 
-    @property
-    def held(self) -> bool:
-        """The whole answer is a call's (named) or calls' (required) JSON: nothing of it is content."""
-        return self.mode in ("named", "required")
-
     def answer(self, text: str, finish: str | None) -> tuple[str | None, list[Call], str | None]:
         """(content, calls, finish_reason) of a whole answer that ended with `finish`."""
         if self.mode == "named":
@@ -151,8 +146,8 @@ def hermes(text: str) -> tuple[str | None, list[Call]]:
 
 
 class CallStream:
-    """One streamed choice's text under a tool plan: per piece, the content and tool-call deltas that
-    can go out now; at the end, the rest."""
+    """One streamed choice's text under a tool plan that makes calls (named, required or auto): per
+    piece, the content and tool-call deltas that can go out now; at the end, the rest."""
 
     def __init__(self, tool_plan: ToolPlan) -> None:
         self._plan = tool_plan
@@ -170,20 +165,17 @@ class CallStream:
             if first:
                 return "", [Call(self._plan.name, self._text).message(0)]
             return "", [{"index": 0, "function": {"arguments": piece}}] if piece else []
-        if self._plan.held:
+        if self._plan.mode == "required":  # the whole answer is the calls' JSON
             return "", []
-        if self._plan.mode == "auto":
-            start = self._text.find(START)
-            end = start if start >= 0 else len(self._text) - _partial_start(self._text)
-        else:
-            end = len(self._text)
+        start = self._text.find(START)
+        end = start if start >= 0 else len(self._text) - _partial_start(self._text)
         out, self._sent = self._text[self._sent:end], max(self._sent, end)
         return out, []
 
     def finish(self, finish: str | None) -> tuple[str, list[dict[str, object]], str | None]:
         """(the content not yet sent, the tool-call deltas not yet sent, the finish_reason) once the
         answer has ended."""
-        content, calls, reason = self._plan.answer(self._text, finish)
+        _, calls, reason = self._plan.answer(self._text, finish)
         if self._plan.mode == "named":
             return "", [] if self._text else [Call(self._plan.name, "").message(0)], reason
         if calls:
