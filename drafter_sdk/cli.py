@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="draft at most this times the match length ... (1.0)")
     suffix.add_argument("--own-spec-factor", type=float, default=argparse.SUPPRESS,
                         help="max-spec-factor for a match in the request's own context (2.0; not in vLLM)")
+    suffix.add_argument("--prefer-longer-match", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                        help="between the request's own tree and the global one, the draft after the longer match "
+                             "wins, the higher score between equal matches (on; not in vLLM). --no-...: the higher "
+                             "score wins, vLLM's rule")
     suffix.add_argument("--max-spec-offset", type=float, default=argparse.SUPPRESS,
                         help="... plus this many tokens (0)")
     suffix.add_argument("--min-token-prob", type=float, default=argparse.SUPPRESS,
@@ -101,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "own_spec_factor", "max_spec_offset",
-                "min_token_prob", "cache_prompts", "cache_scope")
+SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "own_spec_factor", "prefer_longer_match",
+                "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
 
 
 def load_drafter_class(spec: str) -> type[Drafter]:

@@ -169,7 +169,7 @@ def test_the_tree_depth_bounds_match_plus_draft() -> None:
     assert SuffixIndex(24).speculate([3], 8).tokens == []  # empty index
 
 
-def test_the_better_scoring_tree_wins() -> None:
+def test_the_longer_match_wins_and_the_better_score_between_equal_matches() -> None:
     drafter = SuffixDrafter(own_spec_factor=1.0)
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
@@ -198,6 +198,26 @@ def test_the_better_scoring_tree_wins() -> None:
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
     [draft] = drafter.prepare_draft_tokens([request("own", [7, 7, 8, 7, 7], prompt_len=5)])
     assert draft[:1] == [8]
+
+
+@pytest.mark.parametrize("prefer_longer_match", [True, False])
+def test_a_longer_match_beats_a_higher_score_unless_told_otherwise(prefer_longer_match: bool) -> None:
+    drafter = SuffixDrafter(own_spec_factor=4.0, prefer_longer_match=prefer_longer_match)
+    # The global tree: [1, 2, 3] -> 4, 5, 6 two times in three, so a 3-token match drafts them at 2/3 each.
+    for i, output in enumerate(([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 0, 0, 0, 0])):
+        finish(drafter, f"old{i}", [8], output)
+    # The own context matches only its last token, 3, twice followed by 9, 9, 9, 9: score 4 against 2.
+    context = [3, 9, 9, 9, 9, 5, 3, 9, 9, 9, 9, 5, 1, 2, 3]
+    own, theirs = SuffixIndex(24), drafter._global[""]
+    own.add(context)
+    mine, shared = own.speculate(context, 8, 4.0, own=True), theirs.speculate(context, 8)
+    assert (mine.tokens, mine.match_len, mine.score) == ([9, 9, 9, 9], 1, pytest.approx(4.0))
+    assert (shared.tokens, shared.match_len, shared.score) == ([4, 5, 6], 3, pytest.approx(2.0))
+    [draft] = drafter.prepare_draft_tokens([request("new", context, prompt_len=len(context))])
+    assert draft == ([4, 5, 6] if prefer_longer_match else [9, 9, 9, 9])
+    # Trees follow the same choice: their first branch is the chain.
+    [tree] = drafter.prepare_draft_tokens([request("new", context, prompt_len=len(context), nodes=6)])
+    assert tree.tokens[:3 if prefer_longer_match else 4] == draft
 
 
 def request(rid: str, tokens: list[int], prompt_len: int = 0, draft_len: int = 8, verifier: str = "v",
@@ -397,14 +417,17 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     phrases = [[rng.randrange(20) for _ in range(rng.randint(3, 10))] for _ in range(6)]
 
     def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
-        """The draft without cursors: the own tree's, unless the global tree's scores more."""
+        """The draft without cursors: the own tree's, unless the global tree's follows a longer match,
+        or an equal one and scores more."""
         state = drafter._requests[key]
         own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
         shared = drafter._global.get("")
         if shared is None:
             return own.tokens
-        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor, beat=own.score)
-        return (theirs if theirs.score > own.score else own).tokens
+        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor)
+        if not own.tokens or (theirs.tokens and (theirs.match_len, theirs.score) > (own.match_len, own.score)):
+            return theirs.tokens
+        return own.tokens
 
     for n in range(30):
         rid = f"r{n % 5}"  # ids come back: a full context then replaces the old one

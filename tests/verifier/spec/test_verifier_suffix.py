@@ -24,7 +24,7 @@ from verifier_support import (
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import drafter_pb2, speculative_pb2, verifier_pb2
-from verifier_service.spec.config import SUFFIX, ConfigError, validate
+from verifier_service.spec.config import SUFFIX, ConfigError, suffix_drafter, validate
 from verifier_service.tools.local_services import LocalService, script
 
 # Looping prompts (the request's own tree drafts) and non-looping ones (only learning helps).
@@ -58,11 +58,14 @@ def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
     sx = config.suffix
     assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
-    assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 2.0
+    assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 2.0 and sx.prefer_longer_match
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
+    assert suffix_drafter(sx).prefer_longer_match
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
     explicit.suffix.max_cached_requests = 0  # set to 0: no global tree, as in vLLM (not the default)
+    explicit.suffix.prefer_longer_match = False  # vLLM's rule: the higher score wins
     assert validate(explicit).suffix.max_cached_requests == 0
+    assert not suffix_drafter(validate(explicit).suffix).prefer_longer_match
     for field, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", -1.0),
                          ("own_spec_factor", -1.0)):
         bad = speculative_pb2.SpeculativeConfig(mode=SUFFIX)

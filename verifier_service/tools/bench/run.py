@@ -256,6 +256,8 @@ def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
     results = replay.replay("ngram", lambda: NgramDrafter(max_draft_len=k, max_matching_ngram_size=args.ngram_size),
                             prompts, outputs, k)
     results += replay.replay("suffix", SuffixDrafter, prompts, outputs, k)
+    # vLLM's choice between the two trees, for comparison (drafters/suffix.py)
+    results += replay.replay("suffix-score", lambda: SuffixDrafter(prefer_longer_match=False), prompts, outputs, k)
     replay.print_results(results)
     speed = None
     if args.suffix_speed_outputs:
