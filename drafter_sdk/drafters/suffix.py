@@ -9,7 +9,8 @@ Snowflake's Arctic Inference) keeps two kinds of suffix tree (suffix_index.py):
   prompts), at most `max_cached_requests` of them, oldest evicted first.
 
 Each step, both trees look for the context's last <= `max_tree_depth` tokens and
-propose their best-scoring greedy continuation. No match, no draft. Each request keeps where its
+propose their best-scoring greedy continuation; the third difference below says
+which of the two is drafted. No match, no draft. Each request keeps where its
 context matched in both trees (suffix_index.Cursor) and extends that by the
 tokens it gained at the next step.
 
