@@ -1,6 +1,7 @@
 """The offline tree replay: exact tokens per step from recorded greedy outputs, no model."""
 
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from verifier_service.model.step_costs import CostCurve
 from verifier_service.tools.bench.tree_replay import _selected, replay
 
@@ -39,3 +40,15 @@ def test_select_keeps_the_chosen_prompts_of_every_workload():
     records = [{"workload": w, "name": f"{w}{i}"} for w in ("a", "b") for i in range(4)]
     assert [r["name"] for r in _selected(records, "1,3")] == ["a1", "a3", "b1", "b3"]
     assert _selected(records, None) == records
+
+
+def test_a_learning_drafter_replays_every_record_in_order_and_learns_each_output():
+    """learn=True: one suffix drafter for all records, each released FINISHED, so an answer given once is
+    drafted whole the next time (the first time it has nothing to copy: one token a step)."""
+    answer = list(range(300, 340))
+    records = [{"workload": "recurring", "prompt": [7, 8, 9], "output": answer} for _ in range(2)]
+    (apart,) = replay(records, SuffixDrafter, 8, 0)
+    (learned,) = replay(records, SuffixDrafter, 8, 0, learn=True)
+    assert apart.tokens_per_step == 1.0
+    # The second record: 39 tokens after the first, drafted from the first answer; the first: 1 a step.
+    assert learned.tokens_per_step > 1.5

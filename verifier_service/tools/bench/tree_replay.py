@@ -1,5 +1,5 @@
-"""Offline replay of n-gram chains and trees against recorded greedy outputs: the fast loop for tuning
-tree construction.
+"""Offline replay of n-gram chains and trees (or the suffix drafter's chains) against recorded greedy
+outputs: the fast loop for tuning tree construction and drafting rules.
 
 Under greedy decoding the path a verifier accepts is fixed by the target's own output, so replaying
 drafts against a recorded output gives each draft's exact tokens per step without running the model:
@@ -11,6 +11,8 @@ seconds, and prints the tokens verified per step the forward cost depends on.
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --nodes 16
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --min-node-prob 0,0.05 \
         --costs 1:30,9:43,17:55 --planner --select 0,1
+    python -m verifier_service.tools.bench.tree_replay replay outputs.json --drafter suffix --nodes 8 \
+        --costs 1:35.8,9:60.1,17:73.7 --planner
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_sdk.drafter import TOKEN_TYPECODE
+from drafter_sdk.drafter import TOKEN_TYPECODE, Drafter, DraftRequest, ReleaseReason, SamplingHints
 from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.tree import ROOT, accepted_path, depths
+from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.tree import ROOT, DraftTree, accepted_path, depths
 from verifier_service.model.step_costs import CostCurve
 from verifier_service.spec.planner import DraftPlanner
 from verifier_service.spec.policy import SpecState, SpeculationPolicy
@@ -40,16 +43,20 @@ class Replay:
     modelled_tok_s: float  # emitted tokens / the cost curve's time of every step's forward (0 without one)
 
 
-def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int, nodes: int,
-           costs: CostCurve | None = None, one_token_ms: float = 1.0, planner: bool = False) -> list[Replay]:
+def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, nodes: int,
+           costs: CostCurve | None = None, one_token_ms: float = 1.0, planner: bool = False,
+           learn: bool = False) -> list[Replay]:
     """Each record: {"workload", "prompt", "output"} (token ids). `nodes` 0 replays chains. With a
     cost curve, each step's forward (1 + verified tokens) is charged to a modelled tokens/s; with
     `planner` as well, the verifier's policy sizes every step's draft (chain length, and tree nodes
-    up to `nodes`) from that curve and what it has seen accepted, as the verifier does."""
+    up to `nodes`) from that curve and what it has seen accepted, as the verifier does. `learn`: one
+    drafter replays every record in order, each released FINISHED (the suffix drafter learns it);
+    otherwise each record gets a drafter of its own."""
     totals: dict[str, list[float]] = {}
     forward_ms: dict[str, float] = {}
+    shared = drafter() if learn else None
     for i, record in enumerate(records):
-        d, out = drafter(), record["output"]
+        d, out = shared or drafter(), record["output"]
         key = ("replay", str(i))
         policy = SpeculationPolicy(depth, planner=DraftPlanner(costs), max_draft_nodes=nodes) if planner else None
         state = SpecState()
@@ -61,13 +68,11 @@ def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int,
                 (k,), (ask,) = policy.plan([state], [len(out) - pos])
                 (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
             started = time.perf_counter()
-            if m:
-                tree = d.draft_tree(key, history, ask, m)
-                tokens, parents = list(tree.tokens), list(tree.parents)
-            else:
-                tokens = d.draft(key, history, ask) if ask else []
-                parents = []
+            [draft] = d.prepare_draft_tokens([DraftRequest(*key, history, len(record["prompt"]), ask, 0, 0,
+                                                           SamplingHints(), max_draft_nodes=m)])
             seconds += time.perf_counter() - started
+            tokens, parents = (list(draft.tokens), list(draft.parents)) if isinstance(draft, DraftTree) else (
+                list(draft), [])
             shadow = tokens if not k else []
             tokens = tokens if parents else tokens[:k]
             chain = list(range(ROOT, len(tokens) - 1))
@@ -82,6 +87,9 @@ def replay(records: list[dict], drafter: Callable[[], NgramDrafter], depth: int,
             if costs is not None:
                 forward_ms[record["workload"]] = (forward_ms.get(record["workload"], 0.0)
                                                   + one_token_ms * costs(1 + len(tokens)))
+        if learn:  # the verifier's last sync, then the release a learning drafter takes the output from
+            d.prepare_draft_tokens([DraftRequest(*key, history, len(record["prompt"]), 0, 0, 0, SamplingHints())])
+            d.on_release(key, ReleaseReason.FINISHED)
         total = totals.setdefault(record["workload"], [0.0, 0.0, 0.0, 0.0])
         for k, v in enumerate((len(out) - 1, steps, verified, seconds)):
             total[k] += v
@@ -146,6 +154,10 @@ def main() -> None:
     q.add_argument("--planner", action="store_true",
                    help="with --costs: also the chain and the trees as the verifier's planner sizes them")
     q.add_argument("--select", help="only the records whose index within their workload is listed, e.g. 0,1")
+    q.add_argument("--drafter", choices=["ngram", "suffix"], default="ngram",
+                   help="suffix: instead of trees, the suffix drafter's chains against the n-gram chain, with the "
+                        "longer match winning between its trees and with vLLM's higher score (one drafter learns "
+                        "every record in order)")
     args = p.parse_args()
     if args.command == "record":
         record(args.file, args.workloads.split(","), args.prompts, args.max_new_tokens)
@@ -158,21 +170,31 @@ def main() -> None:
         p.error("--planner needs --costs")
     one_token_ms = ms[min(ms)] if ms else 1.0
     floors = [float(f) for f in args.min_node_prob.split(",")]
+    suffixes = {"suffix": SuffixDrafter, "suffix score": lambda: SuffixDrafter(prefer_longer_match=False)}
     rows = {"chain": replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms)}
-    for floor in floors:
-        rows[f"tree p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor), n, n,
-                                            costs, one_token_ms)
+    if args.drafter == "suffix":
+        for name, make in suffixes.items():
+            rows[name] = replay(records, make, n, 0, costs, one_token_ms, learn=True)
+    else:
+        for floor in floors:
+            rows[f"tree p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor),
+                                                n, n, costs, one_token_ms)
     if args.planner:
         rows["planner chain"] = replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms, True)
-        for floor in floors:
-            rows[f"planner p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor),
-                                                   n, n, costs, one_token_ms, True)
-    print(f"{'workload':<10} {'drafts':<16} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
+        if args.drafter == "suffix":
+            for name, make in suffixes.items():
+                rows[f"planner {name}"] = replay(records, make, n, 0, costs, one_token_ms, True, learn=True)
+        else:
+            for floor in floors:
+                rows[f"planner p>={floor:g}"] = replay(
+                    records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor), n, n, costs, one_token_ms,
+                    True)
+    print(f"{'workload':<10} {'drafts':<20} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
           + (f" {'model tok/s':>11} {'vs chain':>8}" if costs else ""))
     for i in range(len(rows["chain"])):
         for name, replays in rows.items():
             r, chain = replays[i], rows["planner chain" if name.startswith("planner") else "chain"][i]
-            print(f"{r.workload:<10} {name:<16} {r.tokens_per_step:>11.3f} "
+            print(f"{r.workload:<10} {name:<20} {r.tokens_per_step:>11.3f} "
                   f"{r.tokens_per_step / chain.tokens_per_step:>7.3f}x {r.verified_per_step:>8.1f} {r.draft_ms:>8.2f}"
                   + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x" if costs else ""))
 
