@@ -56,7 +56,7 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
     forward_ms: dict[str, float] = {}
     shared = drafter() if learn else None
     for i, record in enumerate(records):
-        d, out = shared or drafter(), record["output"]
+        d, out = shared if shared is not None else drafter(), record["output"]
         key = ("replay", str(i))
         policy = SpeculationPolicy(depth, planner=DraftPlanner(costs), max_draft_nodes=nodes) if planner else None
         state = SpecState()
