@@ -18,6 +18,7 @@ seconds, and prints the tokens verified per step the forward cost depends on.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from array import array
@@ -169,26 +170,20 @@ def main() -> None:
     if args.planner and costs is None:
         p.error("--planner needs --costs")
     one_token_ms = ms[min(ms)] if ms else 1.0
-    floors = [float(f) for f in args.min_node_prob.split(",")]
-    suffixes = {"suffix": SuffixDrafter, "suffix score": lambda: SuffixDrafter(prefer_longer_match=False)}
-    rows = {"chain": replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms)}
+    # (row, drafter, tree nodes, one drafter learning every record): the chain the others are read against first
+    chain = functools.partial(NgramDrafter, max_draft_len=n)
+    systems: list[tuple[str, Callable[[], Drafter], int, bool]] = [("chain", chain, 0, False)]
     if args.drafter == "suffix":
-        for name, make in suffixes.items():
-            rows[name] = replay(records, make, n, 0, costs, one_token_ms, learn=True)
+        systems += [("suffix", SuffixDrafter, 0, True),
+                    ("suffix score", lambda: SuffixDrafter(prefer_longer_match=False), 0, True)]
     else:
-        for floor in floors:
-            rows[f"tree p>={floor:g}"] = replay(records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor),
-                                                n, n, costs, one_token_ms)
-    if args.planner:
-        rows["planner chain"] = replay(records, lambda: NgramDrafter(max_draft_len=n), n, 0, costs, one_token_ms, True)
-        if args.drafter == "suffix":
-            for name, make in suffixes.items():
-                rows[f"planner {name}"] = replay(records, make, n, 0, costs, one_token_ms, True, learn=True)
-        else:
-            for floor in floors:
-                rows[f"planner p>={floor:g}"] = replay(
-                    records, lambda: NgramDrafter(max_draft_len=n, tree_min_prob=floor), n, n, costs, one_token_ms,
-                    True)
+        systems += [(f"tree p>={floor:g}", functools.partial(NgramDrafter, max_draft_len=n, tree_min_prob=floor), n,
+                     False) for floor in (float(f) for f in args.min_node_prob.split(","))]
+    rows = {}
+    for planner in (False, True) if args.planner else (False,):
+        for name, make, nodes, learn in systems:
+            row = f"planner {name}" if planner else name
+            rows[row] = replay(records, make, n, nodes, costs, one_token_ms, planner, learn)
     print(f"{'workload':<10} {'drafts':<20} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
           + (f" {'model tok/s':>11} {'vs chain':>8}" if costs else ""))
     for i in range(len(rows["chain"])):
