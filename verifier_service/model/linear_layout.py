@@ -54,8 +54,11 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class LinearLayouts:
     """Installed on a model's nn.Linear modules; until `choose` is called every layer uses F.linear."""
 
-    def __init__(self, model: torch.nn.Module, prepack: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, prepack: bool = True, single_row_alone: bool = True) -> None:
         self._modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        # False: a single row is multiplied as two equal rows in every layout, so that it gets the bits
+        # it gets among others (invariant_attention.py): a lone row takes another kernel.
+        self._single_row_alone = single_row_alone
         packed = [_pack(m.weight) for m in self._modules] if prepack else []
         # All or nothing: a layout is chosen for the whole forward.
         self._packed = packed if packed and all(p is not None for p in packed) else None
@@ -99,9 +102,15 @@ class LinearLayouts:
         return self._layouts[i] if i < len(self._points) else Layout.PLAIN
 
     def _forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        module = self._modules[index]
         rows = x.numel() // x.shape[-1]
         layout = self.layout_for(rows)
+        if rows == 1 and not self._single_row_alone and layout is not Layout.TRANSPOSED:
+            return self._product(index, torch.cat([x, x], dim=-2), layout)[..., :1, :]
+        return self._product(index, x, layout)
+
+    def _product(self, index: int, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        module = self._modules[index]
+        rows = x.numel() // x.shape[-1]
         if layout is Layout.PACKED and self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed[index], module.bias, "none", [], "")
         if layout is not Layout.TRANSPOSED:

@@ -23,6 +23,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from verifier_service.model import invariant_attention
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
 from verifier_service.model.tree_attention import apply_kv_moves, is_chain_row, tree_mask
@@ -59,8 +60,9 @@ class ForwardBatch:
 class PackedStep:
     """What the attention layers of one forward need: where to write keys and what to attend to."""
 
-    def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device) -> None:
+    def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device, invariant: bool = False) -> None:
         self.cache = cache
+        self.invariant = invariant  # batch-invariant attention (model/invariant_attention.py)
         self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         positions: list[int] = []
         offset = 0
@@ -76,7 +78,7 @@ class PackedStep:
                 # Queries see keys up to their own position (bottom-right aligned causal). A whole prompt
                 # from position 0 needs no mask: SDPA's own causal attention skips the masked blocks (an
                 # 1,800-token prompt's attention took half the time, same bits).
-                if n > 1 and start > 0:
+                if n > 1 and start > 0 and not invariant:
                     keys = torch.arange(start + n, device=device)
                     mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
                 positions += range(start, start + n)
@@ -92,6 +94,10 @@ class PackedStep:
             # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
             k_cache[slot, :, start:start + n] = key[0, :, offset:offset + n]
             v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
+            if self.invariant:
+                outputs.append(invariant_attention.attend(query[0, :, offset:offset + n], k_cache[slot],
+                                                          v_cache[slot], start, mask, scaling)[None])
+                continue
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
                 v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, is_causal=mask is None and n > 1,
@@ -141,8 +147,12 @@ class ModelRunner:
         self._base = model.base_model
         self._head = model.get_output_embeddings()
         self._no_mask = _NO_MASK.to(self.device, self.dtype)
+        # Where this machine's products allow it (bfloat16 on CPU), every row gets the bits plain
+        # decoding gives it: speculation is exact, not only up to the dtype's precision.
+        self.batch_invariant = invariant_attention.gemm_is_row_invariant(self.dtype, self.device.type)
         # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
-        self.layouts = LinearLayouts(model, prepack_weights) if self.device.type == "cpu" else None
+        self.layouts = (LinearLayouts(model, prepack_weights, single_row_alone=not self.batch_invariant)
+                        if self.device.type == "cpu" else None)
 
     def close(self) -> None:
         """Give the model back with its own linear layers (it stays usable, e.g. by generate());
@@ -168,7 +178,7 @@ class ModelRunner:
         apply_kv_moves(self.kv_cache, batch.kv_moves)
         for src, dst, n in batch.copies:
             self.kv_cache.copy_prefix(src, dst, n)
-        step = PackedStep(self.kv_cache, batch, self.device)
+        step = PackedStep(self.kv_cache, batch, self.device, self.batch_invariant)
         ids = torch.tensor([batch.input_ids], device=self.device)
         out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
                          use_cache=False, **{STEP_KWARG: step})

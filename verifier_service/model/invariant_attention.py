@@ -1,0 +1,84 @@
+"""Attention whose every query row gets the same bits however many rows share its forward.
+
+Speculative decoding is exact only if a token verified as row i of a draft gets
+the logits plain decoding computes for it alone. In float32 SDPA's kernels for
+one query and for seventeen differ in the last bits, too little to flip a
+choice in any run here. In bfloat16 they differ by whole rounding steps, and
+about half of the speculative outputs left plain decoding's at a near tie.
+
+On a CPU whose bfloat16 matrix products give a row the same bits whatever the
+number of rows (`gemm_is_row_invariant` checks, once per process), attention
+built from those products is invariant too: scores as one bfloat16 product,
+the softmax in float32 over keys padded to a multiple of KEY_BLOCK (masked: a
+row's sum only ever gains exact zeros, in whole blocks), and the values as a
+second product. The linear layers do their part by never multiplying a
+single row (linear_layout.py), the one product that takes another kernel.
+Long prompts are computed QUERY_BLOCK queries at a time, each block against
+the keys it can see, which bounds the score matrix and skips most masked
+blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+KEY_BLOCK = 64
+QUERY_BLOCK = 256
+
+
+@functools.cache
+def gemm_is_row_invariant(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether this machine's matrix products of `dtype` give each row the same bits for 1-17 rows
+    (1 computed as 2) and for key lengths padded with zeros: the condition of this module."""
+    if device_type != "cpu" or dtype != torch.bfloat16:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 17, 64, generator=gen).to(dtype)
+    k = torch.randn(3, 300, 64, generator=gen).to(dtype)
+    w = torch.randn(576, 64, generator=gen).to(dtype)
+    full = torch.matmul(q, k.transpose(-1, -2))
+    probs = torch.softmax(full.float(), -1).to(dtype)
+    probs[..., 250:] = 0
+    out = torch.matmul(probs, k)
+    linear = torch.nn.functional.linear(q[0], w)
+    for rows in (2, 3, 8):
+        if not (torch.equal(torch.matmul(q[:, :rows], k.transpose(-1, -2)), full[:, :rows])
+                and torch.equal(torch.matmul(probs[:, :rows], k), out[:, :rows])
+                and torch.equal(torch.nn.functional.linear(q[0, :rows], w), linear[:rows])):
+            return False
+    return torch.equal(torch.matmul(probs[:, :, :256], k[:, :256]), out)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+           tree: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """Attention of `n` new queries [heads, n, D] at positions start.. over a KV slot's keys and
+    values [kv_heads, capacity, D] (the new ones written): causal, or for a token tree the mask
+    `tree` [n, start + n]. Returns [heads, n, D]."""
+    heads, n, dim = query.shape
+    kv_heads, capacity = keys.shape[0], keys.shape[1]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    grouped = query.view(kv_heads, heads // kv_heads, n, dim)  # the query heads that share each KV head
+    out = []
+    for first in range(0, n, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, n)
+        length = min(-(-(start + last) // KEY_BLOCK) * KEY_BLOCK, capacity)
+        if tree is None:
+            positions = torch.arange(length, device=query.device)
+            visible = positions[None, :] <= start + torch.arange(first, last, device=query.device)[:, None]
+        else:
+            visible = torch.zeros(last - first, length, dtype=torch.bool, device=query.device)
+            visible[:, :tree.shape[1]] = tree[first:last]
+        q = grouped[:, :, first:last]
+        if last - first == 1:  # one query alone would take another kernel: computed twice
+            q, visible = q.expand(-1, -1, 2, -1), visible.expand(2, -1)
+        rows = q.shape[2]
+        scores = torch.matmul(q.reshape(kv_heads, -1, dim), keys[:, :length].transpose(-1, -2))
+        scores = scores.float().mul_(scale).view(kv_heads, -1, rows, length)
+        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), -1).to(values.dtype)
+        block = torch.matmul(probs.view(kv_heads, -1, length), values[:, :length])
+        out.append(block.view(kv_heads, -1, rows, dim)[:, :, :last - first])
+    result = out[0] if len(out) == 1 else torch.cat(out, dim=2)
+    return result.reshape(heads, n, dim)
