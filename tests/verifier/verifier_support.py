@@ -20,7 +20,10 @@ from verifier_harness import reference_greedy
 
 from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import verifier_pb2
+from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.server import RunningDrafter, start_server
+from drafter_sdk.servicer import DrafterServicer
+from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
 T = TypeVar("T")
@@ -188,6 +191,14 @@ async def serve_drafter(drafter: Drafter, port: int = 0) -> AsyncIterator[Runnin
         yield running
     finally:
         await running.stop(0)
+
+
+def in_process_drafter(engine, drafter) -> None:  # noqa: ANN001
+    """Swap the engine's drafter for an SDK Drafter run in-process (no network in the loop)."""
+    servicer = DrafterServicer(drafter, SequenceStore())
+    servicer.load()
+    engine.drafter = DrafterClient(InProcessTransport(servicer), engine.drafter.verifier_id,
+                                   engine.drafter.vocab_size, deadline_s=float("inf"), overlap_steps=1)
 
 
 # --- spies on a running engine ------------------------------------------------------------------

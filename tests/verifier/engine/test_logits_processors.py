@@ -16,7 +16,6 @@ import httpx
 import pytest
 import torch
 from test_tree_verification import TreeOracle
-from test_verifier_sampling import in_process_drafter
 from transformers import RepetitionPenaltyLogitsProcessor
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
@@ -24,6 +23,7 @@ from verifier_support import (
     WAIT_S,
     OracleDrafter,
     engine_of,
+    in_process_drafter,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
     run_together,

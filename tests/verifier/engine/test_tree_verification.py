@@ -24,7 +24,6 @@ from test_verifier_sampling import (
     V,
     chi_square_p,
     exact_joint,
-    in_process_drafter,
     sampled_request,
 )
 from tiny_model import tiny_tokenizer
@@ -34,6 +33,7 @@ from verifier_support import (
     WAIT_S,
     cached_reference,
     engine_of,
+    in_process_drafter,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
     run_together,

@@ -21,6 +21,7 @@ from verifier_support import (
     ScriptedDrafter,
     cached_reference,
     engine_of,
+    in_process_drafter,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
     run_together,
@@ -28,8 +29,6 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
 from verifier_service.engine.sampler import (
     SamplingParams,
     VerifyRow,
@@ -37,7 +36,6 @@ from verifier_service.engine.sampler import (
     verify_batch,
     verify_sampled,
 )
-from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 ALPHA = 1e-3  # fixed seeds make every test deterministic; this only guards against a bad seed choice
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
@@ -197,14 +195,6 @@ def sampled_request(prompt: list[int], seed: int, params: SamplingParams, n: int
     return token_request(prompt, n, sampling=verifier_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed),
         **fields)
-
-
-def in_process_drafter(engine, drafter) -> None:  # noqa: ANN001
-    """Swap the engine's drafter for an SDK Drafter run in-process (no network in the loop)."""
-    servicer = DrafterServicer(drafter, SequenceStore())
-    servicer.load()
-    engine.drafter = DrafterClient(InProcessTransport(servicer), engine.drafter.verifier_id,
-                                   engine.drafter.vocab_size, deadline_s=float("inf"), overlap_steps=1)
 
 
 def test_engine_sampling_matches_the_model_distribution_with_an_adversarial_drafter() -> None:
