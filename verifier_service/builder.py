@@ -14,6 +14,7 @@ import logging
 import uuid
 from dataclasses import dataclass, replace
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
@@ -94,6 +95,12 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
                 peers: Peers | None = None) -> ModelRunner:
     """The same runner on every rank of a sharded model (rank 0 passes the other ranks as `peers`)."""
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers)
+    if runner.batch_invariant:
+        log.info("batch-invariant %s: a verified token gets the bits plain decoding gives it (chains; token trees "
+                 "up to rounding)", runner.dtype)
+    elif runner.dtype != torch.float32:
+        log.info("%s on %s: speculative outputs equal plain decoding's up to its rounding", runner.dtype,
+                 runner.device.type)
     if settings.tensor_parallel_size > 1 and runner.layouts is not None:
         tensor_parallel.rewrap_sharded_linears(model)
     return runner

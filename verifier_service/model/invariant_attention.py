@@ -16,6 +16,12 @@ single row (linear_layout.py), the one product that takes another kernel.
 Long prompts are computed QUERY_BLOCK queries at a time, each block against
 the keys it can see, which bounds the score matrix and skips most masked
 blocks.
+
+Chains, chunked prefill and prefix-cache hits are invariant. A token tree is
+not: a node's ancestors sit at other key positions than in plain decoding
+(siblings between them), and the reductions group their terms by position.
+A bench run put one of two code prompts off plain decoding under trees; their
+nodes stay exact only up to bfloat16's rounding.
 """
 
 from __future__ import annotations

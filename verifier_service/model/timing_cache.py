@@ -141,6 +141,7 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
         "device": _device_name(device),
         "threads": torch.get_num_threads(),
         "dtype": str(runner.dtype),
+        "batch_invariant": runner.batch_invariant,  # another attention
         "model": config,
         "layouts": [layout.value for layout in runner.layouts.available] if runner.layouts is not None else [],
         "measure": {"context_len": context_len, "repeats": repeats},
