@@ -17,7 +17,10 @@ import torch
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.model import invariant_attention
 from verifier_service.model import loader as model_loader
+from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.tools.demo import FUNCTION, PARAGRAPH
 from verifier_service.tools.local_services import LocalService, script
 
@@ -96,6 +99,44 @@ def test_in_process_ngram_and_plain_decoding_equal_generate() -> None:
     assert held.output.finish_reason == verifier_pb2.FINISH_REASON_STOP, held.output.text
     value = json.loads(held.output.text)
     assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
+
+
+@pytest.mark.skipif(not invariant_attention.gemm_is_row_invariant(torch.bfloat16, "cpu"),
+                    reason="this CPU's bfloat16 products are not row-invariant")
+def test_bfloat16_verified_rows_get_the_bits_of_plain_decoding() -> None:
+    """Batch-invariant bfloat16 (model/invariant_attention.py) on the real model's shapes: 24 tokens
+    decoded one at a time, then verified as three 8-token drafts, give the same logits bit for bit
+    (SDPA: not; the speculative outputs of that drafter left plain decoding on this prompt)."""
+    model, _ = model_loader.load(model_loader.embedded_source(), torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(model, KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=512),
+                                        torch.bfloat16, torch.device("cpu")))
+    ids = chat_ids(f"Summarise in two sentences:\n\n{PARAGRAPH}")
+    n = len(ids)
+
+    def plain_and_verified() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        plain_slot, verify_slot = runner.kv_cache.allocate(), runner.kv_cache.allocate()
+        tokens, plain = [], []
+        for slot in (plain_slot, verify_slot):
+            logits = runner.forward(ForwardBatch(ids, [slot], [0], [n], [n - 1]))
+        tokens.append(int(logits[0].argmax()))
+        for i in range(24):
+            logits = runner.forward(ForwardBatch([tokens[-1]], [plain_slot], [n + i], [1], [0]))
+            plain.append(logits[0])
+            tokens.append(int(logits[0].argmax()))
+        verified = [row for i in range(0, 24, 8) for row in runner.forward(
+            ForwardBatch(tokens[i:i + 8], [verify_slot], [n + i], [8], list(range(8))))]
+        runner.kv_cache.free(plain_slot)
+        runner.kv_cache.free(verify_slot)
+        return plain, verified
+
+    try:
+        plain, verified = plain_and_verified()
+        assert all(torch.equal(a, b) for a, b in zip(plain, verified))
+        runner.batch_invariant = False
+        plain, verified = plain_and_verified()
+        assert not all(torch.equal(a, b) for a, b in zip(plain, verified))
+    finally:
+        runner.close()
 
 
 def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:

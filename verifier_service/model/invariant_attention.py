@@ -76,7 +76,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
             visible = positions[None, :] <= start + torch.arange(first, last, device=query.device)[:, None]
         else:
             visible = torch.zeros(last - first, length, dtype=torch.bool, device=query.device)
-            visible[:, :tree.shape[1]] = tree[first:last]
+            width = min(tree.shape[1], length)  # a node sees no key after its own
+            visible[:, :width] = tree[first:last, :width]
         q = grouped[:, :, first:last]
         if last - first == 1:  # one query alone would take another kernel: computed twice
             q, visible = q.expand(-1, -1, 2, -1), visible.expand(2, -1)

@@ -152,3 +152,23 @@ def test_speculative_bfloat16_outputs_equal_plain_decoding() -> None:
     oracle = OracleDrafter({tuple(p): out for p, out in zip(prompts, plain)}, corrupt=0.3)
     assert asyncio.run(outputs(spec_config("NGRAM", 6), oracle, max_num_batched_tokens=16)) == plain
     assert oracle.accepted_at and oracle.rejected_at and not oracle.feedback_errors
+
+
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 300), (37, 1), (37, 17), (250, 9), (120, 300)])
+def test_attention_equals_sdpa(start: int, n: int) -> None:
+    """The same attention as SDPA's (float32 inputs, so that only the arithmetic could differ): causal
+    after `start` cached keys, grouped query heads, query blocks for long prompts, and a token tree."""
+    g = torch.Generator().manual_seed(start + n)
+    heads, kv_heads, dim, capacity = 6, 2, 16, 512
+    keys, values = torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim, generator=g)
+    query = torch.randn(heads, n, dim, generator=g)
+    visible = torch.arange(start + n)[None, :] <= start + torch.arange(n)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query[None], keys[None, :, :start + n], values[None, :, :start + n], attn_mask=visible, scale=0.3,
+        enable_gqa=True)[0]
+    assert torch.allclose(invariant_attention.attend(query, keys, values, start, None, 0.3), want, atol=1e-5)
+    tree = visible & (torch.rand(n, start + n, generator=g) < 0.7)
+    tree[torch.arange(n), start + torch.arange(n)] = True  # every node sees itself
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query[None], keys[None, :, :start + n], values[None, :, :start + n], attn_mask=tree, enable_gqa=True)[0]
+    assert torch.allclose(invariant_attention.attend(query, keys, values, start, tree, None), want, atol=1e-5)
