@@ -105,8 +105,8 @@ def test_in_process_ngram_and_plain_decoding_equal_generate() -> None:
                     reason="this CPU's bfloat16 products are not row-invariant")
 def test_bfloat16_verified_rows_get_the_bits_of_plain_decoding() -> None:
     """Batch-invariant bfloat16 (model/invariant_attention.py) on the real model's shapes: 24 tokens
-    decoded one at a time, then verified as three 8-token drafts, give the same logits bit for bit
-    (SDPA: not; the speculative outputs of that drafter left plain decoding on this prompt)."""
+    decoded one at a time, then verified as three 8-token drafts, give the same logits bit for bit.
+    With SDPA they differ, and in-process n-gram speculation on this prompt left plain decoding's output."""
     model, _ = model_loader.load(model_loader.embedded_source(), torch.bfloat16, torch.device("cpu"))
     runner = ModelRunner(model, KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=512),
                                         torch.bfloat16, torch.device("cpu")))
