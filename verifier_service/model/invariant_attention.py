@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -58,34 +59,54 @@ def gemm_is_row_invariant(dtype: torch.dtype, device_type: str) -> bool:
     return torch.equal(torch.matmul(probs[:, :, :256], k[:, :256]), out)
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-           tree: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-    """Attention of `n` new queries [heads, n, D] at positions start.. over a KV slot's keys and
-    values [kv_heads, capacity, D] (the new ones written): causal, or for a token tree the mask
-    `tree` [n, start + n]. Returns [heads, n, D]."""
-    heads, n, dim = query.shape
-    kv_heads, capacity = keys.shape[0], keys.shape[1]
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    grouped = query.view(kv_heads, heads // kv_heads, n, dim)  # the query heads that share each KV head
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries first..last of a row and the keys they attend to, laid out once per forward for every
+    layer."""
+
+    first: int
+    last: int
+    length: int  # keys multiplied: those visible, padded to a whole KEY_BLOCK (within the slot)
+    visible: torch.Tensor  # [rows, length] bool; a lone query's row twice, as the query goes in twice
+
+
+def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int,
+                 device: torch.device) -> list[QueryBlock]:
+    """The blocks of `n` new queries at positions start.. in a slot of `capacity` keys: causal, or for
+    a token tree the mask `tree` [n, start + n]."""
     out = []
     for first in range(0, n, QUERY_BLOCK):
         last = min(first + QUERY_BLOCK, n)
         length = min(-(-(start + last) // KEY_BLOCK) * KEY_BLOCK, capacity)
         if tree is None:
-            positions = torch.arange(length, device=query.device)
-            visible = positions[None, :] <= start + torch.arange(first, last, device=query.device)[:, None]
+            positions = torch.arange(length, device=device)
+            visible = positions[None, :] <= start + torch.arange(first, last, device=device)[:, None]
         else:
-            visible = torch.zeros(last - first, length, dtype=torch.bool, device=query.device)
+            visible = torch.zeros(last - first, length, dtype=torch.bool, device=device)
             width = min(tree.shape[1], length)  # a node sees no key after its own
             visible[:, :width] = tree[first:last, :width]
-        q = grouped[:, :, first:last]
         if last - first == 1:  # one query alone would take another kernel: computed twice
-            q, visible = q.expand(-1, -1, 2, -1), visible.expand(2, -1)
-        rows = q.shape[2]
+            visible = visible.expand(2, -1)
+        out.append(QueryBlock(first, last, length, visible))
+    return out
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: list[QueryBlock],
+           scaling: float | None) -> torch.Tensor:
+    """Attention of `n` new queries [heads, n, D] over a KV slot's keys and values [kv_heads,
+    capacity, D] (the new ones written), block by block (`query_blocks`). Returns [heads, n, D]."""
+    heads, n, dim = query.shape
+    kv_heads = keys.shape[0]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    grouped = query.view(kv_heads, heads // kv_heads, n, dim)  # the query heads that share each KV head
+    out = []
+    for block in blocks:
+        length, rows = block.length, block.visible.shape[0]
+        q = grouped[:, :, block.first:block.last].expand(-1, -1, rows, -1)
         scores = torch.matmul(q.reshape(kv_heads, -1, dim), keys[:, :length].transpose(-1, -2))
         scores = scores.float().mul_(scale).view(kv_heads, -1, rows, length)
-        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), -1).to(values.dtype)
-        block = torch.matmul(probs.view(kv_heads, -1, length), values[:, :length])
-        out.append(block.view(kv_heads, -1, rows, dim)[:, :, :last - first])
+        probs = torch.softmax(scores.masked_fill_(~block.visible, float("-inf")), -1).to(values.dtype)
+        result = torch.matmul(probs.view(kv_heads, -1, length), values[:, :length])
+        out.append(result.view(kv_heads, -1, rows, dim)[:, :, :block.last - block.first])
     result = out[0] if len(out) == 1 else torch.cat(out, dim=2)
     return result.reshape(heads, n, dim)

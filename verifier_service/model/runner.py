@@ -64,6 +64,7 @@ class PackedStep:
         self.cache = cache
         self.invariant = invariant  # batch-invariant attention (model/invariant_attention.py)
         self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
+        self.query_blocks: list[list[invariant_attention.QueryBlock]] = []  # per row, where invariant
         positions: list[int] = []
         offset = 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
@@ -83,6 +84,9 @@ class PackedStep:
                     mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
                 positions += range(start, start + n)
             self.rows.append((offset, n, slot, start, mask))
+            if invariant:
+                self.query_blocks.append(invariant_attention.query_blocks(start, n, mask, cache.shape.capacity,
+                                                                          device))
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
@@ -90,13 +94,13 @@ class PackedStep:
                scaling: float | None) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         outputs = []
-        for offset, n, slot, start, mask in self.rows:
+        for i, (offset, n, slot, start, mask) in enumerate(self.rows):
             # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
             k_cache[slot, :, start:start + n] = key[0, :, offset:offset + n]
             v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
             if self.invariant:
                 outputs.append(invariant_attention.attend(query[0, :, offset:offset + n], k_cache[slot],
-                                                          v_cache[slot], start, mask, scaling)[None])
+                                                          v_cache[slot], self.query_blocks[i], scaling)[None])
                 continue
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],

@@ -145,6 +145,12 @@ def test_speculative_bfloat16_outputs_equal_plain_decoding() -> None:
     assert oracle.accepted_at and oracle.rejected_at and not oracle.feedback_errors
 
 
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, tree: torch.Tensor | None,
+           scaling: float | None) -> torch.Tensor:
+    blocks = invariant_attention.query_blocks(start, query.shape[1], tree, keys.shape[1], torch.device("cpu"))
+    return invariant_attention.attend(query, keys, values, blocks, scaling)
+
+
 @pytest.mark.parametrize("start,n", [(0, 1), (0, 300), (37, 1), (37, 17), (250, 9), (120, 300)])
 def test_attention_equals_sdpa(start: int, n: int) -> None:
     """The same attention as SDPA's (float32 inputs, so that only the arithmetic could differ): causal
@@ -157,9 +163,9 @@ def test_attention_equals_sdpa(start: int, n: int) -> None:
     want = torch.nn.functional.scaled_dot_product_attention(
         query[None], keys[None, :, :start + n], values[None, :, :start + n], attn_mask=visible, scale=0.3,
         enable_gqa=True)[0]
-    assert torch.allclose(invariant_attention.attend(query, keys, values, start, None, 0.3), want, atol=1e-5)
+    assert torch.allclose(attend(query, keys, values, start, None, 0.3), want, atol=1e-5)
     tree = visible & (torch.rand(n, start + n, generator=g) < 0.7)
     tree[torch.arange(n), start + torch.arange(n)] = True  # every node sees itself
     want = torch.nn.functional.scaled_dot_product_attention(
         query[None], keys[None, :, :start + n], values[None, :, :start + n], attn_mask=tree, enable_gqa=True)[0]
-    assert torch.allclose(invariant_attention.attend(query, keys, values, start, tree, None), want, atol=1e-5)
+    assert torch.allclose(attend(query, keys, values, start, tree, None), want, atol=1e-5)
