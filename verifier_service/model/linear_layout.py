@@ -104,7 +104,9 @@ class LinearLayouts:
     def _forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         layout = self.layout_for(rows)
-        if rows == 1 and not self._single_row_alone and layout is not Layout.TRANSPOSED:
+        # One row goes in twice where alone it would take another kernel: TRANSPOSED's slow matrix-vector
+        # path, and in every layout where rows must get the bits they get among others.
+        if rows == 1 and (layout is Layout.TRANSPOSED or not self._single_row_alone):
             return self._product(index, torch.cat([x, x], dim=-2), layout)[..., :1, :]
         return self._product(index, x, layout)
 
@@ -115,12 +117,10 @@ class LinearLayouts:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed[index], module.bias, "none", [], "")
         if layout is not Layout.TRANSPOSED:
             return F.linear(x, module.weight, module.bias)
-        flat = x.reshape(rows, x.shape[-1])
         # Contiguous rows in and out: MKL takes the fast path only for a row-major x, and a
-        # transposed result would slow every elementwise op that follows. One row goes in
-        # twice: alone it would take the slow matrix-vector path.
-        flat = torch.cat([flat, flat]) if rows == 1 else flat.contiguous()
-        out = torch.mm(module.weight, flat.t()).t()[:rows].contiguous()
+        # transposed result would slow every elementwise op that follows.
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        out = torch.mm(module.weight, flat.t()).t().contiguous()
         if module.bias is not None:
             out = out + module.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
