@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,7 +22,7 @@ from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache
-from verifier_service.engine.scheduler import Scheduler
+from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 # streams' longest gap during a long prefill stays within ~3x their usual one.
 PREFILL_STEP_COST = 2.5
 CHUNK_PROBE_TOKENS = 64  # the cost curve is measured this far (at least) when the budget is derived
+# A chunk of CHUNK_PROBE_TOKENS is also timed after up to this many cached tokens, to price a prompt
+# token's attention to the context before it; contexts too short to tell (under twice the curve's
+# own) are priced flat.
+LONG_CONTEXT = 2048
 MAX_DEFAULT_BATCHED_TOKENS = 2048
 
 
@@ -109,10 +114,11 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
 @dataclass(frozen=True)
 class StepBudget:
     """Tokens one step's forward carries (scheduler.py): `tokens` while sequences decode, `idle`
-    in a step where none does (None: `tokens` too)."""
+    in a step where none does (None: `tokens` too); what a prompt token counts for against `tokens`."""
 
     tokens: int | None
     idle: int | None = None
+    prompt_token_cost: PromptTokenCost = FLAT
 
 
 def calibrate(runner: ModelRunner, settings: ServerSettings,
@@ -145,30 +151,83 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
         return planner, StepBudget(budget)
     idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
     budget = batched_tokens(costs, idle)
+    cost = _prompt_token_cost(runner, settings, seconds, costs, budget)
+    late = min(max_model_len, LONG_CONTEXT)
     log.info("chunked prefill: --max-num-batched-tokens %d while sequences decode (a step of %d tokens costs "
-             "%.2fx a one-token step, at most %.1fx); up to %d when none does", budget, budget, costs(budget),
-             PREFILL_STEP_COST, idle)
-    return planner, StepBudget(budget, idle)
+             "%.2fx a one-token step, at most %.1fx; a prompt token after %d cached ones counts as %.2f); up to "
+             "%d when none does", budget, budget, costs(budget), PREFILL_STEP_COST, late, cost(late), idle)
+    return planner, StepBudget(budget, idle, cost)
 
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
-    """step_costs.tune_and_measure, with what the timing cache holds of it (a single rank only:
-    tensor-parallel ranks time their forwards together)."""
-    cache = (TimingCache.for_runner(runner, step_costs.CONTEXT_LEN, step_costs.REPEATS)
-             if settings.timing_cache != "off" and settings.tensor_parallel_size == 1
-             and step_costs.full_context(runner, points) else None)
+    """step_costs.tune_and_measure, with what the timing cache holds of it."""
+    cacheable = step_costs.full_context(runner, points)
+    measured = _timed(runner, settings, step_costs.CONTEXT_LEN if cacheable else None,
+                      lambda known: step_costs.measure_layouts(runner, points, known=known))
+    return step_costs.choose_layouts(runner, measured)
+
+
+def _timed(runner: ModelRunner, settings: ServerSettings, context_len: int | None,
+           measure: Callable[[step_costs.Measurements], step_costs.Measurements]) -> step_costs.Measurements:
+    """`measure(known)`: the timings after `context_len` cached tokens, given those the timing cache
+    holds (None: not cacheable; neither is a sharded model's, whose ranks time their forwards
+    together); what it measured is kept."""
+    cache = (TimingCache.for_runner(runner, context_len, step_costs.REPEATS)
+             if settings.timing_cache != "off" and settings.tensor_parallel_size == 1 and context_len is not None
+             else None)
     if cache is None:
-        return step_costs.choose_layouts(runner, step_costs.measure_layouts(runner, points))
+        return measure({})
     with cache.turn():
         known = cache.load() if settings.timing_cache == "on" else {}
-        measured = step_costs.measure_layouts(runner, points, known=known)
+        measured = measure(known)
         cached = sum(t in known.get(layout, {}) for layout, seconds in measured.items() for t in seconds)
         total = sum(len(seconds) for seconds in measured.values())
         log.info("timing cache %s: %d of %d forward timings found, %d measured", cache.path, cached, total,
                  total - cached)
         if cached < total:
             cache.save({layout: {**known.get(layout, {}), **seconds} for layout, seconds in measured.items()})
-    return step_costs.choose_layouts(runner, measured)
+    return measured
+
+
+def _prompt_token_cost(runner: ModelRunner, settings: ServerSettings, seconds: dict[int, float],
+                       costs: step_costs.CostCurve, budget: int) -> PromptTokenCost:
+    """Price a prompt token's attention for the default budget: a chunk of CHUNK_PROBE_TOKENS timed
+    after a long context, against the same chunk after the cost curve's own context."""
+    tokens, short = CHUNK_PROBE_TOKENS, step_costs.CONTEXT_LEN
+    long = min(LONG_CONTEXT, runner.kv_cache.shape.capacity - tokens)
+    if tokens not in seconds or long < 2 * short:
+        return FLAT
+    by_context = _chunk_seconds(runner, tokens, [short, long], settings)
+    per_key_s = max(0.0, (by_context[long] - by_context[short]) / (tokens * (long - short)))
+    return PromptTokenCost(per_key_s / token_seconds(costs, budget, seconds[min(seconds)]), short)
+
+
+def token_seconds(costs: step_costs.CostCurve, budget: int, one_token_s: float) -> float:
+    """Seconds one more token adds to a step of about `budget` tokens: the curve's slope over the
+    budget's upper half, or over the whole budget where that is steeper (a flat stretch of the
+    curve must not make a token look free)."""
+    half = max(1, budget // 2)
+    upper = (costs(budget) - costs(half)) / (budget - half) if budget > half else 0.0
+    whole = (costs(budget) - costs(1)) / (budget - 1) if budget > 1 else 1.0
+    return one_token_s * max(upper, whole, 1e-9)
+
+
+def _chunk_seconds(runner: ModelRunner, tokens: int, contexts: list[int],
+                   settings: ServerSettings) -> dict[int, float]:
+    """Seconds of a forward of `tokens` after each of `contexts` cached tokens, in the layout already
+    chosen for that many, timed one right after the other (the pair is compared; a point timed at
+    another start, on another day's load, would not compare). Kept in a timing cache file of its
+    own, by "<layout> after <context>"."""
+    layout = runner.layouts.layout_for(tokens).value if runner.layouts is not None else ""
+    names = {c: f"{layout} after {c}" for c in contexts}
+
+    def measure(known: step_costs.Measurements) -> step_costs.Measurements:
+        if all(tokens in known.get(name, {}) for name in names.values()):
+            return {name: {tokens: known[name][tokens]} for name in names.values()}
+        return {names[c]: step_costs.measure(runner, [tokens], c, step_costs.REPEATS) for c in contexts}
+
+    measured = _timed(runner, settings, max(contexts), measure)
+    return {c: measured[name][tokens] for c, name in names.items()}
 
 
 def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:
@@ -212,6 +271,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                           max_num_seqs=runner.kv_cache.num_slots, max_queue_len=settings.max_queue_len,
                           max_model_len=max_model_len, max_num_batched_tokens=step_budget.tokens,
                           max_idle_batched_tokens=step_budget.idle,
+                          prompt_token_cost=step_budget.prompt_token_cost,
                           # Tensor-parallel followers do not replay copies: reuse by reference only.
                           prefix_cache=PrefixCache(runner.kv_cache, settings.enable_prefix_caching,
                                                    allow_copy=settings.tensor_parallel_size == 1))

@@ -37,7 +37,8 @@ class ServerSettings:
     kv_cache_memory_gb: float = 4.0  # per rank: each holds its shard of the KV heads
     default_max_new_tokens: int = 256
     # Tokens one step's forward carries (decode and verify rows first, then prompt chunks).
-    # None: the most a step can carry at PREFILL_STEP_COST times a one-token step's measured cost.
+    # None: the most a step can carry at PREFILL_STEP_COST times a one-token step's measured cost,
+    # a late prompt token counting for more by its measured attention (builder.calibrate).
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes
     max_message_bytes: int = 16 * 1024 * 1024

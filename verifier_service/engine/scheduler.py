@@ -15,12 +15,19 @@ A step in which no sequence decodes may carry up to `max_idle_batched_tokens`
 instead: chunks there would protect no stream and only delay the prompt's first
 token (each chunk pays the weights' streaming once more).
 
+A prompt token late in a long prompt costs more than one early in it: it attends to
+every token before it. Where the budget is the default one (read from forward costs
+timed after a short context), a prompt token counts as `prompt_token_cost(context)`
+budget tokens, 1 plus a measured share per cached key beyond that short context, so a
+late chunk is smaller and a step costs about the same all through a long prompt.
+
 Prefix caching (engine/prefix_cache.py) gives an admitted prompt the slot and the
 positions it can reuse; its prefill starts after them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +40,24 @@ from verifier_service.model.runner import ForwardBatch
 from verifier_service.spec.policy import SpeculationPolicy
 
 PROMPT_LOGPROBS_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class PromptTokenCost:
+    """Budget tokens one prompt token counts for: 1, plus `per_key` for every cached key it attends to
+    beyond the first `free_keys` (the context the budget's forward costs were timed after)."""
+
+    per_key: float = 0.0
+    free_keys: int = 0
+
+    def __call__(self, context: int) -> float:
+        """For a token of a chunk starting after `context` cached tokens. (Each of a chunk's tokens
+        attends to its own position's keys; against a chunk of the same size after `free_keys`, every
+        one of them sees context - free_keys more.)"""
+        return 1.0 + self.per_key * max(0, context - self.free_keys)
+
+
+FLAT = PromptTokenCost()
 
 
 class QueueFullError(Exception):
@@ -144,6 +169,8 @@ class Scheduler:
     max_num_batched_tokens: int | None = None  # None: whole prompts in one step
     max_idle_batched_tokens: int | None = None  # a step with no decode rows; None: max_num_batched_tokens
     prefix_cache: PrefixCache | None = None  # None: no reuse (a plain slot allocator)
+    # What a prompt token counts against max_num_batched_tokens (FLAT: 1, a budget given in tokens).
+    prompt_token_cost: PromptTokenCost = FLAT
 
     def __post_init__(self) -> None:
         if self.prefix_cache is None:
@@ -168,14 +195,16 @@ class Scheduler:
         decodes = [s for s in self.running if not s.prefilling]
         lengths, asks = self.policy.plan([s.spec for s in decodes],
                                          [s.draft_room(self.max_model_len) for s in decodes])
-        budget = self._prefill_budget(sum(lengths) + len(decodes))
+        budget: float = self._prefill_budget(sum(lengths) + len(decodes))
+        # Where nothing decodes, no stream waits on the step: prompt tokens count as themselves.
+        cost = self.prompt_token_cost if decodes else FLAT
         prefills, chunks, copies = [], [], []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
             prefills.append(seq)
-            chunks.append(_chunk(seq, budget))
-            budget -= chunks[-1]
+            chunks.append(_chunk(seq, budget, cost))
+            budget -= chunks[-1] * cost(seq.num_prefilled)
         while (self.waiting and budget > 0 and self.prefix_cache.num_available
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting.popleft()
@@ -186,8 +215,8 @@ class Scheduler:
             copies += [copy] if copy is not None else []
             self.running.append(seq)
             prefills.append(seq)
-            chunks.append(_chunk(seq, budget))
-            budget -= chunks[-1]
+            chunks.append(_chunk(seq, budget, cost))
+            budget -= chunks[-1] * cost(seq.num_prefilled)
         return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
 
     def _prefill_budget(self, decode_tokens: int) -> int:
@@ -269,7 +298,9 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
 
-def _chunk(seq: Sequence, budget: int) -> int:
-    """Prompt tokens `seq` prefills this step, within the step's `budget`."""
+def _chunk(seq: Sequence, budget: float, cost: PromptTokenCost) -> int:
+    """Prompt tokens `seq` prefills this step, within the step's `budget` (at least one: every
+    prompt given a turn moves on)."""
     left = len(seq.prompt_ids) - seq.num_prefilled
-    return min(left, budget, PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs is not None else left)
+    fits = max(1, math.floor(budget / cost(seq.num_prefilled)))
+    return min(left, fits, PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs is not None else left)

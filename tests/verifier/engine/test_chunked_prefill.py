@@ -1,6 +1,7 @@
 """Chunked prefill: with any step token budget, long prompts prefilled over several steps beside
 running decode and verify rows give exactly plain decoding's tokens; a stream cancelled
-mid-prefill frees its slot and leaves its neighbours exact."""
+mid-prefill frees its slot and leaves its neighbours exact. The default budget prices a late
+prompt token's attention, so a long prompt's late chunks are smaller."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import functools
 import random
 
 import pytest
+import torch
+from test_engine_step import CharTokenizer
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
     WAIT_S,
@@ -26,8 +29,15 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.builder import batched_tokens
-from verifier_service.model.step_costs import CostCurve
+from verifier_service.builder import LONG_CONTEXT, batched_tokens, calibrate, make_runner, token_seconds
+from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.sampler import SamplingParams
+from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
+from verifier_service.engine.sequence import Sequence, StoppingParams
+from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model.step_costs import CONTEXT_LEN, CostCurve
+from verifier_service.settings import ServerSettings
+from verifier_service.spec.policy import SpecState, SpeculationParams, SpeculationPolicy
 
 
 def long_prompt(seed: int, n: int) -> list[int]:
@@ -106,3 +116,71 @@ def test_default_budget_is_the_most_tokens_within_the_step_cost_target() -> None
     assert batched_tokens(curve, 2048) == 96  # 2.5x
     assert batched_tokens(curve, 50) == 50  # never past the limit
     assert batched_tokens(CostCurve(((1, 1.0), (16, 4.0))), 2048) == 16  # at least 16
+
+
+def prefill_beside_a_stream(cost: PromptTokenCost, prompt_len: int, budget: int = 41) -> list[tuple[int, int]]:
+    """(context, chunk) of each step that prefills a `prompt_len`-token prompt while one sequence
+    decodes, at the scheduler alone."""
+    kv = KVCache(KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=2, num_slots=2, capacity=prompt_len + 64),
+                 torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(kv, SpeculationPolicy(max_draft_len=0), max_num_seqs=2, max_queue_len=2,
+                          max_model_len=prompt_len + 32, max_num_batched_tokens=budget,
+                          max_idle_batched_tokens=prompt_len + 32, prompt_token_cost=cost)
+
+    def sequence(name: str, prompt: list[int], max_new_tokens: int) -> Sequence:
+        return Sequence(request_id=name, prompt_ids=prompt, sampling=SamplingParams(),
+                        stopping=StoppingParams(max_new_tokens=max_new_tokens),
+                        detokenizer=Detokenizer(CharTokenizer()), spec=SpecState(SpeculationParams()))
+
+    scheduler.add(sequence("stream", [1, 2, 3], 10_000))
+    plan = scheduler.schedule()  # nothing decodes yet: the idle budget, and FLAT
+    scheduler.update(plan, [[4]])
+    long = sequence("long", [5] * prompt_len, 1)
+    scheduler.add(long)
+    steps = []
+    while long.prefilling:
+        plan = scheduler.schedule()
+        assert plan.prefills == [long] and len(plan.decodes) == 1
+        steps.append((long.num_prefilled, plan.chunks[0]))
+        scheduler.update(plan, [[6] if plan.finishing[0] else [], [7]])
+    assert sum(n for _, n in steps) == prompt_len
+    return steps
+
+
+def test_late_chunks_of_a_long_prompt_are_smaller_by_the_priced_attention() -> None:
+    cost = PromptTokenCost(per_key=0.001, free_keys=256)
+    assert cost(0) == cost(256) == 1.0 and cost(1256) == pytest.approx(2.0)
+    steps = prefill_beside_a_stream(cost, 2000)
+    for context, chunk in steps[:-1]:  # every step but the last is full: within the 40 tokens the stream leaves
+        assert chunk * cost(context) <= 40 < (chunk + 1) * cost(context)
+    assert steps[0] == (0, 40) and steps[-2][1] < 16  # 40 / 2.6 tokens at about 1,850 cached ones
+    # Priced flat (a budget given in tokens, as vLLM's), every chunk is the 40 tokens left.
+    assert {n for _, n in prefill_beside_a_stream(FLAT, 2000)[:-1]} == {40}
+
+
+def test_a_prompt_priced_above_the_budget_still_moves_a_token_a_step() -> None:
+    steps = prefill_beside_a_stream(PromptTokenCost(per_key=1.0, free_keys=0), 50, budget=17)
+    assert steps[0] == (0, 16) and {n for _, n in steps[1:]} == {1}
+
+
+def test_token_seconds_is_the_curves_slope_at_the_budget_never_flatter_than_its_average() -> None:
+    curve = CostCurve(((1, 1.0), (32, 1.5), (64, 3.0)))
+    assert token_seconds(curve, 64, 0.01) == pytest.approx(0.01 * 1.5 / 32)  # the upper half's slope
+    flat_top = CostCurve(((1, 1.0), (32, 2.5), (64, 2.5)))
+    assert token_seconds(flat_top, 64, 0.01) == pytest.approx(0.01 * 1.5 / 63)  # the whole budget's
+
+
+def test_the_default_budget_prices_prompt_tokens_from_a_long_context_forward() -> None:
+    """On the tiny model, whose attention is too cheap to time reliably: the default budget is priced
+    from a chunk timed after a long context; a budget given in tokens stays flat."""
+    settings = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off")
+    runner = make_runner(shared_model(), settings, settings.max_model_len)
+    try:
+        _, budget = calibrate(runner, settings, settings.max_model_len)
+        assert budget.prompt_token_cost.free_keys == CONTEXT_LEN  # priced (FLAT frees none)
+        assert budget.prompt_token_cost.per_key >= 0.0
+        given = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off",
+                               max_num_batched_tokens=64)
+        assert calibrate(runner, given, given.max_model_len)[1].prompt_token_cost == FLAT
+    finally:
+        runner.close()
