@@ -3,8 +3,10 @@
 Calibration happens here, once, before the engine exists: on CPU it chooses the
 runner's linear layout for each token count, and it measures the forward-cost
 curve the draft planner is constructed with (model/step_costs.py) and the
-default step token budget of chunked prefill is read from; what an earlier start
-on the same machine measured is taken from the timing cache (model/timing_cache.py).
+default step token budget of chunked prefill is read from, and a chunk after a
+long context, which prices a late prompt token's attention in that budget; what an
+earlier start on the same machine measured is taken from the timing cache
+(model/timing_cache.py).
 """
 
 from __future__ import annotations
