@@ -218,15 +218,16 @@ def _chunk_seconds(runner: ModelRunner, tokens: int, contexts: list[int],
                    settings: ServerSettings) -> dict[int, float]:
     """Seconds of a forward of `tokens` after each of `contexts` cached tokens, in the layout already
     chosen for that many, timed one right after the other (the pair is compared; a point timed at
-    another start, on another day's load, would not compare). Kept in a timing cache file of its
-    own, by "<layout> after <context>"."""
+    another start, on another day's load, would not compare), the contexts left uncomputed (only
+    their length counts). Kept in a timing cache file of its own, by "<layout> after <context>"."""
     layout = runner.layouts.layout_for(tokens).value if runner.layouts is not None else ""
     names = {c: f"{layout} after {c}" for c in contexts}
 
     def measure(known: step_costs.Measurements) -> step_costs.Measurements:
         if all(tokens in known.get(name, {}) for name in names.values()):
             return {name: {tokens: known[name][tokens]} for name in names.values()}
-        return {names[c]: step_costs.measure(runner, [tokens], c, step_costs.REPEATS) for c in contexts}
+        return {names[c]: step_costs.measure(runner, [tokens], c, step_costs.REPEATS, prefill_context=False)
+                for c in contexts}
 
     measured = _timed(runner, settings, max(contexts), measure)
     return {c: measured[name][tokens] for c, name in names.items()}

@@ -46,9 +46,13 @@ def full_context(runner: ModelRunner, token_counts: list[int], context_len: int 
 
 
 def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN, repeats: int = 5,
-            statistic: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+            statistic: Callable[[list[float]], float] = statistics.median,
+            prefill_context: bool = True) -> dict[int, float]:
     """Seconds of one forward of t new tokens after `context_len` cached ones, for each t:
     the `statistic` of `repeats` runs (min resists a noisy machine; median is the typical cost).
+    Without `prefill_context` the context is not computed: the slot's keys stay what they were
+    (zeros, or an earlier measurement's), which changes what the forward computes but not its time,
+    and a long context costs no prefill (2,000 tokens of a large model on a CPU take minutes).
 
     Borrows one free KV slot and gives it back.
     """
@@ -59,7 +63,8 @@ def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CON
     try:
         device = runner.device
         ids = torch.randint(0, runner.vocab_size, (context_len + max(token_counts),)).tolist()
-        runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
+        if prefill_context:
+            runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
         costs: dict[int, float] = {}
         for t in token_counts:
             batch = ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
