@@ -197,7 +197,7 @@ def _prompt_token_cost(runner: ModelRunner, settings: ServerSettings, seconds: d
     after a long context, against the same chunk after the cost curve's own context."""
     tokens, short = CHUNK_PROBE_TOKENS, step_costs.CONTEXT_LEN
     long = min(LONG_CONTEXT, runner.kv_cache.shape.capacity - tokens)
-    if tokens not in seconds or long < 2 * short:
+    if long < 2 * short:
         return FLAT
     by_context = _chunk_seconds(runner, tokens, [short, long], settings)
     per_key_s = max(0.0, (by_context[long] - by_context[short]) / (tokens * (long - short)))
