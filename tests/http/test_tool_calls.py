@@ -1,13 +1,15 @@
 """Tool calling through the official openai client, on a real verifier (tiny random model, a remote n-gram
 drafter) whose tokenizer has a tools-aware chat template: the tools and the chat's earlier calls reach the
-template; a named or required tool_choice answers calls held to the tools' schemas, the same streamed and
-whole, and the same as gRPC's constrained answer; "auto" reads the model's Hermes <tool_call> blocks."""
+template; a named or required tool_choice answers calls held to the tools' schemas, the same streamed (as they are
+generated) and whole, and the same as gRPC's constrained answer; "auto" reads the model's Hermes <tool_call>
+blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import json
+import random
 
 import httpx
 import jsonschema
@@ -107,11 +109,12 @@ def test_required_answers_calls_of_the_tools_one_unless_parallel() -> None:
                 for call in calls:
                     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
                 assert len({c.id for c in calls}) == len(calls)
-                content, streamed_calls, finish, _ = await streamed(
+                content, streamed_calls, finish, deltas = await streamed(
                     h.client, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
                     max_tokens=130)
                 assert (content, finish) == ("", "tool_calls")
                 assert streamed_calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+                assert deltas > 2 * len(calls)  # each call's first delta, then its arguments as they came
 
     asyncio.run(main())
 
@@ -130,9 +133,10 @@ def test_auto_reads_hermes_calls_and_otherwise_answers_text() -> None:
             assert message.content == "Sure." and call.function.name == "get_time"
             assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
             assert r.choices[0].finish_reason == "tool_calls"
-            assert await streamed(h.client, messages=ASK, tools=TOOLS, max_tokens=80,
-                                  extra_body={"structured_outputs": {"regex": block}}) == (
-                "Sure. ", [{"name": "get_time", "arguments": call.function.arguments}], "tool_calls", 1)
+            *whole, deltas = await streamed(h.client, messages=ASK, tools=TOOLS, max_tokens=80,
+                                            extra_body={"structured_outputs": {"regex": block}})
+            assert whole == ["Sure. ", [{"name": "get_time", "arguments": call.function.arguments}], "tool_calls"]
+            assert deltas >= 2  # the call's first delta, then its arguments as they came
             # Text without a block stays text, whole and streamed alike.
             plain = await h.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=30)
             assert plain.choices[0].message.tool_calls is None
@@ -221,12 +225,19 @@ def test_hermes_reads_blocks_and_leaves_anything_else_as_text() -> None:
     for broken in ('<tool_call>{"name": "a", "arguments": ', "<tool_call>[1]</tool_call>",
                    '<tool_call>{"arguments": {}}</tool_call>'):
         assert tool_calls.hermes("so " + broken) == ("so " + broken, [])
+    # The arguments as written; json.dumps of them where the text does not hold them after the name.
+    assert tool_calls.hermes('<tool_call>{"name": "a", "arguments": {"x":1}}')[1] == [tool_calls.Call("a", '{"x":1}')]
+    assert tool_calls.hermes('<tool_call>{"arguments": {"x":1}, "name": "a"}')[1] == [tool_calls.Call("a", '{"x": 1}')]
     auto = tool_calls.ToolPlan("auto", parser="hermes")
     stream = tool_calls.CallStream(auto)
-    pieces = ["Let me", " check. <tool", "_call>", '{"name": "a", "arguments": {}}', "</tool_call>"]
-    assert [stream.feed(p) for p in pieces] == [("Let me", []), (" check. ", [])] + [("", [])] * 3
-    rest, (call,), finish = stream.finish("stop")
-    assert (rest, call["index"], call["function"], finish) == ("", 0, {"name": "a", "arguments": "{}"}, "tool_calls")
+    pieces = ["Let me", " check. <tool", "_call>", '{"name": "a", "arguments": {', '}}', "</tool_call>"]
+    fed = [stream.feed(p) for p in pieces]
+    assert [content for content, _ in fed] == ["Let me", " check. ", "", "", "", ""]
+    (), (first, opening), (closing,), () = [deltas for _, deltas in fed[2:]]
+    assert (first["index"], first["function"]) == (0, {"name": "a", "arguments": ""})
+    assert first["id"].startswith("chatcmpl-tool-")
+    assert [opening, closing] == [{"index": 0, "function": {"arguments": a}} for a in ("{", "}")]
+    assert stream.finish("stop") == ("", [], "tool_calls")
     stream = tool_calls.CallStream(auto)
     assert [stream.feed(p) for p in ["a <to", "ast"]] == [("a ", []), ("<toast", [])]  # not a tag after all
     assert stream.finish("length") == ("", [], "length")
@@ -235,3 +246,60 @@ def test_hermes_reads_blocks_and_leaves_anything_else_as_text() -> None:
     assert first["function"] == {"name": "f", "arguments": '{"x"'} and first["id"].startswith("chatcmpl-tool-")
     assert named.feed(": 1}") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
     assert named.finish("stop") == ("", [], "stop")
+
+
+def _streamed_offline(plan: tool_calls.ToolPlan, pieces: list[str], finish: str) -> tuple[str, list[tuple], str, int]:
+    """(content, calls, finish_reason, deltas) of `pieces` streamed through a CallStream, put together as a
+    client does."""
+    stream = tool_calls.CallStream(plan)
+    fed = [stream.feed(p) for p in pieces]
+    content, deltas, reason = stream.finish(finish)
+    content = "".join(c for c, _ in fed) + content
+    deltas = [d for _, ds in fed for d in ds] + deltas
+    calls: list[list[str]] = []
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(calls)
+            calls.append([d["function"]["name"], ""])
+        calls[d["index"]][1] += d["function"]["arguments"]
+    return content, [tuple(c) for c in calls], reason, len(deltas)
+
+
+@pytest.mark.parametrize(("mode", "text", "content"), [
+    ("required", '[{"name":"get_weather","parameters":{"city":"Pa\\"ris}]","days":3}},'
+                 '{"name":"get_time","parameters":{"zone":"UTC"}}]', ""),
+    ("auto", 'Sure. <tool_call>\n{"name": "a", "arguments": {"x": [1, {"y": "}"}]}}\n</tool_call>\n'
+             '<tool_call>{"name": "b"}</tool_call>', "Sure. ")])
+def test_streamed_calls_equal_the_whole_answers_however_the_text_is_cut(mode: str, text: str, content: str) -> None:
+    """Calls go out as they are written (a call's first delta, then its arguments piece by piece), and put
+    together they are the whole answer's, wherever the pieces end: in a string, an escape, a brace."""
+    plan = tool_calls.ToolPlan(mode, parser="hermes" if mode == "auto" else None)
+    _, calls, reason = plan.answer(text, "stop")
+    whole = (content, [(c.name, c.arguments) for c in calls], reason)
+    assert len(calls) == 2 and reason == "tool_calls"
+    rng = random.Random(0)
+    for cuts in [list(range(1, len(text)))] + [sorted(rng.sample(range(1, len(text)), rng.randint(0, 12)))
+                                               for _ in range(200)]:
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert _streamed_offline(plan, pieces, "stop")[:3] == whole
+    # One character at a time, every character of the first call's arguments is a delta of its own.
+    assert _streamed_offline(plan, list(text), "stop")[3] > len(calls[0].arguments)
+
+
+def test_calls_already_streamed_stand_where_the_whole_answer_is_text() -> None:
+    """Cut short by max_tokens, or a later Hermes block that is not a call: the whole answer is text, but a
+    stream has sent the calls it read by then (as vLLM's streaming parsers do) and sends no more of the text."""
+    required = tool_calls.ToolPlan("required")
+    cut = '[{"name":"get_weather","parameters":{"ci'
+    assert required.answer(cut, "length") == (cut, [], "length")
+    opened = cut.index('{"ci') + 1
+    assert _streamed_offline(required, [cut[:5], cut[5:opened], cut[opened:]], "length") == (
+        "", [("get_weather", '{"ci')], "length", 3)
+    auto = tool_calls.ToolPlan("auto", parser="hermes")
+    text = 'x <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>[1]</tool_call>'
+    assert auto.answer(text, "stop") == (text, [], "stop")
+    assert _streamed_offline(auto, [text[:20], text[20:50], text[50:]], "stop") == (
+        "x ", [("a", '{"x": 1}')], "tool_calls", 2)
+    bad = 'x <tool_call>{"name": "\\q", "arguments": {}}</tool_call>'  # a name that is no JSON string
+    assert auto.answer(bad, "stop") == (bad, [], "stop")
+    assert _streamed_offline(auto, [bad[:30], bad[30:]], "stop") == (bad, [], "stop", 0)

@@ -13,9 +13,12 @@ answer becomes calls:
   blocks of Hermes, Qwen2.5 and Qwen3. Text before the first block is the content; a block that is
   not a call leaves the whole answer as text, as vLLM's parser does.
 
-Streamed, a named call's arguments go out as they are generated, as vLLM streams them; an
-answer's text goes out as it comes, up to where a call may begin; required and auto calls go out
-whole, in the choice's last chunk.
+A call's arguments are the JSON text the model wrote for them, whole and streamed alike (a Hermes
+call without arguments has "{}"). Streamed, every call goes out as it is generated, as vLLM streams
+them: its first delta (id, name) once its name has been read, then its arguments as they come. An
+auto answer's text goes out as it comes, up to where a call may begin. Where the whole answer would
+stay text (auto: a block that is not a call; required: JSON cut short by max_tokens), what was
+already streamed stands: the calls sent so far, and no more of the text.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from drafter_sdk.proto import verifier_pb2
 PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
+# The start of a call's object up to its arguments' value: {"name": "...", "<key>": (the key: ARGUMENTS).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(arguments|parameters)"\s*:\s*')
+ARGUMENTS = {"auto": "arguments", "required": "parameters"}
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,8 @@ def _required_calls(text: str) -> list[Call] | None:
     if not isinstance(items, list) or not all(isinstance(i, dict) and {"name", "parameters"} <= i.keys()
                                               for i in items):
         return None
-    return [Call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    starts = _item_starts(text)
+    return [_call(text, start, item["name"], item["parameters"], "parameters") for start, item in zip(starts, items)]
 
 
 def hermes(text: str) -> tuple[str | None, list[Call]]:
@@ -132,17 +139,87 @@ def hermes(text: str) -> tuple[str | None, list[Call]]:
     if START not in text:
         return text, []
     calls = []
-    for block in _BLOCK.findall(text):
+    for block in _BLOCK.finditer(text):
         try:
-            call = json.loads(block)
+            call = json.loads(block.group(1))
         except ValueError:
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                 and isinstance(call.get("arguments", {}), dict)):
             return text, []
-        calls.append(Call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+        calls.append(_call(text, block.start(1), call["name"], call.get("arguments", {}), "arguments"))
     content = text[:text.index(START)].strip()
     return content or None, calls
+
+
+def _call(text: str, start: int, name: str, arguments: Any, key: str) -> Call:
+    """The call whose object starts at `start`, its arguments as the text wrote them (json.dumps of
+    them where that text is not where the head reads it: another key order, a repeated key)."""
+    head = _head(text, start, key)
+    if head is not None:
+        end = _value_end(text, head[1])
+        if end is not None and json.loads(text[head[1]:end]) == arguments:
+            return Call(name, text[head[1]:end])
+    return Call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _head(text: str, start: int, key: str) -> tuple[str, int] | None:
+    """(name, where its arguments' object starts) of a call's object at `start`, once that much is written."""
+    head = _HEAD.match(text, start)
+    if head is None or head.group(2) != key or not text.startswith("{", head.end()):
+        return None
+    try:
+        return json.loads(f'"{head.group(1)}"'), head.end()
+    except ValueError:  # not a JSON string (a bad escape): not a call, as the whole answer will read it
+        return None
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array opening at `start` ends (past its close); None: not yet written."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = c == "\\", c != '"'
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _item_starts(text: str) -> list[int]:
+    """Where each object of a JSON array of objects starts."""
+    starts, i = [], text.index("[") + 1
+    while (i := _next_item(text, i)) is not None:
+        starts.append(i)
+        end = _value_end(text, i)
+        if end is None:
+            break
+        i = end
+    return starts
+
+
+def _next_item(text: str, i: int) -> int | None:
+    """Where the next object of an array starts, past `i` (after the array's opening or an item's end)."""
+    while i < len(text) and text[i] in " \t\r\n,":
+        i += 1
+    return i if text.startswith("{", i) else None
+
+
+@dataclass
+class _Streaming:
+    """A call that has gone out, as far as it has."""
+
+    arguments: int  # where its arguments start in the answer's text
+    sent: int  # where the part of them sent so far ends
+    end: int | None = None  # where they end, once written
 
 
 class CallStream:
@@ -153,11 +230,12 @@ class CallStream:
         self._plan = tool_plan
         self._text = ""
         self._sent = 0  # characters of _text sent, as content or as a named call's arguments
+        self._calls: list[_Streaming] = []  # required and auto: the calls begun, in order
 
     def feed(self, piece: str) -> tuple[str, list[dict[str, object]]]:
-        """(content, tool-call deltas) of `piece`. A named call's arguments go out as they come, its
-        first delta naming it, as vLLM streams them; required calls wait for the end; an auto answer's
-        text goes out up to its first call, keeping back an end that may be a call's start."""
+        """(content, tool-call deltas) of `piece` (module docstring). A named call's arguments are the
+        whole answer; an auto answer's text goes out up to its first call, keeping back an end that
+        may be a call's opening tag."""
         self._text += piece
         if self._plan.mode == "named":
             first = self._sent == 0 and self._text
@@ -165,12 +243,48 @@ class CallStream:
             if first:
                 return "", [Call(self._plan.name, self._text).message(0)]
             return "", [{"index": 0, "function": {"arguments": piece}}] if piece else []
-        if self._plan.mode == "required":  # the whole answer is the calls' JSON
-            return "", []
-        start = self._text.find(START)
-        end = start if start >= 0 else len(self._text) - _partial_start(self._text)
-        out, self._sent = self._text[self._sent:end], max(self._sent, end)
-        return out, []
+        content = ""
+        if self._plan.mode == "auto" and not self._calls:
+            start = self._text.find(START)
+            end = start if start >= 0 else len(self._text) - _partial_start(self._text)
+            content, self._sent = self._text[self._sent:end], max(self._sent, end)
+        return content, self._call_deltas()
+
+    def _call_deltas(self) -> list[dict[str, object]]:
+        """The deltas of the calls written since the last piece: each call's first (id, name), then
+        its arguments as far as they are written."""
+        deltas: list[dict[str, object]] = []
+        key = ARGUMENTS[self._plan.mode]
+        while True:
+            if self._calls and self._calls[-1].end is None:
+                call, index = self._calls[-1], len(self._calls) - 1
+                call.end = _value_end(self._text, call.arguments)
+                upto = len(self._text) if call.end is None else call.end
+                if upto > call.sent:
+                    deltas.append({"index": index, "function": {"arguments": self._text[call.sent:upto]}})
+                    call.sent = upto
+                if call.end is None:
+                    return deltas
+            start = self._next_call()
+            head = _head(self._text, start, key) if start is not None else None
+            if head is None:
+                return deltas
+            deltas.append(Call(head[0], "").message(len(self._calls)))
+            self._calls.append(_Streaming(head[1], head[1]))
+
+    def _next_call(self) -> int | None:
+        """Where the next call's object starts, once it has begun."""
+        after = self._calls[-1].end if self._calls else 0
+        if self._plan.mode == "auto":
+            opening = self._text.find(START, after)
+            return opening + len(START) if opening >= 0 else None
+        if not self._calls:
+            opening = self._text.find("[")
+            return _next_item(self._text, opening + 1) if opening >= 0 else None
+        i = after  # past the last call's arguments: its object's close, then a comma
+        while i < len(self._text) and self._text[i] in " \t\r\n}":
+            i += 1
+        return _next_item(self._text, i)
 
     def finish(self, finish: str | None) -> tuple[str, list[dict[str, object]], str | None]:
         """(the content not yet sent, the tool-call deltas not yet sent, the finish_reason) once the
@@ -178,9 +292,14 @@ class CallStream:
         _, calls, reason = self._plan.answer(self._text, finish)
         if self._plan.mode == "named":
             return "", [] if self._text else [Call(self._plan.name, "").message(0)], reason
-        if calls:
-            return "", [call.message(i) for i, call in enumerate(calls)], reason
-        return self._text[self._sent:], [], reason
+        if not self._calls:
+            if calls:
+                return "", [call.message(i) for i, call in enumerate(calls)], reason
+            return self._text[self._sent:], [], reason
+        # Some went out as they were written: they stand (module docstring), and so do the calls the
+        # whole answer reads after them, where it reads calls.
+        later = [call.message(i) for i, call in enumerate(calls[len(self._calls):], len(self._calls))]
+        return "", later, "tool_calls" if finish == "stop" else finish
 
 
 def _partial_start(text: str) -> int:
