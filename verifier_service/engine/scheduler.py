@@ -199,25 +199,26 @@ class Scheduler:
         # Where nothing decodes, no stream waits on the step: prompt tokens count as themselves.
         cost = self.prompt_token_cost if decodes else FLAT
         prefills, chunks, copies = [], [], []
-        for seq in [s for s in self.running if s.prefilling]:
-            if budget <= 0:
-                break
-            prefills.append(seq)
-            chunks.append(_chunk(seq, budget, cost))
-            budget -= chunks[-1] * cost(seq.num_prefilled)
-        while (self.waiting and budget > 0 and self.prefix_cache.num_available
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting.popleft()
-            # Every prompt position of a request for prompt log-probabilities is computed: nothing reused.
-            seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids,
-                                                                          reuse=seq.prompt_logprobs is None)
-            seq.cached_prompt_tokens = seq.num_prefilled
-            copies += [copy] if copy is not None else []
-            self.running.append(seq)
+        partial = iter([s for s in self.running if s.prefilling])  # prompts part-way first, then new ones
+        while budget > 0 and (seq := next(partial, None) or self._admit(copies)) is not None:
             prefills.append(seq)
             chunks.append(_chunk(seq, budget, cost))
             budget -= chunks[-1] * cost(seq.num_prefilled)
         return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
+
+    def _admit(self, copies: list[tuple[int, int, int]]) -> Sequence | None:
+        """The next waiting sequence, in a free slot with its prompt's cached prefix (a copy to make
+        goes to `copies`); None while none waits or no slot is free."""
+        if not (self.waiting and self.prefix_cache.num_available and len(self.running) < self.max_num_seqs):
+            return None
+        seq = self.waiting.popleft()
+        # Every prompt position of a request for prompt log-probabilities is computed: nothing reused.
+        seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids, reuse=seq.prompt_logprobs is None)
+        seq.cached_prompt_tokens = seq.num_prefilled
+        if copy is not None:
+            copies.append(copy)
+        self.running.append(seq)
+        return seq
 
     def _prefill_budget(self, decode_tokens: int) -> int:
         """Prompt tokens this step may carry beside `decode_tokens` of decode and verify rows (0: no
