@@ -30,6 +30,7 @@ class ServerSettings:
     # and keeps nothing.
     timing_cache: str = "on"
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
+    chat_template: str | None = None  # Jinja that renders chats in place of the model's template; None: the model's
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation
     max_num_seqs: int = 16

@@ -9,18 +9,22 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import random
+import subprocess
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from http_support import WAIT_S, http_verifier
-from tiny_model import tiny_tokenizer
+from tiny_model import tiny_model, tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api import tool_calls
+from verifier_service.api import cli, tool_calls
+from verifier_service.tools.local_services import LocalService, script
 
 # A Hermes-style template: the tools in a system line, an assistant's calls as <tool_call> blocks.
 TOOLS_TEMPLATE = (
@@ -217,6 +221,39 @@ def test_a_template_without_tools_refuses_them() -> None:
                 await h.client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="none")
 
     asyncio.run(main())
+
+
+def test_a_chat_template_given_at_start_up_renders_every_chat(tmp_path: Path) -> None:
+    """`splitspec-verifier --chat-template FILE`, a real process: the file's template renders the chat, tools
+    included, for the official client (the tiny model's own template has no tools: refused without it); the
+    value may also be the template itself; one that does not compile stops start-up before the weights load."""
+    model_dir, template, port_file = tmp_path / "tiny", tmp_path / "hermes.jinja", tmp_path / "http.port"
+    tiny_model().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    template.write_text(TOOLS_TEMPLATE)
+    def given(value: str) -> str | None:
+        return cli.settings_from_args(cli.parser().parse_args(["--chat-template", value])).chat_template
+
+    assert given(str(template)) == TOOLS_TEMPLATE == given(TOOLS_TEMPLATE)
+    with pytest.raises(cli.config.ConfigError, match="neither a Jinja template nor a file"):
+        given(str(tmp_path / "missing.jinja"))
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    common = [script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "512",
+              "--kv-cache-memory-gb", "0.1", "--host", "127.0.0.1", "--port", "0"]
+    verifier = LocalService(common + ["--chat-template", str(template), "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes", "--served-model-name", "tiny",
+                                      "--http-port", "0", "--http-port-file", str(port_file)],
+                            name="verifier", env=env, startup_timeout_s=WAIT_S)
+    with verifier:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{int(port_file.read_text())}/v1", api_key="-",
+                               timeout=WAIT_S)
+        answer = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4)
+        rendered = tools_tokenizer().apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        assert answer.usage.prompt_tokens == len(tools_tokenizer()(rendered, add_special_tokens=False)["input_ids"])
+    broken = subprocess.run(common + ["--http-port", "off", "--chat-template", "{% if %}"], capture_output=True,
+                            text=True, timeout=WAIT_S, env={**os.environ, **env})
+    assert broken.returncode == 2 and "--chat-template does not compile" in broken.stderr
+    assert "loading tokenizer" in broken.stderr and "loading model" not in broken.stderr  # before the weights
 
 
 def test_hermes_reads_blocks_and_leaves_anything_else_as_text() -> None:

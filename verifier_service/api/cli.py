@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_sdk.process_exit import skip_final_collection
@@ -77,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
                                 "shapes: on takes what an earlier start kept and times the rest, refresh times "
                                 "everything and keeps it, off times everything and keeps nothing",
              choices=["on", "refresh", "off"])
+    m.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="render chats with this Jinja chat template instead of the model's: a file, or the "
+                        "template itself (vLLM's flag); checked at start-up")
     _setting(m, "tensor_parallel_size", "shard the model over N ranks, one GPU each on CUDA (nccl; gloo on CPU); "
                                         "ranks 1..N-1 are started here unless torchrun started them", type=int)
     c = p.add_argument_group("capacity")
@@ -126,8 +130,21 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}
     if "served_model_names" in given:
         given["served_model_names"] = tuple(given["served_model_names"])
+    if args.chat_template is not None:
+        given["chat_template"] = _chat_template(args.chat_template)
     return ServerSettings(speculative=config.from_args(args), auth_token=token, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template's text: the value itself where it is a template, else the file it names."""
+    if "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise config.ConfigError(f"--chat-template: {value} is neither a Jinja template nor a file "
+                                 f"to read ({exc})") from None
 
 
 def check_sharding(settings: ServerSettings, rank: Ranks) -> None:
@@ -169,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ranks.ShardingError, FileNotFoundError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv, http_port_file=args.http_port_file))
+    from verifier_service.model.loader import ChatTemplateError
+
+    try:
+        asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv,
+                        http_port_file=args.http_port_file))
+    except ChatTemplateError as exc:
+        print(f"splitspec-verifier: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -198,7 +198,7 @@ def _load(source: loader.ModelSource, dtype: torch.dtype, device: torch.device, 
           rank: ranks.Ranks | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if rank is not None:
         tensor_parallel.join(rank, device)
-    return loader.load(source, dtype, device, settings.tensor_parallel_size)
+    return loader.load(source, dtype, device, settings.tensor_parallel_size, settings.chat_template)
 
 
 async def _until(task: asyncio.Future | None, stop: asyncio.Event, failed: asyncio.Event) -> bool:

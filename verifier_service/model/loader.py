@@ -1,8 +1,9 @@
 """Load the target model: drafter_sdk.hf_loading finds it (shared with the SDK's model drafter);
-this adds the tensor-parallel shard load."""
+this adds the tensor-parallel shard load and a chat template given in place of the model's."""
 
 from __future__ import annotations
 
+import jinja2
 import torch
 from transformers import DistributedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -12,19 +13,39 @@ from drafter_sdk.hf_loading import (  # noqa: F401 - re-exported: the verifier's
     EMBEDDED_PACKAGE,
     ModelSource,
     embedded_source,
+    load_causal_lm,
     load_config,
     load_tokenizer,
     pick_device,
     pick_dtype,
     resolve_source,
 )
-from drafter_sdk.hf_loading import load_causal_lm
 
 
-def load(source: ModelSource, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1
-         ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+class ChatTemplateError(ValueError):
+    """The chat template given in place of the model's does not compile."""
+
+
+def load(source: ModelSource, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1,
+         chat_template: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and its tokenizer, which renders chats with `chat_template` where one is given
+    (checked before the weights load)."""
     tokenizer = load_tokenizer(source)
+    if chat_template is not None:
+        use_chat_template(tokenizer, chat_template)
     return load_model(source, dtype, device, tensor_parallel_size), tokenizer
+
+
+def use_chat_template(tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+    """Render chats with `template` instead of the model's own (vLLM's --chat-template). One that
+    does not compile raises ChatTemplateError here, rather than fail every chat request later."""
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"--chat-template does not compile: {e.message} (line {e.lineno})") from None
+    except jinja2.TemplateError:  # it compiled: refusing this one chat (raise_exception) is the template's right
+        pass
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
