@@ -58,6 +58,8 @@ class ServerSettings:
     # The OpenAI-compatible HTTP API (and /health, /metrics, the playground). None: off; 0: a free port.
     http_port: int | None = 8000
     served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; (): the model's name
+    # Origins whose web pages may call the HTTP API (CORS): "*", any (vLLM's default); (): none.
+    allowed_origins: tuple[str, ...] = ("*",)
     # Chat tool calling's "auto" choice (api/tool_calls.py), as vLLM's flags: both, or it is refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of tool_calls.PARSERS

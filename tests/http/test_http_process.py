@@ -37,6 +37,10 @@ def test_http_port_flag() -> None:
     assert settings("--http-port", "0").http_port == 0
     assert settings("--http-port", "off").http_port is None
     assert settings("--served-model-name", "a", "b").served_model_names == ("a", "b")
+    assert DEFAULTS.allowed_origins == settings().allowed_origins == ("*",)  # vLLM's default: any web page
+    assert settings("--allowed-origins", "https://a.example", "http://b:3000").allowed_origins == (
+        "https://a.example", "http://b:3000")
+    assert settings("--allowed-origins").allowed_origins == ()  # none: no cross-origin calls
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--http-port", "eighty"])
     with pytest.raises(cli.config.ConfigError, match="http_port must be within"):

@@ -1,15 +1,20 @@
-"""The playground page in a real headless browser: Debian's chromium driven by Playwright.
+"""The HTTP API in a real headless browser: Debian's chromium driven by Playwright.
 
-Types a prompt, streams the answer, and checks that the rendered text is the API's answer,
-that the accepted draft tokens are highlighted, and that the stats and the acceptance chart
-appear; then the side-by-side run. Saves a screenshot (SPLITSPEC_SCREENSHOT: where to copy it).
+The playground: types a prompt, streams the answer, and checks that the rendered text is the
+API's answer, that the accepted draft tokens are highlighted, and that the stats and the
+acceptance chart appear; then the side-by-side run. Saves a screenshot (SPLITSPEC_SCREENSHOT:
+where to copy it). Web pages of other origins: they call the API where --allowed-origins lets them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import json
 import os
 import shutil
+import threading
 
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
@@ -66,5 +71,76 @@ def test_playground_streams_highlights_and_compares(tmp_path) -> None:  # noqa: 
                     await page.screenshot(path=target, full_page=True)
             finally:
                 await browser.close()
+
+    asyncio.run(main())
+
+
+# A page's fetch of the API: "status body" of its answer, or the error the browser raised (CORS refused).
+FETCH = """async ([url, token]) => {
+    try {
+        const r = await fetch(url + "/v1/completions", {method: "POST", headers: {"Content-Type": "application/json",
+            ...(token ? {Authorization: "Bearer " + token} : {})},
+            body: JSON.stringify({model: "tiny", prompt: "d10 add", max_tokens: 5, temperature: 0})});
+        return r.status + " " + await r.text();
+    } catch (e) { return "refused: " + e.message; }
+}"""
+
+
+@contextlib.contextmanager
+def page_server():  # noqa: ANN201
+    """A static web server on a free port whose every page is empty: one server, two origins (127.0.0.1 and
+    localhost name different origins)."""
+    class Blank(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<!doctype html><title>app</title>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blank)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium (bash .ci/setup installs it)")
+def test_web_pages_of_allowed_origins_call_the_api_from_a_browser() -> None:
+    """By default (vLLM's "*") any page may call the API; with --allowed-origins, the origins listed only.
+    The bearer token is still checked (a 401 the page can read), and a refused origin gets no answer at all."""
+    from playwright.async_api import async_playwright
+
+    async def main() -> None:
+        with page_server() as port:
+            allowed, other = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+            async with (http_verifier(speculate=False, api_key="sekret", auth_token="sekret") as anyone,
+                        http_verifier(speculate=False, api_key="sekret", auth_token="sekret",
+                                      allowed_origins=(allowed,)) as listed,
+                        async_playwright() as pw):
+                expected = (await anyone.client.completions.create(model="tiny", prompt="d10 add", max_tokens=5,
+                                                                   temperature=0)).choices[0].text
+                browser = await pw.chromium.launch(executable_path=CHROMIUM,
+                                                   args=["--no-sandbox"] if os.geteuid() == 0 else [])
+                try:
+                    page = await browser.new_page()
+                    page.set_default_timeout(WAIT_S * 1000)
+                    for origin, api, answered in ((other, anyone, True), (allowed, listed, True),
+                                                  (other, listed, False)):
+                        await page.goto(origin + "/")
+                        answer = await page.evaluate(FETCH, [api.base_url, "sekret"])
+                        if not answered:
+                            assert answer.startswith("refused: "), (origin, answer)
+                            continue
+                        status, _, body = answer.partition(" ")
+                        assert (status, json.loads(body)["choices"][0]["text"]) == ("200", expected), origin
+                        status, _, body = (await page.evaluate(FETCH, [api.base_url, ""])).partition(" ")
+                        assert (status, json.loads(body)["error"]["code"]) == ("401", "invalid_api_key"), origin
+                finally:
+                    await browser.close()
 
     asyncio.run(main())

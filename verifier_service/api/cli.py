@@ -35,7 +35,8 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
-                 "http_port", "served_model_names", "enable_auto_tool_choice", "tool_call_parser", "max_draft_nodes")
+                 "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
+                 "max_draft_nodes")
 
 
 def _http_port(value: str) -> int | None:
@@ -60,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,
                    metavar="NAME", help="the names the HTTP API accepts as `model` (the first is reported); "
                                         "default: the model's name and the --model value")
+    p.add_argument("--allowed-origins", dest="allowed_origins", nargs="*", default=argparse.SUPPRESS,
+                   metavar="ORIGIN", help="origins whose web pages may call the HTTP API (CORS), e.g. "
+                                          "https://app.example.com; * any; none given: no cross-origin calls "
+                                          f"(default: {' '.join(DEFAULTS.allowed_origins)})")
     p.add_argument("--enable-auto-tool-choice", dest="enable_auto_tool_choice", action="store_true",
                    default=argparse.SUPPRESS, help='serve chat tool_choice "auto" (the default with tools), reading '
                                                    "the model's calls with --tool-call-parser (vLLM's flags)")
@@ -128,8 +133,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}
-    if "served_model_names" in given:
-        given["served_model_names"] = tuple(given["served_model_names"])
+    for name in ("served_model_names", "allowed_origins"):
+        if name in given:
+            given[name] = tuple(given[name])
     if args.chat_template is not None:
         given["chat_template"] = _chat_template(args.chat_template)
     return ServerSettings(speculative=config.from_args(args), auth_token=token, tls_cert=args.tls_cert,

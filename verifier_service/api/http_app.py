@@ -6,7 +6,8 @@ with `stream: true`), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /
 Bodies are read and checked here, not by FastAPI's own validation, so every mistake
 is an OpenAI error object with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
-the bearer token when one is configured, as gRPC does.
+the bearer token when one is configured, as gRPC does. Web pages of the allowed origins
+may call it from a browser (CORS, as vLLM's --allowed-origins).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from importlib import resources
 from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -58,6 +60,7 @@ class HttpState:
     max_body_bytes: int
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
+    allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -85,6 +88,11 @@ class HttpState:
 
 def build_app(state: HttpState) -> FastAPI:
     app = FastAPI(title="splitspec", docs_url=None, redoc_url=None, openapi_url=None)
+    if state.allowed_origins:
+        # A browser asks first (a preflight) before it sends a JSON body or an Authorization header from
+        # another origin; the token is still checked on the request itself.
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(HttpError)
     async def http_error(_: Request, exc: HttpError) -> JSONResponse:
