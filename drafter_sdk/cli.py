@@ -68,17 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "below this (0: fill the verifier's node budget; 0.1 paid best on a CPU)")
     ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
                        help="a public pool past this size starts afresh (it is state of no single sequence)")
-    # Unset flags keep SuffixDrafter's own defaults.
-    suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; vLLM's knobs and defaults where not said)")
+    # Unset flags keep SuffixDrafter's own defaults (vLLM's).
+    suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; defaults as vLLM's)")
     suffix.add_argument("--max-tree-depth", type=int, default=argparse.SUPPRESS,
                         help="longest context suffix matched; match plus draft never exceed it (24)")
     suffix.add_argument("--max-cached-requests", type=int, default=argparse.SUPPRESS,
                         help="finished requests kept in the global tree, oldest evicted first; 0: none (10000)")
     suffix.add_argument("--max-spec-factor", type=float, default=argparse.SUPPRESS,
-                        help="draft at most this times the match length ... (2.0; vLLM: 1.0)")
+                        help="draft at most this times the match length ... (1.0)")
     suffix.add_argument("--own-spec-factor", type=float, default=argparse.SUPPRESS,
-                        help="max-spec-factor for a match in the request's own context (default: "
-                             "--max-spec-factor's; not in vLLM)")
+                        help="max-spec-factor for a match in the request's own context (2.0; not in vLLM)")
     suffix.add_argument("--prefer-longer-match", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                         help="between the request's own tree and the global one, the draft after the longer match "
                              "wins, the higher score between equal matches (on; not in vLLM). --no-...: the higher "

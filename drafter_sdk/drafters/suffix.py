@@ -15,16 +15,17 @@ context matched in both trees (suffix_index.Cursor) and extends that by the
 tokens it gained at the next step.
 
 Three deliberate differences from Arctic Inference, measured by replays against
-greedy outputs and by the bench (README):
+greedy outputs (README). The first two are for copy-heavy loops (an agent sending
+back its last answer with a small edit: the text to copy is in the request's own
+context):
 
 - the own tree does not count the context's own end as an occurrence: it has no
   continuation yet, and counting it halves the estimate of a passage seen once
   before, which then loses to weaker evidence in the global tree;
-- `max_spec_factor` is 2.0 (vLLM's 1.0): a draft may run to twice its match. A
-  match often restarts short: after an agent's edit to the text it copies, or
-  where templated answers share a form after a few tokens, and a factor of 1
-  drafts only as far as it matched. `own_spec_factor` sets another factor for
-  the own tree (unset: the same).
+- `own_spec_factor` (2.0) caps a draft from the own tree at that many times its
+  match length; the global tree keeps `max_spec_factor` (vLLM's 1.0). After each
+  edit the match restarts short, and a factor of 1 drafts only as far as it
+  matched. own_spec_factor == max_spec_factor is vLLM's rule.
 
 The third decides between the two trees. Arctic Inference takes the higher score;
 with `prefer_longer_match` (the default) the draft that follows the longer match
@@ -84,11 +85,10 @@ class SuffixDrafter(Drafter):
     capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY)
     runs_inline = True  # well under a millisecond a sequence
 
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 2.0,
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
-                 cache_scope: str = "global", own_spec_factor: float | None = None, prefer_longer_match: bool = True
+                 cache_scope: str = "global", own_spec_factor: float = 2.0, prefer_longer_match: bool = True
                  ) -> None:
-        own_spec_factor = max_spec_factor if own_spec_factor is None else own_spec_factor
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")
         if max_cached_requests < 0:

@@ -170,7 +170,7 @@ def test_the_tree_depth_bounds_match_plus_draft() -> None:
 
 
 def test_the_longer_match_wins_and_the_better_score_between_equal_matches() -> None:
-    drafter = SuffixDrafter(max_spec_factor=1.0)  # vLLM's factor, for both trees
+    drafter = SuffixDrafter(own_spec_factor=1.0)
     for i in range(3):  # the global tree sees [1, 2, 3] -> 4, 5, 6, 7 three times
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
     # The request's own context says [1, 2, 3] -> 5, 0, 1 or 9, 1, 2 (its own end is no occurrence), the
@@ -185,20 +185,14 @@ def test_the_longer_match_wins_and_the_better_score_between_equal_matches() -> N
     # Once the own tree scores as much (one more occurrence, no other continuation), it wins the tie.
     [draft] = drafter.prepare_draft_tokens([request("tie", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
     assert draft == [8, 7, 6]
-    # By default a match may draft twice its length, in either tree; own_spec_factor sets the own tree's apart.
+    # By default a match in the own context may draft twice its length (the global tree's factor stays 1).
     drafter = SuffixDrafter()
     for i in range(3):
         finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
     [draft] = drafter.prepare_draft_tokens([request("own", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9)])
     assert draft == [8, 7, 6, 1, 2, 3]
     [draft] = drafter.prepare_draft_tokens([request("new", [0, 1, 2, 3], prompt_len=4)])
-    assert draft == [4, 5, 6, 7]
-    drafter = SuffixDrafter(max_spec_factor=1.0, own_spec_factor=2.0)
-    for i in range(3):
-        finish(drafter, f"old{i}", [9], [1, 2, 3, 4, 5, 6, 7])
-    [own, new] = drafter.prepare_draft_tokens([request("own", [1, 2, 3, 8, 7, 6, 1, 2, 3], prompt_len=9),
-                                               request("new", [0, 1, 2, 3], prompt_len=4)])
-    assert (own, new) == ([8, 7, 6, 1, 2, 3], [4, 5, 6])
+    assert draft == [4, 5, 6]
     with pytest.raises(ValueError, match="own_spec_factor"):
         SuffixDrafter(own_spec_factor=-1.0)
     # Only its own tree knows [7, 7] -> 8: it drafts, unchallenged.
@@ -208,7 +202,7 @@ def test_the_longer_match_wins_and_the_better_score_between_equal_matches() -> N
 
 @pytest.mark.parametrize("prefer_longer_match", [True, False])
 def test_a_longer_match_beats_a_higher_score_unless_told_otherwise(prefer_longer_match: bool) -> None:
-    drafter = SuffixDrafter(max_spec_factor=1.0, own_spec_factor=4.0, prefer_longer_match=prefer_longer_match)
+    drafter = SuffixDrafter(own_spec_factor=4.0, prefer_longer_match=prefer_longer_match)
     # The global tree: [1, 2, 3] -> 4, 5, 6 two times in three, so a 3-token match drafts them at 2/3 each.
     for i, output in enumerate(([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 0, 0, 0, 0])):
         finish(drafter, f"old{i}", [8], output)
@@ -249,7 +243,7 @@ def test_only_finished_outputs_are_learned_and_prompts_only_behind_the_knob() ->
     assert drafter.prepare_draft_tokens([request("q3", [50, 51])]) == [[]]  # the prompt was not learned
     with_prompts = SuffixDrafter(cache_prompts=True)
     finish(with_prompts, "done", [50, 51, 52], [1, 2, 3, 4, 5, 6])
-    assert with_prompts.prepare_draft_tokens([request("q3", [50, 51])]) == [[52, 1, 2, 3]]  # twice the match
+    assert with_prompts.prepare_draft_tokens([request("q3", [50, 51])]) == [[52, 1]]
 
 
 def test_the_global_tree_evicts_oldest_first_and_stays_bounded() -> None:

@@ -207,16 +207,15 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
 
 
 def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
-    """Unset knobs take SuffixDrafter's defaults (own_spec_factor: max_spec_factor's value); the drafter checks
-    the values."""
+    """Unset knobs take SuffixDrafter's defaults (vLLM's, own_spec_factor and prefer_longer_match); the drafter
+    checks the values."""
     defaults = SuffixDrafter()
     if sx.max_tree_depth == 0:
         sx.max_tree_depth = defaults.max_tree_depth
-    for knob in ("max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "prefer_longer_match"):
+    for knob in ("max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "own_spec_factor",
+                 "prefer_longer_match"):
         if not sx.HasField(knob):
             setattr(sx, knob, getattr(defaults, knob))
-    if not sx.HasField("own_spec_factor"):
-        sx.own_spec_factor = sx.max_spec_factor
     if sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_UNSPECIFIED:
         sx.cache_scope = speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
     try:

@@ -54,14 +54,11 @@ def check_exact(responses, prompts, lengths) -> None:  # noqa: ANN001
         assert list(r.output.token_ids) == list(cached_reference(tuple(p), n)), f"prompt {i} differs from plain"
 
 
-def test_config_fills_the_drafters_defaults_and_refuses_bad_knobs() -> None:
+def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
     sx = config.suffix
-    assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 2.0, 0.0)
+    assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
     assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 2.0 and sx.prefer_longer_match
-    vllm = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
-    vllm.suffix.max_spec_factor = 1.0  # vLLM's factor: the own tree's follows it unless set
-    assert validate(vllm).suffix.own_spec_factor == 1.0
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
     assert suffix_drafter(sx).prefer_longer_match
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
