@@ -176,22 +176,39 @@ def _head(text: str, start: int, key: str) -> tuple[str, int] | None:
 
 def _value_end(text: str, start: int) -> int | None:
     """Where the JSON object or array opening at `start` ends (past its close); None: not yet written."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if escaped:
-            escaped = False
-        elif in_string:
-            escaped, in_string = c == "\\", c != '"'
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return _ValueScan(start).end(text)
+
+
+@dataclass
+class _ValueScan:
+    """Reads a JSON object or array as its text grows, each character once: a stream asks again after
+    every piece, and a call's arguments may be long (a file's content)."""
+
+    pos: int  # the next character to read
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def end(self, text: str) -> int | None:
+        """Where the value ends (past its close); None: not yet written (the scan resumes there)."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if escaped:
+                escaped = False
+            elif in_string:
+                escaped, in_string = c == "\\", c != '"'
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.pos, self.depth = i + 1, 0
+                    return i + 1
+        self.pos, self.depth, self.in_string, self.escaped = len(text), depth, in_string, escaped
+        return None
 
 
 def _item_starts(text: str) -> list[int]:
@@ -217,8 +234,9 @@ def _next_item(text: str, i: int) -> int | None:
 class _Streaming:
     """A call that has gone out, as far as it has."""
 
-    arguments: int  # where its arguments start in the answer's text
-    sent: int  # where the part of them sent so far ends
+    start: int  # where its object starts in the answer's text
+    sent: int  # where the part of its arguments sent so far ends (they start at its first value)
+    arguments: _ValueScan  # its arguments, read as far as they are written
     end: int | None = None  # where they end, once written
 
 
@@ -258,7 +276,7 @@ class CallStream:
         while True:
             if self._calls and self._calls[-1].end is None:
                 call, index = self._calls[-1], len(self._calls) - 1
-                call.end = _value_end(self._text, call.arguments)
+                call.end = call.arguments.end(self._text)
                 upto = len(self._text) if call.end is None else call.end
                 if upto > call.sent:
                     deltas.append({"index": index, "function": {"arguments": self._text[call.sent:upto]}})
@@ -270,7 +288,7 @@ class CallStream:
             if head is None:
                 return deltas
             deltas.append(Call(head[0], "").message(len(self._calls)))
-            self._calls.append(_Streaming(head[1], head[1]))
+            self._calls.append(_Streaming(start, head[1], _ValueScan(head[1])))
 
     def _next_call(self) -> int | None:
         """Where the next call's object starts, once it has begun."""
@@ -281,10 +299,8 @@ class CallStream:
         if not self._calls:
             opening = self._text.find("[")
             return _next_item(self._text, opening + 1) if opening >= 0 else None
-        i = after  # past the last call's arguments: its object's close, then a comma
-        while i < len(self._text) and self._text[i] in " \t\r\n}":
-            i += 1
-        return _next_item(self._text, i)
+        closed = _value_end(self._text, self._calls[-1].start)  # the last call's object, as _item_starts reads it
+        return _next_item(self._text, closed) if closed is not None else None
 
     def finish(self, finish: str | None) -> tuple[str, list[dict[str, object]], str | None]:
         """(the content not yet sent, the tool-call deltas not yet sent, the finish_reason) once the
