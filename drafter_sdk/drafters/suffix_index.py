@@ -53,6 +53,7 @@ except ImportError:  # optional: the SDK runs without it; it only speeds up freq
     np = None
 
 SEP = -1
+_SEP_BYTES = array("i", [SEP]).tobytes()
 _SHIFT = 31  # token ids are non-negative int32: (a << 31) | b is a unique pair key
 # Above this many occurrences a step runs on numpy arrays (when installed); below, plain Python is faster.
 _VECTOR_MIN = 48
@@ -293,9 +294,7 @@ class SuffixIndex:
             ends, lengths = self._match_lengths(pairs[j], j, pattern, limit)
             best, best_score = self._best_of(ends, lengths, j + 2, top, budget, min_token_prob, best, best_score,
                                              skip)
-            if known is not None:
-                ends, lengths = _restore_lengths(ends, lengths, limit, known)
-            known = (ends, lengths, j + 2)
+            known = _merge_known(ends, lengths, j + 2, limit, known)
             top = j + 1
         if known is not None and cursor is not None:
             self._remember(cursor, seen, pattern, *known)
@@ -446,12 +445,7 @@ class SuffixIndex:
 
     def _remember(self, cursor: Cursor, seen: int, pattern: list[int], ends: Any, lengths: Any, least: int) -> None:
         """Keep every match of `least` or more tokens in the cursor, fewer when there are too many."""
-        if len(ends) > _CURSOR_MAX:  # keep the longest: every match of a length with few enough longer ones
-            least = int(sorted(lengths, reverse=True)[_CURSOR_MAX]) + 1
-            keep = [i for i, m in enumerate(lengths) if m >= least]
-            ends, lengths = [int(ends[i]) for i in keep], [int(lengths[i]) for i in keep]
-        elif not isinstance(ends, list):
-            ends, lengths = ends.tolist(), lengths.tolist()
+        ends, lengths, least = _longest(ends, lengths, least)
         cursor.index, cursor.seen, cursor.pattern = self._identity, seen, pattern
         cursor.ends, cursor.lengths, cursor.least = ends, lengths, least
         cursor.end = self._base + len(self._buf)
@@ -519,9 +513,11 @@ class SuffixIndex:
         # While every end goes on the same way, each step has probability 1 and every length drafts the same
         # path (cut to its budget): one walk, whose lengths are judged together once the paths branch.
         pending: list[Any] | None = None  # tokens, probs, the longest and the shortest length they serve
+        added = 0  # ends in the paths
         for i, length in enumerate(found):
             if pending is None and max(budget[shortest:length + 1]) <= best_score:
                 break  # no match this short or shorter can win
+            added += len(by_length[length])
             for p in by_length[length]:
                 key = buf[p + 1 - base:p + 1 - base + depth].tobytes()
                 seen = paths.get(key)
@@ -549,7 +545,7 @@ class SuffixIndex:
                     del path[path.index(SEP):]
                 pending = [path, [1.0] * len(path), length, low]
                 continue
-            tokens, probs = _walk_paths(paths, most, min_prob)
+            tokens, probs = _walk_paths(paths, added, most, min_prob)
             best, best_score = _keep_best(tokens, probs, length, low, budget, best, best_score)
         if pending is not None:
             best, best_score = _keep_best(*pending, budget, best, best_score)
@@ -561,15 +557,21 @@ class SuffixIndex:
         buf, base, need = self._buf, self._base, j + 2
         if np is not None and len(positions) > _VECTOR_MIN:
             view = np.frombuffer(buf, np.int32)
-            ends = np.frombuffer(positions, np.int64) + (j - base)
-            # The token `back` places before each end (clipped: the buffer starts and ends with a separator,
-            # which matches nothing), against the pattern's.
-            rows = ends[:, None] - np.arange(top)
-            np.clip(rows, 0, len(buf) - 1, out=rows)
-            same = view[rows] == np.array(pattern[::-1][:top], np.int32)
-            lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)
-            keep = lengths >= need
-            ends, lengths = ends[keep] + base, lengths[keep]
+            backwards = pattern[::-1]
+            # In the buffer; clipped to its last place, a separator, which matches nothing.
+            ends = np.minimum(np.frombuffer(positions, np.int64) + (j - base), len(buf) - 1)
+            for back in range(j):  # the j tokens after the pair (it matches everywhere)
+                ends = ends[view[ends - back] == backwards[back]]
+            # Then back from the pair while the places still match, a column at a time over fewer and fewer of
+            # them (the buffer starts with a separator, so no match reaches before it).
+            lengths = np.full(len(ends), need)
+            alive = np.arange(len(ends))
+            for back in range(need, top):
+                alive = alive[view[ends[alive] - back] == backwards[back]]
+                if not len(alive):
+                    break
+                lengths[alive] += 1
+            ends = ends + base
             if len(ends) <= _VECTOR_MIN:
                 return ends.tolist(), lengths.tolist()
             return ends, lengths
@@ -607,6 +609,8 @@ class SuffixIndex:
         prob = top / (self._counts[token] - skip_one)
         if prob < min_prob:
             return [], []
+        if budget == 1:
+            return [child], [prob]
         tokens, probs = self._walk(_occurrences(self._pairs[(token << _SHIFT) | child]), budget - 1, prob, min_prob)
         return [child] + tokens, [prob] + probs
 
@@ -622,7 +626,9 @@ class SuffixIndex:
         # The next `budget` tokens after each occurrence (they may run past its sequence's separator, which
         # ends the path): occurrences with the same ones walk together, as one weight and its latest place.
         paths: dict[bytes, list[int]] = {}
-        for p in (occ if isinstance(occ, list) else occ.tolist()):
+        if not isinstance(occ, list):
+            occ = occ.tolist()
+        for p in occ:
             i = p + 1 - base
             key = buf[i:i + budget].tobytes()
             seen = paths.get(key)
@@ -631,7 +637,7 @@ class SuffixIndex:
             else:
                 seen[0] += 1
                 seen[1] = p
-        return _walk_paths(paths, budget, min_prob, prob)
+        return _walk_paths(paths, len(occ), budget, min_prob, prob)
 
     def _walk_vectorized(self, occ: Any, budget: int, prob: float,
                          min_prob: float) -> tuple[list[int], list[float]]:
@@ -672,58 +678,83 @@ def _budgets(n: int, max_tokens: int, factor: float, offset: float, max_depth: i
     return [min(max_tokens, int(m * factor + offset + 1e-6), max_depth - m) for m in range(n + 1)]
 
 
-def _walk_paths(paths: dict[bytes, list[int]], most: int, min_prob: float,
+def _walk_paths(paths: dict[bytes, list[int]], total: int, most: int, min_prob: float,
                 prob: float = 1.0) -> tuple[list[int], list[float]]:
     """The greedy walk over weighted paths (each the next tokens of its ends, as int32 bytes; a separator
-    ends it): at most `most` tokens, each the most frequent next token (ties: the latest end), stopping
-    before the estimated probability (`prob` times each step's share) falls below `min_prob`."""
-    if len(paths) == 1:  # every end goes on the same way: each step has probability 1
-        if prob < min_prob:
-            return [], []
-        path = array("i", next(iter(paths)))[:most].tolist()
-        if SEP in path:
-            del path[path.index(SEP):]
-        return path, [prob] * len(path)
-    alive = [(array("i", key), weight, latest) for key, (weight, latest) in paths.items()]
-    total = sum(weight for _, weight, _ in alive)
-    tokens: list[int] = []
+    ends it; `total` ends in all): at most `most` tokens, each the most frequent next token (ties: the latest
+    end), stopping before the estimated probability (`prob` times each step's share) falls below `min_prob`.
+    The paths stay bytes: a step reads 4 of them, and no path is converted that the walk leaves."""
+    alive = list(paths.items())
+    chosen: list[bytes] = []  # each step's token, as the paths hold it
     probs: list[float] = []
-    for depth in range(most):
-        tally: dict[int, list[int]] = {}
-        for path, weight, latest in alive:
-            if depth < len(path):
-                t = path[depth]
-                if t == SEP:
-                    continue
-                counted = tally.get(t)
-                if counted is None:
-                    tally[t] = [weight, latest]
-                else:
-                    counted[0] += weight
-                    if latest > counted[1]:
-                        counted[1] = latest
+    for at in range(0, 4 * most, 4):
+        if len(alive) == 1:  # one way on: every further step has probability 1, as far as the path goes
+            if prob >= min_prob:
+                rest = alive[0][0][at:4 * most]
+                # A token's last byte is below 0x80 (ids are non-negative), so the first 4 bytes of 0xff are
+                # a whole separator, not the tail of one token and the head of the next.
+                chosen.append(rest[:rest.find(_SEP_BYTES)] if _SEP_BYTES in rest else rest)
+            break
+        tally: dict[bytes, list[int]] = {}
+        for key, (weight, latest) in alive:
+            t = key[at:at + 4]
+            if len(t) < 4 or t == _SEP_BYTES:
+                continue
+            counted = tally.get(t)
+            if counted is None:
+                tally[t] = [weight, latest]
+            else:
+                counted[0] += weight
+                if latest > counted[1]:
+                    counted[1] = latest
         if not tally:
             break
         child, (count, _) = max(tally.items(), key=itemgetter(1))  # ties: the most recent
         prob *= count / total
         if prob < min_prob:
             break
-        tokens.append(child)
+        chosen.append(child)
         probs.append(prob)
         if count != total:  # some went another way or ended here
-            alive = [a for a in alive if depth < len(a[0]) and a[0][depth] == child]
+            alive = [a for a in alive if a[0].startswith(child, at)]
         total = count
-    return tokens, probs
+    tokens = array("i", b"".join(chosen)).tolist()
+    return tokens, probs + [prob] * (len(tokens) - len(probs))
 
 
-def _restore_lengths(ends: Any, lengths: Any, top: int, known: tuple[list[int], list[int], int]
-                     ) -> tuple[list[int], list[int]]:
-    """Matches counted up to `top` tokens, with the true length of those that matched all `top` (each of
-    them is among the `known` ones: every match of more than `top` tokens)."""
+def _longest(ends: Any, lengths: Any, least: int) -> tuple[list[int], list[int], int]:
+    """Every match of `least` or more tokens (their ends and lengths), or when there are more than _CURSOR_MAX,
+    every match of a length with at most _CURSOR_MAX as long or longer (a higher least): what a cursor keeps."""
+    if len(ends) > _CURSOR_MAX:
+        if isinstance(lengths, list):
+            least = sorted(lengths, reverse=True)[_CURSOR_MAX] + 1
+        else:
+            least = int(np.partition(lengths, len(lengths) - _CURSOR_MAX - 1)[len(lengths) - _CURSOR_MAX - 1]) + 1
+        if isinstance(lengths, list):
+            keep = [i for i, m in enumerate(lengths) if m >= least]
+            ends, lengths = [ends[i] for i in keep], [lengths[i] for i in keep]
+        else:
+            keep = lengths >= least
+            ends, lengths = ends[keep], lengths[keep]
     if not isinstance(ends, list):
         ends, lengths = ends.tolist(), lengths.tolist()
+    return ends, lengths, least
+
+
+def _merge_known(ends: Any, lengths: Any, least: int, limit: int,
+                 known: tuple[list[int], list[int], int] | None) -> tuple[list[int], list[int], int]:
+    """What a cursor keeps (_longest) of every match of `least` or more tokens, from a lookup of them whose
+    lengths were counted up to `limit`, and the `known` matches: every one of more than `limit` tokens, with
+    its true length (None: the lookup counted every length)."""
+    # A counted length is the true one below `limit`, and the longest matches are kept by their counted
+    # lengths before the true ones are read from `known`: only for the few that are kept.
+    ends, lengths, least = _longest(ends, lengths, least)
+    if known is None:
+        return ends, lengths, least
+    if least > limit:  # more than _CURSOR_MAX matches reach `limit`: the longest are known ones
+        return known
     longer = dict(zip(known[0], known[1]))
-    return ends, [longer.get(e, m) if m == top else m for e, m in zip(ends, lengths)]
+    return ends, [longer.get(e, m) if m == limit else m for e, m in zip(ends, lengths)], least
 
 
 def _keep_best(tokens: list[int], probs: list[float], longest: int, shortest: int, budget: list[int],
