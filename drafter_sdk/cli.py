@@ -109,6 +109,11 @@ SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "own
                 "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
 
 
+def suffix_kwargs(args: argparse.Namespace) -> dict:
+    """SuffixDrafter's keyword arguments from the suffix flags given (unset ones keep its defaults)."""
+    return {name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)}
+
+
 def load_drafter_class(spec: str) -> type[Drafter]:
     """Import `module:Class` or `path/to/file.py:Class`."""
     target, sep, attr = spec.rpartition(":")
@@ -139,7 +144,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
                             is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib,
                             tree_min_prob=args.tree_min_prob)
     if args.drafter == "suffix":
-        return SuffixDrafter(**{name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)})
+        return SuffixDrafter(**suffix_kwargs(args))
     if args.drafter == "model":
         try:
             from drafter_sdk.drafters.model import ModelDrafter

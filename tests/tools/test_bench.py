@@ -13,13 +13,14 @@ from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.tools import cli
 from verifier_service.tools.bench import report as bench_report
-from verifier_service.tools.bench import suffix_speed
+from verifier_service.tools.bench import run, suffix_speed
 from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.bench.systems import Run
 from verifier_service.tools.local_services import script
 
 SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
            "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
+VARIANT = "splitspec suffix remote --max-spec-factor 2"
 
 
 @pytest.fixture
@@ -31,20 +32,24 @@ def model_dir(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(600)  # seven systems, six services
+@pytest.mark.timeout(600)  # eight systems, eight services
 def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "8",
-         "--workloads", "agentic", "--concurrency", "2", "--suffix-speed-outputs", "0", "--device", "cpu", "--out", str(out)],
+         "--workloads", "agentic", "--concurrency", "2", "--suffix-speed-outputs", "0", "--device", "cpu",
+         "--suffix-variant=--max-spec-factor 2", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== agentic (3 prompts) ==" in done.stdout and "== serving" in done.stdout
     report = json.loads((out / "results.json").read_text())
-    assert {s["system"] for s in report["summaries"]} == SYSTEMS
+    assert {s["system"] for s in report["summaries"]} == SYSTEMS | {VARIANT}
     # Agentic: a docstring turn, then two edits, each sending back the answer of the same system.
     assert {s["workload"]: s["prompts"] for s in report["summaries"]} == {"agentic": 3}
     assert {c["workload"] for c in report["comparisons"]} == {"agentic"}
+    # The variant is paired with the n-gram remote and with the default suffix drafter, in the same run.
+    assert {(c["system"], c["baseline"]) for c in report["comparisons"] if c["system"] == VARIANT} == {
+        (VARIANT, "splitspec ngram remote"), (VARIANT, "splitspec suffix remote")}
     assert all(c["ratio"] > 0 and c["decode_ratio"] > 0 for c in report["comparisons"]), report["comparisons"]
     assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]
@@ -79,13 +84,27 @@ def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_di
     out = tmp_path / "results"
     done = subprocess.run(
         [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens",
-         "12", "--workloads", "recurring", "--suffix-speed-outputs", "0", "--out", str(out)],
+         "12", "--workloads", "recurring", "--suffix-speed-outputs", "0", "--suffix-variant=--cache-scope request",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {(r["drafter"], r["workload"]): r for r in json.loads((out / "replay.json").read_text())["results"]}
     assert results[("suffix", "recurring")]["mean_acceptance_length"] > 2.0
     assert results[("suffix", "recurring")]["accepted"] > results[("ngram", "recurring")]["accepted"]
     assert results[("suffix-score", "recurring")]["steps"] > 0  # vLLM's choice between the trees, beside it
+    # A variant runs with its own flags: without the global tree, the rounds after the first learn nothing.
+    assert results[("suffix --cache-scope request", "recurring")]["accepted"] < results[("suffix", "recurring")][
+        "accepted"]
+
+
+@pytest.mark.parametrize("flags, problem", [("--max-spec-factor x", "not flags of"),
+                                            ("--port 5", "not --port"),
+                                            ("--min-token-prob 2", "min_token_prob must be within")])
+def test_bench_suffix_variant_refuses_what_the_suffix_drafter_would_not_take(flags: str, problem: str) -> None:
+    assert run.suffix_variants(["--max-spec-factor 2 --cache-scope verifier"]) == {
+        "--max-spec-factor 2 --cache-scope verifier": {"max_spec_factor": 2.0, "cache_scope": "verifier"}}
+    with pytest.raises(ValueError, match=problem):
+        run.suffix_variants([flags])
 
 
 def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir: Path) -> None:
@@ -104,9 +123,13 @@ def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir:
 
 
 def test_suffix_speed_measures_the_drafter_itself() -> None:
-    speed = suffix_speed.measure(tiny_tokenizer(), cached=5, output_len=40, sequences=2, context_len=100, steps=3,
-                                 corpus_tokens=5000)
-    assert (speed.cached_outputs, speed.sequences, speed.context_len) == (5, 2, 100)
+    sizes = dict(cached=5, output_len=40, sequences=2, context_len=100, steps=3, corpus_tokens=5000)
+    speed = suffix_speed.measure(tiny_tokenizer(), **sizes)
+    assert (speed.flags, speed.cached_outputs, speed.sequences, speed.context_len) == ("", 5, 2, 100)
+    # A variant's flags reach the drafter timed: three of the five outputs stay cached.
+    variant = suffix_speed.measure(tiny_tokenizer(), **sizes, flags="--max-cached-requests 3",
+                                   drafter_kwargs={"max_cached_requests": 3})
+    assert variant.flags == "--max-cached-requests 3" and variant.global_tree_mb < speed.global_tree_mb
     assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0
     assert speed.tree_nodes == 16 and speed.tree_prepare_ms_p90 >= speed.tree_prepare_ms_p50 > 0
 

@@ -41,6 +41,7 @@ class Report:
     # Per workload: a system's speed relative to a baseline's (median over prompts of time-per-token ratios).
     comparisons: list[dict] = field(default_factory=list)
     suffix_speed: dict | None = None  # suffix_speed.SuffixSpeed as a dict
+    suffix_speed_variants: list[dict] = field(default_factory=list)  # the same, for each --suffix-variant
     draft_model: list[dict] = field(default_factory=list)  # bench.draft_model.DraftModelFigures, ahead on / off
 
     def to_json(self, path: Path) -> None:
@@ -132,6 +133,8 @@ def print_tables(report: Report) -> None:
                                                     for c in report.comparisons if c["workload"] == workload))
     if report.suffix_speed:
         print_suffix_speed(report.suffix_speed)
+    for speed in report.suffix_speed_variants:
+        print_suffix_speed(speed)
     if report.request_bytes:
         print("\nPrepareDraftTokens request size as one sequence's context grows:")
         print("  " + ", ".join(f"{n} tokens: {b} B" for n, b in report.request_bytes))
@@ -144,7 +147,8 @@ def print_tables(report: Report) -> None:
 
 
 def print_suffix_speed(s: dict) -> None:
-    print(f"\nsuffix drafter itself, {s['cached_outputs']} cached outputs of {s['output_len']} tokens "
+    flags = f" ({s['flags']})" if s["flags"] else ""
+    print(f"\nsuffix drafter itself{flags}, {s['cached_outputs']} cached outputs of {s['output_len']} tokens "
           f"({s['global_tree_mb']:.0f} MiB estimated): ingesting one finished output {s['ingest_ms_p50']:.2f} ms "
           f"p50; one PrepareDraftTokens for {s['sequences']} sequences of {s['context_len']} tokens "
           f"{s['prepare_ms_p50']:.2f} ms p50, {s['prepare_ms_p90']:.2f} ms p90; with token trees of up to "

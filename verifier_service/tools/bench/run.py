@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shlex
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from drafter_sdk import cli as drafter_cli
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from verifier_service.model import loader as model_loader
@@ -66,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", help="verifier speculative config file (policy knobs) for every verifier")
     p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for every verifier, e.g. --verifier-arg=--kv-cache-memory-gb=0.5 (repeatable)")
+    p.add_argument("--suffix-variant", action="append", default=[], metavar="FLAGS",
+                   help="also bench a suffix drafter started with these `splitspec-drafter suffix` flags, e.g. "
+                        "--suffix-variant='--max-spec-factor 2' (repeatable): the system 'splitspec suffix remote "
+                        "FLAGS' beside the default one in the same run, compared with both, its own speed timed "
+                        "too (--replay: replayed beside it)")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
     p.add_argument("--suffix-speed-only", action="store_true",
@@ -97,16 +105,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=main)
 
 
+def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
+    """SuffixDrafter's keyword arguments for each --suffix-variant, by its flags as given; ValueError for flags
+    that are not the suffix drafter's or that it refuses, before anything starts."""
+    parser = drafter_cli.build_parser()
+    defaults = vars(parser.parse_args(["suffix"]))
+    variants = {}
+    for line in flag_lines:
+        try:
+            given = parser.parse_args(["suffix", *shlex.split(line)])
+        except SystemExit:  # argparse has printed what was wrong
+            raise ValueError(f"--suffix-variant {line!r}: not flags of `splitspec-drafter suffix`") from None
+        other = sorted(k for k, v in vars(given).items() if k not in drafter_cli.SUFFIX_FLAGS and defaults[k] != v)
+        if other:
+            flag = "--" + other[0].replace("_", "-")
+            raise ValueError(f"--suffix-variant {line!r}: only the suffix drafter's flags, not {flag}")
+        kwargs = drafter_cli.suffix_kwargs(given)
+        SuffixDrafter(**kwargs)  # its own checks of the values
+        variants[line] = kwargs
+    return variants
+
+
+def _suffix_speeds(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
+                   variants: dict[str, dict]) -> list[dict]:
+    """The suffix drafter's own speed with its defaults, then with each variant's flags."""
+    print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
+    return [asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs, flags=flags, drafter_kwargs=kw))
+            for flags, kw in {"": {}, **variants}.items()]
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = model_loader.resolve_source(args.model)
+    try:
+        variants = suffix_variants(args.suffix_variant)
+    except ValueError as exc:
+        print(f"splitspec bench: error: {exc}", file=sys.stderr)
+        return 2
     if args.suffix_speed_only:  # the drafter's own speed needs the tokenizer only
-        speed = asdict(suffix_speed.measure(model_loader.load_tokenizer(source),
-                                            cached=args.suffix_speed_outputs))
-        rep.print_suffix_speed(speed)
-        (out / "suffix_speed.json").write_text(json.dumps(speed, indent=2))
+        speeds = _suffix_speeds(model_loader.load_tokenizer(source), args, variants)
+        for speed in speeds:
+            rep.print_suffix_speed(speed)
+        (out / "suffix_speed.json").write_text(json.dumps({"suffix_speed": speeds[0],
+                                                          "suffix_speed_variants": speeds[1:]}, indent=2))
         print(f"\nwrote {out / 'suffix_speed.json'}")
         return 0
     print(f"loading {source.name} for transformers and for tokenizing ...", flush=True)
@@ -115,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
     model, tokenizer = model_loader.load(source, model_loader.pick_dtype(args.dtype, device), device)
     prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
     if args.replay:
-        return _replay(model, tokenizer, prompts, args, out)
+        return _replay(model, tokenizer, prompts, args, out, variants)
     if args.trees:
         seconds = _forward_costs(model, args.trees)  # what the verifiers' planners weigh trees against
         print("target forward cost (ms) by tokens in one forward: "
@@ -167,10 +210,9 @@ def main(args: argparse.Namespace) -> int:
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
         _run_systems(args, common, local, model, tokenizer, prompts, curve, seconds, report, model_system,
-                     draft_path, out)
+                     draft_path, out, list(variants))
     if args.suffix_speed_outputs:
-        print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
-        report.suffix_speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
+        report.suffix_speed, *report.suffix_speed_variants = _suffix_speeds(tokenizer, args, variants)
     rep.print_tables(report)
     report.to_json(out / "results.json")
     rep.save_chart(report, out / "chart.png")
@@ -181,23 +223,30 @@ def main(args: argparse.Namespace) -> int:
 def _run_systems(args: argparse.Namespace, common: list[str], local: LocalService, model: torch.nn.Module,
                  tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt], curve: step_costs.CostCurve,
                  seconds: dict[int, float], report: rep.Report, extra_systems: list[VerifierSystem],
-                 draft_path: str | None, out: Path) -> None:
-    """Start the n-gram and suffix drafters and four more verifiers beside the in-process n-gram one, run every system
-    (plus `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too;
-    then the engine sections asked for."""
+                 draft_path: str | None, out: Path, variants: list[str]) -> None:
+    """Start the n-gram and suffix drafters and four more verifiers beside the in-process n-gram one (and a suffix
+    drafter and verifier for each of `variants`, flags of `splitspec-drafter suffix`), run every system (plus
+    `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too; then the
+    engine sections asked for."""
     with contextlib.ExitStack() as stack:
-        drafter, suffix_drafter = start_together(stack, [
+        drafter, suffix_drafter, *variant_drafters = start_together(stack, [
             _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
                       "--max-matching-ngram-size", str(args.ngram_size)], name="drafter"),
-            _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter")])
-        plain_verifier, remote, sremote, slocal = start_together(stack, [
+            _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter"),
+            *(_service([script("splitspec-drafter"), "suffix", *shlex.split(flags)], name=f"suffix-drafter-{i + 1}")
+              for i, flags in enumerate(variants))])
+        plain_verifier, remote, sremote, slocal, *variant_verifiers = start_together(stack, [
             _service([script("splitspec-verifier"), *common], name="verifier-plain"),
             _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                       "--drafter-target", drafter.address, *common], name="verifier-remote"),
             _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
                       "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote"),
             _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
-                     name="verifier-suffix-inprocess")])
+                     name="verifier-suffix-inprocess"),
+            *(_service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
+                        d.address, *common], name=f"verifier-suffix-remote-{i + 1}")
+              for i, d in enumerate(variant_drafters))])
+        variant_names = [f"{SUFFIX_REMOTE} {flags}" for flags in variants]
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         # Each system has a verifier of its own: sharing one, the second system to run a prompt would
         # find it in the prefix cache and skip its prefill.
@@ -205,7 +254,10 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
                    VerifierSystem("splitspec ngram in-process", local.address, speculate=True),
                    VerifierSystem(NGRAM_REMOTE, remote.address, speculate=True),
                    VerifierSystem(SUFFIX_LOCAL, slocal.address, speculate=True),
-                   VerifierSystem(SUFFIX_REMOTE, sremote.address, speculate=True), *extra_systems]
+                   VerifierSystem(SUFFIX_REMOTE, sremote.address, speculate=True),
+                   *(VerifierSystem(name, v.address, speculate=True)
+                     for name, v in zip(variant_names, variant_verifiers)),
+                   *extra_systems]
         if not args.no_transformers:
             systems += [TransformersSystem("transformers generate", model),
                         TransformersSystem("transformers prompt lookup", model,
@@ -218,10 +270,11 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
             for system in systems:
                 report.summaries.append(rep.summarise(system.name, workload, [runs[system.name][i] for i in idx],
                                                       plain, curve))
-            baseline = [runs[NGRAM_REMOTE][i] for i in idx]
-            for system in (SUFFIX_REMOTE, SUFFIX_LOCAL):
-                ours = [runs[system][i] for i in idx]
-                report.comparisons.append({"workload": workload, "system": system, "baseline": NGRAM_REMOTE,
+            # Each suffix system against the n-gram remote; each variant against the default suffix remote too.
+            pairs = [(system, NGRAM_REMOTE) for system in (SUFFIX_REMOTE, SUFFIX_LOCAL, *variant_names)]
+            for system, baseline_name in pairs + [(name, SUFFIX_REMOTE) for name in variant_names]:
+                ours, baseline = [runs[system][i] for i in idx], [runs[baseline_name][i] for i in idx]
+                report.comparisons.append({"workload": workload, "system": system, "baseline": baseline_name,
                                            "ratio": rep.relative_speed(ours, baseline),
                                            "decode_ratio": rep.relative_decode_speed(ours, baseline)})
         report.request_bytes = asyncio.run(_request_bytes(drafter.address, model.config.vocab_size))
@@ -233,7 +286,7 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
             _draft_model_figures(args, draft_path, prompts, [r.token_ids for r in runs[PLAIN]], seconds, curve,
                                  model.config.vocab_size, report)
         if args.engine_sections:
-            for verifier in (plain_verifier, remote, local, sremote, slocal):
+            for verifier in (plain_verifier, remote, local, sremote, slocal, *variant_verifiers):
                 verifier.stop()  # the engine sections start their own verifiers
             engine_sections.run(args, tokenizer, common, lambda n: _forward_costs(model, 0, n)[1], out)
 
@@ -249,7 +302,7 @@ def _draft_model_figures(args: argparse.Namespace, draft_path: str | None, promp
 
 
 def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[workloads.Prompt],
-            args: argparse.Namespace, out: Path) -> int:
+            args: argparse.Namespace, out: Path, variants: dict[str, dict]) -> int:
     print(f"greedy outputs of {len(prompts)} prompts ...", flush=True)
     outputs = replay.greedy_outputs(model, tokenizer, prompts, args.max_new_tokens)
     k = args.max_draft_len
@@ -258,15 +311,19 @@ def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
     results += replay.replay("suffix", SuffixDrafter, prompts, outputs, k)
     # vLLM's choice between the two trees, for comparison (drafters/suffix.py)
     results += replay.replay("suffix-score", lambda: SuffixDrafter(prefer_longer_match=False), prompts, outputs, k)
+    for flags, kwargs in variants.items():
+        results += replay.replay(f"suffix {flags}", lambda kwargs=kwargs: SuffixDrafter(**kwargs), prompts, outputs, k)
     replay.print_results(results)
-    speed = None
+    speeds = []
     if args.suffix_speed_outputs:
-        print(f"\ntiming the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
-        speed = asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs))
-        rep.print_suffix_speed(speed)
+        print()
+        speeds = _suffix_speeds(tokenizer, args, variants)
+        for speed in speeds:
+            rep.print_suffix_speed(speed)
     (out / "replay.json").write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "max_draft_len": k,
-                                                 "results": replay.as_dicts(results), "suffix_speed": speed},
-                                                indent=2))
+                                                 "results": replay.as_dicts(results),
+                                                 "suffix_speed": speeds[0] if speeds else None,
+                                                 "suffix_speed_variants": speeds[1:]}, indent=2))
     print(f"\nwrote {out / 'replay.json'}")
     return 0
 

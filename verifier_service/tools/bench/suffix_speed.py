@@ -29,6 +29,7 @@ CORPUS_TOKENS = 300_000
 
 @dataclass
 class SuffixSpeed:
+    flags: str  # the `splitspec-drafter suffix` flags of the drafter timed ("": its defaults)
     cached_outputs: int
     output_len: int
     ingest_ms_p50: float  # one finished output into the global tree (its release)
@@ -54,10 +55,11 @@ def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> lis
 
 def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len: int = 500, sequences: int = 16,
             context_len: int = 2000, steps: int = 100, draft_len: int = 8, tree_nodes: int = 16,
-            corpus_tokens: int = CORPUS_TOKENS) -> SuffixSpeed:
+            corpus_tokens: int = CORPUS_TOKENS, flags: str = "", drafter_kwargs: dict | None = None) -> SuffixSpeed:
+    """The figures of SuffixDrafter(**drafter_kwargs), given on the command line as `flags`."""
     text = corpus(tokenizer, corpus_tokens)
     rng = random.Random(0)
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(**(drafter_kwargs or {}))
     servicer = DrafterServicer(drafter, SequenceStore())
     servicer.load()
 
@@ -98,7 +100,7 @@ def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len
         return sorted(times)
 
     chains, trees = prepare_times("chain", 0), prepare_times("tree", tree_nodes)
-    return SuffixSpeed(cached, output_len, statistics.median(ingest) * 1000, sequences, context_len,
+    return SuffixSpeed(flags, cached, output_len, statistics.median(ingest) * 1000, sequences, context_len,
                        statistics.median(chains) * 1000, chains[int(0.9 * len(chains))] * 1000,
                        drafter.shared_state_bytes() / 2**20, tree_nodes,
                        statistics.median(trees) * 1000, trees[int(0.9 * len(trees))] * 1000)
