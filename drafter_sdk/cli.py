@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     suffix.add_argument("--max-spec-factor", type=float, default=argparse.SUPPRESS,
                         help="draft at most this times the match length ... (1.0)")
     suffix.add_argument("--own-spec-factor", type=float, default=argparse.SUPPRESS,
-                        help="max-spec-factor for a match in the request's own context (2.0; not in vLLM)")
+                        help="max-spec-factor for a match in the request's own context (8.0; not in vLLM)")
     suffix.add_argument("--prefer-longer-match", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                         help="between the request's own tree and the global one, the draft after the longer match "
                              "wins, the higher score between equal matches (on; not in vLLM). --no-...: the higher "

@@ -22,10 +22,12 @@ context):
 - the own tree does not count the context's own end as an occurrence: it has no
   continuation yet, and counting it halves the estimate of a passage seen once
   before, which then loses to weaker evidence in the global tree;
-- `own_spec_factor` (2.0) caps a draft from the own tree at that many times its
+- `own_spec_factor` (8.0) caps a draft from the own tree at that many times its
   match length; the global tree keeps `max_spec_factor` (vLLM's 1.0). After each
   edit the match restarts short, and a factor of 1 drafts only as far as it
-  matched. own_spec_factor == max_spec_factor is vLLM's rule.
+  matched; at 8, even a one-token match may draft the verifier's default 8 tokens,
+  as prompt lookup does, and `min_token_prob` alone stops it.
+  own_spec_factor == max_spec_factor is vLLM's rule.
 
 The third decides between the two trees. Arctic Inference takes the higher score;
 with `prefer_longer_match` (the default) the draft that follows the longer match
@@ -87,7 +89,7 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
-                 cache_scope: str = "global", own_spec_factor: float = 2.0, prefer_longer_match: bool = True
+                 cache_scope: str = "global", own_spec_factor: float = 8.0, prefer_longer_match: bool = True
                  ) -> None:
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")

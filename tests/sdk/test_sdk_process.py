@@ -159,7 +159,7 @@ def test_cli_builds_the_ngram_drafter_from_its_flags():
 
 def test_cli_builds_the_suffix_drafter_from_its_flags():
     default = cli.make_drafter(cli.build_parser().parse_args(["suffix"]))
-    assert (default.max_spec_factor, default.own_spec_factor, default.prefer_longer_match) == (1.0, 2.0, True)
+    assert (default.max_spec_factor, default.own_spec_factor, default.prefer_longer_match) == (1.0, 8.0, True)
     args = cli.build_parser().parse_args(["suffix", "--max-spec-factor", "1.5", "--own-spec-factor", "1.0",
                                           "--no-prefer-longer-match", "--cache-scope", "request"])
     drafter = cli.make_drafter(args)

@@ -58,7 +58,7 @@ def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     config = validate(speculative_pb2.SpeculativeConfig(mode=SUFFIX))
     sx = config.suffix
     assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
-    assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 2.0 and sx.prefer_longer_match
+    assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 8.0 and sx.prefer_longer_match
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
     assert suffix_drafter(sx).prefer_longer_match
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
