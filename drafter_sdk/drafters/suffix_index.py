@@ -728,12 +728,11 @@ def _longest(ends: Any, lengths: Any, least: int) -> tuple[list[int], list[int],
     if len(ends) > _CURSOR_MAX:
         if isinstance(lengths, list):
             least = sorted(lengths, reverse=True)[_CURSOR_MAX] + 1
-        else:
-            least = int(np.partition(lengths, len(lengths) - _CURSOR_MAX - 1)[len(lengths) - _CURSOR_MAX - 1]) + 1
-        if isinstance(lengths, list):
             keep = [i for i, m in enumerate(lengths) if m >= least]
             ends, lengths = [ends[i] for i in keep], [lengths[i] for i in keep]
         else:
+            cut = len(lengths) - _CURSOR_MAX - 1  # the place of the (_CURSOR_MAX + 1)th longest, ascending
+            least = int(np.partition(lengths, cut)[cut]) + 1
             keep = lengths >= least
             ends, lengths = ends[keep], lengths[keep]
     if not isinstance(ends, list):
