@@ -97,7 +97,7 @@ def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_di
         "accepted"]
 
 
-@pytest.mark.parametrize("flags, problem", [("--max-spec-factor x", "not flags of"),
+@pytest.mark.parametrize("flags, problem", [("--max-spec-factor x", "not flags of"), ("  ", "needs flags"),
                                             ("--port 5", "not --port"),
                                             ("--min-token-prob 2", "min_token_prob must be within")])
 def test_bench_suffix_variant_refuses_what_the_suffix_drafter_would_not_take(flags: str, problem: str) -> None:
@@ -124,11 +124,12 @@ def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir:
 
 def test_suffix_speed_measures_the_drafter_itself() -> None:
     sizes = dict(cached=5, output_len=40, sequences=2, context_len=100, steps=3, corpus_tokens=5000)
-    speed = suffix_speed.measure(tiny_tokenizer(), **sizes)
+    [alone] = suffix_speed.measure(tiny_tokenizer(), **sizes)
+    speed, variant = suffix_speed.measure(tiny_tokenizer(), {"": {}, "--max-cached-requests 3": {
+        "max_cached_requests": 3}}, **sizes)
     assert (speed.flags, speed.cached_outputs, speed.sequences, speed.context_len) == ("", 5, 2, 100)
-    # A variant's flags reach the drafter timed: three of the five outputs stay cached.
-    variant = suffix_speed.measure(tiny_tokenizer(), **sizes, flags="--max-cached-requests 3",
-                                   drafter_kwargs={"max_cached_requests": 3})
+    assert speed.global_tree_mb == alone.global_tree_mb  # timed beside a variant, on the same outputs
+    # A variant's flags reach the drafter timed beside the default: three of the five outputs stay cached.
     assert variant.flags == "--max-cached-requests 3" and variant.global_tree_mb < speed.global_tree_mb
     assert speed.ingest_ms_p50 > 0 and speed.prepare_ms_p90 >= speed.prepare_ms_p50 > 0 and speed.global_tree_mb > 0
     assert speed.tree_nodes == 16 and speed.tree_prepare_ms_p90 >= speed.tree_prepare_ms_p50 > 0

@@ -112,6 +112,8 @@ def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
     defaults = vars(parser.parse_args(["suffix"]))
     variants = {}
     for line in flag_lines:
+        if not shlex.split(line):
+            raise ValueError("--suffix-variant needs flags: without any it is the default drafter")
         try:
             given = parser.parse_args(["suffix", *shlex.split(line)])
         except SystemExit:  # argparse has printed what was wrong
@@ -128,10 +130,10 @@ def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
 
 def _suffix_speeds(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace,
                    variants: dict[str, dict]) -> list[dict]:
-    """The suffix drafter's own speed with its defaults, then with each variant's flags."""
+    """The suffix drafter's own speed with its defaults, then with each variant's flags, timed side by side."""
     print(f"timing the suffix drafter with {args.suffix_speed_outputs} cached outputs ...", flush=True)
-    return [asdict(suffix_speed.measure(tokenizer, cached=args.suffix_speed_outputs, flags=flags, drafter_kwargs=kw))
-            for flags, kw in {"": {}, **variants}.items()]
+    return [asdict(speed) for speed in suffix_speed.measure(tokenizer, {"": {}, **variants},
+                                                            cached=args.suffix_speed_outputs)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@ call, minus the network): a global tree filled with `cached` finished outputs of
 then 16 sequences with 2,000 tokens of context each, growing by 1-4 tokens a step, drafting chains and
 then (other sequences of the same kind) trees of up to 16 nodes. The text is the
 standard library's own source, tokenized by the target's tokenizer; outputs are windows of it, so they
-overlap the way recurring answers do.
+overlap the way recurring answers do. Drafters with other flags (`--suffix-variant`) are built beside the
+default one and timed call by call in turn with it: timed one after another, the first measured in a process
+read 3.07 ms where the next read 2.51, and the other way round in another run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import random
 import statistics
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -53,54 +56,69 @@ def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> lis
     return ids[:size]
 
 
-def measure(tokenizer: PreTrainedTokenizerBase, cached: int = 10_000, output_len: int = 500, sequences: int = 16,
-            context_len: int = 2000, steps: int = 100, draft_len: int = 8, tree_nodes: int = 16,
-            corpus_tokens: int = CORPUS_TOKENS, flags: str = "", drafter_kwargs: dict | None = None) -> SuffixSpeed:
-    """The figures of SuffixDrafter(**drafter_kwargs), given on the command line as `flags`."""
+def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None = None, cached: int = 10_000,
+            output_len: int = 500, sequences: int = 16, context_len: int = 2000, steps: int = 100, draft_len: int = 8,
+            tree_nodes: int = 16, corpus_tokens: int = CORPUS_TOKENS) -> list[SuffixSpeed]:
+    """The figures of one SuffixDrafter per variant (its `splitspec-drafter suffix` flags -> its keyword
+    arguments; default: the defaults alone), in that order. The variants are fed the same calls, one after
+    another in an order that reverses every call, so that a busy machine's drift falls on each alike."""
+    variants = {"": {}} if variants is None else variants
     text = corpus(tokenizer, corpus_tokens)
     rng = random.Random(0)
-    drafter = SuffixDrafter(**(drafter_kwargs or {}))
-    servicer = DrafterServicer(drafter, SequenceStore())
-    servicer.load()
+    drafters = [SuffixDrafter(**kwargs) for kwargs in variants.values()]
+    servicers = [DrafterServicer(drafter, SequenceStore()) for drafter in drafters]
+    for servicer in servicers:
+        servicer.load()
 
     def window(n: int) -> list[int]:
         start = rng.randrange(len(text) - n)
         return text[start:start + n]
 
-    ingest = []
+    def in_turn(call: Callable[[DrafterServicer], object], turn: int, seconds: list[list[float]]) -> None:
+        """Make the call on every servicer, forwards on even turns and backwards on odd ones, adding the
+        seconds each took to its list."""
+        order = range(len(servicers)) if turn % 2 == 0 else range(len(servicers) - 1, -1, -1)
+        for k in order:
+            started = time.perf_counter()
+            call(servicers[k])
+            seconds[k].append(time.perf_counter() - started)
+
+    ingest: list[list[float]] = [[] for _ in servicers]
     for i in range(cached):
         prompt, output = window(20), window(output_len)
-        servicer.prepare(drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
-            drafter_pb2.DraftSequence(request_id=f"done-{i}", new_tokens=prompt + output, prompt_len=len(prompt))]))
+        sync = drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
+            drafter_pb2.DraftSequence(request_id=f"done-{i}", new_tokens=prompt + output, prompt_len=len(prompt))])
         release = drafter_pb2.ReleaseRequestsRequest(verifier_id="bench", request_ids=[f"done-{i}"],
                                                      reasons=[drafter_pb2.RELEASE_REASON_FINISHED])
-        started = time.perf_counter()
-        servicer.release(release)
-        ingest.append(time.perf_counter() - started)
+        for servicer in servicers:
+            servicer.prepare(sync)
+        in_turn(lambda servicer: servicer.release(release), i, ingest)
     contexts = [window(context_len + 4 * steps) for _ in range(sequences)]
 
-    def prepare_times(name: str, nodes: int) -> list[float]:
-        """Seconds of each call after the first (which builds every sequence's tree from its whole context),
-        for sequences growing by 1-4 tokens a step, ascending."""
+    def prepare_times(name: str, nodes: int) -> list[list[float]]:
+        """Each servicer's seconds for each call after the first (which builds every sequence's tree from its whole
+        context), for sequences growing by 1-4 tokens a step, ascending."""
         lengths = [context_len] * sequences
         held = [0] * sequences
-        times = []
+        times: list[list[float]] = [[] for _ in servicers]
         for step in range(steps + 1):
             request = drafter_pb2.PrepareDraftTokensRequest(verifier_id="bench", sequences=[
                 drafter_pb2.DraftSequence(request_id=f"{name}-{j}", context_len=held[j],
                                           new_tokens=contexts[j][held[j]:lengths[j]], prompt_len=100,
                                           draft_len=draft_len, max_draft_nodes=nodes)
                 for j in range(sequences)])
-            started = time.perf_counter()
-            servicer.prepare(request)
             if step:
-                times.append(time.perf_counter() - started)
+                in_turn(lambda servicer: servicer.prepare(request), step, times)
+            else:
+                for servicer in servicers:
+                    servicer.prepare(request)
             held = list(lengths)
             lengths = [n + rng.randint(1, 4) for n in lengths]
-        return sorted(times)
+        return [sorted(t) for t in times]
 
     chains, trees = prepare_times("chain", 0), prepare_times("tree", tree_nodes)
-    return SuffixSpeed(flags, cached, output_len, statistics.median(ingest) * 1000, sequences, context_len,
-                       statistics.median(chains) * 1000, chains[int(0.9 * len(chains))] * 1000,
-                       drafter.shared_state_bytes() / 2**20, tree_nodes,
-                       statistics.median(trees) * 1000, trees[int(0.9 * len(trees))] * 1000)
+    return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
+                        statistics.median(chain) * 1000, chain[int(0.9 * len(chain))] * 1000,
+                        drafter.shared_state_bytes() / 2**20, tree_nodes,
+                        statistics.median(tree) * 1000, tree[int(0.9 * len(tree))] * 1000)
+            for flags, drafter, ingested, chain, tree in zip(variants, drafters, ingest, chains, trees)]
