@@ -112,10 +112,11 @@ def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
     defaults = vars(parser.parse_args(["suffix"]))
     variants = {}
     for line in flag_lines:
-        if not shlex.split(line):
+        flags = shlex.split(line)
+        if not flags:
             raise ValueError("--suffix-variant needs flags: without any it is the default drafter")
         try:
-            given = parser.parse_args(["suffix", *shlex.split(line)])
+            given = parser.parse_args(["suffix", *flags])
         except SystemExit:  # argparse has printed what was wrong
             raise ValueError(f"--suffix-variant {line!r}: not flags of `splitspec-drafter suffix`") from None
         other = sorted(k for k, v in vars(given).items() if k not in drafter_cli.SUFFIX_FLAGS and defaults[k] != v)
@@ -230,6 +231,11 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
     drafter and verifier for each of `variants`, flags of `splitspec-drafter suffix`), run every system (plus
     `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too; then the
     engine sections asked for."""
+    def verifier_through(drafter: LocalService, name: str) -> LocalService:
+        """A verifier drafting through `drafter`."""
+        return _service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
+                         drafter.address, *common], name=name)
+
     with contextlib.ExitStack() as stack:
         drafter, suffix_drafter, *variant_drafters = start_together(stack, [
             _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
@@ -239,15 +245,11 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
               for i, flags in enumerate(variants))])
         plain_verifier, remote, sremote, slocal, *variant_verifiers = start_together(stack, [
             _service([script("splitspec-verifier"), *common], name="verifier-plain"),
-            _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                      "--drafter-target", drafter.address, *common], name="verifier-remote"),
-            _service([script("splitspec-verifier"), "--speculative-mode", "user_provided",
-                      "--drafter-target", suffix_drafter.address, *common], name="verifier-suffix-remote"),
+            verifier_through(drafter, "verifier-remote"),
+            verifier_through(suffix_drafter, "verifier-suffix-remote"),
             _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
                      name="verifier-suffix-inprocess"),
-            *(_service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
-                        d.address, *common], name=f"verifier-suffix-remote-{i + 1}")
-              for i, d in enumerate(variant_drafters))])
+            *(verifier_through(d, f"verifier-suffix-remote-{i + 1}") for i, d in enumerate(variant_drafters))])
         variant_names = [f"{SUFFIX_REMOTE} {flags}" for flags in variants]
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         # Each system has a verifier of its own: sharing one, the second system to run a prompt would
