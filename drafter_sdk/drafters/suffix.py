@@ -37,7 +37,9 @@ are not alike: a passage the request's context holds once gives each of its toke
 probability 1, so a one- or two-token match in the own tree outscored a three- or
 four-token match in the global tree that predicted better. As variable-order Markov
 predictors do, the longer context is trusted first (README: templated answers ran 1.20x
-and 1.31x the n-gram drafter in two runs, against 1.17x).
+and 1.31x the n-gram drafter in two runs, against 1.17x). So the global tree drafts first,
+and the own tree is searched only where it holds a match as long as the global draft's:
+without one, its draft cannot win.
 
 As a service, one suffix drafter behind many verifiers learns from all of their
 outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's
@@ -188,6 +190,10 @@ class SuffixDrafter(Drafter):
         if shared is None or not theirs.tokens:
             return state.tree, state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True), True
         if self.prefer_longer_match:
+            # The own draft wins only after a match at least as long, and only a match as long can give one:
+            # without such a match the own tree is not searched (its cursor catches up at its next search).
+            if theirs.match_len >= 2 and not state.tree.occurs(tokens, theirs.match_len, own=True):
+                return shared, theirs, False
             mine = state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True)
             wins = bool(mine.tokens) and (mine.match_len, mine.score) >= (theirs.match_len, theirs.score)
         else:  # it need only score at least as much: just above the next lower float

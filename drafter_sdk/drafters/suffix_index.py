@@ -304,6 +304,13 @@ class SuffixIndex:
                 best, best_score = (tokens, 1), sum(probs)
         return NO_DRAFT if best is None else Draft(best[0], best_score, best[1])
 
+    def occurs(self, context: Sequence[int], length: int, own: bool = False) -> bool:
+        """Whether the context's last `length` tokens (2 or more) occur in this index; with `own` (as in
+        `speculate`), other than at the context's own end."""
+        pattern = _ints(context[len(context) - min(len(context), self.max_depth):])
+        skip = self._spans[-1][1] - 1 if own and self._spans else None
+        return any(e != skip for e in self._matches_after(pattern, length, self._base)[0])
+
     def speculate_tree(self, context: Sequence[int], match_len: int, max_depth: int, max_nodes: int,
                        min_token_prob: float = 0.1, own: bool = False, cursor: Cursor | None = None) -> TreeDraft:
         """SuffixDecoding's speculation tree after the context's last `match_len` tokens: grown best-first

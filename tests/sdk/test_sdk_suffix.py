@@ -129,6 +129,22 @@ def test_recurring_phrases_draft_exactly_what_a_suffix_trie_would(vectorized) ->
             assert got.score == pytest.approx(score)
 
 
+def test_occurs_finds_a_whole_match_other_than_the_contexts_own_end(vectorized) -> None:  # noqa: ANN001
+    """What lets the drafter skip its own tree's search (the global draft's match is longer than any there)."""
+    rng = random.Random(5)
+    seqs = [[rng.randrange(6) for _ in range(rng.randint(1, 120))] for _ in range(12)]
+    index = SuffixIndex(24)
+    for s in seqs:
+        index.add(s)
+    context = seqs[-1]  # the newest sequence: its own end is the context's own end
+    for length in range(2, min(len(context), 24) + 1):
+        tail = context[-length:]
+        places = _occurrences(seqs, tail)
+        assert index.occurs(context, length) == bool(places)
+        assert index.occurs(context, length, own=True) == any(p != (len(seqs) - 1, len(context) - 1) for p in places)
+    assert not index.occurs([6, 7], 2)  # a pair never seen
+
+
 def test_counts_probabilities_and_the_knobs() -> None:
     index = SuffixIndex(24)
     for s in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9]):
