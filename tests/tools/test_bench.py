@@ -3,6 +3,7 @@ matches plain decoding, and the report, JSON and chart are written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -105,6 +106,19 @@ def test_bench_suffix_variant_refuses_what_the_suffix_drafter_would_not_take(fla
         "--max-spec-factor 2 --cache-scope verifier": {"max_spec_factor": 2.0, "cache_scope": "verifier"}}
     with pytest.raises(ValueError, match=problem):
         run.suffix_variants([flags])
+
+
+@pytest.mark.parametrize("mode", [["--trees", "4"], ["--engine-only"],
+                                  ["--draft-model", "embedded", "--draft-model-only"]])
+def test_bench_refuses_a_suffix_variant_where_no_suffix_system_runs(mode: list[str], tmp_path: Path,
+                                                                    capsys) -> None:  # noqa: ANN001
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    args = parser.parse_args([*mode, "--suffix-variant=--max-spec-factor 2", "--model", "/nonexistent",
+                              "--out", str(tmp_path)])
+    assert run.main(args) == 2  # before anything loads: the model path is never read
+    name = "--trees" if mode[0] == "--trees" else mode[-1]
+    assert f"--suffix-variant does not apply to {name}" in capsys.readouterr().err
 
 
 def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir: Path) -> None:

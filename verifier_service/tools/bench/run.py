@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also bench a suffix drafter started with these `splitspec-drafter suffix` flags, e.g. "
                         "--suffix-variant='--max-spec-factor 2' (repeatable): the system 'splitspec suffix remote "
                         "FLAGS' beside the default one in the same run, compared with both, its own speed timed "
-                        "too (--replay: replayed beside it)")
+                        "too (--replay: replayed beside it; refused with --trees, --engine-only and "
+                        "--draft-model-only, which run no suffix remote system)")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
     p.add_argument("--suffix-speed-only", action="store_true",
@@ -141,12 +142,17 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    source = model_loader.resolve_source(args.model)
     try:
         variants = suffix_variants(args.suffix_variant)
+        if variants and not (args.suffix_speed_only or args.replay):
+            ignoring = ("--trees" if args.trees else "--engine-only" if args.engine_only else
+                        "--draft-model-only" if args.draft_model and args.draft_model_only else None)
+            if ignoring:
+                raise ValueError(f"--suffix-variant does not apply to {ignoring}: it runs no suffix remote system")
     except ValueError as exc:
         print(f"splitspec bench: error: {exc}", file=sys.stderr)
         return 2
+    source = model_loader.resolve_source(args.model)
     if args.suffix_speed_only:  # the drafter's own speed needs the tokenizer only
         speeds = _suffix_speeds(model_loader.load_tokenizer(source), args, variants)
         for speed in speeds:
