@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
-from drafter_sdk.drafters.suffix_index import NO_DRAFT, Cursor, Draft, SuffixIndex, draft_budget
+from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 CACHE_SCOPES = ("global", "verifier", "request")
@@ -81,6 +81,7 @@ class _Request:
     # Its matches in its own tree and in its global tree, carried from step to step.
     own: Cursor = field(default_factory=Cursor)
     shared: Cursor = field(default_factory=Cursor)
+    own_won: bool = False  # whether its own tree drafted last step: that tree is searched first
 
 
 class SuffixDrafter(Drafter):
@@ -182,25 +183,46 @@ class SuffixDrafter(Drafter):
         """(index, its best draft, whether it is the request's own) for whichever tree drafts the
         better path (module docstring): the own tree's wins a tie."""
         state = self._requests[key]
-        knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
-        own_knobs = (self.own_spec_factor, self.max_spec_offset, self.min_token_prob)
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
-        theirs = shared.speculate(tokens, draft_len, *knobs, cursor=state.shared) if shared is not None else NO_DRAFT
-        if shared is None or not theirs.tokens:
-            return state.tree, state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True), True
-        if self.prefer_longer_match:
-            # The own draft wins only after a match at least as long, and only a match as long can give one:
-            # without such a match the own tree is not searched (its cursor catches up at its next search).
-            if theirs.match_len >= 2 and not state.tree.occurs(tokens, theirs.match_len, own=True):
+        index, draft, own = self._choose(state, shared, tokens, draft_len)
+        state.own_won = own and bool(draft.tokens)
+        return index, draft, own
+
+    def _choose(self, state: _Request, shared: SuffixIndex | None, tokens: Sequence[int],
+                draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
+        if shared is None:
+            return state.tree, self._own(state, tokens, draft_len), True
+        if not self.prefer_longer_match:  # it need only score at least as much: just above the next lower float
+            theirs = self._theirs(state, shared, tokens, draft_len)
+            if not theirs.tokens:
+                return state.tree, self._own(state, tokens, draft_len), True
+            mine = self._own(state, tokens, draft_len, beat=math.nextafter(theirs.score, -math.inf))
+            return (state.tree, mine, True) if mine.tokens else (shared, theirs, False)
+        # The draft after the longer match wins, so the tree searched second is searched only where it holds a
+        # match as long as the first one's draft: without one, it cannot win. The tree that drafted last step
+        # goes first: it likely holds the longer match again.
+        if state.own_won:
+            mine = self._own(state, tokens, draft_len)
+            if mine.tokens and mine.match_len >= 2 and not shared.occurs(tokens, mine.match_len):
+                return state.tree, mine, True
+            theirs = self._theirs(state, shared, tokens, draft_len)
+        else:
+            theirs = self._theirs(state, shared, tokens, draft_len)
+            if theirs.tokens and theirs.match_len >= 2 and not state.tree.occurs(tokens, theirs.match_len, own=True):
                 return shared, theirs, False
-            mine = state.tree.speculate(tokens, draft_len, *own_knobs, cursor=state.own, own=True)
-            wins = bool(mine.tokens) and (mine.match_len, mine.score) >= (theirs.match_len, theirs.score)
-        else:  # it need only score at least as much: just above the next lower float
-            mine = state.tree.speculate(tokens, draft_len, *own_knobs, beat=math.nextafter(theirs.score, -math.inf),
-                                        cursor=state.own, own=True)
-            wins = bool(mine.tokens)
-        return (state.tree, mine, True) if wins else (shared, theirs, False)
+            mine = self._own(state, tokens, draft_len)
+        if not theirs.tokens or (mine.tokens and (mine.match_len, mine.score) >= (theirs.match_len, theirs.score)):
+            return state.tree, mine, True
+        return shared, theirs, False
+
+    def _own(self, state: _Request, tokens: Sequence[int], draft_len: int, beat: float = 0.0) -> Draft:
+        return state.tree.speculate(tokens, draft_len, self.own_spec_factor, self.max_spec_offset, self.min_token_prob,
+                                    beat=beat, cursor=state.own, own=True)
+
+    def _theirs(self, state: _Request, shared: SuffixIndex, tokens: Sequence[int], draft_len: int) -> Draft:
+        return shared.speculate(tokens, draft_len, self.max_spec_factor, self.max_spec_offset, self.min_token_prob,
+                                cursor=state.shared)
 
     @property
     def cached_requests(self) -> int:

@@ -424,6 +424,20 @@ def test_a_cursor_forgets_matches_in_evicted_sequences(vectorized) -> None:  # n
         assert shared.speculate(context, 8, cursor=cursor).tokens == [copied[20 + grown]]
 
 
+def fresh_draft(drafter: SuffixDrafter, key: tuple[str, str], tokens: list[int]) -> list[int]:
+    """The draft without cursors, both trees searched in full: the own tree's, unless the global tree's follows
+    a longer match, or an equal one and scores more."""
+    state = drafter._requests[key]
+    own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
+    shared = drafter._global.get("")
+    if shared is None:
+        return own.tokens
+    theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor)
+    if not own.tokens or (theirs.tokens and (theirs.match_len, theirs.score) > (own.match_len, own.score)):
+        return theirs.tokens
+    return own.tokens
+
+
 def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     """Through the servicer: resyncs, replaced contexts, releases that feed (and evict from) the global tree."""
     drafter = SuffixDrafter(max_cached_requests=4)
@@ -431,20 +445,6 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
     servicer.load()
     rng = random.Random(9)
     phrases = [[rng.randrange(20) for _ in range(rng.randint(3, 10))] for _ in range(6)]
-
-    def fresh(key: tuple[str, str], tokens: list[int]) -> list[int]:
-        """The draft without cursors: the own tree's, unless the global tree's follows a longer match,
-        or an equal one and scores more."""
-        state = drafter._requests[key]
-        own = state.tree.speculate(tokens[-24:], 8, drafter.own_spec_factor, own=True)
-        shared = drafter._global.get("")
-        if shared is None:
-            return own.tokens
-        theirs = shared.speculate(tokens[-24:], 8, drafter.max_spec_factor)
-        if not own.tokens or (theirs.tokens and (theirs.match_len, theirs.score) > (own.match_len, own.score)):
-            return theirs.tokens
-        return own.tokens
-
     for n in range(30):
         rid = f"r{n % 5}"  # ids come back: a full context then replaces the old one
         truth = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(phrases)]
@@ -461,10 +461,33 @@ def test_the_drafter_with_cursors_drafts_what_fresh_lookups_do() -> None:
                 sent = 0
                 continue
             sent = len(truth)
-            assert list(result.draft_tokens) == fresh(("v", rid), truth)
+            assert list(result.draft_tokens) == fresh_draft(drafter, ("v", rid), truth)
         if rng.random() < 0.7:
             servicer.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[rid], reasons=[
                 rng.choice([pb.RELEASE_REASON_FINISHED, pb.RELEASE_REASON_CANCELLED])]))
+
+
+def test_a_copying_request_searches_its_own_tree_first_and_drafts_what_fresh_lookups_do() -> None:
+    """An agent loop copying its own context, against a global tree of other text: once the own tree drafts,
+    it is searched first, and the global tree only where it holds a match as long; the drafts stay those of
+    both trees searched in full."""
+    drafter = SuffixDrafter()
+    rng = random.Random(4)
+    for i in range(20):  # other text, and a little of the requests' own
+        finish(drafter, f"old{i}", [1], [rng.randrange(30) for _ in range(60)] + [rng.randrange(30, 90)
+                                                                                    for _ in range(3)])
+    own_first = 0
+    for n in range(6):
+        passage = [rng.randrange(30, 90) for _ in range(80)]
+        copy = [rng.randrange(90) if rng.random() < 0.05 else t for t in passage]  # edited here and there
+        context = [rng.randrange(30) for _ in range(5)] + passage
+        rid = f"copy{n}"
+        for t in copy:
+            own_first += drafter._requests[("v", rid)].own_won if ("v", rid) in drafter._requests else 0
+            [draft] = drafter.prepare_draft_tokens([request(rid, context, prompt_len=len(context) - len(copy))])
+            assert draft == fresh_draft(drafter, ("v", rid), context)
+            context = context + [t]
+    assert own_first > 200  # the own tree went first on most steps
 
 
 # --- speculation trees --------------------------------------------------------------------------------
