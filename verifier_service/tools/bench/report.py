@@ -152,7 +152,9 @@ def print_suffix_speed(s: dict) -> None:
           f"({s['global_tree_mb']:.0f} MiB estimated): ingesting one finished output {s['ingest_ms_p50']:.2f} ms "
           f"p50; one PrepareDraftTokens for {s['sequences']} sequences of {s['context_len']} tokens "
           f"{s['prepare_ms_p50']:.2f} ms p50, {s['prepare_ms_p90']:.2f} ms p90; with token trees of up to "
-          f"{s['tree_nodes']} nodes {s['tree_prepare_ms_p50']:.2f} ms p50, {s['tree_prepare_ms_p90']:.2f} ms p90")
+          f"{s['tree_nodes']} nodes {s['tree_prepare_ms_p50']:.2f} ms p50, {s['tree_prepare_ms_p90']:.2f} ms p90; "
+          f"sequences copying their own context {s['copy_prepare_ms_p50']:.2f} ms p50, "
+          f"{s['copy_prepare_ms_p90']:.2f} ms p90")
 
 
 def save_chart(report: Report, path: Path) -> None:

@@ -3,11 +3,13 @@
 Measured on the SDK's servicer logic in this process (what a `splitspec-drafter suffix` runs for each
 call, minus the network): a global tree filled with `cached` finished outputs of `output_len` tokens,
 then 16 sequences with 2,000 tokens of context each, growing by 1-4 tokens a step, drafting chains and
-then (other sequences of the same kind) trees of up to 16 nodes. The text is the
-standard library's own source, tokenized by the target's tokenizer; outputs are windows of it, so they
-overlap the way recurring answers do. Drafters with other flags (`--suffix-variant`) are built beside the
-default one and timed call by call in turn with it: timed one after another, the first measured in a process
-read 3.07 ms where the next read 2.51, and the other way round in another run.
+then (other sequences of the same kind) trees of up to 16 nodes. The text is the standard library's own
+source, tokenized by the target's tokenizer; outputs are windows of it, so they overlap the way
+recurring answers do. A third set of sequences copies its own context, as an agent editing a file does:
+text the outputs never held, then a copy of it with a token changed every 100 (the global tree has only
+short matches there, the own tree long ones). Drafters with other flags (`--suffix-variant`) are built
+beside the default one and timed call by call in turn with it: timed one after another, the first
+measured in a process read 3.07 ms where the next read 2.51, and the other way round in another run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class SuffixSpeed:
     tree_nodes: int  # the same calls where the verifier verifies token trees of up to this many nodes
     tree_prepare_ms_p50: float
     tree_prepare_ms_p90: float
+    copy_prepare_ms_p50: float  # chains again, for sequences copying their own context
+    copy_prepare_ms_p90: float
 
 
 def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> list[int]:
@@ -63,7 +67,9 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
     arguments; default: the defaults alone), in that order. The variants are fed the same calls, one after
     another in an order that reverses every call, so that a busy machine's drift falls on each alike."""
     variants = {"": {}} if variants is None else variants
-    text = corpus(tokenizer, corpus_tokens)
+    copied_len = (context_len + 4 * steps + 1) // 2  # the passage each copying sequence holds, then copies
+    text = corpus(tokenizer, corpus_tokens + 4 * copied_len)
+    text, novel = text[:corpus_tokens], text[corpus_tokens:]
     rng = random.Random(0)
     drafters = [SuffixDrafter(**kwargs) for kwargs in variants.values()]
     servicers = [DrafterServicer(drafter, SequenceStore()) for drafter in drafters]
@@ -95,7 +101,13 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
         in_turn(lambda servicer: servicer.release(release), i, ingest)
     contexts = [window(context_len + 4 * steps) for _ in range(sequences)]
 
-    def prepare_times(name: str, nodes: int) -> list[list[float]]:
+    def copying() -> list[int]:
+        start = rng.randrange(len(novel) - copied_len)
+        passage = novel[start:start + copied_len]
+        edited = [rng.choice(novel) if i % 100 == 50 else t for i, t in enumerate(passage)]
+        return passage + edited
+
+    def prepare_times(name: str, nodes: int, contexts: list[list[int]] = contexts) -> list[list[float]]:
         """Each servicer's seconds for each call after the first (which builds every sequence's tree from its whole
         context), for sequences growing by 1-4 tokens a step, ascending."""
         lengths = [context_len] * sequences
@@ -117,8 +129,10 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
         return [sorted(t) for t in times]
 
     chains, trees = prepare_times("chain", 0), prepare_times("tree", tree_nodes)
+    copies = prepare_times("copy", 0, [copying() for _ in range(sequences)])
     return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
                         statistics.median(chain) * 1000, chain[int(0.9 * len(chain))] * 1000,
                         drafter.shared_state_bytes() / 2**20, tree_nodes,
-                        statistics.median(tree) * 1000, tree[int(0.9 * len(tree))] * 1000)
-            for flags, drafter, ingested, chain, tree in zip(variants, drafters, ingest, chains, trees)]
+                        statistics.median(tree) * 1000, tree[int(0.9 * len(tree))] * 1000,
+                        statistics.median(copy) * 1000, copy[int(0.9 * len(copy))] * 1000)
+            for flags, drafter, ingested, chain, tree, copy in zip(variants, drafters, ingest, chains, trees, copies)]
