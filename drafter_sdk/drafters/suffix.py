@@ -37,11 +37,11 @@ are not alike: a passage the request's context holds once gives each of its toke
 probability 1, so a one- or two-token match in the own tree outscored a three- or
 four-token match in the global tree that predicted better. As variable-order Markov
 predictors do, the longer context is trusted first (README: templated answers ran 1.20x
-and 1.31x the n-gram drafter in two runs, against 1.17x). So the tree that drafted the request's last step is
-searched first (it likely holds the longer match again), and the other only where it
-holds a match as long as that draft's: without one, its draft cannot win. A request
-copying its own context then skips the global tree's search, and one answered from
-other requests' outputs skips its own.
+and 1.31x the n-gram drafter in two runs, against 1.17x). So the tree that drafted the
+request's last step is searched first (it likely holds the longer match again), and the
+other only where it holds a match as long as that draft's: without one, its draft cannot
+win. A request copying its own context then skips the global tree's search, and one
+answered from other requests' outputs skips its own.
 
 As a service, one suffix drafter behind many verifiers learns from all of their
 outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's

@@ -107,7 +107,7 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
         edited = [rng.choice(novel) if i % 100 == 50 else t for i, t in enumerate(passage)]
         return passage + edited
 
-    def prepare_times(name: str, nodes: int, contexts: list[list[int]] = contexts) -> list[list[float]]:
+    def prepare_times(name: str, nodes: int, contexts: list[list[int]]) -> list[list[float]]:
         """Each servicer's seconds for each call after the first (which builds every sequence's tree from its whole
         context), for sequences growing by 1-4 tokens a step, ascending."""
         lengths = [context_len] * sequences
@@ -128,7 +128,7 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
             lengths = [n + rng.randint(1, 4) for n in lengths]
         return [sorted(t) for t in times]
 
-    chains, trees = prepare_times("chain", 0), prepare_times("tree", tree_nodes)
+    chains, trees = prepare_times("chain", 0, contexts), prepare_times("tree", tree_nodes, contexts)
     copies = prepare_times("copy", 0, [copying() for _ in range(sequences)])
     return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
                         statistics.median(chain) * 1000, chain[int(0.9 * len(chain))] * 1000,
