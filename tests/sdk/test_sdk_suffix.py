@@ -480,10 +480,10 @@ def test_a_copying_request_searches_its_own_tree_first_and_drafts_what_fresh_loo
     for n in range(6):
         passage = [rng.randrange(30, 90) for _ in range(80)]
         copy = [rng.randrange(90) if rng.random() < 0.05 else t for t in passage]  # edited here and there
-        context = [rng.randrange(30) for _ in range(5)] + passage
-        rid = f"copy{n}"
+        prompt = [rng.randrange(30) for _ in range(5)] + passage
+        context, rid = list(prompt), f"copy{n}"
         for t in copy:
-            [draft] = drafter.prepare_draft_tokens([request(rid, context, prompt_len=len(context) - len(copy))])
+            [draft] = drafter.prepare_draft_tokens([request(rid, context, prompt_len=len(prompt))])
             assert draft == fresh_draft(drafter, ("v", rid), context)
             own_first += drafter._requests[("v", rid)].own_won  # its own tree goes first next step
             context = context + [t]
