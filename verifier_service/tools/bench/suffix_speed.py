@@ -131,8 +131,11 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
     chains, trees = prepare_times("chain", 0, contexts), prepare_times("tree", tree_nodes, contexts)
     copies = prepare_times("copy", 0, [copying() for _ in range(sequences)])
     return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
-                        statistics.median(chain) * 1000, chain[int(0.9 * len(chain))] * 1000,
-                        drafter.shared_state_bytes() / 2**20, tree_nodes,
-                        statistics.median(tree) * 1000, tree[int(0.9 * len(tree))] * 1000,
-                        statistics.median(copy) * 1000, copy[int(0.9 * len(copy))] * 1000)
+                        *_p50_p90_ms(chain), drafter.shared_state_bytes() / 2**20, tree_nodes, *_p50_p90_ms(tree),
+                        *_p50_p90_ms(copy))
             for flags, drafter, ingested, chain, tree, copy in zip(variants, drafters, ingest, chains, trees, copies)]
+
+
+def _p50_p90_ms(ascending: list[float]) -> tuple[float, float]:
+    """The median and the 90th percentile of seconds sorted ascending, in milliseconds."""
+    return statistics.median(ascending) * 1000, ascending[int(0.9 * len(ascending))] * 1000
