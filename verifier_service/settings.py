@@ -30,6 +30,9 @@ class ServerSettings:
     # and keeps nothing.
     timing_cache: str = "on"
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
+    # CUDA: decode and verify steps of up to this many tokens (rows padded to a power of two) replay as
+    # CUDA graphs (model/cuda_graphs.py); 0 always runs eagerly (vLLM's --enforce-eager). vLLM's cap.
+    cuda_graph_max_tokens: int = 512
     chat_template: str | None = None  # Jinja that renders chats in place of the model's template; None: the model's
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation
@@ -84,6 +87,8 @@ class ServerSettings:
                 raise ConfigError(f"{name} must be within [0, 65535], not {value}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError(f"cuda_graph_max_tokens must be >= 0, not {self.cuda_graph_max_tokens}")
         if self.max_draft_nodes < 0:
             raise ConfigError(f"max_draft_nodes must be >= 0, not {self.max_draft_nodes}")
         if self.max_queue_len < 0:

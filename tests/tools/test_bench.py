@@ -166,8 +166,8 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
     assert "== draft model" in done.stdout
 
 
-@pytest.mark.timeout(600)  # three verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_and_structured_output(
+@pytest.mark.timeout(600)  # four verifiers start one after another
+def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_output_and_cuda_graphs(
         tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
@@ -193,6 +193,10 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_and_
         ("free", "plain"), ("free", "remote n-gram"), ("JSON schema", "plain"), ("JSON schema", "remote n-gram")]
     assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in structured)
     assert [r["valid_json"] is None for r in structured] == [True, True, False, False]
+    graphs = report["cuda_graphs"]  # on a CPU both verifiers run eagerly
+    assert [r["system"] for r in graphs] == ["plain", "remote n-gram"]
+    assert all(r["identical"] and r["graphs_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in graphs)
+    assert "CUDA graphs at batch 1" in done.stdout
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:

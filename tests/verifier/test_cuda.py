@@ -1,7 +1,7 @@
 """On a CUDA device: the verifier's packed forward, KV rollback and sampler give what they give
 on the CPU (greedy outputs equal transformers' generate() on the same device, with and without
-speculation; seeded sampling equal with and without speculation). Skipped without CUDA; run by
-`.ci/gpu-check` on a GPU machine."""
+speculation, with CUDA graphs and without; seeded sampling equal with and without speculation).
+Skipped without CUDA; run by `.ci/gpu-check` on a GPU machine."""
 
 from __future__ import annotations
 
@@ -57,9 +57,14 @@ def test_greedy_on_cuda_equals_generate_plain_and_speculative() -> None:
         async with run_verifier(spec_config("NONE"), model=cuda_model()) as v:
             assert engine_of(v).runner.device.type == "cuda"
             assert await generate_all(v, requests) == refs
+            assert engine_of(v).runner.graphs.replays > 0  # CUDA graphs are on by default
         async with run_verifier(spec_config("NGRAM", 4), model=cuda_model()) as v:
             assert await generate_all(v, requests) == refs
             assert engine_of(v).drafter.stats.calls > 0
+            assert engine_of(v).runner.graphs.replays > 0
+        async with run_verifier(spec_config("NGRAM", 4), model=cuda_model(), cuda_graph_max_tokens=0) as v:
+            assert engine_of(v).runner.graphs is None
+            assert await generate_all(v, requests) == refs
 
     asyncio.run(main())
 

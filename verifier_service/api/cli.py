@@ -31,8 +31,9 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
                        help=help_text + shown, **options)
 
 
-SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "timing_cache", "tensor_parallel_size",
-                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "timing_cache",
+                 "tensor_parallel_size", "cuda_graph_max_tokens", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "enable_prefix_caching",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
@@ -83,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
                                 "shapes: on takes what an earlier start kept and times the rest, refresh times "
                                 "everything and keeps it, off times everything and keeps nothing",
              choices=["on", "refresh", "off"])
+    _setting(m, "cuda_graph_max_tokens", "CUDA: decode and verify steps of up to N tokens (each row padded to a "
+                                         "power of two) replay as CUDA graphs, a step's shape captured the "
+                                         "second time it is seen; 0: always eager", type=int, metavar="N")
+    m.add_argument("--enforce-eager", dest="cuda_graph_max_tokens", action="store_const", const=0,
+                   default=argparse.SUPPRESS, help="CUDA: no CUDA graphs (vLLM's flag; --cuda-graph-max-tokens 0)")
     m.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="render chats with this Jinja chat template instead of the model's: a file, or the "
                         "template itself (vLLM's flag); checked at start-up")

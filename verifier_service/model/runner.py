@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verifier_service.model import invariant_attention
+from verifier_service.model.cuda_graphs import StaticStep, StepGraphs
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
 from verifier_service.model.tree_attention import apply_kv_moves, is_chain_row, tree_mask
@@ -140,7 +141,7 @@ class Peers(Protocol):
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, prepack_weights: bool = True,
-                 peers: Peers | None = None) -> None:
+                 peers: Peers | None = None, cuda_graph_max_tokens: int = 0) -> None:
         _register()
         self.peers = peers
         model.set_attn_implementation(ATTENTION)
@@ -157,6 +158,10 @@ class ModelRunner:
         # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
         self.layouts = (LinearLayouts(model, prepack_weights, single_row_alone=not self.batch_invariant)
                         if self.device.type == "cpu" else None)
+        # CUDA: steps whose shapes repeat replay as graphs (model/cuda_graphs.py). A sharded model's
+        # steps stay eager: rank 0 broadcasts each step to ranks that run it eagerly.
+        self.graphs = (StepGraphs(self._run_body, kv_cache, cuda_graph_max_tokens)
+                       if self.device.type == "cuda" and peers is None and cuda_graph_max_tokens > 0 else None)
 
     def close(self) -> None:
         """Give the model back with its own linear layers (it stays usable, e.g. by generate());
@@ -182,10 +187,19 @@ class ModelRunner:
         apply_kv_moves(self.kv_cache, batch.kv_moves)
         for src, dst, n in batch.copies:
             self.kv_cache.copy_prefix(src, dst, n)
-        step = PackedStep(self.kv_cache, batch, self.device, self.batch_invariant)
-        ids = torch.tensor([batch.input_ids], device=self.device)
-        out = self._base(input_ids=ids, position_ids=step.positions, attention_mask=self._no_mask,
+        hidden = (self.graphs.hidden_states(batch.input_ids, batch.slots, batch.starts, batch.lengths,
+                                            batch.logit_index)
+                  if self.graphs is not None and not batch.parents else None)
+        if hidden is None:
+            step = PackedStep(self.kv_cache, batch, self.device, self.batch_invariant)
+            ids = torch.tensor([batch.input_ids], device=self.device)
+            # long: may be empty (only mid-prompt chunks this step)
+            index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)
+            hidden = self._run_body(ids, step)[0].index_select(0, index)
+        return self._head(hidden).float()
+
+    def _run_body(self, input_ids: torch.Tensor, step: PackedStep | StaticStep) -> torch.Tensor:
+        """The model without its head over packed ids [1, N]: last hidden states [1, N, hidden]."""
+        out = self._base(input_ids=input_ids, position_ids=step.positions, attention_mask=self._no_mask,
                          use_cache=False, **{STEP_KWARG: step})
-        # long: may be empty (only mid-prompt chunks this step)
-        index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)
-        return self._head(out.last_hidden_state[0].index_select(0, index)).float()
+        return out.last_hidden_state

@@ -142,6 +142,7 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
         "threads": torch.get_num_threads(),
         "dtype": str(runner.dtype),
         "batch_invariant": runner.batch_invariant,  # another attention
+        "cuda_graph_max_tokens": runner.graphs.max_tokens if runner.graphs is not None else 0,
         "model": config,
         "layouts": [layout.value for layout in runner.layouts.available] if runner.layouts is not None else [],
         "measure": {"context_len": context_len, "repeats": repeats},

@@ -14,11 +14,13 @@
   caching on and off (the outputs must be identical);
 - structured: the templated workload's JSON descriptions asked for free and held to a JSON schema
   (structured output), plain and with the remote n-gram drafter: decoding speed, tokens per step,
-  whether each held answer is valid JSON of the schema, and whether speculation changed a token.
+  whether each held answer is valid JSON of the schema, and whether speculation changed a token;
+- cuda-graphs (CUDA): decoding's speed at batch 1 with CUDA graphs (the default) and with
+  --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns.
 
-Three verifier processes: defaults (with /metrics), unchunked, and no prefix caching, and one n-gram
-drafter (with /metrics); each section uses prompts of its own, so no cached prefix crosses from one
-section to another.
+Verifier processes: defaults (with /metrics), and as sections need them unchunked, no prefix caching
+and eager; one n-gram drafter (with /metrics). Each section uses prompts of its own, so no cached
+prefix crosses from one section to another.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import workloads
 from verifier_service.tools.local_services import LocalService, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "cuda-graphs")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -114,6 +116,8 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
             results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
         if "structured" in chosen:
             results["structured"] = _structured(default, tokenizer, args)
+        if "cuda-graphs" in chosen:
+            results["cuda_graphs"] = _cuda_graphs(default, verifier("eager", "--enforce-eager"), tokenizer, args)
     _print(results)
     (out / "engine.json").write_text(json.dumps(results, indent=2))
     return results
@@ -326,6 +330,33 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
+# --- CUDA graphs ----------------------------------------------------------------------------------
+
+def _cuda_graphs(graphed: LocalService, eager: LocalService, tokenizer: PreTrainedTokenizerBase,
+                 args: argparse.Namespace) -> list[dict]:
+    """Decode tok/s (after the first token) of one prompt, each system `args.repeats` times on each
+    verifier in turn; medians."""
+    prompt = workloads.build(["code"], 1, tokenizer)[0].token_ids
+    clients = {"graphs": Client(graphed.address), "eager": Client(eager.address)}
+    for client in clients.values():
+        client.stream(prompt[:32][::-1], 8, speculate=False)  # warm-up
+    rows = []
+    for label, speculate in (("plain", False), ("remote n-gram", True)):
+        rates: dict[str, list[float]] = {name: [] for name in clients}
+        outputs: dict[str, list[int]] = {}
+        for _ in range(args.repeats):
+            for name, client in clients.items():
+                arrivals, final = client.stream(prompt, args.max_new_tokens, speculate=speculate)
+                rates[name].append((len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9))
+                outputs[name] = list(final.token_ids)
+        graphs, eager_rate = statistics.median(rates["graphs"]), statistics.median(rates["eager"])
+        rows.append({"system": label, "graphs_tok_s": graphs, "eager_tok_s": eager_rate,
+                     "ratio": graphs / eager_rate, "identical": outputs["graphs"] == outputs["eager"]})
+    for client in clients.values():
+        client.close()
+    return rows
+
+
 def _valid(text: str) -> bool:
     """The text is one JSON object of TEMPLATED_SCHEMA's keys."""
     try:
@@ -400,6 +431,12 @@ def _print(results: dict) -> None:
             print(f"{r['output']:<13}{r['speculation']:<15}{r['tok_s']:>7.1f}{r['tokens_per_step']:>13.2f}"
                   f"{r['mean_tokens']:>8.0f}{valid:>12}{r['finished']:>7}{r['identical_to_plain']:>8}/{r['prompts']}")
         print("identical: equal to the same output plain; ended: stopped by itself, not by max_new_tokens")
+    if "cuda_graphs" in results:
+        print("\nCUDA graphs at batch 1: decode tok/s with graphs (the default) and --enforce-eager")
+        print(f"{'system':<16}{'graphs':>9}{'eager':>9}{'ratio':>8}{'identical':>11}")
+        for r in results["cuda_graphs"]:
+            print(f"{r['system']:<16}{r['graphs_tok_s']:>9.1f}{r['eager_tok_s']:>9.1f}{r['ratio']:>7.2f}x"
+                  f"{str(r['identical']):>11}")
     if "multi_turn" in results:
         m = results["multi_turn"]
         print(f"\nMulti-turn chat over a {m['document_tokens']}-token document: time to first token")

@@ -26,6 +26,7 @@ from verifier_service.model import loader as model_loader
 from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner
+from verifier_service.settings import DEFAULTS
 from verifier_service.spec.config import DEFAULT_DELTA_OVERLAP_STEPS
 from verifier_service.spec.drafter_client import (
     DeltaHistory,
@@ -341,7 +342,9 @@ def _replay(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
 def _forward_costs(model: torch.nn.Module, max_draft_len: int, context_len: int = 256) -> dict[int, float]:
     """Seconds of a forward by tokens in it, after `context_len` cached tokens."""
     shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max(512, 2 * (context_len + max_draft_len + 1)))
-    runner = ModelRunner(model, KVCache(shape, model.dtype, model.device))
+    # The verifier's default runner: CUDA graphs on a GPU.
+    runner = ModelRunner(model, KVCache(shape, model.dtype, model.device),
+                         cuda_graph_max_tokens=DEFAULTS.cuda_graph_max_tokens)
     try:  # with the linear layouts the verifiers choose; the transformers systems then get the model back as loaded
         return step_costs.tune_and_measure(runner, step_costs.probe_points(max_draft_len, 0), context_len=context_len,
                                            repeats=7, statistic=statistics.median)

@@ -1,0 +1,141 @@
+"""The CUDA-graph step (model/cuda_graphs.py): rows padded to a power of two, attention over a
+window of each slot, padding K/V written past a row's real tokens. Through a speculative decode
+with rejections, its logits and the KV each sequence commits equal the packed step's: on the CPU
+at the graphs' shapes without capture, on CUDA captured and replayed (`.ci/gpu-check` runs the
+CUDA-marked tests). A verifier running every step it can that way gives plain decoding's outputs,
+and the graphs' keys decide what runs eagerly."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+import pytest
+import torch
+from tiny_model import tiny_model
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import (
+    LOOPING_SEEDS,
+    WAIT_S,
+    engine_of,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    repetitive_prompt,
+    run_together,
+)
+
+from verifier_service.api.cli import parser, settings_from_args
+from verifier_service.model.cuda_graphs import MIN_WINDOW, GraphKey, StepGraphs
+from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model.runner import ForwardBatch, ModelRunner
+
+CAPACITY = 300
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def runner(graphs: bool, device: str, slots: int = 4) -> ModelRunner:
+    model = tiny_model().to(device)  # seeded: every call has the same weights
+    shape = KVCacheShape.for_model(model.config, num_slots=slots, capacity=CAPACITY)
+    r = ModelRunner(model, KVCache(shape, model.dtype, model.device), prepack_weights=False)
+    if graphs:
+        r.graphs = StepGraphs(r._run_body, r.kv_cache, max_tokens=32, capture=device == "cuda")
+    return r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_steps_give_the_packed_steps_logits_and_committed_kv_through_rejections(device: str) -> None:
+    rng = random.Random(0)
+    eager, graphed = runner(False, device), runner(True, device)
+    close = functools.partial(torch.allclose, atol=1e-5 if device == "cpu" else 1e-4)
+    prompts = [[rng.randrange(1, 400) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    committed, last = [], []
+    for slot, prompt in enumerate(prompts):
+        batch = ForwardBatch(prompt, [slot], [0], [len(prompt)], [len(prompt) - 1])
+        logits = eager.forward(batch)
+        assert close(graphed.forward(batch), logits)
+        committed.append(len(prompt))
+        last.append(int(logits[0].argmax()))
+    for step in range(60):
+        # A changing subset of the sequences, in a fixed order: some keys repeat, some do not.
+        rows = [s for s in range(4) if rng.random() < 0.7 or step % 10 < 5] or [0]
+        drafts = {s: [rng.randrange(1, 400) for _ in range(rng.choice([0, 1, 3, 4]))] for s in rows}
+        ids, lengths = [], []
+        for s in rows:
+            ids += [last[s], *drafts[s]]
+            lengths.append(1 + len(drafts[s]))
+        batch = ForwardBatch(ids, rows, [committed[s] for s in rows], lengths, list(range(len(ids))))
+        expected = eager.forward(batch)
+        assert close(graphed.forward(batch), expected), f"step {step}"
+        offset = 0
+        for s, n in zip(rows, lengths):
+            accepted = rng.randint(0, n - 1)  # drafts kept; the rest are rolled back by length alone
+            committed[s] += 1 + accepted
+            last[s] = int(expected[offset + accepted].argmax())
+            offset += n
+        for s in range(4):
+            for cache in ("k", "v"):
+                want = getattr(eager.kv_cache, cache)[:, s, :, :committed[s] - 1]
+                assert close(getattr(graphed.kv_cache, cache)[:, s, :, :committed[s] - 1], want)
+    assert graphed.graphs is not None and graphed.graphs.replays > 20
+    assert (graphed.graphs.captures > 0) == (device == "cuda")
+
+
+def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_recent_are_kept() -> None:
+    model = tiny_model()
+    cache = KVCache(KVCacheShape.for_model(model.config, num_slots=4, capacity=CAPACITY), model.dtype, model.device)
+    calls: list[int] = []
+
+    def body(ids: torch.Tensor, step: object) -> torch.Tensor:
+        calls.append(ids.shape[1])
+        return torch.arange(ids.shape[1], dtype=torch.float32).repeat(3, 1).T[None]  # hidden = padded index
+
+    graphs = StepGraphs(body, cache, max_tokens=16, max_graphs=2, capture=False)
+
+    def run(slots: list[int], lengths: list[int]) -> torch.Tensor | None:
+        ids = list(range(sum(lengths)))
+        return graphs.hidden_states(ids, slots, [5] * len(slots), lengths, list(range(len(ids))))
+
+    assert run([0, 1], [1, 3]) is None  # first sighting: eager
+    hidden = run([0, 1], [1, 3])
+    assert hidden is not None and calls == [8]  # rows padded to 4 tokens
+    assert hidden[:, 0].tolist() == [0, 4, 5, 6]  # packed positions map to row r's padded r*4 + i
+    assert run([0, 1], [2, 4]) is not None and calls == [8, 8]  # same key: draft lengths changed within a row length
+    for slots in ([2], [3]):
+        assert run(slots, [1]) is None
+        assert run(slots, [1]) is not None
+    assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, ([2], [3]) the most recent
+
+
+def test_graph_keys() -> None:
+    model = tiny_model()
+    cache = KVCache(KVCacheShape.for_model(model.config, num_slots=8, capacity=CAPACITY), model.dtype, model.device)
+    graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=16, capture=False)
+    assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey((3, 1), 4, MIN_WINDOW)
+    assert graphs.key([0], [200], [5]) == GraphKey((0,), 8, 256)
+    assert graphs.key([0], [260], [5]) == GraphKey((0,), 8, CAPACITY)  # window 512, capped at the slot
+    assert graphs.key(list(range(5)), [1] * 5, [1, 1, 1, 1, 4]) is None  # 5 rows of 4 padded tokens: over 16
+    assert graphs.key([0], [CAPACITY - 3], [3]) is None  # its padding would write past the slot
+    assert graphs.key([0], [CAPACITY - 4], [3]) == GraphKey((0,), 4, CAPACITY)
+
+
+def test_enforce_eager_is_no_graphs() -> None:
+    assert settings_from_args(parser().parse_args([])).cuda_graph_max_tokens == 512
+    assert settings_from_args(parser().parse_args(["--enforce-eager"])).cuda_graph_max_tokens == 0
+    assert settings_from_args(parser().parse_args(["--cuda-graph-max-tokens", "64"])).cuda_graph_max_tokens == 64
+
+
+def test_a_verifier_running_its_steps_at_graph_shapes_gives_plain_decodings_outputs() -> None:
+    prompts = [repetitive_prompt(s) for s in LOOPING_SEEDS[:6]]
+    refs = [reference_greedy(tiny_model(), p, 24) for p in prompts]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), max_num_seqs=8) as v:
+            r = engine_of(v).runner
+            r.graphs = StepGraphs(r._run_body, r.kv_cache, max_tokens=64, capture=False)
+            responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 24),
+                                                                 timeout=WAIT_S) for p in prompts])
+            assert [list(resp.output.token_ids) for resp in responses] == refs
+            assert r.graphs.replays > 0
+
+    asyncio.run(main())
