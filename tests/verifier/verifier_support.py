@@ -23,6 +23,8 @@ from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.server import RunningDrafter, start_server
 from drafter_sdk.servicer import DrafterServicer
+from verifier_service.model.cuda_graphs import StepGraphs
+from verifier_service.settings import DEFAULTS
 from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
@@ -286,6 +288,14 @@ async def wait_until(predicate: Callable[[], bool], what: str, *watch: asyncio.F
 
 def engine_of(v):  # noqa: ANN001, ANN201
     return v.running.runtime.engine
+
+
+def run_at_graph_shapes(engine) -> StepGraphs:  # noqa: ANN001
+    """The CUDA-graph steps without capture (a CPU has none): every step whose shape repeats runs padded
+    to its graph's rows and window (model/cuda_graphs.py), as a GPU replays it."""
+    runner = engine.runner
+    runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, DEFAULTS.cuda_graph_max_tokens, capture=False)
+    return runner.graphs
 
 
 async def stream_all(stub, request: verifier_pb2.GenerateStreamRequest  # noqa: ANN001

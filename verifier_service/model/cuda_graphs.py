@@ -1,9 +1,9 @@
 """CUDA graphs for decode and verify steps: one replay instead of a forward's hundreds of launches.
 
 On a GPU a small model's eager forward is bound by the host issuing kernels, not by the GPU
-running them. On an H200 whose host ran Python at 56 ns a loop, SmolLM2-135M's one-token forward
-took 30.4 ms eager, 2.2 ms of it on the GPU, and 2.45 ms as a graph replay. vLLM and SGLang
-capture their decode steps for the same reason.
+running them. On an H200 whose host ran Python at 56 ns a loop, a one-token forward of a model of
+SmolLM2-135M's shapes took 30.4 ms eager, 2.2 ms of it on the GPU, and 2.45 ms as a graph replay.
+vLLM and SGLang capture their decode steps for the same reason.
 
 A graph replays fixed shapes in fixed memory, so a step is captured under a key of what it fixes:
 - the rows' KV slots, in order;

@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import grpc
+import pytest
 import torch
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
@@ -17,6 +18,7 @@ from verifier_support import (
     cached_reference,
     engine_of,
     one_torch_thread,  # noqa: F401 - autouse fixture
+    run_at_graph_shapes,
     serve_drafter,
     shared_model,
     stream_request,
@@ -50,13 +52,20 @@ async def generate(v, prompt: list[int], n: int):  # noqa: ANN001, ANN201
     return (await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)).output
 
 
-def test_full_partial_and_block_boundary_hits_are_exact_with_a_remote_drafter() -> None:
+GRAPH_SHAPES = pytest.mark.parametrize("graph_shapes", [False, True], ids=["eager", "graph-shaped"])
+
+
+@GRAPH_SHAPES
+def test_full_partial_and_block_boundary_hits_are_exact_with_a_remote_drafter(graph_shapes: bool) -> None:
+    """With graph shapes (model/cuda_graphs.py), padding has written past each slot's committed tokens
+    before another request takes the slot over or its prefix is matched."""
     doc = tokens(1, 70)
 
     async def main() -> None:
         async with serve_drafter(NgramDrafter(max_draft_len=4)) as d:
             spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{d.port}", deadline_ms=30000)
             async with run_verifier(spec, model=shared_model()) as v:
+                graphs = run_at_graph_shapes(engine_of(v)) if graph_shapes else None
                 first = await generate(v, doc, 12)
                 assert list(first.token_ids) == ref(doc, 12) and first.cached_prompt_tokens == 0
                 # Multi-turn: the next turn extends the whole last one (its idle slot is taken over).
@@ -80,23 +89,28 @@ def test_full_partial_and_block_boundary_hits_are_exact_with_a_remote_drafter() 
                 cache = engine_of(v).scheduler.prefix_cache
                 assert cache.hits == sum([(len(doc) + 11) // 16 * 16, 32, 32, 64])
                 no_leak(engine_of(v))
+                assert graphs is None or graphs.replays > 10
 
     asyncio.run(main())
 
 
-def test_a_running_sequence_shares_its_prefix_by_copy() -> None:
+@GRAPH_SHAPES
+def test_a_running_sequence_shares_its_prefix_by_copy(graph_shapes: bool) -> None:
+    """With graph shapes, the copy's source slot holds padding past its committed tokens."""
     doc = tokens(4, 50)
     a, b = doc + tokens(5, 3), doc + tokens(6, 7)
 
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 3), model=shared_model()) as v:
             engine = engine_of(v)
+            graphs = run_at_graph_shapes(engine) if graph_shapes else None
             first = asyncio.ensure_future(generate(v, a, 60))
             await wait_until(lambda: any(len(s.output_ids) > 2 for s in engine.scheduler.running), "a to decode")
             second = await generate(v, b, 10)
             assert second.cached_prompt_tokens == 48 and list(second.token_ids) == ref(b, 10)
             assert list((await first).token_ids) == ref(a, 60)
             no_leak(engine)
+            assert graphs is None or graphs.replays > 10
 
     asyncio.run(main())
 

@@ -36,6 +36,7 @@ from verifier_support import (
     in_process_drafter,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
+    run_at_graph_shapes,
     run_together,
     shared_model,
     wait_until,
@@ -220,6 +221,39 @@ def test_greedy_trees_in_mixed_batches_equal_generate() -> None:
     stats = [r.output.stats for r in responses]
     assert sum(s.num_draft_nodes for s in stats) > sum(s.num_draft_tokens for s in stats), "trees counted by node"
     assert sum(s.num_accepted_tokens for s in stats) > 10
+
+
+class AlternatingOracle(TreeOracle):
+    """Every prompt drafts trees and chains by turns, all at once: tree steps between steps of chains only."""
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        chains = not next(iter(self.chains.values()))
+        self.chains = dict.fromkeys(self.chains, chains)
+        return super().prepare_draft_tokens(requests)
+
+
+def test_chain_steps_at_cuda_graph_shapes_between_tree_steps_equal_generate() -> None:
+    """The steps of chains run padded to CUDA-graph shapes (model/cuda_graphs.py, without capture), and a tree
+    step runs eagerly between them: its accepted paths' K/V moves land before the next padded step writes."""
+    prompts = PROMPTS[:4]
+    refs = [list(cached_reference(tuple(p), 48)) for p in prompts]
+    oracle = AlternatingOracle({tuple(p): r for p, r in zip(prompts, refs)}, ("all-wrong", "cut"), seed=3)
+
+    async def main() -> list:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=12) as v:
+            engine = engine_of(v)
+            graphs = run_at_graph_shapes(engine)
+            in_process_drafter(engine, oracle)
+            await engine.drafter.connect()
+            responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 48),
+                                                                 timeout=WAIT_S) for p in prompts])
+            assert graphs.replays >= 3  # the steps of chains after the first of their shape
+            return responses
+
+    responses = asyncio.run(main())
+    assert [list(r.output.token_ids) for r in responses] == refs
+    assert oracle.trees > 10
+    assert sum(r.output.stats.num_accepted_tokens for r in responses) > 10
 
 
 class Corrupting(InProcessTransport):

@@ -3,7 +3,8 @@ window of each slot, padding K/V written past a row's real tokens. Through a spe
 with rejections, its logits and the KV each sequence commits equal the packed step's: on the CPU
 at the graphs' shapes without capture, on CUDA captured and replayed (`.ci/gpu-check` runs the
 CUDA-marked tests). A verifier running every step it can that way gives plain decoding's outputs,
-and the graphs' keys decide what runs eagerly."""
+and the graphs' keys decide what runs eagerly. Token trees and prefix hits at graph shapes are in
+tests/verifier/engine (test_tree_verification.py, test_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from verifier_support import (
     engine_of,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
+    run_at_graph_shapes,
     run_together,
 )
 
@@ -131,11 +133,10 @@ def test_a_verifier_running_its_steps_at_graph_shapes_gives_plain_decodings_outp
 
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 4), max_num_seqs=8) as v:
-            r = engine_of(v).runner
-            r.graphs = StepGraphs(r._run_body, r.kv_cache, max_tokens=64, capture=False)
+            graphs = run_at_graph_shapes(engine_of(v))
             responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 24),
                                                                  timeout=WAIT_S) for p in prompts])
             assert [list(resp.output.token_ids) for resp in responses] == refs
-            assert r.graphs.replays > 0
+            assert graphs.replays > 0
 
     asyncio.run(main())
