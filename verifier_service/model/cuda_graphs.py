@@ -12,15 +12,18 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
 - the attention window W: each row attends over its slot's first W positions, W the power of two
   at or above the longest row's end (at least MIN_WINDOW), so one graph serves a sequence from W/2
   to W tokens. Keys past a row's own position are masked out.
+- whether a row is a token tree (model/tree_attention.py): then each token's position and which
+  of its row's new tokens it sees are inputs too, not computed from the row's start.
 A key is captured the second time it is seen (a batch that changes every step stays eager), and
-the `max_graphs` most recently used are kept. Token trees, tensor-parallel ranks and steps over
-`max_tokens` padded tokens run eagerly.
+the `max_graphs` most recently used are kept. Tensor-parallel ranks, steps over `max_tokens` padded
+tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly.
 
-What changes between replays goes in through one static device tensor: the token ids and each
-row's start (positions, K/V write positions and masks are computed from the starts inside the
-graph). A padding token computes what no one reads: it writes its K/V into its own row's slot
-after the row's real tokens, positions past the sequence's committed length, which no prefix-cache
-block covers and which the row's next real tokens overwrite before any query reads them.
+What changes between replays goes in through static device tensors: the token ids and each row's
+start (chains compute positions, K/V write positions and masks from the starts inside the graph),
+and for trees the positions and each row's ancestor matrix. A padding token computes what no one
+reads: it writes its K/V into its own row's slot after the row's real tokens, positions past the
+sequence's committed length, which no prefix-cache block covers, which no tree's accepted path is
+moved from, and which the row's next real tokens overwrite before any query reads them.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.model.kv_cache import KVCache
+from verifier_service.model.tree_attention import ancestors
 
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 256  # keys attended over by the shortest graphs: below that, fewer graphs beat fewer reads
+MAX_TREE_LENGTH = 64  # padded tokens of a row in a token-tree graph (its ancestor matrices go in each step)
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -49,20 +54,32 @@ class GraphKey:
     slots: tuple[int, ...]  # the rows' KV slots, in packing order
     length: int  # tokens per row, padded
     window: int  # keys each row attends over
+    tree: bool = False  # some row is a token tree: positions and ancestor matrices are inputs
 
 
 class StaticStep:
     """runner.PackedStep's attention for fixed shapes: rows of `key.length` tokens in fixed slots,
-    over `key.window` keys, with the rows' starts read from a device tensor."""
+    over `key.window` keys, with the rows' starts read from a device tensor; for a tree key also the
+    tokens' positions [rows * length] and each row's ancestor matrix [rows, length, length]."""
 
-    def __init__(self, cache: KVCache, key: GraphKey, starts: torch.Tensor) -> None:
+    def __init__(self, cache: KVCache, key: GraphKey, starts: torch.Tensor,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.cache = cache
         self.key = key
-        offsets = torch.arange(key.length, device=starts.device)
+        n, device = key.length, starts.device
+        offsets = torch.arange(n, device=device)
         self.write_positions = starts[:, None] + offsets[None, :]  # [rows, length]
-        self.positions = self.write_positions.reshape(1, -1)  # [1, rows * length]
-        keys = torch.arange(key.window, device=starts.device)
-        self.masks = keys[None, None, :] <= self.write_positions[:, :, None]  # [rows, length, window]
+        keys = torch.arange(key.window, device=device)
+        if tree is None:  # chains: causal
+            self.positions = self.write_positions.reshape(1, -1)  # [1, rows * length]
+            self.masks = keys[None, None, :] <= self.write_positions[:, :, None]  # [rows, length, window]
+            return
+        positions, seen = tree
+        self.positions = positions.view(1, -1)
+        # The cached context, and within the row's own new tokens its ancestors.
+        offset = keys[None, :] - starts[:, None]  # [rows, window]: key position within the new tokens
+        own = seen.gather(2, offset.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))  # [rows, length, window]
+        self.masks = (offset < 0)[:, None, :] | (own & (offset < n)[:, None, :])
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
@@ -82,7 +99,10 @@ class StaticStep:
 
 @dataclass
 class _Captured:
-    inputs: torch.Tensor  # [rows * length + rows] long: the padded token ids, then the rows' starts
+    # [rows * length + rows (+ rows * length)] long: the padded token ids, the rows' starts (and for a
+    # tree key the tokens' positions)
+    inputs: torch.Tensor
+    seen: torch.Tensor | None = None  # tree keys: [rows, length, length] bool, each row's ancestor matrix
     hidden: torch.Tensor | None = None  # [rows * length, hidden]: the last hidden states, rewritten by each run
     graph: torch.cuda.CUDAGraph | None = None  # None: run the static forward eagerly (capture off)
 
@@ -110,23 +130,26 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0  # steps run as a graph (without capture: at a graph's shapes)
 
-    def key(self, slots: list[int], starts: list[int], lengths: list[int]) -> GraphKey | None:
-        """The graph a step of these rows (chains, not token trees) runs as, or None: it runs eagerly."""
+    def key(self, slots: list[int], starts: list[int], lengths: list[int], tree: bool = False) -> GraphKey | None:
+        """The graph a step of these rows runs as (`tree`: some row is a token tree), or None: it runs
+        eagerly."""
         if not self.enabled or not slots:
             return None
         length = _power_of_two_at_least(max(lengths))
         capacity = self.cache.shape.capacity
-        if length * len(slots) > self.max_tokens or any(start + length > capacity for start in starts):
+        if (length * len(slots) > self.max_tokens or (tree and length > MAX_TREE_LENGTH)
+                or any(start + length > capacity for start in starts)):
             return None
         end = max(start + n for start, n in zip(starts, lengths))
-        return GraphKey(tuple(slots), length, min(capacity, max(MIN_WINDOW, _power_of_two_at_least(end))))
+        window = min(capacity, max(MIN_WINDOW, _power_of_two_at_least(end)))
+        return GraphKey(tuple(slots), length, window, tree)
 
     def hidden_states(self, input_ids: list[int], slots: list[int], starts: list[int], lengths: list[int],
-                      logit_index: list[int]) -> torch.Tensor | None:
-        """A step of chain rows (runner.ForwardBatch's fields): the last hidden states at the packed
+                      logit_index: list[int], parents: list[int]) -> torch.Tensor | None:
+        """A step of these rows (runner.ForwardBatch's fields): the last hidden states at the packed
         positions `logit_index` [len(logit_index), hidden], or None where it runs eagerly (no key; the
         key's first sighting; a capture that failed)."""
-        key = self.key(slots, starts, lengths)
+        key = self.key(slots, starts, lengths, tree=bool(parents))
         if key is None:
             return None
         captured = self._graphs.get(key)
@@ -139,22 +162,49 @@ class StepGraphs:
         values = [0] * (len(lengths) * key.length) + starts
         for p, token in zip(padded, input_ids):
             values[p] = token
+        seen = None
+        if key.tree:
+            positions, seen = self._tree_inputs(key, starts, lengths, parents)
+            values += positions
         if captured is None:
             del self._seen[key]
-            captured = self._capture(key, values)
+            captured = self._capture(key, values, seen)
             if captured is None:
                 return None
         else:
             self._graphs.move_to_end(key)
             captured.inputs.copy_(torch.tensor(values))
+            if seen is not None:
+                assert captured.seen is not None
+                captured.seen.copy_(seen)
             self._run(key, captured)
         assert captured.hidden is not None
         index = torch.tensor([padded[p] for p in logit_index], dtype=torch.long, device=self.device)
         return captured.hidden.index_select(0, index)
 
+    @staticmethod
+    def _tree_inputs(key: GraphKey, starts: list[int], lengths: list[int],
+                     parents: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Each padded token's position id, and each row's ancestor matrix [rows, length, length]
+        (model/tree_attention.py; a chain row's is causal, a padding token sees itself)."""
+        n = key.length
+        positions: list[int] = []
+        seen = torch.zeros(len(lengths), n, n, dtype=torch.bool)
+        seen.diagonal(dim1=1, dim2=2).fill_(True)
+        offset = 0
+        for r, (start, length) in enumerate(zip(starts, lengths)):
+            row_seen, depth = ancestors(parents[offset:offset + length])
+            seen[r, :length, :length] = torch.tensor(row_seen)
+            positions += [start + d for d in depth] + list(range(start + length, start + n))
+            offset += length
+        return positions, seen
+
     def _forward(self, key: GraphKey, captured: _Captured) -> torch.Tensor:
-        tokens = len(key.slots) * key.length
-        step = StaticStep(self.cache, key, captured.inputs[tokens:])
+        tokens, rows = len(key.slots) * key.length, len(key.slots)
+        tree = None
+        if captured.seen is not None:
+            tree = (captured.inputs[tokens + rows:], captured.seen)
+        step = StaticStep(self.cache, key, captured.inputs[tokens:tokens + rows], tree)
         return self.run_body(captured.inputs[:tokens].view(1, -1), step)[0]
 
     def _run(self, key: GraphKey, captured: _Captured) -> None:
@@ -164,8 +214,9 @@ class StepGraphs:
             captured.hidden = self._forward(key, captured)
         self.replays += 1
 
-    def _capture(self, key: GraphKey, values: list[int]) -> _Captured | None:
-        captured = _Captured(torch.tensor(values, device=self.device))
+    def _capture(self, key: GraphKey, values: list[int], seen: torch.Tensor | None) -> _Captured | None:
+        captured = _Captured(torch.tensor(values, device=self.device),
+                             None if seen is None else seen.to(self.device))
         if not self.capture:
             self._keep(key, captured)
             self._run(key, captured)

@@ -188,8 +188,8 @@ class ModelRunner:
         for src, dst, n in batch.copies:
             self.kv_cache.copy_prefix(src, dst, n)
         hidden = (self.graphs.hidden_states(batch.input_ids, batch.slots, batch.starts, batch.lengths,
-                                            batch.logit_index)
-                  if self.graphs is not None and not batch.parents else None)
+                                            batch.logit_index, batch.parents)
+                  if self.graphs is not None else None)
         if hidden is None:
             step = PackedStep(self.kv_cache, batch, self.device, self.batch_invariant)
             ids = torch.tensor([batch.input_ids], device=self.device)

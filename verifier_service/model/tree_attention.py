@@ -26,11 +26,9 @@ def is_chain_row(parents: Sequence[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-def tree_mask(parents: Sequence[int], start: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """(mask [n, start + n] bool, position ids) for a row of n tokens whose row-local parents are
-    `parents` (-1 for the row's first token, the root), written to slot positions start...
-
-    Every token sees the `start` cached tokens and its ancestors (itself included)."""
+def ancestors(parents: Sequence[int]) -> tuple[list[list[bool]], list[int]]:
+    """(seen [n][n]: token i sees token j, its ancestor or itself; each token's depth) for a row of n
+    tokens whose row-local parents are `parents` (-1 for the row's first token, the root)."""
     n = len(parents)
     seen: list[list[bool]] = []
     depth: list[int] = []
@@ -39,8 +37,17 @@ def tree_mask(parents: Sequence[int], start: int, device: torch.device) -> tuple
         row[i] = True
         seen.append(row)
         depth.append(0 if p < 0 else depth[p] + 1)
+    return seen, depth
+
+
+def tree_mask(parents: Sequence[int], start: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(mask [n, start + n] bool, position ids) for a row of n tokens whose row-local parents are
+    `parents`, written to slot positions start...
+
+    Every token sees the `start` cached tokens and its ancestors (itself included)."""
+    seen, depth = ancestors(parents)
     own = torch.tensor(seen, dtype=torch.bool, device=device)
-    mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), own], dim=1)
+    mask = torch.cat([torch.ones(len(parents), start, dtype=torch.bool, device=device), own], dim=1)
     return mask, [start + d for d in depth]
 
 

@@ -224,7 +224,7 @@ def test_greedy_trees_in_mixed_batches_equal_generate() -> None:
 
 
 class AlternatingOracle(TreeOracle):
-    """Every prompt drafts trees and chains by turns, all at once: tree steps between steps of chains only."""
+    """Every prompt drafts trees and chains by turns, all at once: steps of trees, then of chains only."""
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
         chains = not next(iter(self.chains.values()))
@@ -232,14 +232,16 @@ class AlternatingOracle(TreeOracle):
         return super().prepare_draft_tokens(requests)
 
 
-def test_chain_steps_at_cuda_graph_shapes_between_tree_steps_equal_generate() -> None:
-    """The steps of chains run padded to CUDA-graph shapes (model/cuda_graphs.py, without capture), and a tree
-    step runs eagerly between them: its accepted paths' K/V moves land before the next padded step writes."""
+def test_steps_of_trees_and_of_chains_at_cuda_graph_shapes_equal_generate() -> None:
+    """A steady batch whose steps' shapes repeat, trees and chains by turns, at CUDA-graph shapes
+    (model/cuda_graphs.py, without capture): most steps run padded as their graph would, trees with
+    their positions and ancestor matrices as inputs, and the K/V moves of a step's accepted paths land
+    before the next step writes its padding."""
     prompts = PROMPTS[:4]
     refs = [list(cached_reference(tuple(p), 48)) for p in prompts]
     oracle = AlternatingOracle({tuple(p): r for p, r in zip(prompts, refs)}, ("all-wrong", "cut"), seed=3)
 
-    async def main() -> list:
+    async def main() -> tuple[list, int]:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=12) as v:
             engine = engine_of(v)
             graphs = run_at_graph_shapes(engine)
@@ -247,13 +249,11 @@ def test_chain_steps_at_cuda_graph_shapes_between_tree_steps_equal_generate() ->
             await engine.drafter.connect()
             responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 48),
                                                                  timeout=WAIT_S) for p in prompts])
-            assert graphs.replays >= 3  # the steps of chains after the first of their shape
-            return responses
+            return responses, graphs.replays
 
-    responses = asyncio.run(main())
+    responses, replays = asyncio.run(main())
     assert [list(r.output.token_ids) for r in responses] == refs
-    assert oracle.trees > 10
-    assert sum(r.output.stats.num_accepted_tokens for r in responses) > 10
+    assert oracle.trees > 10 and replays >= 4
 
 
 class Corrupting(InProcessTransport):

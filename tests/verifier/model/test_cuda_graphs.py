@@ -47,6 +47,7 @@ def runner(graphs: bool, device: str, slots: int = 4) -> ModelRunner:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_graph_steps_give_the_packed_steps_logits_and_committed_kv_through_rejections(device: str) -> None:
+    """Chains, and every third step token trees, rejected at random positions."""
     rng = random.Random(0)
     eager, graphed = runner(False, device), runner(True, device)
     close = functools.partial(torch.allclose, atol=1e-5 if device == "cpu" else 1e-4)
@@ -62,16 +63,20 @@ def test_graph_steps_give_the_packed_steps_logits_and_committed_kv_through_rejec
         # A changing subset of the sequences, in a fixed order: some keys repeat, some do not.
         rows = [s for s in range(4) if rng.random() < 0.7 or step % 10 < 5] or [0]
         drafts = {s: [rng.randrange(1, 400) for _ in range(rng.choice([0, 1, 3, 4]))] for s in rows}
-        ids, lengths = [], []
+        ids, lengths, parents = [], [], []
+        trees = step % 3 == 2
         for s in rows:
             ids += [last[s], *drafts[s]]
             lengths.append(1 + len(drafts[s]))
-        batch = ForwardBatch(ids, rows, [committed[s] for s in rows], lengths, list(range(len(ids))))
+            parents += [-1] + [rng.randrange(i) for i in range(1, lengths[-1])]  # random trees, chains among them
+        batch = ForwardBatch(ids, rows, [committed[s] for s in rows], lengths, list(range(len(ids))),
+                             parents=parents if trees else [])
         expected = eager.forward(batch)
         assert close(graphed.forward(batch), expected), f"step {step}"
         offset = 0
         for s, n in zip(rows, lengths):
-            accepted = rng.randint(0, n - 1)  # drafts kept; the rest are rolled back by length alone
+            # Drafts kept, the rest rolled back by length alone; of a tree, its root (no K/V moves).
+            accepted = 0 if trees else rng.randint(0, n - 1)
             committed[s] += 1 + accepted
             last[s] = int(expected[offset + accepted].argmax())
             offset += n
@@ -96,7 +101,7 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
 
     def run(slots: list[int], lengths: list[int]) -> torch.Tensor | None:
         ids = list(range(sum(lengths)))
-        return graphs.hidden_states(ids, slots, [5] * len(slots), lengths, list(range(len(ids))))
+        return graphs.hidden_states(ids, slots, [5] * len(slots), lengths, list(range(len(ids))), [])
 
     assert run([0, 1], [1, 3]) is None  # first sighting: eager
     hidden = run([0, 1], [1, 3])
@@ -119,6 +124,11 @@ def test_graph_keys() -> None:
     assert graphs.key(list(range(5)), [1] * 5, [1, 1, 1, 1, 4]) is None  # 5 rows of 4 padded tokens: over 16
     assert graphs.key([0], [CAPACITY - 3], [3]) is None  # its padding would write past the slot
     assert graphs.key([0], [CAPACITY - 4], [3]) == GraphKey((0,), 4, CAPACITY)
+    assert graphs.key([3, 1], [10, 20], [1, 3], tree=True) == GraphKey((3, 1), 4, MIN_WINDOW, tree=True)
+    wide = StepGraphs(lambda ids, step: ids, cache, max_tokens=512, capture=False)
+    assert wide.key([0], [1], [64], tree=True) is not None
+    assert wide.key([0], [1], [65], tree=True) is None  # a tree row's ancestor matrix over 64 x 64
+    assert wide.key([0], [1], [65]) is not None
 
 
 def test_enforce_eager_is_no_graphs() -> None:
