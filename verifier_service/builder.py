@@ -101,8 +101,11 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
 def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len: int,
                 peers: Peers | None = None) -> ModelRunner:
     """The same runner on every rank of a sharded model (rank 0 passes the other ranks as `peers`)."""
+    # Sharded, every rank runs eagerly: a rank capturing a step would run its collectives once more than the
+    # others (the warm-up before the capture).
+    graph_tokens = settings.cuda_graph_max_tokens if settings.tensor_parallel_size == 1 else 0
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers,
-                         settings.cuda_graph_max_tokens)
+                         graph_tokens)
     if runner.graphs is not None:
         log.info("CUDA graphs: decode and verify steps of up to %d tokens replay as graphs, a step's shape captured "
                  "the second time it is seen (--enforce-eager: never)", runner.graphs.max_tokens)

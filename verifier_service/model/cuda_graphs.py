@@ -15,8 +15,8 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
 - whether a row is a token tree (model/tree_attention.py): then each token's position and which
   of its row's new tokens it sees are inputs too, not computed from the row's start.
 A key is captured the second time it is seen (a batch that changes every step stays eager), and
-the `max_graphs` most recently used are kept. Tensor-parallel ranks, steps over `max_tokens` padded
-tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly.
+the `max_graphs` most recently used are kept. Steps over `max_tokens` padded tokens and token-tree
+steps with rows over MAX_TREE_LENGTH run eagerly, and so does a sharded model (builder.make_runner).
 
 What changes between replays goes in through static device tensors: the token ids and each row's
 start (chains compute positions, K/V write positions and masks from the starts inside the graph),

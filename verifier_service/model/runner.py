@@ -158,10 +158,9 @@ class ModelRunner:
         # GPU BLAS handles few-row products well; on CPU the layout is measured (step_costs).
         self.layouts = (LinearLayouts(model, prepack_weights, single_row_alone=not self.batch_invariant)
                         if self.device.type == "cpu" else None)
-        # CUDA: steps whose shapes repeat replay as graphs (model/cuda_graphs.py). A sharded model's
-        # steps stay eager: rank 0 broadcasts each step to ranks that run it eagerly.
+        # CUDA: steps whose shapes repeat replay as graphs (model/cuda_graphs.py).
         self.graphs = (StepGraphs(self._run_body, kv_cache, cuda_graph_max_tokens)
-                       if self.device.type == "cuda" and peers is None and cuda_graph_max_tokens > 0 else None)
+                       if self.device.type == "cuda" and cuda_graph_max_tokens > 0 else None)
 
     def close(self) -> None:
         """Give the model back with its own linear layers (it stays usable, e.g. by generate());
