@@ -159,13 +159,7 @@ class StepGraphs:
                 self._seen.popitem(last=False)
             return None
         padded = [r * key.length + i for r, n in enumerate(lengths) for i in range(n)]  # packed -> padded
-        values = [0] * (len(lengths) * key.length) + starts
-        for p, token in zip(padded, input_ids):
-            values[p] = token
-        seen = None
-        if key.tree:
-            positions, seen = self._tree_inputs(key, starts, lengths, parents)
-            values += positions
+        values, seen = self._inputs(key, padded, input_ids, starts, lengths, parents)
         if captured is None:
             del self._seen[key]
             captured = self._capture(key, values, seen)
@@ -181,6 +175,19 @@ class StepGraphs:
         assert captured.hidden is not None
         index = torch.tensor([padded[p] for p in logit_index], dtype=torch.long, device=self.device)
         return captured.hidden.index_select(0, index)
+
+    @staticmethod
+    def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], starts: list[int], lengths: list[int],
+                parents: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """_Captured.inputs' values (the token ids at their padded places, the starts, for a tree key the
+        position ids) and for a tree key its ancestor matrices."""
+        values = [0] * (len(lengths) * key.length) + starts
+        for p, token in zip(padded, input_ids):
+            values[p] = token
+        if not key.tree:
+            return values, None
+        positions, seen = StepGraphs._tree_inputs(key, starts, lengths, parents)
+        return values + positions, seen
 
     @staticmethod
     def _tree_inputs(key: GraphKey, starts: list[int], lengths: list[int],
