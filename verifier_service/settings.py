@@ -31,7 +31,8 @@ class ServerSettings:
     timing_cache: str = "on"
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one GPU each on CUDA)
     # CUDA: decode and verify steps of up to this many tokens (rows padded to a power of two) replay as
-    # CUDA graphs (model/cuda_graphs.py); 0 always runs eagerly (vLLM's --enforce-eager). vLLM's cap.
+    # CUDA graphs (model/cuda_graphs.py); 0 always runs eagerly (vLLM's --enforce-eager). 512: the largest
+    # step vLLM captures by default.
     cuda_graph_max_tokens: int = 512
     chat_template: str | None = None  # Jinja that renders chats in place of the model's template; None: the model's
     # --- capacity
