@@ -1,10 +1,11 @@
 """The CUDA-graph step (model/cuda_graphs.py): rows padded to a power of two, attention over a
-window of each slot, padding K/V written past a row's real tokens. Through a speculative decode
-with rejections, its logits and the KV each sequence commits equal the packed step's: on the CPU
-at the graphs' shapes without capture, on CUDA captured and replayed (`.ci/gpu-check` runs the
-CUDA-marked tests). A verifier running every step it can that way gives plain decoding's outputs,
-and the graphs' keys decide what runs eagerly. Token trees and prefix hits at graph shapes are in
-tests/verifier/engine (test_tree_verification.py, test_prefix_cache.py)."""
+window of each slot, padding K/V written past a row's real tokens, token trees' positions and
+ancestor matrices as inputs. Through prompt chunks and a speculative decode with rejections, its
+logits and the KV each sequence commits equal the packed step's: on the CPU at the graphs' shapes
+without capture, on CUDA captured and replayed (`.ci/gpu-check` runs the CUDA-marked tests). A
+verifier running every step it can that way gives plain decoding's outputs, and the graphs' keys
+decide what runs eagerly. Prefix hits and a steady batch of trees at graph shapes are in
+tests/verifier/engine (test_prefix_cache.py, test_tree_verification.py)."""
 
 from __future__ import annotations
 
