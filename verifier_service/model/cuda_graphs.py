@@ -1,4 +1,4 @@
-"""CUDA graphs for decode and verify steps: one replay instead of a forward's hundreds of launches.
+"""CUDA graphs for decode and verify steps: one replay instead of a forward's thousand-odd launches.
 
 On a GPU a small model's eager forward is bound by the host issuing kernels, not by the GPU
 running them. On an H200 whose host ran Python at 56 ns a loop, a one-token forward of a model of
