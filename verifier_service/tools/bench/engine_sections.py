@@ -77,6 +77,11 @@ def document(tokenizer: PreTrainedTokenizerBase, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
+def _decode_tok_s(arrivals: list[float]) -> float:
+    """Decoding's own rate: tokens after the first over the time after the first (prefill excluded)."""
+    return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,13 +145,11 @@ def _overhead(v: LocalService, ports: tuple[int, int], tokenizer: PreTrainedToke
     for label, speculate in (("plain", False), ("remote n-gram", True)):
         before = [_histograms(p) for p in ports]
         arrivals, _ = client.stream(prompt, n, speculate=speculate)
-        # Decoding's own rate: tokens after the first over the time after the first (prefill excluded).
-        seconds = max(arrivals[-1] - arrivals[0], 1e-9)
+        tok_s = _decode_tok_s(arrivals)
         after = [_histograms(p) for p in ports]
         delta = _delta(after[0], before[0], OVERHEAD)
         row = {"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
-               "p99_ms": 1000 * _quantile(delta, 0.99), "tok_s": (len(arrivals) - 1) / seconds,
-               "x_ideal": (len(arrivals) - 1) / seconds * decode_forward_s}
+               "p99_ms": 1000 * _quantile(delta, 0.99), "tok_s": tok_s, "x_ideal": tok_s * decode_forward_s}
         if speculate:  # the drafter call: its round trip, and the drafter's own handling of it
             row["call_ms"] = 1000 * _mean(after[0], before[0], ROUND_TRIP)
             row["drafter_server_ms"] = 1000 * _mean(after[1], before[1], DRAFTER_HANDLING)
@@ -319,7 +322,7 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
         steps = sum(o.stats.num_steps for o in outs)
         rows.append({
             "output": form_name, "speculation": "remote n-gram" if speculate else "plain",
-            "tok_s": statistics.median((len(a) - 1) / max(a[-1] - a[0], 1e-9) for a, _ in runs[i]),
+            "tok_s": statistics.median(_decode_tok_s(a) for a, _ in runs[i]),
             "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
             "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
             "valid_json": sum(_valid(tokenizer.decode(o.token_ids, skip_special_tokens=True)) for o in outs)
@@ -347,7 +350,7 @@ def _cuda_graphs(graphed: LocalService, eager: LocalService, tokenizer: PreTrain
         for _ in range(args.repeats):
             for name, client in clients.items():
                 arrivals, final = client.stream(prompt, args.max_new_tokens, speculate=speculate)
-                rates[name].append((len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9))
+                rates[name].append(_decode_tok_s(arrivals))
                 outputs[name] = list(final.token_ids)
         graphs, eager_rate = statistics.median(rates["graphs"]), statistics.median(rates["eager"])
         rows.append({"system": label, "graphs_tok_s": graphs, "eager_tok_s": eager_rate,
