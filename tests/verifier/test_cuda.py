@@ -1,7 +1,7 @@
 """On a CUDA device: the verifier's packed forward, KV rollback and sampler give what they give
 on the CPU (greedy outputs equal transformers' generate() on the same device, with and without
-speculation, with CUDA graphs and without; seeded sampling equal with and without speculation).
-Skipped without CUDA; run by `.ci/gpu-check` on a GPU machine."""
+speculation, with CUDA graphs and without, token trees too; seeded sampling equal with and without
+speculation). Skipped without CUDA; run by `.ci/gpu-check` on a GPU machine."""
 
 from __future__ import annotations
 
@@ -17,14 +17,17 @@ from verifier_support import (
     WAIT_S,
     ScriptedDrafter,
     engine_of,
+    in_process_drafter,
     one_torch_thread,  # noqa: F401 - autouse fixture
     repetitive_prompt,
     run_together,
 )
 
+from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 pytestmark = [pytest.mark.cuda,
@@ -67,6 +70,63 @@ def test_greedy_on_cuda_equals_generate_plain_and_speculative() -> None:
             assert await generate_all(v, requests) == refs
 
     asyncio.run(main())
+
+
+class ForkingOracle(Drafter):
+    """Knows each prompt's greedy continuation. By turns, for every sequence at once: a tree that
+    forks at each of two depths, a wrong sibling before the right child (so the accepted path's K/V
+    must move into place), or that path alone as a chain."""
+
+    capabilities = (TREE_CAPABILITY,)
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self.references = references
+        self.calls = self.trees = 0
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        self.calls += 1
+        out: list[list[int] | DraftTree] = []
+        for r in requests:
+            ref = self.references[tuple(r.tokens[:r.prompt_len])]
+            truth = ref[len(r.tokens) - r.prompt_len:][:min(r.draft_len, 2)]  # short: many steps
+            if self.calls % 2 or not r.max_draft_nodes:
+                out.append(truth)
+                continue
+            tokens: list[int] = []
+            parents: list[int] = []
+            for token in truth[:r.max_draft_nodes // 2]:
+                parent = len(tokens) - 1 if tokens else -1
+                tokens += [(token + 7) % cuda_model().config.vocab_size, token]
+                parents += [parent, parent]
+            self.trees += bool(tokens)
+            out.append(DraftTree(tokens, parents))
+        return out
+
+
+def test_token_trees_on_cuda_run_as_graphs_and_equal_generate() -> None:
+    prompts = PROMPTS[:4]
+    refs = [generate_reference(p) for p in prompts]
+    oracle = ForkingOracle({tuple(p): r for p, r in zip(prompts, refs)})
+    tree_replays: list[bool] = []
+
+    async def main() -> list[list[int]]:
+        async with run_verifier(spec_config("NGRAM", 4), model=cuda_model(), max_draft_nodes=8) as v:
+            engine = engine_of(v)
+            graphs = engine.runner.graphs
+            hidden_states = graphs.hidden_states
+
+            def recording(*batch: list[int]) -> torch.Tensor | None:
+                hidden = hidden_states(*batch)
+                tree_replays.append(bool(batch[-1]) and hidden is not None)  # batch[-1]: the parents
+                return hidden
+
+            graphs.hidden_states = recording
+            in_process_drafter(engine, oracle)
+            await engine.drafter.connect()
+            return await generate_all(v, [token_request(p, NEW_TOKENS) for p in prompts])
+
+    assert asyncio.run(main()) == refs
+    assert oracle.trees > 10 and sum(tree_replays) >= 2, "tree steps ran as CUDA graphs"
 
 
 def test_seeded_sampling_on_cuda_is_the_same_with_and_without_speculation() -> None:
