@@ -6,7 +6,8 @@ SmolLM2-135M's shapes took 30.4 ms eager, 2.2 ms of it on the GPU, and 2.45 ms a
 vLLM and SGLang capture their decode steps for the same reason.
 
 A graph replays fixed shapes in fixed memory, so a step is captured under a key of what it fixes:
-- the rows' KV slots, in order;
+- the number of rows (sequences), but not their KV slots: which slot each row reads and writes is
+  an input, so a batch whose sequences come and go, or move to other slots, keeps its graphs;
 - the row length L: every row padded to the power of two at or above the longest, so a draft
   length that changes from step to step keeps one graph;
 - the attention window W: each row attends over its slot's first W positions, W the power of two
@@ -18,8 +19,8 @@ A key is captured the second time it is seen (a batch that changes every step st
 the `max_graphs` most recently used are kept. Steps over `max_tokens` padded tokens and token-tree
 steps with rows over MAX_TREE_LENGTH run eagerly, and so does a sharded model (builder.make_runner).
 
-What changes between replays goes in through static device tensors: the token ids and each row's
-start (chains compute positions, K/V write positions and masks from the starts inside the graph),
+What changes between replays goes in through static device tensors: the token ids, each row's slot
+and start (chains compute positions, K/V write positions and masks from the starts inside the graph),
 and for trees the positions and each row's ancestor matrix. A padding token computes what no one
 reads: it writes its K/V into its own row's slot after the row's real tokens, positions past the
 sequence's committed length, which no prefix-cache block covers, which no tree's accepted path is
@@ -51,24 +52,28 @@ def _power_of_two_at_least(n: int) -> int:
 
 @dataclass(frozen=True)
 class GraphKey:
-    slots: tuple[int, ...]  # the rows' KV slots, in packing order
+    rows: int  # sequences in the step (their slots are inputs)
     length: int  # tokens per row, padded
     window: int  # keys each row attends over
     tree: bool = False  # some row is a token tree: positions and ancestor matrices are inputs
 
 
 class StaticStep:
-    """runner.PackedStep's attention for fixed shapes: rows of `key.length` tokens in fixed slots,
-    over `key.window` keys, with the rows' starts read from a device tensor; for a tree key also the
-    tokens' positions [rows * length] and each row's ancestor matrix [rows, length, length]."""
+    """runner.PackedStep's attention for fixed shapes: rows of `key.length` tokens over `key.window`
+    keys, each row's slot and start read from device tensors [rows]; for a tree key also the tokens'
+    positions [rows * length] and each row's ancestor matrix [rows, length, length]."""
 
-    def __init__(self, cache: KVCache, key: GraphKey, starts: torch.Tensor,
+    def __init__(self, cache: KVCache, key: GraphKey, slots: torch.Tensor, starts: torch.Tensor,
                  tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.cache = cache
         self.key = key
+        self.slots = slots[:, None]  # [rows, 1]: index_select's index per row
         n, device = key.length, starts.device
         offsets = torch.arange(n, device=device)
         self.write_positions = starts[:, None] + offsets[None, :]  # [rows, length]
+        heads = torch.arange(cache.shape.num_kv_heads, device=device)
+        # Where row r's K/V go: cache[layer][slot, head, position] for every head and new position.
+        self.write_index = [(slots[r], heads[:, None], self.write_positions[r][None, :]) for r in range(key.rows)]
         keys = torch.arange(key.window, device=device)
         if tree is None:  # chains: causal
             self.positions = self.write_positions.reshape(1, -1)  # [1, rows * length]
@@ -83,15 +88,17 @@ class StaticStep:
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, heads, capacity, head_dim]
         n, window = self.key.length, self.key.window
         outputs = []
-        for r, slot in enumerate(self.key.slots):
+        for r in range(self.key.rows):
             tokens = slice(r * n, (r + 1) * n)
-            k_cache[slot].index_copy_(1, self.write_positions[r], key[0, :, tokens])
-            v_cache[slot].index_copy_(1, self.write_positions[r], value[0, :, tokens])
+            k_cache.index_put_(self.write_index[r], key[0, :, tokens])
+            v_cache.index_put_(self.write_index[r], value[0, :, tokens])
+            # The row's window of its slot: a copy of `window` keys, the price of a slot given as an input.
             outputs.append(F.scaled_dot_product_attention(
-                query[:, :, tokens], k_cache[slot:slot + 1, :, :window], v_cache[slot:slot + 1, :, :window],
+                query[:, :, tokens], k_cache[:, :, :window].index_select(0, self.slots[r]),
+                v_cache[:, :, :window].index_select(0, self.slots[r]),
                 attn_mask=self.masks[r], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2)  # [1, N, heads, D], as transformers expects
@@ -99,8 +106,8 @@ class StaticStep:
 
 @dataclass
 class _Captured:
-    # [rows * length + rows (+ rows * length)] long: the padded token ids, the rows' starts (and for a
-    # tree key the tokens' positions)
+    # [rows * length + 2 * rows (+ rows * length)] long: the padded token ids, the rows' slots and starts
+    # (and for a tree key the tokens' positions)
     inputs: torch.Tensor
     seen: torch.Tensor | None = None  # tree keys: [rows, length, length] bool, each row's ancestor matrix
     hidden: torch.Tensor | None = None  # [rows * length, hidden]: the last hidden states, rewritten by each run
@@ -142,7 +149,7 @@ class StepGraphs:
             return None
         end = max(start + n for start, n in zip(starts, lengths))
         window = min(capacity, max(MIN_WINDOW, _power_of_two_at_least(end)))
-        return GraphKey(tuple(slots), length, window, tree)
+        return GraphKey(len(slots), length, window, tree)
 
     def hidden_states(self, input_ids: list[int], slots: list[int], starts: list[int], lengths: list[int],
                       logit_index: list[int], parents: list[int]) -> torch.Tensor | None:
@@ -159,7 +166,7 @@ class StepGraphs:
                 self._seen.popitem(last=False)
             return None
         padded = [r * key.length + i for r, n in enumerate(lengths) for i in range(n)]  # packed -> padded
-        values, seen = self._inputs(key, padded, input_ids, starts, lengths, parents)
+        values, seen = self._inputs(key, padded, input_ids, slots, starts, lengths, parents)
         if captured is None:
             del self._seen[key]
             captured = self._capture(key, values, seen)
@@ -177,11 +184,11 @@ class StepGraphs:
         return captured.hidden.index_select(0, index)
 
     @staticmethod
-    def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], starts: list[int], lengths: list[int],
-                parents: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """_Captured.inputs' values (the token ids at their padded places, the starts, for a tree key the
-        position ids) and for a tree key its ancestor matrices."""
-        values = [0] * (len(lengths) * key.length) + starts
+    def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], slots: list[int], starts: list[int],
+                lengths: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """_Captured.inputs' values (the token ids at their padded places, the slots, the starts, for a
+        tree key the position ids) and for a tree key its ancestor matrices."""
+        values = [0] * (len(lengths) * key.length) + slots + starts
         for p, token in zip(padded, input_ids):
             values[p] = token
         if not key.tree:
@@ -207,11 +214,12 @@ class StepGraphs:
         return positions, seen
 
     def _forward(self, key: GraphKey, captured: _Captured) -> torch.Tensor:
-        tokens, rows = len(key.slots) * key.length, len(key.slots)
+        tokens, rows = key.rows * key.length, key.rows
         tree = None
         if captured.seen is not None:
-            tree = (captured.inputs[tokens + rows:], captured.seen)
-        step = StaticStep(self.cache, key, captured.inputs[tokens:tokens + rows], tree)
+            tree = (captured.inputs[tokens + 2 * rows:], captured.seen)
+        slots, starts = captured.inputs[tokens:tokens + rows], captured.inputs[tokens + rows:tokens + 2 * rows]
+        step = StaticStep(self.cache, key, slots, starts, tree)
         return self.run_body(captured.inputs[:tokens].view(1, -1), step)[0]
 
     def _run(self, key: GraphKey, captured: _Captured) -> None:

@@ -1,11 +1,12 @@
 """The CUDA-graph step (model/cuda_graphs.py): rows padded to a power of two, attention over a
-window of each slot, padding K/V written past a row's real tokens, token trees' positions and
-ancestor matrices as inputs. Through prompt chunks and a speculative decode with rejections, its
-logits and the KV each sequence commits equal the packed step's: on the CPU at the graphs' shapes
-without capture, on CUDA captured and replayed (`.ci/gpu-check` runs the CUDA-marked tests). A
-verifier running every step it can that way gives plain decoding's outputs, and the graphs' keys
-decide what runs eagerly. Prefix hits and a steady batch of trees at graph shapes are in
-tests/verifier/engine (test_prefix_cache.py, test_tree_verification.py)."""
+window of each row's slot (an input, as its start is), padding K/V written past a row's real
+tokens, token trees' positions and ancestor matrices as inputs. Through prompt chunks and a
+speculative decode with rejections, its logits and the KV each sequence commits equal the packed
+step's: on the CPU at the graphs' shapes without capture, on CUDA captured and replayed
+(`.ci/gpu-check` runs the CUDA-marked tests). A verifier running every step it can that way gives
+plain decoding's outputs, and the graphs' keys decide what runs eagerly. Prefix hits and a steady
+batch of trees at graph shapes are in tests/verifier/engine (test_prefix_cache.py,
+test_tree_verification.py)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def test_graph_steps_give_the_packed_steps_logits_and_committed_kv_through_rejec
         committed.append(len(prompt))
         last.append(int(logits[0].argmax()))
     for step in range(60):
-        # A changing subset of the sequences, in a fixed order: some keys repeat, some do not.
+        # A changing subset of the sequences, in a changing order: a graph of so many rows serves
+        # other slots in its later replays; some keys repeat, some do not.
         rows = [s for s in range(4) if rng.random() < 0.7 or step % 10 < 5] or [0]
+        rng.shuffle(rows)
         drafts = {s: [rng.randrange(1, 400) for _ in range(rng.choice([0, 1, 3, 4]))] for s in rows}
         ids, lengths, parents = [], [], []
         trees = step % 3 == 2
@@ -111,24 +114,25 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
     hidden = run([0, 1], [1, 3])
     assert hidden is not None and calls == [8]  # rows padded to 4 tokens
     assert hidden[:, 0].tolist() == [0, 4, 5, 6]  # packed positions map to row r's padded r*4 + i
-    assert run([0, 1], [2, 4]) is not None and calls == [8, 8]  # same key: draft lengths changed within a row length
-    for slots in ([2], [3]):
-        assert run(slots, [1]) is None
-        assert run(slots, [1]) is not None
-    assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, ([2], [3]) the most recent
+    # The same key: other slots, draft lengths changed within a row length.
+    assert run([3, 0], [2, 4]) is not None and calls == [8, 8]
+    assert run([2], [1]) is None  # a new key: one row
+    assert run([3], [1]) is not None  # its graph, in another slot
+    assert run([0], [5]) is None and run([0], [5]) is not None  # a third key (rows of 8 tokens)
+    assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, the one-row ones the most recent
 
 
 def test_graph_keys() -> None:
     model = tiny_model()
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=8, capacity=CAPACITY), model.dtype, model.device)
     graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=16, capture=False)
-    assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey((3, 1), 4, MIN_WINDOW)
-    assert graphs.key([0], [200], [5]) == GraphKey((0,), 8, 256)
-    assert graphs.key([0], [260], [5]) == GraphKey((0,), 8, CAPACITY)  # window 512, capped at the slot
+    assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey(2, 4, MIN_WINDOW)
+    assert graphs.key([0], [200], [5]) == GraphKey(1, 8, 256)
+    assert graphs.key([0], [260], [5]) == GraphKey(1, 8, CAPACITY)  # window 512, capped at the slot
     assert graphs.key(list(range(5)), [1] * 5, [1, 1, 1, 1, 4]) is None  # 5 rows of 4 padded tokens: over 16
     assert graphs.key([0], [CAPACITY - 3], [3]) is None  # its padding would write past the slot
-    assert graphs.key([0], [CAPACITY - 4], [3]) == GraphKey((0,), 4, CAPACITY)
-    assert graphs.key([3, 1], [10, 20], [1, 3], tree=True) == GraphKey((3, 1), 4, MIN_WINDOW, tree=True)
+    assert graphs.key([0], [CAPACITY - 4], [3]) == GraphKey(1, 4, CAPACITY)
+    assert graphs.key([3, 1], [10, 20], [1, 3], tree=True) == GraphKey(2, 4, MIN_WINDOW, tree=True)
     wide = StepGraphs(lambda ids, step: ids, cache, max_tokens=512, capture=False)
     assert wide.key([0], [1], [64], tree=True) is not None
     assert wide.key([0], [1], [65], tree=True) is None  # a tree row's ancestor matrix over 64 x 64
