@@ -67,13 +67,13 @@ class StaticStep:
                  tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.cache = cache
         self.key = key
-        self.slots = slots[:, None]  # [rows, 1]: index_select's index per row
+        self.slots = slots
         n, device = key.length, starts.device
         offsets = torch.arange(n, device=device)
         self.write_positions = starts[:, None] + offsets[None, :]  # [rows, length]
         heads = torch.arange(cache.shape.num_kv_heads, device=device)
-        # Where row r's K/V go: cache[layer][slot, head, position] for every head and new position.
-        self.write_index = [(slots[r], heads[:, None], self.write_positions[r][None, :]) for r in range(key.rows)]
+        # Where the new K/V go: cache[layer][slot, head, position], [rows, heads, length] of them.
+        self.write_index = (slots[:, None, None], heads[None, :, None], self.write_positions[:, None, :])
         keys = torch.arange(key.window, device=device)
         if tree is None:  # chains: causal
             self.positions = self.write_positions.reshape(1, -1)  # [1, rows * length]
@@ -88,20 +88,21 @@ class StaticStep:
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, heads, capacity, head_dim]
-        n, window = self.key.length, self.key.window
-        outputs = []
-        for r in range(self.key.rows):
-            tokens = slice(r * n, (r + 1) * n)
-            k_cache.index_put_(self.write_index[r], key[0, :, tokens])
-            v_cache.index_put_(self.write_index[r], value[0, :, tokens])
-            # The row's window of its slot: a copy of `window` keys, the price of a slot given as an input.
-            outputs.append(F.scaled_dot_product_attention(
-                query[:, :, tokens], k_cache[:, :, :window].index_select(0, self.slots[r]),
-                v_cache[:, :, :window].index_select(0, self.slots[r]),
-                attn_mask=self.masks[r], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-        return out.transpose(1, 2)  # [1, N, heads, D], as transformers expects
+        """Every row at once: rows are the batch of one attention, since they share a length and a window."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv heads, capacity, head_dim]
+        rows, n, window = self.key.rows, self.key.length, self.key.window
+
+        def by_row(x: torch.Tensor) -> torch.Tensor:  # [1, heads, rows * n, D] -> [rows, heads, n, D]
+            return x[0].unflatten(1, (rows, n)).transpose(0, 1)
+
+        k_cache.index_put_(self.write_index, by_row(key))
+        v_cache.index_put_(self.write_index, by_row(value))
+        # Each row's window of its slot: a copy of `window` keys, the price of slots given as inputs.
+        out = F.scaled_dot_product_attention(
+            by_row(query), k_cache[:, :, :window].index_select(0, self.slots),
+            v_cache[:, :, :window].index_select(0, self.slots), attn_mask=self.masks[:, None],
+            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])  # [rows, heads, n, D]
+        return out.transpose(1, 2).reshape(1, rows * n, out.shape[1], out.shape[3])  # [1, N, heads, D]
 
 
 @dataclass
