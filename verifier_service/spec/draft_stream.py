@@ -7,7 +7,8 @@ on two busy cores (`splitspec bench --engine-only --engine-sections overhead`). 
 pays it once. What a stream message lacks is a deadline of its own, so a watchdog thread
 cancels the stream when an answer is late; the next call opens a new stream. The watchdog
 sleeps a whole deadline at a time while nothing is pending, so sending a message costs the
-stepping thread no wake-up of another thread.
+stepping thread no wake-up of another thread (only a call with a shorter deadline than any
+before wakes it, to sleep that much less).
 
 A stream ends when its drafter goes away, restarts or ages its connection out (the SDK's
 `max_connection_age_s`); a stream found ended before a message is sent is replaced then,
@@ -111,6 +112,7 @@ class DraftStream:
         self._pending: _Pending | None = None
         self._tick_s = float("inf")  # the watchdog's idle sleep: the shortest deadline asked for
         self._closed = threading.Event()
+        self._wake = threading.Event()  # the tick shortened, or closed: the watchdog's sleep ends
         self._watchdog: threading.Thread | None = None
 
     def call(self, request: drafter_pb2.PrepareDraftTokensRequest,
@@ -165,6 +167,7 @@ class DraftStream:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         if self._stream is not None:
             self._drop(self._stream)
 
@@ -182,7 +185,9 @@ class DraftStream:
             self._stream = None
 
     def _watch(self, timeout_s: float) -> None:
-        self._tick_s = min(self._tick_s, timeout_s)
+        if timeout_s < self._tick_s:  # the watchdog may be asleep for longer than this deadline
+            self._tick_s = timeout_s
+            self._wake.set()
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._run_watchdog, name="draft-stream-deadline",
                                               daemon=True)
@@ -192,6 +197,7 @@ class DraftStream:
         """Cancel the stream of a message unanswered at its deadline. Asleep for a whole deadline
         while nothing is pending, so it sees every message before the message's deadline."""
         while not self._closed.is_set():
+            self._wake.clear()  # before reading the tick: a shorter one set from here on wakes the wait
             with self._lock:
                 pending = self._pending
                 left = self._tick_s if pending is None else pending.deadline - time.monotonic()
@@ -200,4 +206,4 @@ class DraftStream:
                     pending.stream.responses.cancel()  # type: ignore[attr-defined]
                     self._pending = None
                     continue
-            self._closed.wait(left)
+            self._wake.wait(left)
