@@ -8,16 +8,19 @@ vLLM and SGLang capture their decode steps for the same reason.
 A graph replays fixed shapes in fixed memory, so a step is captured under a key of what it fixes:
 - the number of rows (sequences), but not their KV slots: which slot each row reads and writes is
   an input, so a batch whose sequences come and go, or move to other slots, keeps its graphs;
-- the row length L: every row padded to the power of two at or above the longest, so a draft
-  length that changes from step to step keeps one graph;
+- the row length L: every row padded to the power of two at or above the longest, and a step of
+  drafts to at least MIN_DRAFT_STEP_LENGTH, so a draft length that changes from step to step keeps
+  one graph;
 - the attention window W: each row attends over its slot's first W positions, W the power of two
   at or above the longest row's end (at least MIN_WINDOW), so one graph serves a sequence from W/2
   to W tokens. Keys past a row's own position are masked out.
 - whether a row is a token tree (model/tree_attention.py): then each token's position and which
   of its row's new tokens it sees are inputs too, not computed from the row's start.
 A key is captured the second time it is seen (a batch that changes every step stays eager), and
-the `max_graphs` most recently used are kept. Steps over `max_tokens` padded tokens and token-tree
-steps with rows over MAX_TREE_LENGTH run eagerly, and so does a sharded model (builder.make_runner).
+the `max_graphs` most recently used are kept. A capture stalls the step that makes it (a warm-up
+forward, the captured one, and instantiating the graph), so keys are few and many are kept. Steps
+over `max_tokens` padded tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly, and
+so does a sharded model (builder.make_runner).
 
 What changes between replays goes in through static device tensors: the token ids, each row's slot
 and start (chains compute positions, K/V write positions and masks from the starts inside the graph),
@@ -43,6 +46,10 @@ from verifier_service.model.tree_attention import ancestors
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 256  # keys attended over by the shortest graphs: below that, fewer graphs beat fewer reads
+# A step whose rows carry more than one token (drafts, chunks) is padded to at least this many tokens a
+# row: on an H200 a forward of 2 to 17 tokens cost the same 3.7-3.9 ms, and lengths 2, 4 and 8 would be
+# three graphs, three captures, for a draft length the planner or the drafter changes step by step.
+MIN_DRAFT_STEP_LENGTH = 8
 MAX_TREE_LENGTH = 64  # padded tokens of a row in a token-tree graph (its ancestor matrices go in each step)
 
 
@@ -123,7 +130,7 @@ class StepGraphs:
     """The runner's captured steps. `capture` False runs the same fixed-shape steps without
     capturing them (a CPU has no CUDA graphs; the tests check the shapes' arithmetic there)."""
 
-    def __init__(self, run_body: RunBody, cache: KVCache, max_tokens: int, max_graphs: int = 16,
+    def __init__(self, run_body: RunBody, cache: KVCache, max_tokens: int, max_graphs: int = 64,
                  capture: bool = True) -> None:
         self.run_body = run_body
         self.cache = cache
@@ -143,7 +150,8 @@ class StepGraphs:
         eagerly."""
         if not self.enabled or not slots:
             return None
-        length = _power_of_two_at_least(max(lengths))
+        longest = max(lengths)
+        length = 1 if longest == 1 else _power_of_two_at_least(max(longest, MIN_DRAFT_STEP_LENGTH))
         capacity = self.cache.shape.capacity
         if (length * len(slots) > self.max_tokens or (tree and length > MAX_TREE_LENGTH)
                 or any(start + length > capacity for start in starts)):

@@ -29,7 +29,7 @@ from verifier_support import (
 )
 
 from verifier_service.api.cli import parser, settings_from_args
-from verifier_service.model.cuda_graphs import MIN_WINDOW, GraphKey, StepGraphs
+from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, MIN_WINDOW, GraphKey, StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 
@@ -112,13 +112,13 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
 
     assert run([0, 1], [1, 3]) is None  # first sighting: eager
     hidden = run([0, 1], [1, 3])
-    assert hidden is not None and calls == [8]  # rows padded to 4 tokens
-    assert hidden[:, 0].tolist() == [0, 4, 5, 6]  # packed positions map to row r's padded r*4 + i
+    assert hidden is not None and calls == [16]  # rows padded to 8 tokens
+    assert hidden[:, 0].tolist() == [0, 8, 9, 10]  # packed positions map to row r's padded r*8 + i
     # The same key: other slots, draft lengths changed within a row length.
-    assert run([3, 0], [2, 4]) is not None and calls == [8, 8]
+    assert run([3, 0], [2, 4]) is not None and calls == [16, 16]
     assert run([2], [1]) is None  # a new key: one row
     assert run([3], [1]) is not None  # its graph, in another slot
-    assert run([0], [5]) is None and run([0], [5]) is not None  # a third key (rows of 8 tokens)
+    assert run([0], [5]) is None and run([0], [5]) is not None  # a third key (one row of 8 tokens)
     assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, the one-row ones the most recent
 
 
@@ -126,13 +126,15 @@ def test_graph_keys() -> None:
     model = tiny_model()
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=8, capacity=CAPACITY), model.dtype, model.device)
     graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=16, capture=False)
-    assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey(2, 4, MIN_WINDOW)
+    assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey(2, MIN_DRAFT_STEP_LENGTH, MIN_WINDOW)
+    assert graphs.key([0], [10], [1]) == GraphKey(1, 1, MIN_WINDOW)  # plain decoding: one token a row
+    assert graphs.key([0], [10], [2]) == graphs.key([0], [10], [7])  # draft lengths share a graph
     assert graphs.key([0], [200], [5]) == GraphKey(1, 8, 256)
     assert graphs.key([0], [260], [5]) == GraphKey(1, 8, CAPACITY)  # window 512, capped at the slot
     assert graphs.key(list(range(5)), [1] * 5, [1, 1, 1, 1, 4]) is None  # 5 rows of 4 padded tokens: over 16
-    assert graphs.key([0], [CAPACITY - 3], [3]) is None  # its padding would write past the slot
-    assert graphs.key([0], [CAPACITY - 4], [3]) == GraphKey(1, 4, CAPACITY)
-    assert graphs.key([3, 1], [10, 20], [1, 3], tree=True) == GraphKey(2, 4, MIN_WINDOW, tree=True)
+    assert graphs.key([0], [CAPACITY - 7], [3]) is None  # its padding would write past the slot
+    assert graphs.key([0], [CAPACITY - 8], [3]) == GraphKey(1, 8, CAPACITY)
+    assert graphs.key([3, 1], [10, 20], [1, 3], tree=True) == GraphKey(2, 8, MIN_WINDOW, tree=True)
     wide = StepGraphs(lambda ids, step: ids, cache, max_tokens=512, capture=False)
     assert wide.key([0], [1], [64], tree=True) is not None
     assert wide.key([0], [1], [65], tree=True) is None  # a tree row's ancestor matrix over 64 x 64
