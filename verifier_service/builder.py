@@ -137,7 +137,7 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     and the default step token budget is read from. Returns (planner, step token budget).
     A budget given (--max-num-batched-tokens) caps every step, as in vLLM; the default one
     applies where sequences decode, and a step with none prefills up to
-    MAX_DEFAULT_BATCHED_TOKENS at once."""
+    MAX_DEFAULT_BATCHED_TOKENS at once. With CUDA graphs the default is that in every step."""
     spec = settings.speculative
     adaptive = spec.policy.adaptive_draft_len and spec.max_draft_len > 0
     budget = settings.max_num_batched_tokens
@@ -159,6 +159,14 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     if budget is not None:
         return planner, StepBudget(budget)
     idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
+    if runner.graphs is not None:
+        # The curve is of graphed steps, but a step that carries a prompt's chunk beside decode rows
+        # runs eagerly (a graph pads every row to the chunk's length), at the host's pace whatever its
+        # size: on an H200 the curve's budget lengthened both the streams' longest gap and the prompt's
+        # first token (README, "On a GPU"). So the fewer chunks, the better.
+        log.info("chunked prefill: --max-num-batched-tokens %d (CUDA graphs: a step with a prompt's chunk runs "
+                 "eagerly, at the host's pace whatever its size, so prompts go in as few chunks as fit)", idle)
+        return planner, StepBudget(idle)
     budget = batched_tokens(costs, idle)
     cost = _prompt_token_cost(runner, settings, seconds, costs, budget)
     late = min(max_model_len, LONG_CONTEXT)

@@ -103,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
                         "a long prefill, higher gives that prompt its first token sooner (default: the most a "
                         "step can carry at 2.5x the measured one-token step, logged at start-up, while "
                         "sequences decode, a late prompt token counting for more by its measured attention, and "
-                        "up to 2048 in a step where none does; a value given caps every step, in tokens)")
+                        "up to 2048 in a step where none does; with CUDA graphs 2048 in every step; a value "
+                        "given caps every step, in tokens)")
     c.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=argparse.SUPPRESS,
                    help="do not reuse the KV cache of shared prompt prefixes (on by default)")

@@ -29,11 +29,20 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.builder import LONG_CONTEXT, batched_tokens, calibrate, make_runner, token_seconds
+from verifier_service.builder import (
+    LONG_CONTEXT,
+    MAX_DEFAULT_BATCHED_TOKENS,
+    StepBudget,
+    batched_tokens,
+    calibrate,
+    make_runner,
+    token_seconds,
+)
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.sequence import Sequence, StoppingParams
+from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.step_costs import CONTEXT_LEN, CostCurve
 from verifier_service.settings import ServerSettings
@@ -182,5 +191,20 @@ def test_the_default_budget_prices_prompt_tokens_from_a_long_context_forward() -
         given = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off",
                                max_num_batched_tokens=64)
         assert calibrate(runner, given, given.max_model_len)[1].prompt_token_cost == FLAT
+    finally:
+        runner.close()
+
+
+def test_with_cuda_graphs_the_default_budget_is_the_idle_one_in_every_step() -> None:
+    """A step with a prompt's chunk runs eagerly beside graphed decode steps, so the graphed steps'
+    cost curve cannot price it: prompts go in as few chunks as fit (the graphs without capture here)."""
+    settings = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off")
+    runner = make_runner(shared_model(), settings, settings.max_model_len)
+    try:
+        eager = calibrate(runner, settings, settings.max_model_len)[1]
+        runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, settings.cuda_graph_max_tokens, capture=False)
+        graphed = calibrate(runner, settings, settings.max_model_len)[1]
+        assert eager.tokens is not None and eager.tokens < MAX_DEFAULT_BATCHED_TOKENS
+        assert graphed == StepBudget(MAX_DEFAULT_BATCHED_TOKENS)
     finally:
         runner.close()
