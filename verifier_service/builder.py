@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -48,6 +49,9 @@ CHUNK_PROBE_TOKENS = 64  # the cost curve is measured this far (at least) when t
 # own) are priced flat.
 LONG_CONTEXT = 2048
 MAX_DEFAULT_BATCHED_TOKENS = 2048
+# With CUDA graphs, one sequence's decode and verify steps are captured at start-up for contexts up to
+# this long (cuda_graphs.StepGraphs.capture_ahead): the windows of 256 to 2,048 keys.
+CAPTURE_AHEAD_WINDOW = 2048
 
 
 @dataclass
@@ -107,8 +111,9 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers,
                          graph_tokens)
     if runner.graphs is not None:
-        log.info("CUDA graphs: decode and verify steps of up to %d tokens replay as graphs, a step's shape captured "
-                 "the second time it is seen (--enforce-eager: never)", runner.graphs.max_tokens)
+        log.info("CUDA graphs: decode and verify steps of up to %d tokens replay as graphs, one sequence's captured "
+                 "at start-up, other shapes the second time they are seen (--enforce-eager: never)",
+                 runner.graphs.max_tokens)
     if runner.batch_invariant:
         log.info("batch-invariant %s: a verified token gets the bits plain decoding gives it (chains; token trees "
                  "up to rounding)", runner.dtype)
@@ -174,6 +179,18 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
              "%.2fx a one-token step, at most %.1fx; a prompt token after %d cached ones counts as %.2f); up to "
              "%d when none does", budget, budget, costs(budget), PREFILL_STEP_COST, late, cost(late), idle)
     return planner, StepBudget(budget, idle, cost)
+
+
+def capture_graphs_ahead(runner: ModelRunner, settings: ServerSettings) -> None:
+    """On the model thread, before serving: capture one sequence's plain, draft and token-tree steps
+    (cuda_graphs.py), which a capture in the middle of a request would stall."""
+    assert runner.graphs is not None
+    started = time.perf_counter()
+    counts = list(range(1, settings.speculative.max_draft_len + 2))
+    trees = list(range(2, settings.max_draft_nodes + 2)) if settings.max_draft_nodes else []
+    shapes = runner.graphs.capture_ahead(counts, trees, CAPTURE_AHEAD_WINDOW)
+    log.info("CUDA graphs: %d shapes of one sequence's steps captured ahead, for contexts up to %d tokens, in %.1f s",
+             shapes, CAPTURE_AHEAD_WINDOW, time.perf_counter() - started)
 
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
@@ -270,6 +287,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     if leader is not None:
         await loop.run_in_executor(model_thread, leader.connect, runner.layouts, model_thread)
     planner, step_budget = await loop.run_in_executor(model_thread, calibrate, runner, settings, max_model_len)
+    if runner.graphs is not None:
+        await loop.run_in_executor(model_thread, capture_graphs_ahead, runner, settings)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -16,8 +16,9 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
   to W tokens. Keys past a row's own position are masked out.
 - whether a row is a token tree (model/tree_attention.py): then each token's position and which
   of its row's new tokens it sees are inputs too, not computed from the row's start.
-A key is captured the second time it is seen (a batch that changes every step stays eager), and
-the `max_graphs` most recently used are kept. A capture stalls the step that makes it (a warm-up
+A key is captured the second time it is seen (a batch that changes every step stays eager), one
+sequence's decode and verify steps ahead, at start-up (`capture_ahead`), and the `max_graphs` most
+recently used are kept. A capture stalls the step that makes it (a warm-up
 forward, the captured one, and instantiating the graph), so keys are few and many are kept. Steps
 over `max_tokens` padded tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly, and
 so does a sharded model (builder.make_runner).
@@ -191,6 +192,30 @@ class StepGraphs:
         assert captured.hidden is not None
         index = torch.tensor([padded[p] for p in logit_index], dtype=torch.long, device=self.device)
         return captured.hidden.index_select(0, index)
+
+    def capture_ahead(self, token_counts: list[int], tree_counts: list[int], max_window: int) -> int:
+        """Capture one sequence's steps before serving, so that its first requests do not stall on them:
+        a row of each of `token_counts` tokens, and a token tree of each of `tree_counts`, after contexts
+        at every window up to `max_window`. Runs in a borrowed free KV slot, whose K/V it leaves as
+        garbage. Returns how many shapes it covered."""
+        slot = self.cache.allocate()
+        keys: set[GraphKey] = set()
+        try:
+            window = MIN_WINDOW
+            while window <= min(max_window, self.cache.shape.capacity):
+                start = window // 2 if window > MIN_WINDOW else 0  # a context that needs this window
+                for n, tree in [(n, False) for n in token_counts] + [(n, True) for n in tree_counts]:
+                    key = self.key([slot], [start], [n], tree)
+                    if key is None or key in keys:
+                        continue
+                    keys.add(key)
+                    parents = [-1, *range(n - 1)] if tree else []  # a chain given as a tree
+                    for _ in range(2):  # seen, then captured
+                        self.hidden_states([0] * n, [slot], [start], [n], [n - 1], parents)
+                window *= 2
+        finally:
+            self.cache.free(slot)
+        return len(keys)
 
     @staticmethod
     def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], slots: list[int], starts: list[int],

@@ -29,9 +29,11 @@ from verifier_support import (
 )
 
 from verifier_service.api.cli import parser, settings_from_args
+from verifier_service.builder import capture_graphs_ahead, make_runner
 from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, MIN_WINDOW, GraphKey, StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch, ModelRunner
+from verifier_service.settings import ServerSettings
 
 CAPACITY = 300
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -120,6 +122,35 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
     assert run([3], [1]) is not None  # its graph, in another slot
     assert run([0], [5]) is None and run([0], [5]) is not None  # a third key (one row of 8 tokens)
     assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, the one-row ones the most recent
+
+
+def test_one_sequences_steps_are_captured_ahead_and_its_slot_given_back() -> None:
+    model = tiny_model()
+    cache = KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=1024), model.dtype, model.device)
+    graphs = StepGraphs(lambda ids, step: torch.zeros(1, ids.shape[1], 3), cache, max_tokens=64, capture=False)
+    shapes = graphs.capture_ahead(list(range(1, 10)), [5, 13], max_window=512)
+    assert shapes == 2 * 5 and cache.num_free_slots == 2  # windows 256, 512; rows of 1, 8, 16; trees of 8, 16
+    # A sequence's first step at one of those shapes, in any slot, runs as its graph.
+    for start in (10, 300):
+        for n, tree in ((1, False), (2, False), (9, False), (5, True), (13, True)):
+            parents = [-1, *range(n - 1)] if tree else []
+            assert graphs.hidden_states([1] * n, [1], [start], [n], [n - 1], parents) is not None, (start, n, tree)
+    assert graphs.hidden_states([1], [1], [600], [1], [0], []) is None  # window 1024, not ahead: first sighting
+
+
+def test_a_verifier_captures_one_sequences_plain_draft_and_tree_steps_ahead() -> None:
+    settings = ServerSettings(max_model_len=600, max_num_seqs=2, max_draft_nodes=12,
+                              speculative=spec_config("NGRAM", 4))
+    runner = make_runner(tiny_model(), settings, settings.max_model_len)
+    runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, settings.cuda_graph_max_tokens, capture=False)
+    try:
+        capture_graphs_ahead(runner, settings)
+        for start in (10, 300):  # windows 256 and 512 (the slots hold 600 tokens)
+            for n, parents in ((1, []), (5, []), (13, [-1, 0, 0, *range(1, 11)])):  # plain, 4 drafts, a tree
+                assert runner.graphs.hidden_states([1] * n, [0], [start], [n], [n - 1], parents) is not None
+        assert runner.kv_cache.num_free_slots == runner.kv_cache.num_slots
+    finally:
+        runner.close()
 
 
 def test_graph_keys() -> None:
