@@ -18,10 +18,10 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
   of its row's new tokens it sees are inputs too, not computed from the row's start.
 A key is captured the second time it is seen (a batch that changes every step stays eager), one
 sequence's decode and verify steps ahead, at start-up (`capture_ahead`), and the `max_graphs` most
-recently used are kept. A capture stalls the step that makes it (a warm-up
-forward, the captured one, and instantiating the graph), so keys are few and many are kept. Steps
-over `max_tokens` padded tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly, and
-so does a sharded model (builder.make_runner).
+recently used are kept. A capture stalls the step that makes it (a warm-up forward, the captured
+one, and instantiating the graph), so keys are few and many are kept. Steps over `max_tokens`
+padded tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly, and so does a
+sharded model (builder.make_runner).
 
 What changes between replays goes in through static device tensors: the token ids, each row's slot
 and start (chains compute positions, K/V write positions and masks from the starts inside the graph),
@@ -197,7 +197,7 @@ class StepGraphs:
         """Capture one sequence's steps before serving, so that its first requests do not stall on them:
         a row of each of `token_counts` tokens, and a token tree of each of `tree_counts`, after contexts
         at every window up to `max_window`. Runs in a borrowed free KV slot, whose K/V it leaves as
-        garbage. Returns how many shapes it covered."""
+        garbage. Returns how many shapes it captured (0 where a capture failed: graphs are then off)."""
         slot = self.cache.allocate()
         keys: set[GraphKey] = set()
         try:
@@ -215,7 +215,7 @@ class StepGraphs:
                 window *= 2
         finally:
             self.cache.free(slot)
-        return len(keys)
+        return len(keys) if self.enabled else 0
 
     @staticmethod
     def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], slots: list[int], starts: list[int],
