@@ -146,6 +146,16 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     spec = settings.speculative
     adaptive = spec.policy.adaptive_draft_len and spec.max_draft_len > 0
     budget = settings.max_num_batched_tokens
+    idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
+    if budget is None and runner.graphs is not None:
+        # The curve is of graphed steps, but a step that carries a prompt's chunk beside decode rows
+        # runs eagerly (a graph pads every row to the chunk's length), at the host's pace whatever its
+        # size: on an H200 the curve's budget lengthened both the streams' longest gap and the prompt's
+        # first token (README, "On a GPU"). So the fewer chunks, the better, and the curve need not
+        # reach a chunk's size.
+        log.info("chunked prefill: --max-num-batched-tokens %d (CUDA graphs: a step with a prompt's chunk runs "
+                 "eagerly, at the host's pace whatever its size, so prompts go in as few chunks as fit)", idle)
+        budget = idle
     if not adaptive and runner.layouts is None and budget is not None:
         return None, StepBudget(budget)
     batch_tokens = runner.kv_cache.num_slots * (spec.max_draft_len + 1)
@@ -163,15 +173,6 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     planner = DraftPlanner(costs) if adaptive else None
     if budget is not None:
         return planner, StepBudget(budget)
-    idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
-    if runner.graphs is not None:
-        # The curve is of graphed steps, but a step that carries a prompt's chunk beside decode rows
-        # runs eagerly (a graph pads every row to the chunk's length), at the host's pace whatever its
-        # size: on an H200 the curve's budget lengthened both the streams' longest gap and the prompt's
-        # first token (README, "On a GPU"). So the fewer chunks, the better.
-        log.info("chunked prefill: --max-num-batched-tokens %d (CUDA graphs: a step with a prompt's chunk runs "
-                 "eagerly, at the host's pace whatever its size, so prompts go in as few chunks as fit)", idle)
-        return planner, StepBudget(idle)
     budget = batched_tokens(costs, idle)
     cost = _prompt_token_cost(runner, settings, seconds, costs, budget)
     late = min(max_model_len, LONG_CONTEXT)

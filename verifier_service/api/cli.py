@@ -85,8 +85,9 @@ def parser() -> argparse.ArgumentParser:
                                 "everything and keeps it, off times everything and keeps nothing",
              choices=["on", "refresh", "off"])
     _setting(m, "cuda_graph_max_tokens", "CUDA: decode and verify steps of up to N tokens (each row padded to a "
-                                         "power of two) replay as CUDA graphs, a step's shape captured the "
-                                         "second time it is seen; 0: always eager", type=int, metavar="N")
+                                         "power of two, 8 or more with drafts) replay as CUDA graphs, one "
+                                         "sequence's captured at start-up, other shapes the second time they "
+                                         "are seen; 0: always eager", type=int, metavar="N")
     m.add_argument("--enforce-eager", dest="cuda_graph_max_tokens", action="store_const", const=0,
                    default=argparse.SUPPRESS, help="CUDA: no CUDA graphs (vLLM's flag; --cuda-graph-max-tokens 0)")
     m.add_argument("--chat-template", metavar="FILE|TEMPLATE",
