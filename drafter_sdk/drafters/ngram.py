@@ -65,7 +65,6 @@ occurrence to the previous one (4 bytes per token and size).
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import sys
 from array import array
@@ -196,17 +195,20 @@ class _Occurrences:
                 table.store(tokens, slot, l)
         self.indexed_len = len(tokens)
 
-    def ends(self, tokens: array, pattern: array) -> Iterator[int]:
-        """Where the token after each earlier occurrence of `pattern` lies in `tokens` (before its
-        end), newest first, at most MAX_OCCURRENCES of them."""
-        size = len(pattern)
-        _, at = self.latest[size - 1].find(tokens, pattern)
-        previous, found, last = self.previous[size - 1], 0, len(tokens) - size
-        while at != _EMPTY and found < MAX_OCCURRENCES:
-            if at < last:
-                yield at + size
-                found += 1
-            at = previous[at]
+    def newest_ends(self, tokens: array, context: array) -> list[int]:
+        """Where the token after an earlier occurrence of `context`'s last 1..k tokens lies in `tokens`
+        (before its end): each size's newest MAX_OCCURRENCES, together, newest first, each once."""
+        found: set[int] = set()
+        n, last = len(context), len(tokens)
+        for size in range(min(len(self.latest), n), 0, -1):
+            _, at = self.latest[size - 1].find(tokens, context[n - size:])
+            previous, count = self.previous[size - 1], 0
+            while at != _EMPTY and count < MAX_OCCURRENCES:
+                if at < last - size:
+                    found.add(at + size)
+                    count += 1
+                at = previous[at]
+        return sorted(found, reverse=True)
 
 
 @dataclass
@@ -371,7 +373,9 @@ class _TreeGrower:
         self.tokens, self.occurrences, self.max_size = tokens, occurrences, max_size
         frequent = Counter(tokens[-UNIGRAM_WINDOW:]).most_common(UNIGRAM_TOP)
         total = sum(count for _, count in frequent)
-        self.unigram = [(token, count / total) for token, count in frequent]
+        self.unigram = [(token, count / total) for token, count in frequent]  # likeliest first
+        self.share = dict(self.unigram)
+        self.reach = max(MAX_MATCH, max_size)  # the last tokens of a node's context its children depend on
 
     def grow(self, max_depth: int, max_nodes: int, min_prob: float = 0.0) -> DraftTree:
         """Parents come before children, and nodes in order of path probability: the first m nodes
@@ -379,53 +383,75 @@ class _TreeGrower:
         path probability is below `min_prob`."""
         tokens: list[int] = []
         parents: list[int] = []
-        order = itertools.count()  # ties: first offered first
-        heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+        # Per offered node: its index, depth, path probability, context (the history + its path) newest
+        # first, `reach` tokens of it, and its children, likeliest first.
+        offered: list[tuple[int, int, float, list[int], Iterator[tuple[int, float]]]] = []
+        # The frontier holds each offered node's likeliest child not yet taken, so taking a node pushes
+        # at most two (its next sibling, its first child) and a child nobody reaches is never scored.
+        # Ties go to the earlier offered node, then the earlier sibling: the order of offering them all.
+        heap: list[tuple[float, int, int, int]] = []  # (-path probability, offered index, sibling rank, token)
 
-        def offer(parent: int, path: tuple[int, ...], probability: float) -> None:
-            # Only the children that could still make the budget: the likeliest, as many as there is room.
-            children = sorted(self.children(path), key=lambda child: -child[1])[:max_nodes - len(tokens)]
-            for token, p in children:
-                heapq.heappush(heap, (-probability * p, next(order), parent, token, path))
+        def push(index: int, rank: int) -> None:
+            probability, children = offered[index][2], offered[index][4]
+            child = next(children, None)
+            if child is not None:
+                heapq.heappush(heap, (-probability * child[1], index, rank, child[0]))
 
-        offer(ROOT, (), 1.0)
+        def offer(node: int, depth: int, probability: float, backwards: list[int]) -> None:
+            offered.append((node, depth, probability, backwards, self.children(backwards)))
+            push(len(offered) - 1, 0)
+
+        offer(ROOT, 0, 1.0, self.tokens[-self.reach:].tolist()[::-1])
         while heap and len(tokens) < max_nodes:
-            negative, _, parent, token, path = heapq.heappop(heap)
+            negative, index, rank, token = heapq.heappop(heap)
             if -negative < min_prob:  # best first: every node left is less likely still
                 break
+            parent, depth, _, backwards, _ = offered[index]
             tokens.append(token)
             parents.append(parent)
-            if len(path) + 1 < max_depth:
-                offer(len(tokens) - 1, (*path, token), -negative)
+            push(index, rank + 1)
+            if depth + 1 < max_depth and len(tokens) < max_nodes:  # the last node's children could not fit
+                offer(len(tokens) - 1, depth + 1, -negative, [token, *backwards[:self.reach - 1]])
         return DraftTree(tokens, parents)
 
-    def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
-        """(token, probability) of the candidate children of the node that `path` leads to."""
-        history, n = self.tokens, len(self.tokens)
-        context = history[max(0, n - max(0, self.max_size - len(path))):] + array(TOKEN_TYPECODE, path[-self.max_size:])
-        ends: dict[int, None] = {}  # occurrences, by where their next token lies
-        for size in range(min(self.max_size, len(context)), 0, -1):
-            ends.update(dict.fromkeys(self.occurrences.ends(history, context[len(context) - size:])))
+    def children(self, backwards: list[int]) -> Iterator[tuple[int, float]]:
+        """(token, probability) of the candidate children of the node whose context, newest first, is
+        `backwards`; likeliest first (ties in the order the occurrences, then the back-off, name them)."""
+        history = self.tokens
         votes: dict[int, float] = {}
         matches: dict[int, int] = {}  # per candidate: the longest match among its occurrences
-        for rank, end in enumerate(sorted(ends, reverse=True)):
-            matched, token = self._matched(end, path), history[end]
+        context = array(TOKEN_TYPECODE, backwards[self.max_size - 1::-1])
+        longest = array(TOKEN_TYPECODE, backwards[MAX_MATCH - 1::-1])  # the longest match counted, in order
+        for rank, end in enumerate(self.occurrences.newest_ends(history, context)):
+            limit = min(len(longest), end)
+            if history[end - limit:end] == longest[len(longest) - limit:]:  # a long copy: one comparison
+                matched = limit
+            else:
+                matched = 0
+                while history[end - 1 - matched] == backwards[matched]:
+                    matched += 1
+            token = history[end]
             matches[token] = max(matches.get(token, 0), matched)
             votes[token] = votes.get(token, 0.0) + MATCH_WEIGHT ** matched * RECENCY ** rank
         total = sum(votes.values())
-        out = {token: vote / total * reliability(matches[token]) for token, vote in votes.items()}
-        left = UNIGRAM_SHARE * (1.0 - sum(out.values()))
-        for token, share in self.unigram:
-            out[token] = out.get(token, 0.0) + left * share
-        return list(out.items())
+        found = {token: vote / total * reliability(matches[token]) for token, vote in votes.items()}
+        left = UNIGRAM_SHARE * (1.0 - sum(found.values()))
+        backed = sorted(((token, q + left * self.share.get(token, 0.0)) for token, q in found.items()),
+                        key=lambda child: -child[1])
+        return _merged(backed, left, self.unigram)
 
-    def _matched(self, end: int, path: tuple[int, ...]) -> int:
-        """How many tokens before `end` equal the last ones of the history + `path` (at most MAX_MATCH)."""
-        history, n, p = self.tokens, len(self.tokens), len(path)
-        matched = 0
-        while matched < min(MAX_MATCH, end, n + p):
-            back = matched + 1
-            if history[end - back] != (path[-back] if back <= p else history[n + p - back]):
-                break
-            matched = back
-        return matched
+
+def _merged(backed: list[tuple[int, float]], left: float,
+            unigram: list[tuple[int, float]]) -> Iterator[tuple[int, float]]:
+    """`backed` (sorted) and the back-off's other tokens at `left` x their share, likeliest first; on a tie
+    `backed` first, as one stable sort of both would give."""
+    i, named = 0, {token for token, _ in backed}
+    for token, share in unigram:
+        if token in named:
+            continue
+        q = left * share
+        while i < len(backed) and backed[i][1] >= q:
+            yield backed[i]
+            i += 1
+        yield token, q
+    yield from backed[i:]

@@ -42,6 +42,9 @@ class Replay:
     verified_per_step: float  # draft tokens (nodes) verified per step
     draft_ms: float  # the drafter's mean time per step
     modelled_tok_s: float  # emitted tokens / the cost curve's time of every step's forward (0 without one)
+    # ... / (that time + the drafter's measured time here): where a forward takes a few milliseconds (a GPU),
+    # the drafter's Python time is a share of the step
+    modelled_with_draft_tok_s: float
 
 
 def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, nodes: int,
@@ -95,7 +98,8 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
         for k, v in enumerate((len(out) - 1, steps, verified, seconds)):
             total[k] += v
     return [Replay(w, emitted / steps, verified / steps, seconds / steps * 1e3,
-                   emitted / forward_ms[w] * 1e3 if w in forward_ms else 0.0)
+                   emitted / forward_ms[w] * 1e3 if w in forward_ms else 0.0,
+                   emitted / (forward_ms[w] + seconds * 1e3) * 1e3 if w in forward_ms else 0.0)
             for w, (emitted, steps, verified, seconds) in totals.items() if steps]
 
 
@@ -185,13 +189,15 @@ def main() -> None:
             row = f"planner {name}" if planner else name
             rows[row] = replay(records, make, n, nodes, costs, one_token_ms, planner, learn)
     print(f"{'workload':<10} {'drafts':<20} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
-          + (f" {'model tok/s':>11} {'vs chain':>8}" if costs else ""))
+          + (f" {'model tok/s':>11} {'vs chain':>8} {'+draft tok/s':>12} {'vs chain':>8}" if costs else ""))
     for i in range(len(rows["chain"])):
         for name, replays in rows.items():
             r, chain = replays[i], rows["planner chain" if name.startswith("planner") else "chain"][i]
             print(f"{r.workload:<10} {name:<20} {r.tokens_per_step:>11.3f} "
                   f"{r.tokens_per_step / chain.tokens_per_step:>7.3f}x {r.verified_per_step:>8.1f} {r.draft_ms:>8.2f}"
-                  + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x" if costs else ""))
+                  + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x"
+                     f" {r.modelled_with_draft_tok_s:>12.1f}"
+                     f" {r.modelled_with_draft_tok_s / chain.modelled_with_draft_tok_s:>7.3f}x" if costs else ""))
 
 
 if __name__ == "__main__":
