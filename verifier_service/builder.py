@@ -29,6 +29,7 @@ from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
+from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
@@ -142,20 +143,19 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     and the default step token budget is read from. Returns (planner, step token budget).
     A budget given (--max-num-batched-tokens) caps every step, as in vLLM; the default one
     applies where sequences decode, and a step with none prefills up to
-    MAX_DEFAULT_BATCHED_TOKENS at once. With CUDA graphs the default is that in every step."""
+    MAX_DEFAULT_BATCHED_TOKENS at once. With CUDA graphs the default is --cuda-graph-max-tokens in every step."""
     spec = settings.speculative
     adaptive = spec.policy.adaptive_draft_len and spec.max_draft_len > 0
     budget = settings.max_num_batched_tokens
     idle = min(max_model_len, MAX_DEFAULT_BATCHED_TOKENS)
     if budget is None and runner.graphs is not None:
-        # The curve is of graphed steps, but a step that carries a prompt's chunk beside decode rows
-        # runs eagerly (a graph pads every row to the chunk's length), at the host's pace whatever its
-        # size: on an H200 the curve's budget lengthened both the streams' longest gap and the prompt's
-        # first token (README, "On a GPU"). So the fewer chunks, the better, and the curve need not
-        # reach a chunk's size.
-        log.info("chunked prefill: --max-num-batched-tokens %d (CUDA graphs: a step with a prompt's chunk runs "
-                 "eagerly, at the host's pace whatever its size, so prompts go in as few chunks as fit)", idle)
-        budget = idle
+        # A step of up to the graphs' tokens replays as graphs, a prompt's chunk beside decode rows too
+        # (a graph for each length of row, cuda_graphs.py), where a larger one runs eagerly, at the host's
+        # pace whatever its size (on an H200 an eager one-token forward of a SmolLM2-sized model took 30.4
+        # ms, its graph 2.45 ms). So prompts go in chunks of that size, in every step.
+        budget = runner.graphs.max_tokens
+        log.info("chunked prefill: --max-num-batched-tokens %d (CUDA graphs: a step of up to "
+                 "--cuda-graph-max-tokens replays as graphs, a prompt's chunk included)", budget)
     if not adaptive and runner.layouts is None and budget is not None:
         return None, StepBudget(budget)
     batch_tokens = runner.kv_cache.num_slots * (spec.max_draft_len + 1)
@@ -182,12 +182,17 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
     return planner, StepBudget(budget, idle, cost)
 
 
-def capture_graphs_ahead(runner: ModelRunner, settings: ServerSettings) -> None:
+def capture_graphs_ahead(runner: ModelRunner, settings: ServerSettings, step_tokens: int | None) -> None:
     """On the model thread, before serving: capture one sequence's plain, draft and token-tree steps
-    (cuda_graphs.py), which a capture in the middle of a request would stall."""
+    (cuda_graphs.py), and its prompt's chunks of every padded length up to `step_tokens` (the step
+    budget), which a capture in the middle of a request would stall."""
     assert runner.graphs is not None
     started = time.perf_counter()
     counts = list(range(1, settings.speculative.max_draft_len + 2))
+    chunk = 2 * MIN_DRAFT_STEP_LENGTH  # the padded lengths above a draft's
+    while step_tokens is not None and chunk <= min(step_tokens, runner.graphs.max_tokens):
+        counts.append(chunk)
+        chunk *= 2
     trees = list(range(2, settings.max_draft_nodes + 2)) if settings.max_draft_nodes else []
     shapes = runner.graphs.capture_ahead(counts, trees, CAPTURE_AHEAD_WINDOW)
     log.info("CUDA graphs: %d shapes of one sequence's steps captured ahead, for contexts up to %d tokens, in %.1f s",
@@ -289,7 +294,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
         await loop.run_in_executor(model_thread, leader.connect, runner.layouts, model_thread)
     planner, step_budget = await loop.run_in_executor(model_thread, calibrate, runner, settings, max_model_len)
     if runner.graphs is not None:
-        await loop.run_in_executor(model_thread, capture_graphs_ahead, runner, settings)
+        await loop.run_in_executor(model_thread, capture_graphs_ahead, runner, settings, step_budget.tokens)
     spec = settings.speculative
     verifier_id = uuid.uuid4().hex
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -290,11 +290,11 @@ def engine_of(v):  # noqa: ANN001, ANN201
     return v.running.runtime.engine
 
 
-def run_at_graph_shapes(engine) -> StepGraphs:  # noqa: ANN001
+def run_at_graph_shapes(engine, max_tokens: int = DEFAULTS.cuda_graph_max_tokens) -> StepGraphs:  # noqa: ANN001
     """The CUDA-graph steps without capture (a CPU has none): every step whose shape repeats runs padded
     to its graph's rows and window (model/cuda_graphs.py), as a GPU replays it."""
     runner = engine.runner
-    runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, DEFAULTS.cuda_graph_max_tokens, capture=False)
+    runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, max_tokens, capture=False)
     return runner.graphs
 
 

@@ -84,10 +84,11 @@ def parser() -> argparse.ArgumentParser:
                                 "shapes: on takes what an earlier start kept and times the rest, refresh times "
                                 "everything and keeps it, off times everything and keeps nothing",
              choices=["on", "refresh", "off"])
-    _setting(m, "cuda_graph_max_tokens", "CUDA: decode and verify steps of up to N tokens (each row padded to a "
-                                         "power of two, 8 or more with drafts) replay as CUDA graphs, one "
-                                         "sequence's captured at start-up, other shapes the second time they "
-                                         "are seen; 0: always eager", type=int, metavar="N")
+    _setting(m, "cuda_graph_max_tokens", "CUDA: steps of up to N tokens (each row padded to a power of two, 8 or "
+                                         "more with drafts; a prompt's chunk beside decode rows as a graph of "
+                                         "its own) replay as CUDA graphs, one sequence's captured at start-up, "
+                                         "other shapes the second time they are seen; 0: always eager",
+             type=int, metavar="N")
     m.add_argument("--enforce-eager", dest="cuda_graph_max_tokens", action="store_const", const=0,
                    default=argparse.SUPPRESS, help="CUDA: no CUDA graphs (vLLM's flag; --cuda-graph-max-tokens 0)")
     m.add_argument("--chat-template", metavar="FILE|TEMPLATE",
@@ -104,8 +105,8 @@ def parser() -> argparse.ArgumentParser:
                         "a long prefill, higher gives that prompt its first token sooner (default: the most a "
                         "step can carry at 2.5x the measured one-token step, logged at start-up, while "
                         "sequences decode, a late prompt token counting for more by its measured attention, and "
-                        "up to 2048 in a step where none does; with CUDA graphs 2048 in every step; a value "
-                        "given caps every step, in tokens)")
+                        "up to 2048 in a step where none does; with CUDA graphs --cuda-graph-max-tokens in every "
+                        "step; a value given caps every step, in tokens)")
     c.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=argparse.SUPPRESS,
                    help="do not reuse the KV cache of shared prompt prefixes (on by default)")

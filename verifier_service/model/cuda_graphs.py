@@ -19,9 +19,14 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
 A key is captured the second time it is seen (a batch that changes every step stays eager), one
 sequence's decode and verify steps ahead, at start-up (`capture_ahead`), and the `max_graphs` most
 recently used are kept. A capture stalls the step that makes it (a warm-up forward, the captured
-one, and instantiating the graph), so keys are few and many are kept. Steps over `max_tokens`
-padded tokens and token-tree steps with rows over MAX_TREE_LENGTH run eagerly, and so does a
-sharded model (builder.make_runner).
+one, and instantiating the graph), so keys are few and many are kept.
+
+Padding every row to the longest would make a prompt's chunk beside decode rows a step of rows x
+chunk tokens, over `max_tokens`. Such a step runs as one graph per length of row instead (decode
+and verify rows in one, the chunk in another, each keyed as above), one replay after the other:
+with a step budget of `max_tokens` (builder.calibrate), chunked prefill never leaves the graphs. A
+step that no grouping fits, and token trees with rows over MAX_TREE_LENGTH, run eagerly; so does
+every step of a sharded model (builder.make_runner).
 
 What changes between replays goes in through static device tensors: the token ids, each row's slot
 and start (chains compute positions, K/V write positions and masks from the starts inside the graph),
@@ -33,6 +38,7 @@ moved from, and which the row's next real tokens overwrite before any query read
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier_service.model.kv_cache import KVCache
-from verifier_service.model.tree_attention import ancestors
+from verifier_service.model.tree_attention import ancestors, is_chain_row
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,12 @@ MAX_TREE_LENGTH = 64  # padded tokens of a row in a token-tree graph (its ancest
 
 def _power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _row_length(n: int) -> int:
+    """A row of n tokens padded: a decode row stays 1, longer rows go to a power of two, at least
+    MIN_DRAFT_STEP_LENGTH."""
+    return 1 if n == 1 else _power_of_two_at_least(max(n, MIN_DRAFT_STEP_LENGTH))
 
 
 @dataclass(frozen=True)
@@ -151,8 +163,7 @@ class StepGraphs:
         eagerly."""
         if not self.enabled or not slots:
             return None
-        longest = max(lengths)
-        length = 1 if longest == 1 else _power_of_two_at_least(max(longest, MIN_DRAFT_STEP_LENGTH))
+        length = _row_length(max(lengths))
         capacity = self.cache.shape.capacity
         if (length * len(slots) > self.max_tokens or (tree and length > MAX_TREE_LENGTH)
                 or any(start + length > capacity for start in starts)):
@@ -161,24 +172,89 @@ class StepGraphs:
         window = min(capacity, max(MIN_WINDOW, _power_of_two_at_least(end)))
         return GraphKey(len(slots), length, window, tree)
 
+    def groups(self, slots: list[int], starts: list[int], lengths: list[int],
+               parents: list[int]) -> list[tuple[GraphKey, list[int]]] | None:
+        """The graphs a step of these rows runs as, each with the rows (indices into the step) it runs;
+        None: it runs eagerly. One graph for all rows where they have a key. Otherwise, as where a
+        prompt's chunk beside decode rows would pad every row to the chunk's length, rows are grouped by
+        their padded length, shortest first, as many lengths together as keep a key: a graph each."""
+        key = self.key(slots, starts, lengths, tree=bool(parents))
+        if key is not None:
+            return [(key, list(range(len(slots))))]
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        # A group is a tree only if one of its rows is: a chunk is a chain, and tree keys stop at MAX_TREE_LENGTH.
+        tree = [bool(parents) and not is_chain_row(parents[offsets[r]:offsets[r + 1]]) for r in range(len(slots))]
+
+        def key_of(rows: list[int]) -> GraphKey | None:
+            return self.key([slots[r] for r in rows], [starts[r] for r in rows], [lengths[r] for r in rows],
+                            any(tree[r] for r in rows))
+
+        by_length: dict[int, list[int]] = {}
+        for r, n in enumerate(lengths):
+            by_length.setdefault(_row_length(n), []).append(r)
+        if not self.enabled or len(by_length) < 2:
+            return None
+        out: list[tuple[GraphKey, list[int]]] = []
+        rows: list[int] = []
+        for length in sorted(by_length):
+            grown, grown_key = rows + by_length[length], key_of(rows + by_length[length])
+            if grown_key is None and key is not None:  # the rows so far are a graph; these start the next
+                out.append((key, rows))
+                grown, grown_key = by_length[length], key_of(by_length[length])
+            if grown_key is None:
+                return None
+            rows, key = grown, grown_key
+        assert key is not None
+        return [*out, (key, rows)]
+
     def hidden_states(self, input_ids: list[int], slots: list[int], starts: list[int], lengths: list[int],
                       logit_index: list[int], parents: list[int]) -> torch.Tensor | None:
         """A step of these rows (runner.ForwardBatch's fields): the last hidden states at the packed
-        positions `logit_index` [len(logit_index), hidden], or None where it runs eagerly (no key; the
-        key's first sighting; a capture that failed)."""
-        key = self.key(slots, starts, lengths, tree=bool(parents))
-        if key is None:
+        positions `logit_index` [len(logit_index), hidden], or None where it runs eagerly (no graphs for
+        it; a graph's first sighting; a capture that failed)."""
+        groups = self.groups(slots, starts, lengths, parents)
+        if groups is None:
             return None
-        captured = self._graphs.get(key)
-        if captured is None and key not in self._seen:
-            self._seen[key] = None
+        fresh = [key for key, _ in groups if key not in self._graphs and key not in self._seen]
+        if fresh:
+            for key in fresh:
+                self._seen[key] = None
             while len(self._seen) > 4 * self.max_graphs:
                 self._seen.popitem(last=False)
             return None
+        if len(groups) == 1:
+            return self._replay(groups[0][0], input_ids, slots, starts, lengths, parents, logit_index)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        group_of = [0] * offsets[-1]  # packed position -> its row's group
+        for g, (_, rows) in enumerate(groups):
+            for r in rows:
+                group_of[offsets[r]:offsets[r + 1]] = [g] * lengths[r]
+        out: torch.Tensor | None = None
+        for g, (key, rows) in enumerate(groups):
+            packed = [p for r in rows for p in range(offsets[r], offsets[r + 1])]  # the group's tokens, in order
+            local = {p: i for i, p in enumerate(packed)}
+            picked = [k for k, p in enumerate(logit_index) if group_of[p] == g]
+            hidden = self._replay(key, [input_ids[p] for p in packed], [slots[r] for r in rows],
+                                  [starts[r] for r in rows], [lengths[r] for r in rows],
+                                  [parents[p] for p in packed] if key.tree else [],
+                                  [local[logit_index[k]] for k in picked])
+            if hidden is None:  # a capture failed: graphs are off; the step runs eagerly (the same K/V again)
+                return None
+            if out is None:
+                out = hidden.new_empty(len(logit_index), hidden.shape[1])
+            out.index_copy_(0, torch.tensor(picked, dtype=torch.long, device=self.device), hidden)
+        return out
+
+    def _replay(self, key: GraphKey, input_ids: list[int], slots: list[int], starts: list[int], lengths: list[int],
+                parents: list[int], logit_index: list[int]) -> torch.Tensor | None:
+        """One graph's rows (capturing it at its second sighting): their hidden states at `logit_index`,
+        copied out of the graph's memory before another graph of the step replays (graphs share a
+        memory pool, so one captured earlier may reuse where this one's output lies)."""
+        captured = self._graphs.get(key)
         padded = [r * key.length + i for r, n in enumerate(lengths) for i in range(n)]  # packed -> padded
         values, seen = self._inputs(key, padded, input_ids, slots, starts, lengths, parents)
         if captured is None:
-            del self._seen[key]
+            self._seen.pop(key, None)  # (or captured, then evicted by the step's other graph)
             captured = self._capture(key, values, seen)
             if captured is None:
                 return None
@@ -195,16 +271,18 @@ class StepGraphs:
 
     def capture_ahead(self, token_counts: list[int], tree_counts: list[int], max_window: int) -> int:
         """Capture one sequence's steps before serving, so that its first requests do not stall on them:
-        a row of each of `token_counts` tokens, and a token tree of each of `tree_counts`, after contexts
-        at every window up to `max_window`. Runs in a borrowed free KV slot, whose K/V it leaves as
-        garbage. Returns how many shapes it captured (0 where a capture failed: graphs are then off)."""
+        a row of each of `token_counts` tokens (decode, verify, a prompt's chunk), and a token tree of each
+        of `tree_counts`, after contexts at every window up to `max_window`. Runs in a borrowed free KV
+        slot, whose K/V it leaves as garbage. Returns how many shapes it captured (0 where a capture
+        failed: graphs are then off)."""
         slot = self.cache.allocate()
         keys: set[GraphKey] = set()
         try:
             window = MIN_WINDOW
             while window <= min(max_window, self.cache.shape.capacity):
-                start = window // 2 if window > MIN_WINDOW else 0  # a context that needs this window
                 for n, tree in [(n, False) for n in token_counts] + [(n, True) for n in tree_counts]:
+                    # After a context that needs this window (a row over half of it needs it from the start).
+                    start = window // 2 if window > MIN_WINDOW and n <= window // 2 else 0
                     key = self.key([slot], [start], [n], tree)
                     if key is None or key in keys:
                         continue

@@ -195,16 +195,18 @@ def test_the_default_budget_prices_prompt_tokens_from_a_long_context_forward() -
         runner.close()
 
 
-def test_with_cuda_graphs_the_default_budget_is_the_idle_one_in_every_step() -> None:
-    """A step with a prompt's chunk runs eagerly beside graphed decode steps, so the graphed steps'
-    cost curve cannot price it: prompts go in as few chunks as fit (the graphs without capture here)."""
-    settings = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off")
+def test_with_cuda_graphs_the_default_budget_is_the_graphs_tokens_in_every_step() -> None:
+    """A step of up to --cuda-graph-max-tokens replays as graphs, a chunk beside decode rows included,
+    where a larger one would run eagerly at the host's pace: so that is every step's budget, idle or not
+    (the graphs without capture here)."""
+    settings = ServerSettings(max_model_len=LONG_CONTEXT + 64, max_num_seqs=2, timing_cache="off",
+                              cuda_graph_max_tokens=256)
     runner = make_runner(shared_model(), settings, settings.max_model_len)
     try:
         eager = calibrate(runner, settings, settings.max_model_len)[1]
         runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, settings.cuda_graph_max_tokens, capture=False)
         graphed = calibrate(runner, settings, settings.max_model_len)[1]
         assert eager.tokens is not None and eager.tokens < MAX_DEFAULT_BATCHED_TOKENS
-        assert graphed == StepBudget(MAX_DEFAULT_BATCHED_TOKENS)
+        assert graphed == StepBudget(256)
     finally:
         runner.close()

@@ -97,6 +97,73 @@ def test_graph_steps_give_the_packed_steps_logits_and_committed_kv_through_rejec
     assert (graphed.graphs.captures > 0) == (device == "cuda")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_chunks_beside_decode_and_verify_rows_run_as_a_graph_per_row_length(device: str) -> None:
+    """Padded to the chunk's length, one graph of all rows would be over max_tokens (32): the decode and
+    verify rows replay as one graph, the chunk as another, and their logits and committed K/V equal the
+    packed step's, across chunk sizes, windows, the order of the rows and token trees beside a chunk."""
+    rng = random.Random(1)
+    eager, graphed = runner(False, device), runner(True, device)
+    close = functools.partial(torch.allclose, atol=1e-5 if device == "cpu" else 1e-4)
+    committed, last = [0, 0, 0, 0], [0, 0, 0, 0]
+    for slot in range(3):  # three running sequences
+        prompt = [rng.randrange(1, 400) for _ in range(rng.randint(5, 20))]
+        logits = eager.forward(ForwardBatch(prompt, [slot], [0], [len(prompt)], [len(prompt) - 1]))
+        graphed.forward(ForwardBatch(prompt, [slot], [0], [len(prompt)], [len(prompt) - 1]))
+        committed[slot], last[slot] = len(prompt), int(logits[0].argmax())
+    long_prompt = [rng.randrange(1, 400) for _ in range(CAPACITY - 40)]
+    replays_before = graphed.graphs.replays
+    step = 0
+    while committed[3] < len(long_prompt):  # slot 3's prompt in chunks of 9 to 16 tokens
+        chunk = min(rng.randint(9, 16), len(long_prompt) - committed[3])
+        trees = step % 3 == 2  # the drafts random trees (chains among them); the chunk a chain
+        step += 1
+        rows = [0, 1, 2, 3]  # the chunk's row anywhere among the others
+        rng.shuffle(rows)
+        drafts = {s: [rng.randrange(1, 400) for _ in range(rng.choice([0, 0, 3]))] for s in rows if s != 3}
+        ids, lengths, logit_index, parents, first = [], [], [], [], {}  # first: a slot's first logits row
+        for s in rows:
+            new = long_prompt[committed[3]:committed[3] + chunk] if s == 3 else [last[s], *drafts[s]]
+            first[s] = len(logit_index)
+            logit_index += [len(ids) + len(new) - 1] if s == 3 else range(len(ids), len(ids) + len(new))
+            parents += range(-1, len(new) - 1) if s == 3 else [-1] + [rng.randrange(i) for i in range(1, len(new))]
+            ids += new
+            lengths.append(len(new))
+        batch = ForwardBatch(ids, rows, [committed[s] for s in rows], lengths, logit_index,
+                             parents=parents if trees else [])
+        expected = eager.forward(batch)
+        for _ in range(2):  # eager at a shape's first sighting, then as its graphs (writing the same K/V)
+            assert close(graphed.forward(batch), expected), committed[3]
+        committed[3] += chunk
+        for s in drafts:
+            accepted = 0 if trees else rng.randint(0, len(drafts[s]))  # of a tree, its root (no K/V moves)
+            committed[s] += 1 + accepted
+            last[s] = int(expected[first[s] + accepted].argmax())
+    for s in range(4):
+        for cache in ("k", "v"):
+            want = getattr(eager.kv_cache, cache)[:, s, :, :committed[s] - 1]
+            assert close(getattr(graphed.kv_cache, cache)[:, s, :, :committed[s] - 1], want)
+    assert graphed.graphs.replays - replays_before >= 2 * 20  # most steps' two forwards ran as two graphs each
+
+
+def test_the_graphs_of_a_step_whose_rows_pad_past_max_tokens_group_rows_by_length() -> None:
+    model = tiny_model()
+    cache = KVCache(KVCacheShape.for_model(model.config, num_slots=8, capacity=CAPACITY), model.dtype, model.device)
+    graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=64, capture=False)
+    assert graphs.groups([0, 1], [10, 20], [1, 3], []) == [(GraphKey(2, 8, MIN_WINDOW), [0, 1])]  # one graph fits
+    # A 40-token chunk beside three decode rows: 4 rows of 64 tokens would be over 64.
+    assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 270], [40, 1, 1, 1], []) == [
+        (GraphKey(3, 1, CAPACITY), [1, 2, 3]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+    # Decode and verify rows stay together while they fit; a token tree's chunk is a chain, not a tree key.
+    tree = [*range(-1, 39), -1, -1, 0, 0, 1, -1]
+    assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 70], [40, 1, 4, 1], tree) == [
+        (GraphKey(3, 8, MIN_WINDOW, tree=True), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+    assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 70], [40, 1, 4, 1], [*range(-1, 39), -1, -1, 0, 1, 2, -1]) == [
+        (GraphKey(3, 8, MIN_WINDOW), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+    assert graphs.groups([4, 0], [0, 50], [65, 1], []) is None  # a chunk of 65 pads to 128: over 64
+    assert graphs.groups(list(range(8)), [0] * 8, [40, 9, 9, 9, 9, 9, 9, 9], []) is None  # 7 rows of 16: over 64
+
+
 def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_recent_are_kept() -> None:
     model = tiny_model()
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=4, capacity=CAPACITY), model.dtype, model.device)
@@ -144,9 +211,10 @@ def test_a_verifier_captures_one_sequences_plain_draft_and_tree_steps_ahead() ->
     runner = make_runner(tiny_model(), settings, settings.max_model_len)
     runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, settings.cuda_graph_max_tokens, capture=False)
     try:
-        capture_graphs_ahead(runner, settings)
+        capture_graphs_ahead(runner, settings, 64)
         for start in (10, 300):  # windows 256 and 512 (the slots hold 600 tokens)
-            for n, parents in ((1, []), (5, []), (13, [-1, 0, 0, *range(1, 11)])):  # plain, 4 drafts, a tree
+            # plain, 4 drafts, a tree, prompt chunks of 16, 32 and 64 tokens
+            for n, parents in ((1, []), (5, []), (13, [-1, 0, 0, *range(1, 11)]), (9, []), (30, []), (64, [])):
                 assert runner.graphs.hidden_states([1] * n, [0], [start], [n], [n - 1], parents) is not None
         assert runner.kv_cache.num_free_slots == runner.kv_cache.num_slots
     finally:
@@ -187,12 +255,41 @@ def test_a_verifier_running_its_steps_at_graph_shapes_gives_plain_decodings_outp
             runner = engine_of(v).runner
             graphs = run_at_graph_shapes(engine_of(v))
             # As at start-up on CUDA: its garbage K/V, left in a slot a request then takes, change nothing.
-            capture_graphs_ahead(runner, ServerSettings(speculative=spec_config("NGRAM", 4)))
+            capture_graphs_ahead(runner, ServerSettings(speculative=spec_config("NGRAM", 4)), None)
             ahead = graphs.replays
             assert ahead > 0 and runner.kv_cache.num_free_slots == runner.kv_cache.num_slots
             responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 24),
                                                                  timeout=WAIT_S) for p in prompts])
             assert [list(resp.output.token_ids) for resp in responses] == refs
             assert graphs.replays > ahead
+
+    asyncio.run(main())
+
+
+def test_a_verifier_prefilling_long_prompts_in_chunks_at_graph_shapes_gives_plain_decodings_outputs() -> None:
+    """Long prompts arrive behind decoding ones, under a step budget of the graphs' tokens: their chunks
+    run beside the decode and verify rows as a graph per row length, and every output is plain decoding's."""
+    rng = random.Random(3)
+    prompts = [repetitive_prompt(s) for s in LOOPING_SEEDS[:4]]
+    prompts += [[rng.randrange(1, 400) for _ in range(n)] for n in (150, 90)]
+    refs = [reference_greedy(tiny_model(), p, 24) for p in prompts]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), max_num_seqs=8, max_num_batched_tokens=64) as v:
+            graphs = run_at_graph_shapes(engine_of(v), max_tokens=64)
+            grouped = 0
+            groups = graphs.groups
+
+            def counted(*args: list[int]) -> list[tuple[GraphKey, list[int]]] | None:
+                nonlocal grouped
+                out = groups(*args)
+                grouped += out is not None and len(out) > 1
+                return out
+
+            graphs.groups = counted  # type: ignore[method-assign]
+            responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 24),
+                                                                 timeout=WAIT_S) for p in prompts])
+            assert [list(resp.output.token_ids) for resp in responses] == refs
+            assert grouped >= 4  # steps of a chunk beside decode rows, run as graphs (after a first sighting)
 
     asyncio.run(main())
