@@ -29,7 +29,7 @@ from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
-from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH
+from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, batch_rows, padded_length
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
@@ -50,8 +50,8 @@ CHUNK_PROBE_TOKENS = 64  # the cost curve is measured this far (at least) when t
 # own) are priced flat.
 LONG_CONTEXT = 2048
 MAX_DEFAULT_BATCHED_TOKENS = 2048
-# With CUDA graphs, one sequence's decode and verify steps are captured at start-up for contexts up to
-# this long (cuda_graphs.StepGraphs.capture_ahead): the windows of 256 to 2,048 keys.
+# With CUDA graphs, steps are captured at start-up for contexts up to this long
+# (cuda_graphs.StepGraphs.capture_ahead): the windows of 256 to 2,048 keys.
 CAPTURE_AHEAD_WINDOW = 2048
 
 
@@ -112,9 +112,8 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers,
                          graph_tokens)
     if runner.graphs is not None:
-        log.info("CUDA graphs: decode and verify steps of up to %d tokens replay as graphs, one sequence's captured "
-                 "at start-up, other shapes the second time they are seen (--enforce-eager: never)",
-                 runner.graphs.max_tokens)
+        log.info("CUDA graphs: steps of up to %d tokens replay as graphs, the usual ones captured at start-up, "
+                 "other shapes the second time they are seen (--enforce-eager: never)", runner.graphs.max_tokens)
     if runner.batch_invariant:
         log.info("batch-invariant %s: a verified token gets the bits plain decoding gives it (chains; token trees "
                  "up to rounding)", runner.dtype)
@@ -183,20 +182,27 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
 
 
 def capture_graphs_ahead(runner: ModelRunner, settings: ServerSettings, step_tokens: int | None) -> None:
-    """On the model thread, before serving: capture one sequence's plain, draft and token-tree steps
-    (cuda_graphs.py), and its prompt's chunks of every padded length up to `step_tokens` (the step
-    budget), which a capture in the middle of a request would stall."""
-    assert runner.graphs is not None
+    """On the model thread, before serving: capture the decode and draft steps of every batch size up to
+    the KV cache's sequences, one sequence's token trees, and its prompt's chunks of every padded length
+    up to `step_tokens` (the step budget) (cuda_graphs.py): a capture in the middle of a request would
+    stall it."""
+    graphs = runner.graphs
+    assert graphs is not None
     started = time.perf_counter()
-    counts = list(range(1, settings.speculative.max_draft_len + 2))
-    chunk = 2 * MIN_DRAFT_STEP_LENGTH  # the padded lengths above a draft's
-    while step_tokens is not None and chunk <= min(step_tokens, runner.graphs.max_tokens):
-        counts.append(chunk)
-        chunk *= 2
-    trees = list(range(2, settings.max_draft_nodes + 2)) if settings.max_draft_nodes else []
-    shapes = runner.graphs.capture_ahead(counts, trees, CAPTURE_AHEAD_WINDOW)
-    log.info("CUDA graphs: %d shapes of one sequence's steps captured ahead, for contexts up to %d tokens, in %.1f s",
-             shapes, CAPTURE_AHEAD_WINDOW, time.perf_counter() - started)
+    shapes = [(rows, n, False) for rows in _powers_of_two(batch_rows(runner.kv_cache.num_slots))
+              for n in range(1, settings.speculative.max_draft_len + 2)]
+    shapes += [(1, n, True) for n in range(2, settings.max_draft_nodes + 2)] if settings.max_draft_nodes else []
+    longest_chunk = min(padded_length(step_tokens), graphs.max_tokens) if step_tokens else 0
+    shapes += [(1, n, False) for n in _powers_of_two(longest_chunk) if n > MIN_DRAFT_STEP_LENGTH]
+    captured = graphs.capture_ahead(shapes, CAPTURE_AHEAD_WINDOW)
+    log.info("CUDA graphs: %d shapes captured ahead (decode and draft steps of up to %d sequences, one "
+             "sequence's trees and prompt chunks), for contexts up to %d tokens, in %.1f s", captured,
+             runner.kv_cache.num_slots, CAPTURE_AHEAD_WINDOW, time.perf_counter() - started)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`."""
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:

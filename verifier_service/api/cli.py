@@ -84,10 +84,11 @@ def parser() -> argparse.ArgumentParser:
                                 "shapes: on takes what an earlier start kept and times the rest, refresh times "
                                 "everything and keeps it, off times everything and keeps nothing",
              choices=["on", "refresh", "off"])
-    _setting(m, "cuda_graph_max_tokens", "CUDA: steps of up to N tokens (each row padded to a power of two, 8 or "
-                                         "more with drafts; a prompt's chunk beside decode rows as a graph of "
-                                         "its own) replay as CUDA graphs, one sequence's captured at start-up, "
-                                         "other shapes the second time they are seen; 0: always eager",
+    _setting(m, "cuda_graph_max_tokens", "CUDA: steps of up to N tokens (rows and each row's tokens padded to a "
+                                         "power of two, 8 or more with drafts; a prompt's chunk beside decode "
+                                         "rows as a graph of its own) replay as CUDA graphs, every batch size's "
+                                         "decode and draft steps captured at start-up, other shapes the second "
+                                         "time they are seen; 0: always eager",
              type=int, metavar="N")
     m.add_argument("--enforce-eager", dest="cuda_graph_max_tokens", action="store_const", const=0,
                    default=argparse.SUPPRESS, help="CUDA: no CUDA graphs (vLLM's flag; --cuda-graph-max-tokens 0)")

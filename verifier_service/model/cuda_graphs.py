@@ -6,8 +6,9 @@ SmolLM2-135M's shapes took 30.4 ms eager, 2.2 ms of it on the GPU, and 2.45 ms a
 vLLM and SGLang capture their decode steps for the same reason.
 
 A graph replays fixed shapes in fixed memory, so a step is captured under a key of what it fixes:
-- the number of rows (sequences), but not their KV slots: which slot each row reads and writes is
-  an input, so a batch whose sequences come and go, or move to other slots, keeps its graphs;
+- the number of rows (sequences), padded to a power of two by repeating the first row, but not their
+  KV slots: which slot each row reads and writes is an input, so a batch whose sequences come and go,
+  or move to other slots, keeps its graphs, and batches of 5 to 8 sequences share one;
 - the row length L: every row padded to the power of two at or above the longest, and a step of
   drafts to at least MIN_DRAFT_STEP_LENGTH, so a draft length that changes from step to step keeps
   one graph;
@@ -16,9 +17,10 @@ A graph replays fixed shapes in fixed memory, so a step is captured under a key 
   to W tokens. Keys past a row's own position are masked out.
 - whether a row is a token tree (model/tree_attention.py): then each token's position and which
   of its row's new tokens it sees are inputs too, not computed from the row's start.
-A key is captured the second time it is seen (a batch that changes every step stays eager), one
-sequence's decode and verify steps ahead, at start-up (`capture_ahead`), and the `max_graphs` most
-recently used are kept. A capture stalls the step that makes it (a warm-up forward, the captured
+A key is captured the second time it is seen (a batch that changes every step stays eager), and the
+`max_graphs` most recently used are kept. Decode and verify steps of every batch size up to the KV
+cache's sequences, and one sequence's token trees and prompt chunks, are captured at start-up
+(`capture_ahead`). A capture stalls the step that makes it (a warm-up forward, the captured
 one, and instantiating the graph), so keys are few and many are kept.
 
 Padding every row to the longest would make a prompt's chunk beside decode rows a step of rows x
@@ -33,7 +35,9 @@ and start (chains compute positions, K/V write positions and masks from the star
 and for trees the positions and each row's ancestor matrix. A padding token computes what no one
 reads: it writes its K/V into its own row's slot after the row's real tokens, positions past the
 sequence's committed length, which no prefix-cache block covers, which no tree's accepted path is
-moved from, and which the row's next real tokens overwrite before any query reads them.
+moved from, and which the row's next real tokens overwrite before any query reads them. A padding
+row repeats the first row: the same tokens at the same positions of the same slot, so it writes
+what that row writes, and its outputs are not read.
 """
 
 from __future__ import annotations
@@ -64,15 +68,20 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _row_length(n: int) -> int:
-    """A row of n tokens padded: a decode row stays 1, longer rows go to a power of two, at least
+def batch_rows(n: int) -> int:
+    """The rows a step of n sequences runs as."""
+    return _power_of_two_at_least(n)
+
+
+def padded_length(n: int) -> int:
+    """A row of n tokens, padded: a decode row stays 1, longer rows go to a power of two, at least
     MIN_DRAFT_STEP_LENGTH."""
     return 1 if n == 1 else _power_of_two_at_least(max(n, MIN_DRAFT_STEP_LENGTH))
 
 
 @dataclass(frozen=True)
 class GraphKey:
-    rows: int  # sequences in the step (their slots are inputs)
+    rows: int  # sequences in the step, padded to a power of two (their slots are inputs)
     length: int  # tokens per row, padded
     window: int  # keys each row attends over
     tree: bool = False  # some row is a token tree: positions and ancestor matrices are inputs
@@ -143,7 +152,7 @@ class StepGraphs:
     """The runner's captured steps. `capture` False runs the same fixed-shape steps without
     capturing them (a CPU has no CUDA graphs; the tests check the shapes' arithmetic there)."""
 
-    def __init__(self, run_body: RunBody, cache: KVCache, max_tokens: int, max_graphs: int = 64,
+    def __init__(self, run_body: RunBody, cache: KVCache, max_tokens: int, max_graphs: int = 128,
                  capture: bool = True) -> None:
         self.run_body = run_body
         self.cache = cache
@@ -163,14 +172,15 @@ class StepGraphs:
         eagerly."""
         if not self.enabled or not slots:
             return None
-        length = _row_length(max(lengths))
+        length = padded_length(max(lengths))
         capacity = self.cache.shape.capacity
-        if (length * len(slots) > self.max_tokens or (tree and length > MAX_TREE_LENGTH)
+        rows = batch_rows(len(slots))
+        if (length * rows > self.max_tokens or (tree and length > MAX_TREE_LENGTH)
                 or any(start + length > capacity for start in starts)):
             return None
         end = max(start + n for start, n in zip(starts, lengths))
         window = min(capacity, max(MIN_WINDOW, _power_of_two_at_least(end)))
-        return GraphKey(len(slots), length, window, tree)
+        return GraphKey(rows, length, window, tree)
 
     def groups(self, slots: list[int], starts: list[int], lengths: list[int],
                parents: list[int]) -> list[tuple[GraphKey, list[int]]] | None:
@@ -191,7 +201,7 @@ class StepGraphs:
 
         by_length: dict[int, list[int]] = {}
         for r, n in enumerate(lengths):
-            by_length.setdefault(_row_length(n), []).append(r)
+            by_length.setdefault(padded_length(n), []).append(r)
         if not self.enabled or len(by_length) < 2:
             return None
         out: list[tuple[GraphKey, list[int]]] = []
@@ -269,27 +279,28 @@ class StepGraphs:
         index = torch.tensor([padded[p] for p in logit_index], dtype=torch.long, device=self.device)
         return captured.hidden.index_select(0, index)
 
-    def capture_ahead(self, token_counts: list[int], tree_counts: list[int], max_window: int) -> int:
-        """Capture one sequence's steps before serving, so that its first requests do not stall on them:
-        a row of each of `token_counts` tokens (decode, verify, a prompt's chunk), and a token tree of each
-        of `tree_counts`, after contexts at every window up to `max_window`. Runs in a borrowed free KV
-        slot, whose K/V it leaves as garbage. Returns how many shapes it captured (0 where a capture
-        failed: graphs are then off)."""
+    def capture_ahead(self, shapes: list[tuple[int, int, bool]], max_window: int) -> int:
+        """Capture steps before serving, so that the first requests do not stall on them: for each
+        (rows, tokens, tree) of `shapes`, that many rows of that many tokens (decode, verify, a prompt's
+        chunk; a token tree where `tree`), after contexts at every window up to `max_window`. Every row
+        runs in one borrowed free KV slot, whose K/V it leaves as garbage. Returns how many shapes it
+        captured (0 where a capture failed: graphs are then off)."""
         slot = self.cache.allocate()
         keys: set[GraphKey] = set()
         try:
             window = MIN_WINDOW
             while window <= min(max_window, self.cache.shape.capacity):
-                for n, tree in [(n, False) for n in token_counts] + [(n, True) for n in tree_counts]:
+                for rows, n, tree in shapes:
                     # After a context that needs this window (a row over half of it needs it from the start).
                     start = window // 2 if window > MIN_WINDOW and n <= window // 2 else 0
-                    key = self.key([slot], [start], [n], tree)
+                    key = self.key([slot] * rows, [start] * rows, [n] * rows, tree)
                     if key is None or key in keys:
                         continue
                     keys.add(key)
-                    parents = [-1, *range(n - 1)] if tree else []  # a chain given as a tree
+                    parents = [-1, *range(n - 1)] * rows if tree else []  # chains given as trees
                     for _ in range(2):  # seen, then captured
-                        self.hidden_states([0] * n, [slot], [start], [n], [n - 1], parents)
+                        self.hidden_states([0] * (rows * n), [slot] * rows, [start] * rows, [n] * rows, [n - 1],
+                                           parents)
                 window *= 2
         finally:
             self.cache.free(slot)
@@ -299,8 +310,15 @@ class StepGraphs:
     def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], slots: list[int], starts: list[int],
                 lengths: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """_Captured.inputs' values (the token ids at their padded places, the slots, the starts, for a
-        tree key the position ids) and for a tree key its ancestor matrices."""
-        values = [0] * (len(lengths) * key.length) + slots + starts
+        tree key the position ids) and for a tree key its ancestor matrices; padding rows repeat row 0."""
+        pad = key.rows - len(lengths)
+        if pad:
+            n = lengths[0]
+            padded = padded + [r * key.length + i for r in range(len(lengths), key.rows) for i in range(n)]
+            input_ids = input_ids + input_ids[:n] * pad
+            parents = parents + parents[:n] * pad if parents else parents
+            slots, starts, lengths = slots + [slots[0]] * pad, starts + [starts[0]] * pad, lengths + [n] * pad
+        values = [0] * (key.rows * key.length) + slots + starts
         for p, token in zip(padded, input_ids):
             values[p] = token
         if not key.tree:

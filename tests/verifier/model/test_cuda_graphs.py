@@ -151,17 +151,18 @@ def test_the_graphs_of_a_step_whose_rows_pad_past_max_tokens_group_rows_by_lengt
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=8, capacity=CAPACITY), model.dtype, model.device)
     graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=64, capture=False)
     assert graphs.groups([0, 1], [10, 20], [1, 3], []) == [(GraphKey(2, 8, MIN_WINDOW), [0, 1])]  # one graph fits
-    # A 40-token chunk beside three decode rows: 4 rows of 64 tokens would be over 64.
+    # A 40-token chunk beside three decode rows (run as four: rows pad to a power of two): 4 rows of 64
+    # tokens would be over 64.
     assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 270], [40, 1, 1, 1], []) == [
-        (GraphKey(3, 1, CAPACITY), [1, 2, 3]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+        (GraphKey(4, 1, CAPACITY), [1, 2, 3]), (GraphKey(1, 64, MIN_WINDOW), [0])]
     # Decode and verify rows stay together while they fit; a token tree's chunk is a chain, not a tree key.
     tree = [*range(-1, 39), -1, -1, 0, 0, 1, -1]
     assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 70], [40, 1, 4, 1], tree) == [
-        (GraphKey(3, 8, MIN_WINDOW, tree=True), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+        (GraphKey(4, 8, MIN_WINDOW, tree=True), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
     assert graphs.groups([4, 0, 1, 2], [0, 50, 60, 70], [40, 1, 4, 1], [*range(-1, 39), -1, -1, 0, 1, 2, -1]) == [
-        (GraphKey(3, 8, MIN_WINDOW), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
+        (GraphKey(4, 8, MIN_WINDOW), [1, 3, 2]), (GraphKey(1, 64, MIN_WINDOW), [0])]
     assert graphs.groups([4, 0], [0, 50], [65, 1], []) is None  # a chunk of 65 pads to 128: over 64
-    assert graphs.groups(list(range(8)), [0] * 8, [40, 9, 9, 9, 9, 9, 9, 9], []) is None  # 7 rows of 16: over 64
+    assert graphs.groups(list(range(8)), [0] * 8, [40, 9, 9, 9, 9, 9, 9, 9], []) is None  # 7 rows of 16, as 8: over 64
 
 
 def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_recent_are_kept() -> None:
@@ -191,21 +192,25 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
     assert run([0, 1], [1, 3]) is None  # evicted: two graphs kept, the one-row ones the most recent
 
 
-def test_one_sequences_steps_are_captured_ahead_and_its_slot_given_back() -> None:
+def test_steps_are_captured_ahead_in_one_borrowed_slot_given_back() -> None:
     model = tiny_model()
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=1024), model.dtype, model.device)
     graphs = StepGraphs(lambda ids, step: torch.zeros(1, ids.shape[1], 3), cache, max_tokens=64, capture=False)
-    shapes = graphs.capture_ahead(list(range(1, 10)), [5, 13], max_window=512)
-    assert shapes == 2 * 5 and cache.num_free_slots == 2  # windows 256, 512; rows of 1, 8, 16; trees of 8, 16
-    # A sequence's first step at one of those shapes, in any slot, runs as its graph.
+    shapes = graphs.capture_ahead([(1, n, False) for n in range(1, 10)] + [(1, 5, True), (1, 13, True), (2, 1, False),
+                                   (4, 5, False)], max_window=512)
+    # windows 256, 512; a row of 1, 8, 16; trees of 8, 16; 2 rows of 1, 4 rows of 8
+    assert shapes == 2 * 7 and cache.num_free_slots == 2
+    # A first step at one of those shapes, in any slots, runs as its graph.
     for start in (10, 300):
         for n, tree in ((1, False), (2, False), (9, False), (5, True), (13, True)):
             parents = [-1, *range(n - 1)] if tree else []
             assert graphs.hidden_states([1] * n, [1], [start], [n], [n - 1], parents) is not None, (start, n, tree)
+        assert graphs.hidden_states([1, 2], [1, 0], [start, start + 5], [1, 1], [0, 1], []) is not None
+        assert graphs.hidden_states([1] * 9, [0, 1, 0], [start] * 3, [2, 3, 4], [0, 2, 5], []) is not None
     assert graphs.hidden_states([1], [1], [600], [1], [0], []) is None  # window 1024, not ahead: first sighting
 
 
-def test_a_verifier_captures_one_sequences_plain_draft_and_tree_steps_ahead() -> None:
+def test_a_verifier_captures_its_batches_plain_and_draft_steps_and_one_sequences_trees_and_chunks_ahead() -> None:
     settings = ServerSettings(max_model_len=600, max_num_seqs=2, max_draft_nodes=12,
                               speculative=spec_config("NGRAM", 4))
     runner = make_runner(tiny_model(), settings, settings.max_model_len)
@@ -216,6 +221,9 @@ def test_a_verifier_captures_one_sequences_plain_draft_and_tree_steps_ahead() ->
             # plain, 4 drafts, a tree, prompt chunks of 16, 32 and 64 tokens
             for n, parents in ((1, []), (5, []), (13, [-1, 0, 0, *range(1, 11)]), (9, []), (30, []), (64, [])):
                 assert runner.graphs.hidden_states([1] * n, [0], [start], [n], [n - 1], parents) is not None
+            for n in (1, 5):  # both sequences decoding, and drafting
+                assert runner.graphs.hidden_states([1] * 2 * n, [1, 0], [start, start], [n, n], [n - 1, 2 * n - 1],
+                                                   []) is not None
         assert runner.kv_cache.num_free_slots == runner.kv_cache.num_slots
     finally:
         runner.close()
@@ -227,6 +235,7 @@ def test_graph_keys() -> None:
     graphs = StepGraphs(lambda ids, step: ids, cache, max_tokens=16, capture=False)
     assert graphs.key([3, 1], [10, 20], [1, 3]) == GraphKey(2, MIN_DRAFT_STEP_LENGTH, MIN_WINDOW)
     assert graphs.key([0], [10], [1]) == GraphKey(1, 1, MIN_WINDOW)  # plain decoding: one token a row
+    assert graphs.key([0, 1, 2], [10] * 3, [1] * 3) == GraphKey(4, 1, MIN_WINDOW)  # rows padded to a power of two
     assert graphs.key([0], [10], [2]) == graphs.key([0], [10], [7])  # draft lengths share a graph
     assert graphs.key([0], [200], [5]) == GraphKey(1, 8, 256)
     assert graphs.key([0], [260], [5]) == GraphKey(1, 8, CAPACITY)  # window 512, capped at the slot
