@@ -26,7 +26,7 @@ one, and instantiating the graph), so keys are few and many are kept.
 Padding every row to the longest would make a prompt's chunk beside decode rows a step of rows x
 chunk tokens, over `max_tokens`. Such a step runs as one graph per length of row instead (decode
 and verify rows in one, the chunk in another, each keyed as above), one replay after the other:
-with a step budget of `max_tokens` (builder.calibrate), chunked prefill never leaves the graphs. A
+with a step budget of `max_tokens` (builder.calibrate), chunked prefill stays in the graphs. A
 step that no grouping fits, and token trees with rows over MAX_TREE_LENGTH, run eagerly; so does
 every step of a sharded model (builder.make_runner).
 
@@ -188,6 +188,8 @@ class StepGraphs:
         None: it runs eagerly. One graph for all rows where they have a key. Otherwise, as where a
         prompt's chunk beside decode rows would pad every row to the chunk's length, rows are grouped by
         their padded length, shortest first, as many lengths together as keep a key: a graph each."""
+        if not self.enabled or not slots:
+            return None
         key = self.key(slots, starts, lengths, tree=bool(parents))
         if key is not None:
             return [(key, list(range(len(slots))))]
@@ -202,7 +204,7 @@ class StepGraphs:
         by_length: dict[int, list[int]] = {}
         for r, n in enumerate(lengths):
             by_length.setdefault(padded_length(n), []).append(r)
-        if not self.enabled or len(by_length) < 2:
+        if len(by_length) < 2:
             return None
         out: list[tuple[GraphKey, list[int]]] = []
         rows: list[int] = []
@@ -264,7 +266,7 @@ class StepGraphs:
         padded = [r * key.length + i for r, n in enumerate(lengths) for i in range(n)]  # packed -> padded
         values, seen = self._inputs(key, padded, input_ids, slots, starts, lengths, parents)
         if captured is None:
-            self._seen.pop(key, None)  # (or captured, then evicted by the step's other graph)
+            self._seen.pop(key, None)  # seen, or captured and then evicted by this step's other graph
             captured = self._capture(key, values, seen)
             if captured is None:
                 return None
