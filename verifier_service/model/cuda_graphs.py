@@ -285,28 +285,30 @@ class StepGraphs:
         """Capture steps before serving, so that the first requests do not stall on them: for each
         (rows, tokens, tree) of `shapes`, that many rows of that many tokens (decode, verify, a prompt's
         chunk; a token tree where `tree`), after contexts at every window up to `max_window`. Every row
-        runs in one borrowed free KV slot, whose K/V it leaves as garbage. Returns how many shapes it
-        captured (0 where a capture failed: graphs are then off)."""
+        runs in one borrowed free KV slot, whose K/V it leaves as garbage. `max_graphs` grows to twice
+        their number where it was less. Returns how many shapes it captured (0 where a capture failed:
+        graphs are then off)."""
         slot = self.cache.allocate()
-        keys: set[GraphKey] = set()
+        steps: dict[GraphKey, tuple[int, int, int, bool]] = {}  # each shape's first (rows, start, tokens, tree)
+        window = MIN_WINDOW
+        while window <= min(max_window, self.cache.shape.capacity):
+            for rows, n, tree in shapes:
+                # After a context that needs this window (a row over half of it needs it from the start).
+                start = window // 2 if window > MIN_WINDOW and n <= window // 2 else 0
+                key = self.key([slot] * rows, [start] * rows, [n] * rows, tree)
+                if key is not None:
+                    steps.setdefault(key, (rows, start, n, tree))
+            window *= 2
+        self.max_graphs = max(self.max_graphs, 2 * len(steps))  # what is captured ahead is kept, with room
         try:
-            window = MIN_WINDOW
-            while window <= min(max_window, self.cache.shape.capacity):
-                for rows, n, tree in shapes:
-                    # After a context that needs this window (a row over half of it needs it from the start).
-                    start = window // 2 if window > MIN_WINDOW and n <= window // 2 else 0
-                    key = self.key([slot] * rows, [start] * rows, [n] * rows, tree)
-                    if key is None or key in keys:
-                        continue
-                    keys.add(key)
-                    parents = [-1, *range(n - 1)] * rows if tree else []  # chains given as trees
-                    for _ in range(2):  # seen, then captured
-                        self.hidden_states([0] * (rows * n), [slot] * rows, [start] * rows, [n] * rows, [n - 1],
-                                           parents)
-                window *= 2
+            for rows, start, n, tree in steps.values():
+                parents = [-1, *range(n - 1)] * rows if tree else []  # chains given as trees
+                for _ in range(2):  # seen, then captured
+                    self.hidden_states([0] * (rows * n), [slot] * rows, [start] * rows, [n] * rows, [n - 1],
+                                       parents)
         finally:
             self.cache.free(slot)
-        return len(keys) if self.enabled else 0
+        return len(steps) if self.enabled else 0
 
     @staticmethod
     def _inputs(key: GraphKey, padded: list[int], input_ids: list[int], slots: list[int], starts: list[int],

@@ -195,11 +195,13 @@ def test_a_step_runs_as_a_graph_from_its_shapes_second_sighting_and_the_most_rec
 def test_steps_are_captured_ahead_in_one_borrowed_slot_given_back() -> None:
     model = tiny_model()
     cache = KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=1024), model.dtype, model.device)
-    graphs = StepGraphs(lambda ids, step: torch.zeros(1, ids.shape[1], 3), cache, max_tokens=64, capture=False)
+    graphs = StepGraphs(lambda ids, step: torch.zeros(1, ids.shape[1], 3), cache, max_tokens=64, max_graphs=4,
+                        capture=False)
     shapes = graphs.capture_ahead([(1, n, False) for n in range(1, 10)] + [(1, 5, True), (1, 13, True), (2, 1, False),
                                    (4, 5, False)], max_window=512)
     # windows 256, 512; a row of 1, 8, 16; trees of 8, 16; 2 rows of 1, 4 rows of 8
     assert shapes == 2 * 7 and cache.num_free_slots == 2
+    assert graphs.max_graphs == 2 * shapes  # room for them all, kept
     # A first step at one of those shapes, in any slots, runs as its graph.
     for start in (10, 300):
         for n, tree in ((1, False), (2, False), (9, False), (5, True), (13, True)):
