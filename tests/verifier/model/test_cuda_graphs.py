@@ -278,29 +278,40 @@ def test_a_verifier_running_its_steps_at_graph_shapes_gives_plain_decodings_outp
 
 
 def test_a_verifier_prefilling_long_prompts_in_chunks_at_graph_shapes_gives_plain_decodings_outputs() -> None:
-    """Long prompts arrive behind decoding ones, under a step budget of the graphs' tokens: their chunks
-    run beside the decode and verify rows as a graph per row length, and every output is plain decoding's."""
+    """Long prompts arrive while four sequences decode, under a step budget of the graphs' tokens: their
+    chunks run beside the decode rows as a graph per row length, and every output is plain decoding's."""
     rng = random.Random(3)
-    prompts = [repetitive_prompt(s) for s in LOOPING_SEEDS[:4]]
-    prompts += [[rng.randrange(1, 400) for _ in range(n)] for n in (150, 90)]
-    refs = [reference_greedy(tiny_model(), p, 24) for p in prompts]
+    short = [repetitive_prompt(s) for s in LOOPING_SEEDS[:4]]
+    long = [[rng.randrange(1, 400) for _ in range(n)] for n in (200, 190)]
+    refs = [reference_greedy(tiny_model(), p, 40) for p in short + long]
 
     async def main() -> None:
-        async with run_verifier(spec_config("NGRAM", 4), max_num_seqs=8, max_num_batched_tokens=64) as v:
-            graphs = run_at_graph_shapes(engine_of(v), max_tokens=64)
-            grouped = 0
-            groups = graphs.groups
+        async with run_verifier(max_num_seqs=8, max_num_batched_tokens=48) as v:
+            engine = engine_of(v)
+            graphs = run_at_graph_shapes(engine, max_tokens=64)
+            grouped = 0  # steps run as more than one graph
+            hidden_states = graphs.hidden_states
 
-            def counted(*args: list[int]) -> list[tuple[GraphKey, list[int]]] | None:
+            def counted(input_ids: list[int], slots: list[int], starts: list[int], lengths: list[int],
+                        logit_index: list[int], parents: list[int]) -> torch.Tensor | None:
                 nonlocal grouped
-                out = groups(*args)
-                grouped += out is not None and len(out) > 1
+                out = hidden_states(input_ids, slots, starts, lengths, logit_index, parents)
+                groups = graphs.groups(slots, starts, lengths, parents)
+                grouped += out is not None and groups is not None and len(groups) > 1
                 return out
 
-            graphs.groups = counted  # type: ignore[method-assign]
-            responses = await run_together(v, [functools.partial(v.stub.Generate, token_request(p, 24),
-                                                                 timeout=WAIT_S) for p in prompts])
+            graphs.hidden_states = counted  # type: ignore[method-assign]
+
+            def generate(p: list[int]) -> asyncio.Future:
+                return asyncio.ensure_future(v.stub.Generate(token_request(p, 40), timeout=WAIT_S))
+
+            calls = [generate(p) for p in short]
+            while engine.scheduler.num_running < len(short):
+                await asyncio.sleep(0.002)
+            calls += [generate(p) for p in long]
+            responses = await asyncio.gather(*calls)
             assert [list(resp.output.token_ids) for resp in responses] == refs
-            assert grouped >= 4  # steps of a chunk beside decode rows, run as graphs (after a first sighting)
+            # Chunk steps beside the decoding rows once their shapes had been seen (6-7 of about 9 here).
+            assert grouped >= 4, grouped
 
     asyncio.run(main())
