@@ -306,9 +306,9 @@ async def stream_all(stub, request: verifier_pb2.GenerateStreamRequest  # noqa: 
 def stream_request(ids: list[int] | None = None, n: int = 16, prompt: str | None = None,
                    **fields: object) -> verifier_pb2.GenerateStreamRequest:
     stopping = fields.pop("stopping", None) or verifier_pb2.StoppingCriteria(max_new_tokens=n)
-    if prompt is not None:
-        return verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(prompt=prompt, stopping=stopping, **fields))
-    return verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stopping, **fields))
+    source = {"prompt": prompt} if prompt is not None else {"token_ids": verifier_pb2.TokenIds(ids=ids)}
+    return verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(**source, stopping=stopping,
+                                                                                   **fields))
 
 
 # Seeds of repetitive_prompt() whose greedy continuation on shared_model() loops,
