@@ -176,8 +176,8 @@ class _Pool:
 @dataclass
 class _Occurrences:
     """Every occurrence of every pattern of sizes 1..k in a history, newest first on demand:
-    `latest[s - 1]` maps an s-token pattern to its latest start, `previous[s - 1][l]` is the start of
-    the occurrence before the one at l (-1: none). Covers the patterns ending at or before `indexed_len`."""
+    `latest[s - 1]` maps an s-token pattern to its latest start, `previous[s - 1][i]` is the start of
+    the occurrence before the one at i (-1: none). Covers the patterns ending at or before `indexed_len`."""
 
     latest: list[OffsetTable]
     previous: list[array]
@@ -189,10 +189,10 @@ class _Occurrences:
 
     def extend(self, tokens: array) -> None:
         for size, (table, previous) in enumerate(zip(self.latest, self.previous), 1):
-            for l in range(max(0, self.indexed_len - size + 1), len(tokens) - size + 1):
-                slot, offset = table.find(tokens, tokens[l:l + size])
-                previous.append(offset)  # previous[l]: patterns are indexed in order of start
-                table.store(tokens, slot, l)
+            for i in range(max(0, self.indexed_len - size + 1), len(tokens) - size + 1):
+                slot, offset = table.find(tokens, tokens[i:i + size])
+                previous.append(offset)  # previous[i]: patterns are indexed in order of start
+                table.store(tokens, slot, i)
         self.indexed_len = len(tokens)
 
     def newest_ends(self, tokens: array, context: array) -> list[int]:
@@ -312,24 +312,24 @@ class NgramDrafter(Drafter):
         for size in range(1, self.max_matching_ngram_size + 1):
             patterns = pool.patterns[size - 1]
             windows = pool.windows[size - 1] if pool.windows is not None else None
-            # The pattern at l has a complete continuation once l + size + k <= len(history).
-            for l in range(max(0, start - size - k + 1), n - size - k + 1):
-                slot, offset = patterns.find(source, tokens[l:l + size])
+            # The pattern at i has a complete continuation once i + size + k <= len(history).
+            for i in range(max(0, start - size - k + 1), n - size - k + 1):
+                slot, offset = patterns.find(source, tokens[i:i + size])
                 if windows is not None:  # keep all, newest first: only a first-seen continuation counts
-                    window = tokens[l:l + size + k]
+                    window = tokens[i:i + size + k]
                     wslot, woffset = windows.find(source, window)
                     if woffset != _EMPTY:
                         continue
-                    at = l if arena is None else _append(arena, window)
+                    at = i if arena is None else _append(arena, window)
                     windows.store(source, wslot, at)
                     patterns.store(source, slot, at)
                 elif offset == _EMPTY:
-                    patterns.store(source, slot, l if arena is None else _append(arena, tokens[l:l + size + k]))
+                    patterns.store(source, slot, i if arena is None else _append(arena, tokens[i:i + size + k]))
                 elif not self.is_keep_all:  # only the latest continuation
                     if arena is None:
-                        patterns.store(source, slot, l)
+                        patterns.store(source, slot, i)
                     else:
-                        arena[offset + size:offset + size + k] = tokens[l + size:l + size + k]
+                        arena[offset + size:offset + size + k] = tokens[i + size:i + size + k]
 
     def _lookup(self, pool: _Pool, tokens: array) -> list[int]:
         n, k = len(tokens), self.max_draft_len
@@ -337,7 +337,7 @@ class NgramDrafter(Drafter):
         for size in range(min(self.max_matching_ngram_size, n - 1), 0, -1):
             suffix = tokens[n - size:]
             # Occurrences of the suffix whose continuation is still incomplete, oldest (longest) first.
-            tail = [l for l in range(max(0, n - size - k + 1), n - size) if tokens[l:l + size] == suffix]
+            tail = [i for i in range(max(0, n - size - k + 1), n - size) if tokens[i:i + size] == suffix]
             _, offset = pool.patterns[size - 1].find(source, suffix)
             recorded = None if offset == _EMPTY else source[offset + size:offset + size + k]
             if self.is_keep_all and not self.is_use_oldest:
