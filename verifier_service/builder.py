@@ -202,7 +202,7 @@ def capture_graphs_ahead(runner: ModelRunner, settings: ServerSettings, step_tok
 
 def _powers_of_two(limit: int) -> list[int]:
     """1, 2, 4, ... up to `limit`."""
-    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+    return [1 << i for i in range(limit.bit_length())]
 
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
