@@ -13,7 +13,7 @@ Or without a script: `splitspec-drafter my_module:Repeat --port 50052`, or the
 built-in `splitspec-drafter ngram` / `splitspec-drafter suffix`.
 """
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, ReleaseReason, SamplingHints
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, ReleaseReason, SamplingHints
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.errors import DrafterError
@@ -23,6 +23,7 @@ from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 __all__ = [
     "LEARNS_FROM_FINISHED",
+    "LOOKAHEAD",
     "DraftRequest",
     "DraftTree",
     "Drafter",

@@ -25,6 +25,11 @@ from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB
 from drafter_sdk.server import serve
 from drafter_sdk.service import MIB
 
+# A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
+# for 2k + 1 (verifier_service/spec/lookahead.py), so 32 covers every k up to 15.
+NGRAM_MAX_DRAFT_LEN = 32
+MODEL_MAX_DRAFT_LEN = 8
+
 
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
@@ -57,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
                              "of a call's token becomes part of its namespace, so clients cannot reach each "
                              "other's sequences")
-    parser.add_argument("--max-draft-len", type=int, default=8, help="ngram and model: longest draft proposed")
+    parser.add_argument("--max-draft-len", type=int,
+                        help=f"ngram and model: longest draft proposed (default: ngram {NGRAM_MAX_DRAFT_LEN}, "
+                             f"so that it looks ahead of what a verifier verifies; model {MODEL_MAX_DRAFT_LEN}, "
+                             f"each token a forward of the draft model)")
     ngram = parser.add_argument_group("ngram drafter")
     ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
     ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
@@ -137,9 +145,14 @@ def load_drafter_class(spec: str) -> type[Drafter]:
     return cls
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def make_drafter(args: argparse.Namespace) -> Drafter:
     if args.drafter == "ngram":
-        return NgramDrafter(max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size,
+        return NgramDrafter(max_draft_len=_or(args.max_draft_len, NGRAM_MAX_DRAFT_LEN),
+                            max_matching_ngram_size=args.max_matching_ngram_size,
                             is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
                             is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib,
                             tree_min_prob=args.tree_min_prob)
@@ -151,7 +164,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
         except ImportError as exc:
             raise ValueError(f"the model drafter needs torch and transformers: pip install "
                              f"'splitspec[model-drafter]' ({exc})") from exc
-        return ModelDrafter(args.model, device=args.device, dtype=args.dtype, max_draft_len=args.max_draft_len,
+        return ModelDrafter(args.model, device=args.device, dtype=args.dtype, max_draft_len=_or(args.max_draft_len, MODEL_MAX_DRAFT_LEN),
                             kv_cache_memory_gb=args.kv_cache_memory_gb, draft_ahead=args.draft_ahead)
     return load_drafter_class(args.drafter)()
 

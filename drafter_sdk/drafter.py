@@ -19,6 +19,13 @@ LEARNS_FROM_FINISHED = "learns-from-finished"
 """A capability tag (put it in `Drafter.capabilities`): before releasing a finished request, the
 verifier sends its last tokens in a sync-only call, so the drafter holds the whole output."""
 
+LOOKAHEAD = "lookahead"
+"""A capability tag (put it in `Drafter.capabilities`) for a drafter whose longer drafts cost it
+next to nothing (a lookup, not a model's forwards): the verifier then asks for about twice the
+draft it verifies, sends each step's call before its forward and reads the answer after it. What
+a step accepted is stripped from the front of that answer, and the rest, if long enough, is the
+next step's draft, verified without waiting for a call."""
+
 STREAM_RELEASES = "stream-releases"
 """A capability tag the SDK's server advertises itself: it takes releases on
 PrepareDraftTokensStream too, so they reach the replica that holds the state (PROTOCOL.md §2a)."""

@@ -72,7 +72,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from drafter_sdk.drafter import TOKEN_TYPECODE, Drafter, DraftRequest, Key
+from drafter_sdk.drafter import LOOKAHEAD, TOKEN_TYPECODE, Drafter, DraftRequest, Key
 from drafter_sdk.tree import ROOT, TREE_CAPABILITY, DraftTree
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class _RequestState:
 class NgramDrafter(Drafter):
     name = "ngram"
     version = "1.1"
-    capabilities = ("ngram", TREE_CAPABILITY)
+    capabilities = ("ngram", TREE_CAPABILITY, LOOKAHEAD)
     runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,

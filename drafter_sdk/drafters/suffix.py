@@ -69,7 +69,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
 from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
@@ -89,7 +89,7 @@ class _Request:
 class SuffixDrafter(Drafter):
     name = "suffix"
     version = "1.0"
-    capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY)
+    capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY, LOOKAHEAD)
     runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,

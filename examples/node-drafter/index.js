@@ -28,7 +28,7 @@ const USAGE = `usage: node index.js [options]
   --port PORT               port to bind; 0 picks a free one (default 50052)
   --port-file PATH          write the bound port to PATH once listening
   --max-ngram N             longest suffix n-gram looked up (default 3)
-  --max-draft-len N         most draft tokens per sequence, 0 = no cap (default 8)
+  --max-draft-len N         most draft tokens per sequence, 0 = no cap (default 32)
   --vocab-size N            reject token ids >= N, 0 = any (default 0)
   --max-sequences N         sequences held before LRU eviction (default 100000)
   --idle-timeout-s S        drop sequences idle this long (default 600)
@@ -51,7 +51,7 @@ function parseCli(argv) {
       port: { type: 'string', default: '50052' },
       'port-file': { type: 'string' },
       'max-ngram': { type: 'string', default: '3' },
-      'max-draft-len': { type: 'string', default: '8' },
+      'max-draft-len': { type: 'string', default: '32' },
       'vocab-size': { type: 'string', default: '0' },
       'max-sequences': { type: 'string', default: '100000' },
       'idle-timeout-s': { type: 'string', default: '600' },
@@ -253,7 +253,9 @@ function main(argv) {
       vocab_size: opts.vocabSize,
       tokenizer: '',
       // stream-releases: releases on PrepareDraftTokensStream reach the replica holding the state.
-      capabilities: ['ngram', 'prompt-lookup', 'stream-releases'],
+      // lookahead: a longer draft costs a lookup nothing, so the verifier may ask for about twice what it
+      // verifies and verify the rest at the next step without waiting for a call (PROTOCOL.md section 2b).
+      capabilities: ['ngram', 'prompt-lookup', 'stream-releases', 'lookahead'],
     }), ctx),
     PrepareDraftTokens: unary(prepare, ctx),
     PrepareDraftTokensStream: stream({ prepare, release }, ctx, streams),

@@ -78,6 +78,7 @@ def test_health_serving_and_drafter_info(drafter, stub):
     assert info.vocab_size == 0
     assert "ngram" in info.capabilities
     assert "stream-releases" in info.capabilities  # releases on the stream reach the state's replica
+    assert "lookahead" in info.capabilities  # its longer drafts cost a lookup nothing
 
 
 def test_worked_example_of_protocol_md(stub):

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +30,8 @@ from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ForwardBatch, ModelRunner
-from verifier_service.spec.drafter_client import DrafterClient, DraftQuery, DraftReply, ReleasedRequest
+from verifier_service.spec import lookahead
+from verifier_service.spec.drafter_client import DraftCall, DrafterClient, DraftQuery, DraftReply, ReleasedRequest
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._forward_s = 0.0  # the last step's runner.forward
+        self._in_flight: InFlight | None = None  # the last step's drafter call, answered during its forward
 
     def start(self) -> None:
         """Run the decoding loop on the model thread; outputs are delivered to the calling loop."""
@@ -130,6 +133,7 @@ class Engine:
             self.metrics.observe_prefix_cache(cache.queries, cache.hits)
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
+        self._receive_in_flight()
         reply = await self._draft(plan)
         new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
@@ -138,7 +142,12 @@ class Engine:
         """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
         fills in the plan's drafts to verify and its shadow drafts (asked for, not verified). Draft
         tokens a request's structured-output constraint refuses could never be accepted: they are
-        cut, not verified."""
+        cut, not verified.
+
+        Where the drafter looks ahead (spec/lookahead.py) and what is left of every drafting
+        sequence's last chain covers its draft, the step verifies those and does not wait for its
+        call: the answer arrives during the forward and is read at the next step. Returns the
+        reply waited for, None if none was."""
         none: list[list[int]] = [[] for _ in plan.decodes]
         plan.drafts, plan.shadows, plan.parents = none, none, none
         if self.drafter is None or not any(plan.draft_asks):
@@ -146,20 +155,43 @@ class Engine:
         # Token trees where the drafter drafts them: a tree's depth is its draft length.
         nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
-        reply = await self.drafter.propose([
-            DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), k, s.drafter_sync, s.spec.last_num_drafted,
-                       s.spec.last_num_accepted, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, m)
-            for s, k, m in zip(plan.decodes, plan.draft_asks, nodes)])
-        for seq, failed in zip(plan.decodes, reply.failed):
-            seq.stats.num_drafter_failures += failed
-        plan.parents = reply.parents or none
-        plan.drafts = [d if p else d[:k] for d, p, k in zip(reply.drafts, plan.parents, plan.draft_lens)]
+        ahead = self.drafter.looks_ahead and not any(nodes)
+        asks = plan.draft_asks
+        if ahead:
+            rooms = [s.draft_room(self.scheduler.max_model_len) for s in plan.decodes]
+            asks = [max(a, lookahead.ask(k, room)) for a, k, room in zip(asks, plan.draft_lens, rooms)]
+        queries = [DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), a, s.drafter_sync,
+                              s.spec.last_num_drafted, s.spec.last_num_accepted, s.sampling.temperature,
+                              s.sampling.top_p, s.sampling.top_k, m)
+                   for s, a, m in zip(plan.decodes, asks, nodes)]
+        bases = [len(s.all_ids) for s in plan.decodes]
+        left = [s.lookahead.remaining(s.all_ids) if ahead and s.lookahead is not None else []
+                for s in plan.decodes]
+        reply: DraftReply | None = None
+        if ahead and all(len(d) >= k for d, k in zip(left, plan.draft_lens)):
+            self._in_flight = InFlight(self.drafter.send(queries), plan.decodes, bases)
+            drafts, parents = left, none
+            if self.metrics is not None:
+                self.metrics.drafter_calls_overlapped.inc()
+        else:
+            reply = await self.drafter.propose(queries)
+            _keep(plan.decodes, bases, reply)
+            drafts, parents = reply.drafts, reply.parents or none
+        plan.parents = parents
+        plan.drafts = [d if p else d[:k] for d, p, k in zip(drafts, parents, plan.draft_lens)]
         if any(s.grammar is not None for s in plan.decodes):
             plan.drafts, plan.parents = map(list, zip(*[
                 s.grammar.cut(d, p) if s.grammar is not None else (d, p)
                 for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
-        plan.shadows = [d if k == 0 else [] for d, k in zip(reply.drafts, plan.draft_lens)]
+        plan.shadows = [d if k == 0 else [] for d, k in zip(drafts, plan.draft_lens)]
         return reply
+
+    def _receive_in_flight(self) -> None:
+        """Read the answer to the last step's call, sent before its forward, and keep its chains."""
+        if self._in_flight is not None:
+            assert self.drafter is not None
+            _keep(self._in_flight.sequences, self._in_flight.bases, self.drafter.receive(self._in_flight.call))
+            self._in_flight = None
 
     def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """The packed forward, the verification of every draft and the log-probabilities asked for
@@ -209,6 +241,23 @@ class Engine:
         if self.drafter is not None and seqs:
             self.drafter.release([ReleasedRequest(s.request_id, _release_reason(s, failed), s.all_ids,
                                                   len(s.prompt_ids), s.drafter_sync) for s in seqs])
+
+
+@dataclass
+class InFlight:
+    """A step's drafter call whose answer the step did not wait for."""
+
+    call: DraftCall
+    sequences: list[Sequence]
+    bases: list[int]  # per sequence: its committed tokens when the call was sent
+
+
+def _keep(seqs: list[Sequence], bases: list[int], reply: DraftReply) -> None:
+    """Keep each sequence's chain (trees are not kept) for the next step, and count its failures."""
+    parents = reply.parents or [[] for _ in seqs]
+    for seq, base, draft, tree, failed in zip(seqs, bases, reply.drafts, parents, reply.failed):
+        seq.lookahead = lookahead.Lookahead(base, draft) if draft and not tree else None
+        seq.stats.num_drafter_failures += failed
 
 
 def _log_crash(loop: Future[None]) -> None:

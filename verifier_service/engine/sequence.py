@@ -14,6 +14,7 @@ from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sampler import SamplingParams, TokenLogprob
 from verifier_service.engine.structured_output import Grammar
 from verifier_service.spec.drafter_client import DeltaHistory
+from verifier_service.spec.lookahead import Lookahead
 from verifier_service.spec.policy import SpecState
 
 
@@ -98,6 +99,7 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel when sampling.logprobs is set
     slot: int | None = None  # its KV cache slot while it runs
     drafter_sync: DeltaHistory = field(default_factory=DeltaHistory)  # what the drafter was sent of it
+    lookahead: Lookahead | None = None  # the drafter's last chain for it, kept for the next step
     stats: SpecStats = field(default_factory=SpecStats)
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)  # on the servers' loop
     finish_reason: FinishReason | None = None

@@ -85,6 +85,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                    help=f"most draft tokens verified per sequence and step (default {DEFAULT_MAX_DRAFT_LEN})")
     g.add_argument("--drafter-target", help="gRPC target of the drafter, e.g. localhost:50052 or dns:///drafter:50052")
     g.add_argument("--drafter-deadline-ms", type=float, help=f"deadline of one drafter call (default {DEFAULT_CALL_DEADLINE_S * 1000:g})")
+    g.add_argument("--overlap-drafter-calls", action=argparse.BooleanOptionalAction, default=None,
+                   help="USER_PROVIDED: where the drafter looks ahead, verify what is left of its last draft and "
+                        "read the step's call after the forward instead of waiting for it (default on)")
     g.add_argument("--max-matching-ngram-size", type=int, help=f"NGRAM: longest suffix looked up (default {DEFAULT_NGRAM_SIZE})")
     g.add_argument("--draft-model", metavar="PATH",
                    help="DRAFT_TARGET: draft model folder or .gguf sharing the model's tokenizer "
@@ -118,6 +121,8 @@ def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
         config.user_provided.drafter_target = args.drafter_target
     if args.drafter_deadline_ms is not None:
         config.user_provided.call_deadline.FromMilliseconds(int(args.drafter_deadline_ms))
+    if args.overlap_drafter_calls is not None:
+        config.user_provided.overlap_calls = args.overlap_drafter_calls
     if args.max_matching_ngram_size is not None:
         config.ngram.max_matching_ngram_size = args.max_matching_ngram_size
     for flag, field_name in (("draft_model", "model"), ("draft_device", "device"), ("draft_dtype", "dtype"),
@@ -181,6 +186,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
         if up.delta_overlap_steps == 0:
             # pick_first sends every call to one replica: plain deltas are enough there.
             up.delta_overlap_steps = DEFAULT_DELTA_OVERLAP_STEPS if up.load_balancing_policy == "round_robin" else 1
+        if not up.HasField("overlap_calls"):
+            up.overlap_calls = True
         if up.delta_overlap_steps > MAX_DELTA_OVERLAP_STEPS:
             raise ConfigError(f"delta_overlap_steps {up.delta_overlap_steps} is above the limit "
                               f"{MAX_DELTA_OVERLAP_STEPS}")

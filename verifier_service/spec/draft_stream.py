@@ -18,6 +18,11 @@ verifier needs no answer to (a finished request's sync-only call; its release, t
 the capability "stream-releases") goes on the same stream, to that replica, without waiting
 (`send`): its answer is read, and dropped, before the next call's own, so a slow or hung drafter
 costs those messages nothing on the stepping thread.
+
+A call can also be split in two (`start`, then `finish`): the message goes out at once, and
+its answer is read later, while the thread did other work (the engine runs the step's
+forward) and gRPC's own threads received it. Its deadline still counts from the send; an
+answer already there is taken however late it is read.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ Response = drafter_pb2.PrepareDraftTokensStreamResponse
 # A stream call of the sync API: responses by next(), plus grpc.Future's done() and cancel().
 OpenStream = Callable[[Iterator[Request]], Iterator[Response]]
 ANSWER = {"request": "response", "release": "released"}  # a message's kind -> its answer's
+# How long the watchdog leaves a `finish` that starts past its ticket's deadline to read an answer
+# that is already there, before it cancels the stream.
+LATE_READ_S = 0.005
 
 
 class StreamError(grpc.RpcError):
@@ -79,16 +87,30 @@ class StreamEnded(StreamError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, "PrepareDraftTokensStream ended without an answer")
 
 
+@dataclass(eq=False)
+class Ticket:
+    """A PrepareDraftTokensRequest sent by `start`, whose answer `finish` reads."""
+
+    request: drafter_pb2.PrepareDraftTokensRequest
+    stream: "_Open"
+    deadline: float  # time.monotonic()
+    timeout_s: float
+    response: drafter_pb2.PrepareDraftTokensResponse | None = None  # read already (an earlier ticket's finish)
+
+
 @dataclass
 class _Open:
     """One stream: where its requests go, where its answers come from."""
 
     requests: queue.SimpleQueue[Request | None]  # None ends the request iterator
     responses: Iterator[Response]
-    owed: deque[str] = field(default_factory=deque)  # answer kinds of messages sent by `send`, in order
+    # The answers due, in the order their messages were sent: the kind of an answer nobody reads
+    # (`send`), or the ticket of one `finish` reads.
+    due: deque[str | Ticket] = field(default_factory=deque)
 
     def end(self) -> None:
         """Half-close, and cancel whatever is still in flight."""
+        self.due.clear()
         self.requests.put(None)  # lets gRPC's request-consuming thread finish
         self.responses.cancel()  # type: ignore[attr-defined]
 
@@ -119,36 +141,57 @@ class DraftStream:
              timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         """The drafter's answer, or grpc.RpcError (StreamDeadlineExceeded when late; UNIMPLEMENTED
         from a drafter without the stream)."""
-        message = Request(request=request)
-        deadline = time.monotonic() + timeout_s
-        try:
-            return self._call(message, deadline, timeout_s)
-        except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
-            if time.monotonic() >= deadline:
-                raise StreamDeadlineExceeded(timeout_s) from None
-            return self._call(message, deadline, timeout_s)
+        return self.finish(self.start(request, timeout_s))
+
+    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Ticket:
+        """Send a request now; `finish` reads its answer."""
+        stream = self._live_stream()
+        ticket = Ticket(request, stream, time.monotonic() + timeout_s, timeout_s)
+        stream.due.append(ticket)
+        stream.requests.put(Request(request=request))
+        return ticket
 
     def send(self, message: Request) -> None:
-        """Send without waiting: the answer is read before the next `call`'s, within its deadline
+        """Send without waiting: the answer is read before a later call's, within its deadline
         (its failure is that call's). Lost with the stream if the stream ends first."""
         stream = self._live_stream()
-        stream.owed.append(ANSWER[str(message.WhichOneof("message"))])
+        stream.due.append(ANSWER[str(message.WhichOneof("message"))])
         stream.requests.put(message)
 
-    def _call(self, message: Request, deadline: float, timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        stream = self._live_stream()
-        pending = _Pending(stream, deadline)
+    def finish(self, ticket: Ticket) -> drafter_pb2.PrepareDraftTokensResponse:
+        """The answer to a `start`: read with the answers due before it, within its deadline (or at
+        once, if it is already there). Raises as `call` does."""
+        try:
+            return self._read(ticket)
+        except StreamEnded:  # a stopping drafter ended it before answering: once more, on a new one
+            if time.monotonic() >= ticket.deadline:
+                raise StreamDeadlineExceeded(ticket.timeout_s) from None
+            return self._read(self.start(ticket.request, ticket.deadline - time.monotonic()))
+
+    def _read(self, ticket: Ticket) -> drafter_pb2.PrepareDraftTokensResponse:
+        stream = ticket.stream
+        if ticket.response is not None:
+            return ticket.response
+        if not any(due is ticket for due in stream.due):  # its stream was dropped before it was answered
+            raise StreamEnded()
+        # Past its deadline (a long forward in between), an answer already there is still taken: the
+        # watchdog waits a little before it cancels a read of it.
+        pending = _Pending(stream, max(ticket.deadline, time.monotonic() + LATE_READ_S))
         with self._lock:
             self._pending = pending
-        self._watch(timeout_s)
-        stream.requests.put(message)
+        self._watch(ticket.timeout_s)
         try:
-            while stream.owed:  # the answers to what `send` sent come first
-                self._expect(stream, next(stream.responses), stream.owed.popleft())
-            response = next(stream.responses)
+            while ticket.response is None:
+                due = stream.due.popleft()
+                response = next(stream.responses)
+                if isinstance(due, Ticket):
+                    self._expect(stream, response, ANSWER["request"])
+                    due.response = response.response
+                else:
+                    self._expect(stream, response, due)
         except grpc.RpcError:
             if pending.expired:
-                raise StreamDeadlineExceeded(timeout_s) from None
+                raise StreamDeadlineExceeded(ticket.timeout_s) from None
             raise
         except StopIteration:
             raise StreamEnded() from None
@@ -157,8 +200,7 @@ class DraftStream:
                 self._pending = None
             if pending.expired or stream.responses.done():  # type: ignore[attr-defined]
                 self._drop(stream)
-        self._expect(stream, response, ANSWER["request"])
-        return response.response
+        return ticket.response
 
     def _expect(self, stream: _Open, response: Response, answer: str) -> None:
         if response.WhichOneof("message") != answer:  # out of step with the drafter: start over

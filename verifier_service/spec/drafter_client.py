@@ -30,11 +30,11 @@ from typing import Any, Protocol, Sequence, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, STREAM_RELEASES, Drafter
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, STREAM_RELEASES, Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
 from verifier_service.spec.circuit_breaker import CircuitBreaker
-from verifier_service.spec.draft_stream import DraftStream
+from verifier_service.spec.draft_stream import DraftStream, Ticket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,10 @@ INCOMPATIBLE_RECHECK_S = 5.0
 # A drafter without PrepareDraftTokensStream gets unary calls; try the stream again this often
 # (a rolling update may bring it).
 STREAM_RECHECK_S = 60.0
+
+
+# Reads the answer to a call already sent (raises as the call would have failed).
+Answer = Callable[[], drafter_pb2.PrepareDraftTokensResponse]
 
 
 @dataclass
@@ -83,6 +87,20 @@ class ReleasedRequest:
 
 
 @dataclass
+class DraftCall:
+    """A step's PrepareDraftTokens call, from `send` to `receive`."""
+
+    queries: list[DraftQuery]
+    request: drafter_pb2.PrepareDraftTokensRequest | None = None  # None: no call made (nothing to ask)
+    answer: Answer | None = None  # where the transport sent it already: reads its answer
+    error: BaseException | None = None  # sending it failed
+    started: float = field(default_factory=time.perf_counter)
+
+    def no_drafts(self) -> "DraftReply":
+        return DraftReply([[] for _ in self.queries], [False] * len(self.queries))
+
+
+@dataclass
 class DraftReply:
     drafts: list[list[int]]  # one per query; [] = no draft
     failed: list[bool]  # the drafter failed or misbehaved for this query
@@ -95,9 +113,14 @@ class Transport(Protocol):
     target: str
     # Every call reaches the same drafter (in-process, or over one draft stream): plain deltas do.
     one_replica: bool
+    splits_calls: bool  # `start` sends a call whose answer is read later
+
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
+
+    # Where it splits calls: send a PrepareDraftTokens call now and return what reads its answer.
+    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None: ...
 
     # A sync-only PrepareDraftTokens (draft_len 0) whose answer nobody needs.
     async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None: ...
@@ -128,6 +151,7 @@ class GrpcTransport:
                  block: bool = False) -> None:
         self.target = target
         self._block = block
+        self.splits_calls = block
         options = [
             ("grpc.lb_policy_name", load_balancing_policy or "round_robin"),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -158,23 +182,40 @@ class GrpcTransport:
 
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        if self.one_replica:  # the stream is due
-            assert self._stream is not None
-            try:
-                response = self._stream.call(request, timeout_s)
-                self.streaming = True
-                return response
-            except grpc.RpcError as exc:
-                if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self.streaming = False
-                log.info("drafter %s does not serve PrepareDraftTokensStream: unary calls for %g s",
-                         self.target, STREAM_RECHECK_S)
-                self._unary_until = time.monotonic() + STREAM_RECHECK_S
-        if self._block:
-            return self._stub.PrepareDraftTokens(request, timeout=timeout_s, metadata=self._metadata)
+        answer = self.start(request, timeout_s)
+        if answer is not None:
+            return answer()
         return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
                                                                      metadata=self._metadata))
+
+    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None:
+        """With `block`: on the draft stream where the drafter serves it, else as a unary call (whose
+        answer gRPC's threads receive meanwhile too)."""
+        if not self._block:
+            return None
+        if self.one_replica:  # the stream is due
+            assert self._stream is not None
+            started = time.monotonic()
+            ticket = self._stream.start(request, timeout_s)
+            return lambda: self._finish(ticket, request, timeout_s - (time.monotonic() - started))
+        call = self._stub.PrepareDraftTokens.future(request, timeout=timeout_s, metadata=self._metadata)
+        return call.result
+
+    def _finish(self, ticket: Ticket, request: drafter_pb2.PrepareDraftTokensRequest,
+                left_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
+        assert self._stream is not None
+        try:
+            response = self._stream.finish(ticket)
+            self.streaming = True
+            return response
+        except grpc.RpcError as exc:
+            if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self.streaming = False
+            log.info("drafter %s does not serve PrepareDraftTokensStream: unary calls for %g s",
+                     self.target, STREAM_RECHECK_S)
+            self._unary_until = time.monotonic() + STREAM_RECHECK_S
+        return self._stub.PrepareDraftTokens(request, timeout=max(left_s, 0.001), metadata=self._metadata)
 
     async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
         """On the draft stream, unanswered (draft_stream.py), where the steps go; else a unary call
@@ -235,6 +276,7 @@ class InProcessTransport:
 
     target = "in-process"
     one_replica = True
+    splits_calls = False  # no wire to keep busy: the drafter runs on this loop or its worker
 
     def __init__(self, servicer: "SupportsDrafterLogic") -> None:
         self._servicer = servicer
@@ -247,6 +289,9 @@ class InProcessTransport:
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
         return await self._servicer.run(self._servicer.prepare, request)
+
+    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None:
+        return None
 
     async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
         await self._servicer.run(self._servicer.prepare, request)
@@ -289,6 +334,7 @@ class DrafterClientStats:
     calls: int = 0
     failures: int = 0
     skipped: int = 0  # steps with the breaker open
+    overlapped: int = 0  # calls sent by `send`: their answers were read after the step's forward
     resyncs: int = 0
     invalid_trees: int = 0  # token trees discarded (malformed, too deep or over the node budget)
     last_error: str = ""
@@ -315,6 +361,9 @@ class DrafterClient:
     # The model tokenizer's fingerprint (drafter_sdk.tokenizer_fingerprint); "" = do not check.
     tokenizer_fingerprint: str = ""
     tokenizer_name: str = ""  # for the log line when they differ
+    # Send a step's call before its forward and read the answer after, where the drafter looks ahead
+    # (`looks_ahead`); off: every call is waited for before the forward.
+    overlap_calls: bool = True
     # Why speculation is off for this drafter: its tokenizer is not the model's. "" = it is on.
     disabled_reason: str = ""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -340,31 +389,72 @@ class DrafterClient:
             await load()
         await self._ask_info(timeout_s)
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a step's call can be sent before its forward and its answer read after it: the
+        transport splits calls, the drafter drafts past what is verified at no cost (capability
+        "lookahead"), and `overlap_calls` is on."""
+        return (self.overlap_calls and self.transport.splits_calls and self.info is not None
+                and LOOKAHEAD in self.info.capabilities)
+
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
-        none = DraftReply([[] for _ in queries], [False] * len(queries))
+        """The step's drafts, waited for."""
+        call = self._new_call(queries)
+        if call.request is None:
+            return call.no_drafts()
+        try:
+            response = await self.transport.prepare(call.request, self.deadline_s)
+        except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
+            return self._fail(queries, _describe(exc), time.perf_counter() - call.started)
+        return self._reply(call, response)
+
+    def send(self, queries: list[DraftQuery]) -> DraftCall:
+        """Send the step's call now (where `looks_ahead`); `receive` reads its answer later, which
+        gRPC's threads receive meanwhile."""
+        call = self._new_call(queries)
+        if call.request is not None:
+            self.stats.overlapped += 1
+            try:
+                call.answer = self.transport.start(call.request, self.deadline_s)
+            except Exception as exc:  # noqa: BLE001 - receive fails it
+                call.error = exc
+        return call
+
+    def receive(self, call: DraftCall) -> DraftReply:
+        """The drafts of a call `send` sent ("no draft" for whatever failed or misbehaved)."""
+        if call.request is None:
+            return call.no_drafts()
+        try:
+            if call.answer is None:
+                raise call.error or RuntimeError(f"{self.transport.target} cannot send a call ahead of its answer")
+            response = call.answer()
+        except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
+            return self._fail(call.queries, _describe(exc), time.perf_counter() - call.started)
+        return self._reply(call, response)
+
+    def _new_call(self, queries: list[DraftQuery]) -> DraftCall:
+        """The call for a step's sequences (no request while the breaker is open or speculation is off)."""
         if not queries:
-            return none
+            return DraftCall(queries)
         if self.disabled_reason:
             if time.monotonic() - self._last_info_ask > INCOMPATIBLE_RECHECK_S:
                 self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
             self.stats.skipped += 1
-            return none
+            return DraftCall(queries)
         if not self.breaker.allow():
             self.stats.skipped += 1
-            return none
+            return DraftCall(queries)
         request = self._build_request(queries)
         self.stats.calls += 1
         size = request.ByteSize()
         self.stats.request_bytes += size
         self.stats.last_request_bytes = size
-        started = time.perf_counter()
-        try:
-            response = await self.transport.prepare(request, self.deadline_s)
-        except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
-            # The drafter may or may not have applied the deltas: keep the history
-            # unchanged; the next call's overlap covers this call's tokens anyway.
-            return self._fail(queries, _describe(exc), time.perf_counter() - started)
-        latency = time.perf_counter() - started
+        return DraftCall(queries, request)
+
+    def _reply(self, call: DraftCall, response: drafter_pb2.PrepareDraftTokensResponse) -> DraftReply:
+        latency = time.perf_counter() - call.started
+        queries, request = call.queries, call.request
+        assert request is not None
         problem = _check_shape(response, request)
         if problem:
             return self._fail(queries, problem, latency)
@@ -444,6 +534,8 @@ class DrafterClient:
         return self.info is not None and TREE_CAPABILITY in self.info.capabilities
 
     def _fail(self, queries: list[DraftQuery], error: str, latency: float) -> DraftReply:
+        # The drafter may or may not have applied the deltas: the history stays unchanged, and the
+        # next call's overlap covers this call's tokens anyway.
         self.stats.failures += 1
         self.stats.last_error = error
         self.breaker.record_failure()

@@ -340,10 +340,14 @@ def test_the_client_discards_each_kind_of_invalid_tree(kind: str) -> None:
     class Fixed:
         target = "fixed"
         one_replica = True
+        splits_calls = False
 
         async def prepare(self, request, timeout_s):  # noqa: ANN001, ANN202
             return drafter_pb2.PrepareDraftTokensResponse(results=[drafter_pb2.DraftResult(
                 request_id="r", status=drafter_pb2.DRAFT_STATUS_OK, draft_tokens=tokens, draft_parents=parents)])
+
+        def start(self, request, timeout_s):  # noqa: ANN001, ANN202
+            return None  # prepare makes the call
 
     async def main() -> tuple[list[list[int]], list[bool], DrafterClient]:
         client = DrafterClient(Fixed(), "v", 400, deadline_s=1.0, overlap_steps=1)

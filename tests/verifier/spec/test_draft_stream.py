@@ -267,3 +267,65 @@ def test_an_answer_of_the_wrong_kind_fails_the_next_call_which_opens_a_new_strea
         assert server.streams == 2
 
     asyncio.run(body())
+
+
+def test_a_call_sent_ahead_is_answered_while_its_thread_works_and_read_in_order_with_a_release_sent_after():
+    """`start` sends at once; the drafter answers while the thread does other work (the engine's
+    forward); a release sent meanwhile is answered after it, and read before the next call's answer."""
+    async def body():
+        log = MethodLog()
+        async with blocking_transport(Reverse(), log) as (server, transport):
+            await prepare(transport, step("a", [1, 2]))  # the stream is open
+
+            def ahead() -> tuple[list, float, float]:
+                answer = transport.start(step("b", [3, 4, 5]), 0.05)
+                asyncio.run(transport.release(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a"]),
+                                              5.0, True))
+                time.sleep(0.2)  # past the call's deadline, as a long forward would be
+                started = time.monotonic()
+                response = answer()
+                return drafts(response), time.monotonic() - started, transport.streaming
+
+            got, read_s, streaming = await asyncio.to_thread(ahead)
+            assert got == [("b", [5, 4])] and streaming
+            assert read_s < 0.05, read_s  # it was there already: taken however late it is read
+            assert ("v", "a") not in server.servicer.store  # the release went out after it, and was applied
+            assert drafts(await prepare(transport, step("c", [6, 7]))) == [("c", [7, 6])]
+        assert (log.count(STREAM), log.count(UNARY)) == (1, 0)
+
+    asyncio.run(body())
+
+
+def test_a_call_sent_ahead_and_not_answered_fails_when_read_and_the_next_call_opens_a_new_stream():
+    async def body():
+        log = MethodLog()
+        async with blocking_transport(Reverse(slow_s=0.8), log) as (_, transport):
+            await prepare(transport, step("a", [1, 2]), 2.0)
+
+            def ahead() -> float:
+                answer = transport.start(step("slow", [1, 2]), 0.1)
+                time.sleep(0.2)
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as info:
+                    answer()
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                return time.monotonic() - started
+
+            assert await asyncio.to_thread(ahead) < 0.5  # the watchdog cancels it within about a deadline
+            await asyncio.sleep(0.8)
+            assert drafts(await prepare(transport, step("b", [5, 6, 7]), 2.0)) == [("b", [7, 6])]
+        assert log.count(STREAM) == 2
+
+    asyncio.run(body())
+
+
+def test_a_drafter_without_the_stream_answers_a_call_sent_ahead_as_a_unary_call():
+    async def body():
+        log = MethodLog(refuse_stream=True)
+        async with blocking_transport(Reverse(), log) as (_, transport):
+            await prepare(transport, step("a", [1, 2, 3]))  # refused: unary from now on
+            answer = await asyncio.to_thread(transport.start, step("b", [4, 5]), 5.0)
+            assert drafts(await asyncio.to_thread(answer)) == [("b", [5, 4])]
+        assert (log.count(STREAM), log.count(UNARY)) == (1, 2)
+
+    asyncio.run(body())

@@ -55,6 +55,7 @@ class RoundRobin:
 
     target = "round-robin"
     one_replica = False
+    splits_calls = False
 
     def __init__(self, *servicers: DrafterServicer) -> None:
         self.replicas = list(servicers)
@@ -71,6 +72,9 @@ class RoundRobin:
             self.fail_next = False
             raise TimeoutError("deadline exceeded")
         return response
+
+    def start(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
+        return None  # prepare makes every call
 
     async def sync(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
         await self.prepare(request, timeout_s)

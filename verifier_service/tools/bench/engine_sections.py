@@ -97,8 +97,8 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
     metrics_port, drafter_metrics_port = free_port(), free_port()
     with contextlib.ExitStack() as stack:
         drafter = stack.enter_context(LocalService(
-            [script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-             "--max-matching-ngram-size", str(args.ngram_size), "--metrics-port", str(drafter_metrics_port)],
+            [script("splitspec-drafter"), "ngram", "--max-matching-ngram-size", str(args.ngram_size),
+             "--metrics-port", str(drafter_metrics_port)],
             name="drafter", startup_timeout_s=STARTUP_TIMEOUT_S))
         spec = ["--speculative-mode", "user_provided", "--drafter-target", drafter.address, *common]
 
@@ -109,8 +109,10 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
         # It times its forwards afresh and keeps them; the verifiers after it start on those timings.
         default = verifier("default", "--metrics-port", str(metrics_port), "--timing-cache", "refresh")
         if "overhead" in chosen:
-            results["overhead"] = _overhead(default, (metrics_port, drafter_metrics_port), tokenizer, args,
-                                            forward_s)
+            awaited_port = free_port()
+            awaited = verifier("awaited", "--no-overlap-drafter-calls", "--metrics-port", str(awaited_port))
+            results["overhead"] = _overhead([(default, metrics_port), (awaited, awaited_port)],
+                                            drafter_metrics_port, tokenizer, args, forward_s)
         if "prefill-gap" in chosen:
             long_prompt = document(tokenizer, args.long_prompt_tokens)
             unchunked = verifier("unchunked", "--max-num-batched-tokens", str(UNCHUNKED))
@@ -130,45 +132,56 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
 
 # --- overhead -------------------------------------------------------------------------------------
 
-def _overhead(v: LocalService, ports: tuple[int, int], tokenizer: PreTrainedTokenizerBase,
+def _overhead(verifiers: list[tuple[LocalService, int]], drafter_port: int, tokenizer: PreTrainedTokenizerBase,
               args: argparse.Namespace, forward_s: Callable[[int], float]) -> dict:
-    """`ports`: the verifier's and the drafter's /metrics."""
+    """`verifiers`: the default verifier and one that waits for every drafter call, with their
+    /metrics ports; `drafter_port`: the drafter's."""
     prompt = workloads.build(["grounded"], 1, tokenizer)[0].token_ids
     n = args.max_new_tokens
     # Like for like: the forward after as many cached tokens as the decode's steps see, from the
     # prompt's length to its last token (the cost grows with the context; the mean of three points).
     contexts = [len(prompt), len(prompt) + n // 2, len(prompt) + n - 1]
     decode_forward_s = statistics.mean(forward_s(c) for c in contexts)
+    (default, default_port), (awaited, awaited_port) = verifiers
     rows = []
-    client = Client(v.address)
-    client.stream(prompt[:32], 8, speculate=False)  # warm-up
-    for label, speculate in (("plain", False), ("remote n-gram", True)):
-        before = [_histograms(p) for p in ports]
+    for label, v, port, speculate in (("plain", default, default_port, False),
+                                      ("remote n-gram", default, default_port, True),
+                                      ("  calls awaited", awaited, awaited_port, True)):
+        client = Client(v.address)
+        client.stream(prompt[:32], 8, speculate=False)  # warm-up
+        before = [_metrics(p) for p in (port, drafter_port)]
         arrivals, _ = client.stream(prompt, n, speculate=speculate)
+        client.close()
         tok_s = _decode_tok_s(arrivals)
-        after = [_histograms(p) for p in ports]
+        after = [_metrics(p) for p in (port, drafter_port)]
         delta = _delta(after[0], before[0], OVERHEAD)
         row = {"system": label, "steps": delta[-1][1], "p50_ms": 1000 * _quantile(delta, 0.5),
                "p99_ms": 1000 * _quantile(delta, 0.99), "tok_s": tok_s, "x_ideal": tok_s * decode_forward_s}
         if speculate:  # the drafter call: its round trip, and the drafter's own handling of it
+            overlapped = _delta(after[0], before[0], OVERLAPPED)[0][1]
+            waited = _delta(after[0], before[0], ROUND_TRIP + "_count")[0][1]  # a step's call, when waited for
+            row["overlapped"] = overlapped / max(overlapped + waited, 1)
             row["call_ms"] = 1000 * _mean(after[0], before[0], ROUND_TRIP)
             row["drafter_server_ms"] = 1000 * _mean(after[1], before[1], DRAFTER_HANDLING)
         rows.append(row)
-    client.close()
     return {"one_token_forward_ms": 1000 * decode_forward_s, "contexts": contexts, "rows": rows}
 
 
 OVERHEAD = "splitspec:engine_step_overhead_seconds"
 ROUND_TRIP = "splitspec:drafter_call_latency_seconds"
+OVERLAPPED = "splitspec:drafter_calls_overlapped_total"
 DRAFTER_HANDLING = 'splitspec_drafter_call_latency_seconds{method="PrepareDraftTokens"}'
 
 
-def _histograms(port: int) -> dict[str, list[tuple[float, float]]]:
-    """Every histogram of a /metrics page: name (with its labels but le) -> [(le, cumulative count)],
-    plus name + "_sum" and "_count" -> [(0, value)]."""
+def _metrics(port: int) -> dict[str, list[tuple[float, float]]]:
+    """The histograms and counters of a /metrics page: a histogram's name (with its labels but le) ->
+    [(le, cumulative count)], plus name + "_sum" and "_count" -> [(0, value)]; a counter's sample
+    name (..._total) -> [(0, value)]."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out: dict[str, list[tuple[float, float]]] = {}
     for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            out.update((sample.name, [(0.0, sample.value)]) for sample in family.samples if not sample.labels)
         if family.type != "histogram":
             continue
         for sample in family.samples:
@@ -409,13 +422,15 @@ def _print(results: dict) -> None:
               f"{o['one_token_forward_ms']:.1f} ms after {o['contexts'][0]}-{o['contexts'][-1]} cached tokens, "
               f"as the decode's steps)")
         print(f"{'system':<16}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}"
-              f"{'call ms':>9}{'drafter ms':>12}")
+              f"{'overlapped':>12}{'call ms':>9}{'drafter ms':>12}")
         for r in o["rows"]:
-            call = f"{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}" if "call_ms" in r else ""
+            call = (f"{r['overlapped']:>12.0%}{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}"
+                    if "call_ms" in r else "")
             print(f"{r['system']:<16}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
                   f"{r['x_ideal']:>13.2f}{call}")
-        print("call ms: the drafter call's mean round trip as the verifier sees it; drafter ms: the mean of "
-              "the drafter's own handling of it (from receiving the call to answering it)")
+        print("overlapped: drafter calls the step did not wait for (it verified what was left of the last "
+              "answer; the call was answered during the forward); call ms: the mean round trip of the calls "
+              "waited for; drafter ms: the mean of the drafter's own handling of a call")
     if "prefill_gap" in results:
         print("\nThree plain streams while a long prompt is prefilled")
         print(f"{'config':<20}{'prompt':>7}{'median gap ms':>15}{'max gap ms':>12}{'max/median':>12}"

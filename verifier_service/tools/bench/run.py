@@ -245,8 +245,8 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
 
     with contextlib.ExitStack() as stack:
         drafter, suffix_drafter, *variant_drafters = start_together(stack, [
-            _service([script("splitspec-drafter"), "ngram", "--max-draft-len", str(args.max_draft_len),
-                      "--max-matching-ngram-size", str(args.ngram_size)], name="drafter"),
+            _service([script("splitspec-drafter"), "ngram", "--max-matching-ngram-size", str(args.ngram_size)],
+                     name="drafter"),
             _service([script("splitspec-drafter"), "suffix"], name="suffix-drafter"),
             *(_service([script("splitspec-drafter"), "suffix", *shlex.split(flags)], name=f"suffix-drafter-{i + 1}")
               for i, flags in enumerate(variants))])
