@@ -18,8 +18,11 @@ re-read whenever it changes, so a test switches faults while the process runs:
 - slow_some: every `slow_every`-th call sleeps `slow_s` first, the others are ok.
 - raise: prepare_draft_tokens raises, which the SDK answers with INTERNAL.
 
-FaultyModelDrafter has the same faults but drafts with the SDK's ModelDrafter
-(the model folder named by $FAULTY_DRAFTER_MODEL) instead of the oracle.
+FaultyDrafter looks ahead (capability "lookahead"): its oracle drafts are accepted whole, so steps
+may verify the rest of the last answer and read their own call after the forward, and the faults
+meet calls in flight too. FaultyModelDrafter has the same faults but drafts with the SDK's
+ModelDrafter (the model folder named by $FAULTY_DRAFTER_MODEL) instead of the oracle, and waits
+for every call as a model drafter does.
 
 Counters go to the JSON file named by $FAULTY_DRAFTER_STATS after every call:
 {"pid", "calls", "calls_by_mode": {...}, "sequences", "released"}.
@@ -36,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from drafter_sdk import Drafter, DraftRequest
+from drafter_sdk import LOOKAHEAD, Drafter, DraftRequest
 
 CONTROL_ENV = "FAULTY_DRAFTER_CONTROL"
 STATS_ENV = "FAULTY_DRAFTER_STATS"
@@ -76,6 +79,7 @@ def write_control(path: str | os.PathLike[str], mode: str, oracle: Sequence[tupl
 class FaultyDrafter(Drafter):
     name = "faulty-sdk"
     version = "1.0"
+    capabilities = (LOOKAHEAD,)
 
     def __init__(self) -> None:
         self.control_path = os.environ.get(CONTROL_ENV, "")
@@ -136,6 +140,7 @@ class FaultyModelDrafter(FaultyDrafter):
     not from the oracle): the draft model's own KV state goes through every fault."""
 
     name = "faulty-model"
+    capabilities = ()  # each token a forward of the draft model
 
     def __init__(self) -> None:
         super().__init__()

@@ -86,6 +86,7 @@ class SdkFaultyDrafter(Proc):
                  **kwargs: object) -> None:
         """With `draft_model` (a model folder), the faults sit in front of the SDK's ModelDrafter."""
         drafter = "FaultyModelDrafter" if draft_model is not None else "FaultyDrafter"
+        self.looks_ahead = draft_model is None  # FaultyDrafter advertises "lookahead"
         super().__init__([script("splitspec-drafter"), f"{TESTS}/faulty_drafters.py:{drafter}",
                           "--log-level", "WARNING", "--grace-period-s", "5", *extra_args], name=name, **kwargs)
         self.control_path = self.workdir / "control.json"

@@ -77,6 +77,7 @@ class Outcome:
     recovered_at: float
     state_during: int
     info: verifier_pb2.GetServerInfoResponse
+    overlapped: int  # drafter calls read after their step's forward (a drafter that looks ahead)
 
 
 async def run_fault(v, workload: Workload, inject: Callable[[], Awaitable[None] | None],
@@ -103,7 +104,8 @@ async def run_fault(v, workload: Workload, inject: Callable[[], Awaitable[None] 
     finally:
         await load.stop()
     info = await v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest())
-    return Outcome(load, calls1 - calls0, steps1 - steps0, failures1 - failures0, recovered_at, state_during, info)
+    return Outcome(load, calls1 - calls0, steps1 - steps0, failures1 - failures0, recovered_at, state_during, info,
+                   client.stats.overlapped)
 
 
 async def _maybe_await(x: object) -> None:
@@ -111,12 +113,14 @@ async def _maybe_await(x: object) -> None:
         await x
 
 
-def check(outcome: Outcome, fault: str) -> None:
+def check(outcome: Outcome, fault: str, looks_ahead: bool = False) -> None:
+    """`looks_ahead`: the drafter advertises "lookahead", so calls in flight during a forward met the fault too."""
     outcome.load.check()
     figures = {"fault": fault, "requests": len(outcome.load.done), "failed": len(outcome.load.failed),
                "drafter_calls_in_fault": outcome.calls_in_window, "steps_in_fault": outcome.steps_in_window,
-               "drafter_failures": outcome.info.drafter.failures}
+               "drafter_failures": outcome.info.drafter.failures, "overlapped_calls": outcome.overlapped}
     FIGURES.append(figures)
+    assert (outcome.overlapped > 0) == looks_ahead, figures
     assert outcome.info.drafter.state == verifier_pb2.DRAFTER_STATE_HEALTHY, outcome.info.drafter
     assert outcome.failures_in_window >= 3, figures  # the fault was seen ...
     assert outcome.state_during == verifier_pb2.DRAFTER_STATE_UNAVAILABLE, figures  # ... and opened the breaker
@@ -176,7 +180,7 @@ def test_drafter_killed_mid_generation_then_restarted(sdk_drafter, workload):
                 await asyncio.to_thread(sdk_drafter.start)  # same port, empty state
 
             outcome = await run_fault(v, workload, sdk_drafter.kill, restart, lambda: client.stats.calls)
-        check(outcome, "drafter SIGKILL, restarted")
+        check(outcome, "drafter SIGKILL, restarted", sdk_drafter.looks_ahead)
         assert sdk_drafter.process.pid != first_pid and sdk_drafter.calls() > 0  # the new process drafts
 
     asyncio.run(body())
@@ -188,7 +192,7 @@ def test_drafter_hangs_past_the_deadline(sdk_drafter, workload):
             outcome = await run_fault(v, workload, lambda: sdk_drafter.set("hang"), lambda: sdk_drafter.set("ok"),
                                       sdk_drafter.calls)
             last_error = outcome.info.drafter.last_error
-        check(outcome, "drafter hangs past the deadline")
+        check(outcome, "drafter hangs past the deadline", sdk_drafter.looks_ahead)
         assert "DEADLINE_EXCEEDED" in last_error
 
     asyncio.run(body())
@@ -199,7 +203,7 @@ def test_drafter_raises_inside_the_sdk(sdk_drafter, workload):
         async with run_verifier(user_provided(sdk_drafter.address)) as v:
             outcome = await run_fault(v, workload, lambda: sdk_drafter.set("raise"), lambda: sdk_drafter.set("ok"),
                                       sdk_drafter.calls)
-        check(outcome, "drafter raises (SDK answers INTERNAL)")
+        check(outcome, "drafter raises (SDK answers INTERNAL)", sdk_drafter.looks_ahead)
 
     asyncio.run(body())
 

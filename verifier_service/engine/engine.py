@@ -2,8 +2,9 @@
 
 The loop runs on the model thread's own event loop (engine/model_thread.py), so a step makes
 no thread hand-off: the scheduler plans, the drafter is called (in-process: inline; remote:
-the gRPC call is sent and awaited from the model thread), the forward and verification run
-inline, and the scheduler commits. What crosses to the servers' event loop is the step's
+the gRPC call is sent and awaited from the model thread, or, where the drafter looks ahead and
+the rest of its last chain covers the step's drafts, read after the forward: spec/lookahead.py),
+the forward and verification run inline, and the scheduler commits. What crosses to the servers' event loop is the step's
 outputs, handed over once per step (`call_soon_threadsafe`), and what comes back is new
 requests and cancellations (`submit`, `cancel`, under one lock with the scheduler's own
 boundaries). The servers keep answering (health, new requests, cancellations) during a
@@ -164,8 +165,8 @@ class Engine:
                               s.spec.last_num_drafted, s.spec.last_num_accepted, s.sampling.temperature,
                               s.sampling.top_p, s.sampling.top_k, m)
                    for s, a, m in zip(plan.decodes, asks, nodes)]
-        bases = [len(s.all_ids) for s in plan.decodes]
-        left = [s.lookahead.remaining(s.all_ids) if ahead and s.lookahead is not None else []
+        bases = [len(s.output_ids) for s in plan.decodes]
+        left = [s.lookahead.remaining(s.output_ids) if ahead and s.lookahead is not None else []
                 for s in plan.decodes]
         reply: DraftReply | None = None
         if ahead and all(len(d) >= k for d, k in zip(left, plan.draft_lens)):
@@ -249,7 +250,7 @@ class InFlight:
 
     call: DraftCall
     sequences: list[Sequence]
-    bases: list[int]  # per sequence: its committed tokens when the call was sent
+    bases: list[int]  # per sequence: its generated tokens when the call was sent
 
 
 def _keep(seqs: list[Sequence], bases: list[int], reply: DraftReply) -> None:

@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Lookahead:
-    """A chain the drafter proposed after the first `base` committed tokens of a sequence."""
+    """A chain the drafter proposed for a sequence after its first `base` generated tokens."""
 
     base: int
     tokens: list[int]
 
-    def remaining(self, committed: Sequence[int]) -> list[int]:
-        """What is left of the chain as a draft after `committed` (every committed token, prompt
-        first): [] when what was committed since `base` is not where the chain begins."""
-        since = committed[self.base:]
-        if len(committed) < self.base or len(since) >= len(self.tokens):
+    def remaining(self, generated: Sequence[int]) -> list[int]:
+        """What is left of the chain as a draft after `generated` (the sequence's generated tokens):
+        [] when what was generated since `base` is not where the chain begins."""
+        since = generated[self.base:]
+        if len(generated) < self.base or len(since) >= len(self.tokens):
             return []
         if any(a != b for a, b in zip(since, self.tokens)):
             return []

@@ -38,9 +38,9 @@ def references() -> list[list[int]]:
 
 def test_what_is_left_of_a_lookahead_after_the_tokens_committed_since():
     chain = Lookahead(base=3, tokens=[10, 11, 12, 13, 14])
-    assert chain.remaining([1, 2, 3]) == [10, 11, 12, 13, 14]  # nothing committed since
-    assert chain.remaining([1, 2, 3, 10, 11]) == [12, 13, 14]  # two accepted
-    assert chain.remaining([1, 2, 3, 10, 11, 12, 13, 14]) == []  # all of it committed
+    assert chain.remaining([1, 2, 3]) == [10, 11, 12, 13, 14]  # nothing generated since
+    assert chain.remaining([1, 2, 3, 10, 11]) == [12, 13, 14]  # a token accepted, then the target's own
+    assert chain.remaining([1, 2, 3, 10, 11, 12, 13, 14]) == []  # all of it generated
     assert chain.remaining([1, 2, 3, 10, 99]) == []  # the target parted from it
     assert chain.remaining([1, 2]) == []  # shorter than when it was asked: not this sequence's
     assert ask(verify=4, room=100) == 9 and ask(verify=4, room=6) == 6 and ask(verify=0, room=9) == 1

@@ -2,12 +2,15 @@
 
 - overhead: per-step overhead (the step period minus its forward, read from the verifier's
   splitspec:engine_step_overhead_seconds histogram) at batch 1, plain and with the remote
-  n-gram drafter, and plain decoding's speed against 1 / (one-token forward time). That
+  n-gram drafter (the default verifier, which overlaps the drafter's calls with its forward
+  where it can, and one that waits for every call), and plain decoding's speed against
+  1 / (one-token forward time). That
   forward is timed like for like: one token after as many cached tokens as the decode's
   steps have (its prompt's length, then up to the last token), not at a fixed context.
-  With the remote drafter, the call's round trip as the verifier sees it and the drafter's
-  own handling time (its splitspec_drafter_call_latency_seconds) are read beside it, so the
-  overhead splits into the network and the drafter's server, and the rest (ours);
+  With the remote drafter, the share of calls that overlapped the forward, the round trip of
+  those waited for as the verifier sees it and the drafter's own handling time (its
+  splitspec_drafter_call_latency_seconds) are read beside it, so the overhead splits into the
+  network and the drafter's server, and the rest (ours);
 - prefill-gap: three plain streams' inter-token gaps while a long prompt is admitted, with the
   default chunked prefill and with the whole prompt in one step;
 - multi-turn: time to first token of each turn of a chat over a long document, with prefix
@@ -18,8 +21,8 @@
 - cuda-graphs (CUDA): decoding's speed at batch 1 with CUDA graphs (the default) and with
   --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns.
 
-Verifier processes: defaults (with /metrics), and as sections need them unchunked, no prefix caching
-and eager; one n-gram drafter (with /metrics). Each section uses prompts of its own, so no cached
+Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
+prefix caching and eager; one n-gram drafter (with /metrics). Each section uses prompts of its own, so no cached
 prefix crosses from one section to another.
 """
 
@@ -146,7 +149,7 @@ def _overhead(verifiers: list[tuple[LocalService, int]], drafter_port: int, toke
     rows = []
     for label, v, port, speculate in (("plain", default, default_port, False),
                                       ("remote n-gram", default, default_port, True),
-                                      ("  calls awaited", awaited, awaited_port, True)):
+                                      ("remote, calls awaited", awaited, awaited_port, True)):
         client = Client(v.address)
         client.stream(prompt[:32], 8, speculate=False)  # warm-up
         before = [_metrics(p) for p in (port, drafter_port)]
@@ -421,12 +424,12 @@ def _print(results: dict) -> None:
         print(f"\nPer-step overhead at batch 1 (step period - forward; one-token forward "
               f"{o['one_token_forward_ms']:.1f} ms after {o['contexts'][0]}-{o['contexts'][-1]} cached tokens, "
               f"as the decode's steps)")
-        print(f"{'system':<16}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}"
+        print(f"{'system':<22}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}"
               f"{'overlapped':>12}{'call ms':>9}{'drafter ms':>12}")
         for r in o["rows"]:
             call = (f"{r['overlapped']:>12.0%}{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}"
                     if "call_ms" in r else "")
-            print(f"{r['system']:<16}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
+            print(f"{r['system']:<22}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
                   f"{r['x_ideal']:>13.2f}{call}")
         print("overlapped: drafter calls the step did not wait for (it verified what was left of the last "
               "answer; the call was answered during the forward); call ms: the mean round trip of the calls "
