@@ -4,11 +4,11 @@ The loop runs on the model thread's own event loop (engine/model_thread.py), so 
 no thread hand-off: the scheduler plans, the drafter is called (in-process: inline; remote:
 the gRPC call is sent and awaited from the model thread, or, where the drafter looks ahead and
 the rest of its last chain covers the step's drafts, read after the forward: spec/lookahead.py),
-the forward and verification run inline, and the scheduler commits. What crosses to the servers' event loop is the step's
-outputs, handed over once per step (`call_soon_threadsafe`), and what comes back is new
-requests and cancellations (`submit`, `cancel`, under one lock with the scheduler's own
-boundaries). The servers keep answering (health, new requests, cancellations) during a
-forward.
+the forward and verification run inline, and the scheduler commits. What crosses to the
+servers' event loop is the step's outputs, handed over once per step (`call_soon_threadsafe`),
+and what comes back is new requests and cancellations (`submit`, `cancel`, under one lock with
+the scheduler's own boundaries). The servers keep answering (health, new requests,
+cancellations) during a forward.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ class FakeDrafter:
     released: list[str] = field(default_factory=list)
     reasons: list[int] = field(default_factory=list)
     supports_trees: bool = False
+    looks_ahead: bool = False  # every call is waited for
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         self.queries.append(queries)

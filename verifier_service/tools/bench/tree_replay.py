@@ -13,11 +13,18 @@ seconds, and prints the tokens verified per step the forward cost depends on.
         --costs 1:30,9:43,17:55 --planner --select 0,1
     python -m verifier_service.tools.bench.tree_replay replay outputs.json --drafter suffix --nodes 8 \
         --costs 1:35.8,9:60.1,17:73.7 --planner
+    python -m verifier_service.tools.bench.tree_replay replay outputs.json --nodes 8 \
+        --costs 1:35.8,9:60.1,17:73.7 --planner --lookahead
+
+`--lookahead` asks chain drafters for 2k + 1 tokens where k are verified, as a verifier does of a
+drafter that looks ahead (spec/lookahead.py), and reports the share of drafting steps whose drafts
+the rest of the last answer covers: the steps whose call could overlap the forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import time
@@ -31,6 +38,8 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.tree import ROOT, DraftTree, accepted_path, depths
 from verifier_service.model.step_costs import CostCurve
+from verifier_service.spec.lookahead import Lookahead
+from verifier_service.spec.lookahead import ask as lookahead_ask
 from verifier_service.spec.planner import DraftPlanner
 from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
@@ -45,18 +54,21 @@ class Replay:
     # ... / (that time + the drafter's measured time here): where a forward takes a few milliseconds (a GPU),
     # the drafter's Python time is a share of the step
     modelled_with_draft_tok_s: float
+    lookahead: float = 0.0  # with `lookahead`, of a chain's drafting steps: those the last answer's rest covers
 
 
 def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, nodes: int,
            costs: CostCurve | None = None, one_token_ms: float = 1.0, planner: bool = False,
-           learn: bool = False) -> list[Replay]:
+           learn: bool = False, lookahead: bool = False) -> list[Replay]:
     """Each record: {"workload", "prompt", "output"} (token ids). `nodes` 0 replays chains. With a
     cost curve, each step's forward (1 + verified tokens) is charged to a modelled tokens/s; with
     `planner` as well, the verifier's policy sizes every step's draft (chain length, and tree nodes
     up to `nodes`) from that curve and what it has seen accepted, as the verifier does. `learn`: one
     drafter replays every record in order, each released FINISHED (the suffix drafter learns it);
-    otherwise each record gets a drafter of its own."""
+    otherwise each record gets a drafter of its own. `lookahead` (chains): ask for 2k + 1 and count the
+    drafting steps the rest of the last answer covers."""
     totals: dict[str, list[float]] = {}
+    covers: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # drafting steps, covered ones
     forward_ms: dict[str, float] = {}
     shared = drafter() if learn else None
     for i, record in enumerate(records):
@@ -66,17 +78,23 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
         state = SpecState()
         history = array(TOKEN_TYPECODE, record["prompt"] + out[:1])
         pos, steps, verified, seconds = 1, 0, 0, 0.0
+        kept: Lookahead | None = None
         while pos < len(out):
             k, ask, m = depth, depth, nodes
             if policy is not None:
                 (k,), (ask,) = policy.plan([state], [len(out) - pos])
                 (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
+            if lookahead and k and not m:
+                covers[record["workload"]][0] += 1
+                covers[record["workload"]][1] += kept is not None and len(kept.remaining(out[:pos])) >= k
+                ask = max(ask, lookahead_ask(k, len(out) - pos))
             started = time.perf_counter()
             [draft] = d.prepare_draft_tokens([DraftRequest(*key, history, len(record["prompt"]), ask, 0, 0,
                                                            SamplingHints(), max_draft_nodes=m)])
             seconds += time.perf_counter() - started
             tokens, parents = (list(draft.tokens), list(draft.parents)) if isinstance(draft, DraftTree) else (
                 list(draft), [])
+            kept = Lookahead(pos, tokens) if tokens and not parents else None
             shadow = tokens if not k else []
             tokens = tokens if parents else tokens[:k]
             chain = list(range(ROOT, len(tokens) - 1))
@@ -99,7 +117,8 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
             total[k] += v
     return [Replay(w, emitted / steps, verified / steps, seconds / steps * 1e3,
                    emitted / forward_ms[w] * 1e3 if w in forward_ms else 0.0,
-                   emitted / (forward_ms[w] + seconds * 1e3) * 1e3 if w in forward_ms else 0.0)
+                   emitted / (forward_ms[w] + seconds * 1e3) * 1e3 if w in forward_ms else 0.0,
+                   covers[w][1] / max(covers[w][0], 1))
             for w, (emitted, steps, verified, seconds) in totals.items() if steps]
 
 
@@ -159,6 +178,9 @@ def main() -> None:
     q.add_argument("--planner", action="store_true",
                    help="with --costs: also the chain and the trees as the verifier's planner sizes them")
     q.add_argument("--select", help="only the records whose index within their workload is listed, e.g. 0,1")
+    q.add_argument("--lookahead", action="store_true",
+                   help="chains ask for 2k + 1 tokens where k are verified: adds the share of drafting steps the "
+                        "rest of the last answer covers (their call could overlap the forward)")
     q.add_argument("--drafter", choices=["ngram", "suffix"], default="ngram",
                    help="suffix: instead of trees, the suffix drafter's chains against the n-gram chain, with the "
                         "longer match winning between its trees and with vLLM's higher score (one drafter learns "
@@ -175,7 +197,9 @@ def main() -> None:
         p.error("--planner needs --costs")
     one_token_ms = ms[min(ms)] if ms else 1.0
     # (row, drafter, tree nodes, one drafter learning every record): the chain the others are read against first
-    chain = functools.partial(NgramDrafter, max_draft_len=n)
+    # With --lookahead the chain drafter proposes up to 2n + 1 tokens (its first n are the same), as
+    # `splitspec-drafter ngram` does by default.
+    chain = functools.partial(NgramDrafter, max_draft_len=2 * n + 1 if args.lookahead else n)
     systems: list[tuple[str, Callable[[], Drafter], int, bool]] = [("chain", chain, 0, False)]
     if args.drafter == "suffix":
         systems += [("suffix", SuffixDrafter, 0, True),
@@ -187,9 +211,10 @@ def main() -> None:
     for planner in (False, True) if args.planner else (False,):
         for name, make, nodes, learn in systems:
             row = f"planner {name}" if planner else name
-            rows[row] = replay(records, make, n, nodes, costs, one_token_ms, planner, learn)
+            rows[row] = replay(records, make, n, nodes, costs, one_token_ms, planner, learn, args.lookahead)
     print(f"{'workload':<10} {'drafts':<20} {'tokens/step':>11} {'vs chain':>8} {'verified':>8} {'draft ms':>8}"
-          + (f" {'model tok/s':>11} {'vs chain':>8} {'+draft tok/s':>12} {'vs chain':>8}" if costs else ""))
+          + (f" {'model tok/s':>11} {'vs chain':>8} {'+draft tok/s':>12} {'vs chain':>8}" if costs else "")
+          + (f" {'lookahead':>9}" if args.lookahead else ""))
     for i in range(len(rows["chain"])):
         for name, replays in rows.items():
             r, chain = replays[i], rows["planner chain" if name.startswith("planner") else "chain"][i]
@@ -197,7 +222,8 @@ def main() -> None:
                   f"{r.tokens_per_step / chain.tokens_per_step:>7.3f}x {r.verified_per_step:>8.1f} {r.draft_ms:>8.2f}"
                   + (f" {r.modelled_tok_s:>11.1f} {r.modelled_tok_s / chain.modelled_tok_s:>7.3f}x"
                      f" {r.modelled_with_draft_tok_s:>12.1f}"
-                     f" {r.modelled_with_draft_tok_s / chain.modelled_with_draft_tok_s:>7.3f}x" if costs else ""))
+                     f" {r.modelled_with_draft_tok_s / chain.modelled_with_draft_tok_s:>7.3f}x" if costs else "")
+                  + (f" {r.lookahead:>9.0%}" if args.lookahead else ""))
 
 
 if __name__ == "__main__":
