@@ -115,7 +115,6 @@ class Transport(Protocol):
     one_replica: bool
     splits_calls: bool  # `start` sends a call whose answer is read later
 
-
     async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                       timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
 
