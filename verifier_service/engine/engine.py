@@ -169,7 +169,7 @@ class Engine:
         left = [s.lookahead.remaining(s.output_ids) if ahead and s.lookahead is not None else []
                 for s in plan.decodes]
         reply: DraftReply | None = None
-        if ahead and all(len(d) >= k for d, k in zip(left, plan.draft_lens)):
+        if ahead and lookahead.covers(left, plan.draft_lens, asks):
             self._in_flight = InFlight(self.drafter.send(queries), plan.decodes, bases)
             drafts, parents = left, none
             if self.metrics is not None:

@@ -41,6 +41,15 @@ class Lookahead:
         return self.tokens[len(since):]
 
 
+def covers(left: list[list[int]], verify: list[int], asks: list[int]) -> bool:
+    """Whether a step can verify what is left of its sequences' last chains instead of waiting for
+    its call: every sequence asked for drafts has at least the `verify` tokens it verifies, and one
+    that only scores a shadow draft (verifies 0, asks for some) has a token to score. (Without
+    that token it would wait: skipping its shadow exactly when the last one missed would leave the
+    planner counting only the hits.)"""
+    return all(len(d) >= max(k, 1) for d, k, a in zip(left, verify, asks) if a)
+
+
 def ask(verify: int, room: int) -> int:
     """Draft tokens to ask a drafter that looks ahead for, where `verify` are verified now: enough for
     this step's draft, its target token and a draft as long for the next step."""

@@ -26,7 +26,7 @@ from verifier_support import (
 from drafter_sdk import LOOKAHEAD, Drafter, DraftRequest
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.spec.lookahead import Lookahead, ask
+from verifier_service.spec.lookahead import Lookahead, ask, covers
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:8]]
 LENGTH = 40
@@ -44,6 +44,14 @@ def test_what_is_left_of_a_lookahead_after_the_tokens_committed_since():
     assert chain.remaining([1, 2, 3, 10, 99]) == []  # the target parted from it
     assert chain.remaining([1, 2]) == []  # shorter than when it was asked: not this sequence's
     assert ask(verify=4, room=100) == 9 and ask(verify=4, room=6) == 6 and ask(verify=0, room=9) == 1
+
+
+def test_a_step_waits_unless_every_draft_and_every_shadow_is_covered():
+    assert covers([[1, 2, 3], [4, 5]], verify=[3, 2], asks=[7, 5])
+    assert not covers([[1, 2, 3], [4]], verify=[3, 2], asks=[7, 5])  # one sequence lacks a token
+    assert covers([[7]], verify=[0], asks=[8])  # a shadow draft: one token to score
+    assert not covers([[]], verify=[0], asks=[8])  # nothing to score: the planner would see only hits
+    assert covers([[], [1, 2]], verify=[0, 2], asks=[0, 5])  # asked for nothing: no draft, no shadow
 
 
 async def one_by_one(v, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
