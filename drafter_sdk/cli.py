@@ -164,7 +164,8 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
         except ImportError as exc:
             raise ValueError(f"the model drafter needs torch and transformers: pip install "
                              f"'splitspec[model-drafter]' ({exc})") from exc
-        return ModelDrafter(args.model, device=args.device, dtype=args.dtype, max_draft_len=_or(args.max_draft_len, MODEL_MAX_DRAFT_LEN),
+        return ModelDrafter(args.model, device=args.device, dtype=args.dtype,
+                            max_draft_len=_or(args.max_draft_len, MODEL_MAX_DRAFT_LEN),
                             kv_cache_memory_gb=args.kv_cache_memory_gb, draft_ahead=args.draft_ahead)
     return load_drafter_class(args.drafter)()
 

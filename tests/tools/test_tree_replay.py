@@ -52,3 +52,13 @@ def test_a_learning_drafter_replays_every_record_in_order_and_learns_each_output
     assert apart.tokens_per_step == 1.0
     # The second record: 39 tokens after the first, drafted from the first answer; the first: 1 a step.
     assert learned.tokens_per_step > 1.5
+
+
+def test_lookahead_counts_the_steps_the_rest_of_the_last_answer_covers():
+    # A copy: asked for 2k + 1 = 5, each answer's last 2 tokens are the next step's draft once its first 2
+    # are accepted and the target's token is its third; every step but the first is covered.
+    records = [{"workload": "copy", "prompt": list(range(1, 13)), "output": list(range(1, 13))}]
+    (plain,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 2, 0)
+    (ahead,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 2, 0, lookahead=True)
+    assert ahead.lookahead == 3 / 4 and plain.lookahead == 0
+    assert ahead.tokens_per_step == plain.tokens_per_step  # asking for more changes no verified token

@@ -40,6 +40,7 @@ from drafter_sdk.tree import ROOT, DraftTree, accepted_path, depths
 from verifier_service.model.step_costs import CostCurve
 from verifier_service.spec.lookahead import Lookahead
 from verifier_service.spec.lookahead import ask as lookahead_ask
+from verifier_service.spec.lookahead import covers as lookahead_covers
 from verifier_service.spec.planner import DraftPlanner
 from verifier_service.spec.policy import SpecState, SpeculationPolicy
 
@@ -86,7 +87,8 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
                 (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
             if lookahead and k and not m:
                 covers[record["workload"]][0] += 1
-                covers[record["workload"]][1] += kept is not None and len(kept.remaining(out[:pos])) >= k
+                covers[record["workload"]][1] += kept is not None and lookahead_covers(
+                    [kept.remaining(out[:pos])], [k], [ask])
                 ask = max(ask, lookahead_ask(k, len(out) - pos))
             started = time.perf_counter()
             [draft] = d.prepare_draft_tokens([DraftRequest(*key, history, len(record["prompt"]), ask, 0, 0,
