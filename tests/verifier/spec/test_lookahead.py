@@ -135,3 +135,24 @@ def test_a_wrong_lookahead_is_rejected_and_a_call_failing_in_flight_costs_only_d
     assert 0 < accepted < drafted  # corrupted tokens are verified where a step did not wait for its call
     assert (failures > 0) == bool(fail_every)
     assert (sum(r.output.stats.num_drafter_failures for r in responses) > 0) == bool(fail_every)
+
+
+def test_a_seeded_sampled_request_gives_plain_decodings_output_with_calls_overlapped():
+    """One draw per emitted token, whatever the draft: a lookahead verified instead of a fresh draft
+    changes no sampled token."""
+    sampling = verifier_pb2.SamplingParams(temperature=0.5, top_p=0.9, seed=7)
+
+    async def main() -> tuple[list[list[int]], list[list[int]], int]:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            plain = [list((await v.stub.Generate(token_request(p, LENGTH, sampling=sampling), timeout=WAIT_S))
+                          .output.token_ids) for p in PROMPTS]
+        async with serve_drafter(NgramDrafter(max_draft_len=32)) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=shared_model()) as v:
+                spec_out = [list((await v.stub.Generate(token_request(p, LENGTH, sampling=sampling),
+                                                        timeout=WAIT_S)).output.token_ids) for p in PROMPTS]
+                return plain, spec_out, engine_of(v).drafter.stats.overlapped
+
+    plain, spec_out, overlapped = asyncio.run(main())
+    assert spec_out == plain
+    assert overlapped > 0
