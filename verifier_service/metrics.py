@@ -68,8 +68,8 @@ class VerifierMetrics:
             registry=r)
         # --- drafter calls
         self.drafter_call_latency = Histogram(
-            f"{p}drafter_call_latency_seconds", "PrepareDraftTokens round trip as the verifier sees it, "
-            "failed and timed-out calls included", buckets=LATENCY_BUCKETS, registry=r)
+            f"{p}drafter_call_latency_seconds", "PrepareDraftTokens round trip as the verifier sees it, of the "
+            "calls a step waited for, failed and timed-out calls included", buckets=LATENCY_BUCKETS, registry=r)
         self.drafter_call_failures = Counter(
             f"{p}drafter_call_failures", "Drafter calls that failed, timed out or returned invalid drafts "
             "(each costs that step's drafts, never a request)", registry=r)
