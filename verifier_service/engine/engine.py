@@ -160,7 +160,7 @@ class Engine:
         asks = plan.draft_asks
         if ahead:
             rooms = [s.draft_room(self.scheduler.max_model_len) for s in plan.decodes]
-            asks = [max(a, lookahead.ask(k, room)) for a, k, room in zip(asks, plan.draft_lens, rooms)]
+            asks = [max(a, lookahead.ask(k, room)) if a else 0 for a, k, room in zip(asks, plan.draft_lens, rooms)]
         queries = [DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), a, s.drafter_sync,
                               s.spec.last_num_drafted, s.spec.last_num_accepted, s.sampling.temperature,
                               s.sampling.top_p, s.sampling.top_k, m)

@@ -69,7 +69,7 @@ class FakeDrafter:
     released: list[str] = field(default_factory=list)
     reasons: list[int] = field(default_factory=list)
     supports_trees: bool = False
-    looks_ahead: bool = False  # every call is waited for
+    looks_ahead: bool = False  # asked for 2k + 1; its calls are all waited for here (no `send`)
 
     async def propose(self, queries: list[DraftQuery]) -> DraftReply:
         self.queries.append(queries)
@@ -217,15 +217,17 @@ def test_a_cancelled_request_frees_its_slot_and_drafter_state_at_the_next_bounda
     asyncio.run(main())
 
 
-def test_a_disabled_request_is_not_drafted_for_beside_one_that_is() -> None:
+@pytest.mark.parametrize("looks_ahead", [False, True])
+def test_a_disabled_request_is_not_drafted_for_beside_one_that_is(looks_ahead: bool) -> None:
+    """A drafter that looks ahead is asked for 2k + 1 tokens (k = 3 verified), never for a disabled request."""
     async def main() -> None:
-        runner, drafter = CountingRunner(), FakeDrafter(counting)
+        runner, drafter = CountingRunner(), FakeDrafter(counting, looks_ahead=looks_ahead)
         engine = make_engine(runner, drafter, max_draft_len=3)
         a, b = sequence("a", [1], 9), sequence("b", [5], 9, disable=True)
         engine.submit(a)
         engine.submit(b)
         await run_steps(engine, 2)
-        assert [q.draft_len for q in drafter.queries[0]] == [3, 0]
+        assert [q.draft_len for q in drafter.queries[0]] == ([7, 0] if looks_ahead else [3, 0])
         assert runner.batches[1].lengths == [4, 1]
 
     asyncio.run(main())
