@@ -121,7 +121,7 @@ class VerifierMetrics:
             "(scheduling, drafter call, hand-offs to and from the model thread, sampling, emitting)",
             buckets=OVERHEAD_BUCKETS, registry=r)
         ProcessCollector(registry=r)
-        self._drafter_seen = (0, 0, 0, 0)  # calls, failures, skipped, resyncs at the last step
+        self._drafter_seen = (0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped at the last step
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
 
     # --- wiring -------------------------------------------------------------------------------------
@@ -144,12 +144,13 @@ class VerifierMetrics:
     # --- engine -------------------------------------------------------------------------------------
 
     def observe_decode(self, drafted: Seq[int], accepted: Seq[int], auto_disabled: Set[str],
-                       drafter_totals: tuple[int, int, int, int] | None = None,
+                       drafter_totals: tuple[int, int, int, int, int] | None = None,
                        call_latency_s: float | None = None, draft_nodes: Seq[int] | None = None) -> None:
         """One decode step: per sequence, the draft length verified (a token tree's depth) and how many
         were accepted; the ids of the step's sequences whose drafting is auto-disabled; the drafter
-        client's running totals (calls, failures, skipped, resyncs) and this step's call latency, if it
-        called; per sequence, the draft tokens verified counting every tree node (None: as drafted)."""
+        client's running totals (calls, failures, skipped, resyncs, overlapped) and the latency of this
+        step's call, if it waited for one; per sequence, the draft tokens verified counting every tree
+        node (None: as drafted)."""
         for n, a, nodes in zip(drafted, accepted, drafted if draft_nodes is None else draft_nodes):
             if n == 0:
                 continue
@@ -162,7 +163,7 @@ class VerifierMetrics:
         self.auto_disabled.inc(len(auto_disabled - self._disabled))
         self._disabled = set(auto_disabled)  # a disabled sequence decodes every step until it ends
         if drafter_totals is not None:
-            calls, failures, skipped, resyncs = (
+            calls, failures, skipped, resyncs, overlapped = (
                 now - before for now, before in zip(drafter_totals, self._drafter_seen))
             self._drafter_seen = drafter_totals
             if calls and call_latency_s is not None:
@@ -170,6 +171,7 @@ class VerifierMetrics:
             self.drafter_call_failures.inc(failures)
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
+            self.drafter_calls_overlapped.inc(overlapped)
 
 
     def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:

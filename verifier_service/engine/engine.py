@@ -172,11 +172,9 @@ class Engine:
         if ahead and lookahead.covers(left, plan.draft_lens, asks):
             self._in_flight = InFlight(self.drafter.send(queries), plan.decodes, bases)
             drafts, parents = left, none
-            if self.metrics is not None:
-                self.metrics.drafter_calls_overlapped.inc()
         else:
             reply = await self.drafter.propose(queries)
-            _keep(plan.decodes, bases, reply)
+            _keep(plan.decodes, bases, reply, chains=ahead)
             drafts, parents = reply.drafts, reply.parents or none
         plan.parents = parents
         plan.drafts = [d if p else d[:k] for d, p, k in zip(drafts, parents, plan.draft_lens)]
@@ -191,7 +189,8 @@ class Engine:
         """Read the answer to the last step's call, sent before its forward, and keep its chains."""
         if self._in_flight is not None:
             assert self.drafter is not None
-            _keep(self._in_flight.sequences, self._in_flight.bases, self.drafter.receive(self._in_flight.call))
+            _keep(self._in_flight.sequences, self._in_flight.bases, self.drafter.receive(self._in_flight.call),
+                  chains=True)
             self._in_flight = None
 
     def _verify(self, plan: StepPlan) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
@@ -222,7 +221,8 @@ class Engine:
                 [tree_verify.depth(d, p) for d, p in zip(plan.drafts, plan.tree_parents)],
                 [len(t) - 1 for t in new_tokens[len(plan.prefills):]],
                 {s.request_id for s in plan.decodes if s.spec.auto_disabled},
-                (stats.calls, stats.failures, stats.skipped, stats.resyncs) if stats is not None else None,
+                (stats.calls, stats.failures, stats.skipped, stats.resyncs, stats.overlapped) if stats is not None
+                else None,
                 reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
         self._release(finished)
         self._post(plan.outputs)  # last: a request sees its end once the engine is done with it
@@ -253,11 +253,12 @@ class InFlight:
     bases: list[int]  # per sequence: its generated tokens when the call was sent
 
 
-def _keep(seqs: list[Sequence], bases: list[int], reply: DraftReply) -> None:
-    """Keep each sequence's chain (trees are not kept) for the next step, and count its failures."""
+def _keep(seqs: list[Sequence], bases: list[int], reply: DraftReply, chains: bool) -> None:
+    """Count each sequence's drafter failures; with `chains` (the drafter looks ahead), keep its chain
+    (not a tree) for the next step."""
     parents = reply.parents or [[] for _ in seqs]
     for seq, base, draft, tree, failed in zip(seqs, bases, reply.drafts, parents, reply.failed):
-        seq.lookahead = lookahead.Lookahead(base, draft) if draft and not tree else None
+        seq.lookahead = lookahead.Lookahead(base, draft) if chains and draft and not tree else None
         seq.stats.num_drafter_failures += failed
 
 
