@@ -61,4 +61,4 @@ def test_lookahead_counts_the_steps_the_rest_of_the_last_answer_covers():
     (plain,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 2, 0)
     (ahead,) = replay(records, lambda: NgramDrafter(max_draft_len=8), 2, 0, lookahead=True)
     assert ahead.lookahead == 3 / 4 and plain.lookahead == 0
-    assert ahead.tokens_per_step == plain.tokens_per_step  # asking for more changes no verified token
+    assert ahead.tokens_per_step == plain.tokens_per_step  # on a copy, what is left is the fresh draft

@@ -66,8 +66,8 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
     `planner` as well, the verifier's policy sizes every step's draft (chain length, and tree nodes
     up to `nodes`) from that curve and what it has seen accepted, as the verifier does. `learn`: one
     drafter replays every record in order, each released FINISHED (the suffix drafter learns it);
-    otherwise each record gets a drafter of its own. `lookahead` (chains): ask for 2k + 1 and count the
-    drafting steps the rest of the last answer covers."""
+    otherwise each record gets a drafter of its own. `lookahead` (chains): ask for 2k + 1, and where the
+    rest of the last answer covers a step, verify that (as the verifier does), counting those steps."""
     totals: dict[str, list[float]] = {}
     covers: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # drafting steps, covered ones
     forward_ms: dict[str, float] = {}
@@ -85,10 +85,13 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
             if policy is not None:
                 (k,), (ask,) = policy.plan([state], [len(out) - pos])
                 (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
-            if lookahead and k and not m:
-                covers[record["workload"]][0] += 1
-                covers[record["workload"]][1] += kept is not None and lookahead_covers(
-                    [kept.remaining(out[:pos])], [k], [ask])
+            rest: list[int] | None = None  # what is left of the last answer, where it covers this step
+            if lookahead and ask and not m:
+                left = kept.remaining(out[:pos]) if kept is not None else []
+                rest = left if lookahead_covers([left], [k], [ask]) else None
+                if k:
+                    covers[record["workload"]][0] += 1
+                    covers[record["workload"]][1] += rest is not None
                 ask = max(ask, lookahead_ask(k, len(out) - pos))
             started = time.perf_counter()
             [draft] = d.prepare_draft_tokens([DraftRequest(*key, history, len(record["prompt"]), ask, 0, 0,
@@ -97,8 +100,11 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
             tokens, parents = (list(draft.tokens), list(draft.parents)) if isinstance(draft, DraftTree) else (
                 list(draft), [])
             kept = Lookahead(pos, tokens) if tokens and not parents else None
-            shadow = tokens if not k else []
-            tokens = tokens if parents else tokens[:k]
+            # A covered step verifies (or scores, as a shadow) the rest, as the verifier does; the answer
+            # is kept for the next step.
+            chosen = rest if rest is not None else tokens
+            shadow = chosen if not k else []
+            tokens = tokens if parents else chosen[:k]
             chain = list(range(ROOT, len(tokens) - 1))
             emitted = min(len(accepted_path(tokens, parents or chain, out[pos:pos + depth])) + 1, len(out) - pos)
             new_tokens = out[pos:pos + emitted]
