@@ -29,6 +29,7 @@ from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 DEADLINE_MS = 200
+VOCAB = 400  # the tiny model's (and repetitive_prompt's)
 FAULTS = ("raise", "late", "out_of_vocab", "too_long", "invalid_tree", "too_few")
 
 
@@ -39,7 +40,7 @@ class ChaosDrafter(Drafter):
 
     name = "chaos"
     version = "1"
-    capabilities = ("ngram", TREE_CAPABILITY, LOOKAHEAD)
+    capabilities = (TREE_CAPABILITY, LOOKAHEAD)
 
     def __init__(self, seed: int, fault_rate: float, oracle: dict[tuple[int, ...], list[int]]) -> None:
         self.ngram = NgramDrafter(max_draft_len=17)
@@ -60,7 +61,7 @@ class ChaosDrafter(Drafter):
         if fault == "late":
             time.sleep(2 * DEADLINE_MS / 1000)
         elif fault == "out_of_vocab":
-            return [[self.rng.randrange(-5, 500) for _ in range(self.rng.randint(1, 9))] for _ in requests]
+            return [[self.rng.randrange(-5, VOCAB + 100) for _ in range(self.rng.randint(1, 9))] for _ in requests]
         elif fault == "too_long":
             return [list(range(1, 200)) for _ in requests]
         elif fault == "invalid_tree":
@@ -74,7 +75,7 @@ class ChaosDrafter(Drafter):
         done = len(r.tokens) - r.prompt_len
         if list(r.tokens[r.prompt_len:]) != output[:done]:
             return []
-        return [t if self.rng.random() > 0.1 else (t + 1) % 400 for t in output[done:done + r.draft_len]]
+        return [t if self.rng.random() > 0.1 else (t + 1) % VOCAB for t in output[done:done + r.draft_len]]
 
     def on_release(self, key: tuple[str, str]) -> None:
         self.ngram.on_release(key)
@@ -86,7 +87,7 @@ def random_requests(rng: random.Random) -> list[pb.GenerateRequest]:
     for _ in range(rng.randint(4, 10)):
         prompt = list(rng.choice(bases))
         if rng.random() < 0.5:  # a shared prefix with a tail of its own
-            prompt += [rng.randrange(1, 400) for _ in range(rng.randint(1, 20))]
+            prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
         if rng.random() < 0.3:
             prompt *= rng.randint(2, 5)
         request = token_request(prompt[:180], rng.randint(1, 40))
@@ -99,7 +100,7 @@ def random_requests(rng: random.Random) -> list[pb.GenerateRequest]:
         if rng.random() < 0.2:
             params.sampling.frequency_penalty = 0.5
         if rng.random() < 0.3:
-            params.stopping.stop_token_ids.extend(rng.sample(range(1, 400), 3))
+            params.stopping.stop_token_ids.extend(rng.sample(range(1, VOCAB), 3))
         if rng.random() < 0.2:
             params.stopping.min_new_tokens = rng.randint(0, min(5, params.stopping.max_new_tokens))
         if rng.random() < 0.2:
