@@ -93,7 +93,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
-    source = converted(source)
+    """A GGUF's from its header, without converting it: a conversion runs torch ops, which belong on the
+    thread that will run the model, and a config needs none."""
     if source.gguf_file is not None:
         return gguf_loading.load_config(gguf_path(source))
     return AutoConfig.from_pretrained(source.path)

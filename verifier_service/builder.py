@@ -287,13 +287,15 @@ def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:
 
 async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
                         model_name: str, metrics: VerifierMetrics | None = None,
-                        leader: tensor_parallel.Leader | None = None) -> Runtime:
+                        leader: tensor_parallel.Leader | None = None,
+                        model_thread: ModelThread | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
     max_model_len = model_len(model, settings)
     # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included,
-    # and so does the engine's step loop (engine/model_thread.py).
-    model_thread = ModelThread()
+    # and so does the engine's step loop (engine/model_thread.py). A server passes the thread it loaded the
+    # model on.
+    model_thread = model_thread or ModelThread()
     loop = asyncio.get_running_loop()
     runner = await loop.run_in_executor(model_thread, make_runner, model, settings, max_model_len, leader)
     if leader is not None:

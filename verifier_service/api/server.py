@@ -34,6 +34,7 @@ from verifier_service.api.generation import Generations
 from verifier_service.api.http_server import HttpServer
 from verifier_service.api.servicer import VerifierServicer
 from verifier_service.builder import Runtime, build_runtime
+from verifier_service.engine.model_thread import ModelThread
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import loader, ranks, tensor_parallel
 from verifier_service.settings import ServerSettings
@@ -128,9 +129,10 @@ async def start_server(settings: ServerSettings,
 
 
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                       model_name: str, leader: tensor_parallel.Leader | None = None) -> Runtime:
+                       model_name: str, leader: tensor_parallel.Leader | None = None,
+                       model_thread: ModelThread | None = None) -> Runtime:
     """Wire a loaded model into the running server and report SERVING."""
-    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader)
+    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader, model_thread)
     rt.engine.start()
     running.generations.attach(rt)
     await running.service.set_serving(True)
@@ -165,6 +167,8 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         failed.set()
 
     leader = None
+    # The load runs torch ops too (a GGUF's conversion), so it runs on the thread that will run the model.
+    model_thread = ModelThread()
     try:
         source = loader.resolve_source(settings.model)
         if settings.tensor_parallel_size > 1:
@@ -176,11 +180,12 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         else:
             device = loader.pick_device(settings.device)
         dtype = loader.pick_dtype(settings.dtype, device)
-        loading = asyncio.ensure_future(asyncio.to_thread(_load, source, dtype, device, settings,
-                                                          rank if leader is not None else None))
+        loading = asyncio.ensure_future(loop.run_in_executor(model_thread, _load, source, dtype, device, settings,
+                                                             rank if leader is not None else None))
         if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
-            attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader))
+            attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader,
+                                                           model_thread))
             if await _until(attaching, stop, failed):
                 attaching.result()
                 await _until(None, stop, failed)
@@ -192,6 +197,8 @@ async def run(settings: ServerSettings, port_file: str | None = None,
             await running.stop()
             if leader is not None:
                 leader.end_others(OTHERS_STOP_S if running.runtime is not None else 0)
+        if running.runtime is None:  # else the engine stopped it
+            model_thread.shutdown(wait=False)
     log.info("stopped")
 
 

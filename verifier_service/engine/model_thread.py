@@ -12,7 +12,9 @@ It is also a `concurrent.futures.Executor`, so one-off work can be queued on it
 heartbeats. Such calls run between the engine's steps.
 
 Why one thread for torch: on CPU, one OpenMP parallel region on another thread made every
-later forward about 2x slower (SmolLM2 one-token step 30 -> 60 ms, measured).
+later forward about 2x slower (SmolLM2 one-token step 30 -> 60 ms, measured). The model's load
+runs here too: a GGUF's first load converts it, and converted on another thread it made every
+forward about 1.5x slower.
 """
 
 from __future__ import annotations
