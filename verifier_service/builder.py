@@ -312,7 +312,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
         # On the model thread's loop, where the engine calls it: its gRPC channel belongs to that loop.
         client = build_drafter_client(spec, verifier_id, runner.vocab_size, fingerprint, model_name,
                                       target_device=str(runner.device),
-                                      target_dtype=str(runner.dtype).removeprefix("torch."))
+                                      target_dtype=str(runner.dtype).removeprefix("torch."),
+                                      model_thread=model_thread)
         if client is not None:
             await client.connect()
         return client
