@@ -76,7 +76,9 @@ def test_a_gguf_is_converted_on_the_model_thread(tmp_path: Path, monkeypatch: py
     async def main() -> None:
         serving = asyncio.ensure_future(server.run(settings))
         while not any(r.getMessage().startswith("serving tiny") for r in caplog.records):
-            assert not serving.done(), "the verifier stopped before it served"
+            if serving.done():
+                serving.result()  # raises what stopped it
+                pytest.fail("the verifier stopped before it served")
             await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)  # run's own handler: a graceful stop
         await serving
