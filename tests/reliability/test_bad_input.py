@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import subprocess
 import textwrap
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_support import VerifierThread, idle, reference
-from tiny_model import tiny_tokenizer
+from tiny_model import tiny_model, tiny_tokenizer
 from transformers import PreTrainedTokenizerFast
 from verifier_harness import spec_config, token_request
 
+from drafter_sdk import hf_loading
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
 from verifier_service.api import cli
+from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +210,49 @@ def test_bad_config_file_is_refused_at_start_up(tmp_path, capsys, config, words)
     assert cli.main(["--speculative-config", str(path), "--model", str(tmp_path / "never-loaded")]) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
+
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "{tmp}/missing"], ["model path {tmp}/missing does not exist"]),
+    (["--model", "{tmp}/weights.bin"], ["{tmp}/weights.bin is a file but not a .gguf"]),
+    (["--model", "{tmp}/empty"], ["{tmp}/empty has no config.json and not exactly one .gguf file"]),
+    pytest.param(["--device", "cuda"], ["device 'cuda'", "sees no CUDA device"], marks=NO_CUDA),
+    (["--device", "tpu"], ["unknown device 'tpu'"]),
+    # The embedded model's config, read from its GGUF's header: one 2,048-token sequence needs 0.09 GiB.
+    (["--kv-cache-memory-gb", "0.001"], ["--kv-cache-memory-gb 0.001 is too small", "lower --max-model-len"]),
+])
+def test_a_model_that_cannot_be_served_as_asked_is_refused_before_serving(tmp_path, capsys, args, words):
+    """One line and status 2, before any port is bound or any weight loads: no port file appears."""
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    (tmp_path / "empty").mkdir()
+    port_file = tmp_path / "port"
+    assert cli.main([*(a.format(tmp=tmp_path) for a in args), "--port", "0", "--port-file", str(port_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitspec-verifier: ") and all(w.format(tmp=tmp_path) in err for w in words), err
+    assert "Traceback" not in err and not port_file.exists()
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_refused_before_serving(tmp_path, capsys, monkeypatch):
+    def offline(*args: object, **kwargs: object) -> None:
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(hf_loading.AutoConfig, "from_pretrained", offline)
+    assert cli.main(["--model", "someorg/somemodel", "--port", "0", "--port-file", str(tmp_path / "port")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitspec-verifier: cannot load someorg/somemodel") and "couldn't connect" in err, err
+    assert not (tmp_path / "port").exists()
+
+
+def test_weights_that_cannot_load_end_the_verifier_with_one_line(tmp_path):
+    """The config loads, so the servers start; the weights are missing: status 2 and one line, no traceback."""
+    tiny_model().config.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    done = subprocess.run([script("splitspec-verifier"), "--model", str(tmp_path), "--port", "0", "--http-port", "0",
+                           "--max-model-len", str(MAX_MODEL_LEN)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].startswith(f"splitspec-verifier: cannot load {tmp_path.name}"), done.stderr
+    assert "no file named model.safetensors" in done.stderr and "Traceback" not in done.stderr

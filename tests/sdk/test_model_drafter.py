@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sdk_support import DRAFTER_SCRIPT
 from tiny_model import tiny_draft_pair, tiny_tokenizer
 
+from drafter_sdk import cli
 from drafter_sdk.drafter import DraftRequest, SamplingHints
 from drafter_sdk.drafters.model import ModelDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
@@ -170,6 +171,22 @@ def test_splitspec_drafter_model_serves_once_loaded_and_reports_its_tokenizer(tm
     assert info.name == "model" and info.max_draft_len == 3 and info.vocab_size == len(tiny_tokenizer())
     assert info.tokenizer_fingerprint == tokenizer_fingerprint(tiny_tokenizer())
     assert list(reply.results[0].draft_tokens) == greedy(tiny_draft_pair()[0], PROMPTS[1], 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{tmp}/missing"], "model path {tmp}/missing does not exist"),
+    pytest.param(["--device", "cuda"], "sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")),
+    (["--dtype", "float8"], "unknown dtype 'float8'; choose auto, float32"),
+])
+def test_splitspec_drafter_model_refuses_what_it_cannot_load_before_serving(tmp_path, capsys, args, message):
+    """A usage error (status 2, one line), not a traceback from `load()` once the server listens."""
+    port_file = tmp_path / "port"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["model", *(a.format(tmp=tmp_path) for a in args), "--port", "0", "--port-file", str(port_file)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message.format(tmp=tmp_path) in err, err
+    assert "Traceback" not in err and not port_file.exists()
 
 
 def test_the_sdk_and_its_cli_import_without_torch():

@@ -163,15 +163,20 @@ def _chat_template(value: str) -> str:
                                  f"to read ({exc})") from None
 
 
-def check_sharding(settings: ServerSettings, rank: Ranks) -> None:
-    """Before any other rank starts: can this model be split that many ways here?
-    Raises ranks.ShardingError naming the counts."""
+def check_start(settings: ServerSettings, rank: Ranks) -> None:
+    """Before any server listens, any weight loads or any other rank starts, from the model's config
+    alone: the model is there, torch has the device and the dtype, the KV budget holds one sequence,
+    and the model splits that many ways. Raises ModelLoadError, ConfigError or ShardingError."""
+    from verifier_service import builder
     from verifier_service.model import loader, ranks
 
-    if settings.tensor_parallel_size > 1:
-        source = loader.resolve_source(settings.model)
-        ranks.check_split(loader.load_config(source), settings.tensor_parallel_size, source.name,
-                          ranks.rank_device(settings.device, rank))
+    source = loader.resolve_source(settings.model)
+    sharded = settings.tensor_parallel_size > 1
+    device = ranks.rank_device(settings.device, rank) if sharded else loader.pick_device(settings.device)
+    model_config = loader.load_config(source)
+    ranks.check_split(model_config, settings.tensor_parallel_size, source.name, device)
+    builder.kv_cache_shape(model_config, loader.pick_dtype(settings.dtype, device), settings,
+                           builder.model_len(model_config, settings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,10 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     # Only now torch and transformers (seconds): --help and a bad flag are answered without them.
     from verifier_service.api.server import run, run_follower
     from verifier_service.model import ranks
+    from verifier_service.model.loader import ChatTemplateError, ModelLoadError
 
     try:
         rank = ranks.this_rank(settings.tensor_parallel_size)
-    except ranks.ShardingError as exc:
+        if rank.leader:
+            check_start(settings, rank)
+    except (ranks.ShardingError, ModelLoadError, config.ConfigError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     shown = f"rank {rank.rank} " if rank.size > 1 else ""
@@ -198,16 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     if not rank.leader:
         return run_follower(settings, rank)
     try:
-        check_sharding(settings, rank)
-    except (ranks.ShardingError, FileNotFoundError) as exc:
-        print(f"splitspec-verifier: {exc}", file=sys.stderr)
-        return 2
-    from verifier_service.model.loader import ChatTemplateError
-
-    try:
         asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv,
                         http_port_file=args.http_port_file))
-    except ChatTemplateError as exc:
+    except (ChatTemplateError, ModelLoadError, config.ConfigError) as exc:  # found once the model loaded
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -244,7 +244,7 @@ def run_follower(settings: ServerSettings, rank: ranks.Ranks) -> int:
         tensor_parallel.join(rank, device)
         model = loader.load_model(loader.resolve_source(settings.model), loader.pick_dtype(settings.dtype, device),
                                   device, settings.tensor_parallel_size)
-        runner = builder.make_runner(model, settings, builder.model_len(model, settings))
+        runner = builder.make_runner(model, settings, builder.model_len(model.config, settings))
         tensor_parallel.follow(runner, tensor_parallel.connect_follower(settings.rank_timeout_s))
     except Exception:  # noqa: BLE001 - whatever it was, this rank is done; rank 0 sees it go
         log.exception("rank %d failed", rank.rank)

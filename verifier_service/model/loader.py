@@ -11,6 +11,7 @@ from drafter_sdk.hf_loading import (  # noqa: F401 - re-exported: the verifier's
     DTYPES,
     EMBEDDED_NAME,
     EMBEDDED_PACKAGE,
+    ModelLoadError,
     ModelSource,
     embedded_source,
     load_causal_lm,

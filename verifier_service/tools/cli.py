@@ -10,6 +10,7 @@ import sys
 
 import grpc
 
+from drafter_sdk.errors import ModelLoadError
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.security import (
@@ -196,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModelLoadError as exc:  # a --model or --device that cannot load: one line, not a traceback
+        parser.exit(2, f"splitspec: {exc}\n")
 
 
 if __name__ == "__main__":
