@@ -13,6 +13,7 @@ from pathlib import Path
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
+from drafter_sdk.errors import ListenError
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import (
     add_server_flags,
@@ -190,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
             args.auth_token_file)
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
-    serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
-          max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s,
-          max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
-          server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
-          max_connection_age_s=args.max_connection_age_s)
+    try:
+        serve(drafter, host=args.host, port=args.port, port_file=args.port_file, idle_timeout_s=args.idle_timeout_s,
+              max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s,
+              max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
+              server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
+              max_connection_age_s=args.max_connection_age_s)
+    except ListenError as exc:
+        parser.exit(2, f"splitspec-drafter: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The SDK's exception types: what its call handlers raise (a refusal or failure with its gRPC status),
-and a model that cannot be loaded as asked. Here, free of torch, so that every command can map them."""
+a port a service cannot listen on, and a model that cannot be loaded as asked. Here, free of torch, so
+that every command can map them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ class DrafterError(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+class ListenError(OSError):
+    """A port a service must listen on cannot be bound: another process holds it, or the address is
+    not this host's. The command-line entry points report it in one line and exit 2."""
 
 
 class ModelLoadError(ValueError):

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from drafter_sdk.errors import ListenError
 from drafter_sdk.metrics import MetricsServer, start_metrics_server
 from drafter_sdk.security import BearerTokenServerInterceptor, Tokens
 
@@ -68,7 +69,10 @@ class GrpcService:
         metrics_server = None
         if metrics_port is not None and metrics_registry is not None:
             # First: a taken metrics port fails start-up before gRPC binds.
-            metrics_server = start_metrics_server(metrics_registry, host, metrics_port)
+            try:
+                metrics_server = start_metrics_server(metrics_registry, host, metrics_port)
+            except OSError as exc:
+                raise ListenError(f"cannot listen on {host}:{metrics_port} (metrics): {exc.strerror or exc}") from exc
             log.info("metrics on http://%s:%d/metrics", host, metrics_server.port)
         try:
             return await cls._start_grpc(service_name, add_servicers, host, port, server_credentials, auth_token,
@@ -99,8 +103,12 @@ class GrpcService:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{host}:{port}"
-        bound = (server.add_insecure_port(address) if server_credentials is None
-                 else server.add_secure_port(address, server_credentials))
+        try:
+            bound = (server.add_insecure_port(address) if server_credentials is None
+                     else server.add_secure_port(address, server_credentials))
+        except RuntimeError as exc:  # gRPC says only that it failed
+            raise ListenError(f"cannot listen on {address} (gRPC): the port is taken, or the address is not "
+                              "this host's") from exc
         service = cls(server, bound, service_name, health_servicer, metrics_server)
         await service.set_serving(False)
         await server.start()

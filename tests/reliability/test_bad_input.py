@@ -7,8 +7,10 @@ normal request exactly.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import math
+import socket
 import subprocess
 import textwrap
 
@@ -22,9 +24,12 @@ from transformers import PreTrainedTokenizerFast
 from verifier_harness import spec_config, token_request
 
 from drafter_sdk import hf_loading
+from drafter_sdk.errors import ListenError
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
 from verifier_service.api import cli
+from verifier_service.api.server import start_server
+from verifier_service.settings import ServerSettings
 from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,3 +261,19 @@ def test_weights_that_cannot_load_end_the_verifier_with_one_line(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1].startswith(f"splitspec-verifier: cannot load {tmp_path.name}"), done.stderr
     assert "no file named model.safetensors" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("setting, what", [("port", "gRPC"), ("http_port", "HTTP API")])
+def test_a_taken_port_fails_start_up_naming_it(setting, what):
+    """A second verifier on a port already in use: a ListenError naming the port (the CLI prints it in
+    one line, status 2), and nothing of this one left listening."""
+    async def main() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            settings = {"port": 0, "http_port": 0, setting: port}
+            with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port} \\({what}\\)"):
+                await start_server(ServerSettings(host="127.0.0.1", **settings))
+
+    asyncio.run(main())

@@ -1,16 +1,17 @@
 """Status codes, health around load(), reflection and shutdown of the in-process server."""
 
 import asyncio
+import socket
 import threading
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, start_server
-from drafter_sdk.proto import drafter_pb2 as pb
 from sdk_support import RecordingDrafter, seq, serving, still_serving, until
+
+from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, cli, start_server
+from drafter_sdk.proto import drafter_pb2 as pb
 
 SERVICE = "splitspec.v1.DrafterService"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -245,3 +246,18 @@ def test_max_connection_age_flag():
 
     assert build_parser().parse_args(["ngram"]).max_connection_age_s == 300
     assert build_parser().parse_args(["ngram", "--max-connection-age-s", "0"]).max_connection_age_s == 0
+
+
+@pytest.mark.parametrize("flag, what", [("--port", "gRPC"), ("--metrics-port", "metrics")])
+def test_splitspec_drafter_on_a_taken_port_says_so_in_one_line(flag, what, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--metrics-port": "0", flag: str(port)}
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["ngram", "--host", "127.0.0.1", *(x for item in ports.items() for x in item)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert err.splitlines()[-1].startswith(f"splitspec-drafter: cannot listen on 127.0.0.1:{port} ({what})"), err
+    assert "Traceback" not in err

@@ -33,6 +33,7 @@ from verifier_support import (
     wait_until,
 )
 
+from drafter_sdk.errors import ListenError
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.cli import parser, settings_from_args
 
@@ -320,7 +321,7 @@ def test_metrics_endpoint_up_while_the_model_loads():
 
 
 def test_busy_metrics_port_fails_start_up():
-    """A metrics port already taken fails start-up with the OS error, before gRPC listens."""
+    """A metrics port already taken fails start-up, naming it, before gRPC listens."""
     from verifier_service.api.server import start_server
     from verifier_service.settings import ServerSettings
 
@@ -328,9 +329,9 @@ def test_busy_metrics_port_fails_start_up():
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            with pytest.raises(OSError):
-                await start_server(ServerSettings(host="127.0.0.1", port=0, http_port=None,
-                                                  metrics_port=taken.getsockname()[1]))
+            port = taken.getsockname()[1]
+            with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port} \\(metrics\\)"):
+                await start_server(ServerSettings(host="127.0.0.1", port=0, http_port=None, metrics_port=port))
 
     asyncio.run(main())
 

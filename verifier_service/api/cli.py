@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from drafter_sdk.errors import ListenError
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.api import tool_calls
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run(settings, port_file=args.port_file, rank=rank, argv=argv,
                         http_port_file=args.http_port_file))
-    except (ChatTemplateError, ModelLoadError, config.ConfigError) as exc:  # found once the model loaded
+    except (ListenError, ChatTemplateError, ModelLoadError, config.ConfigError) as exc:  # a port, or the model
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     return 0

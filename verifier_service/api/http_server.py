@@ -1,8 +1,8 @@
 """The HTTP API's server: uvicorn on the verifier's own event loop, beside the grpc.aio server.
 
 One process, one loop: the routes await the same engine outputs the gRPC servicer
-does. The socket is bound here first, so a taken port fails start-up with an
-OSError (as the gRPC and metrics ports do) instead of uvicorn's exit, and port 0
+does. The socket is bound here first, so a taken port fails start-up with a
+ListenError (as the gRPC and metrics ports do) instead of uvicorn's exit, and port 0
 reports the bound port. uvicorn's own signal handling is off: SIGTERM belongs to
 api/server.py, which drains both fronts together (`stop`: /health answers 503 and
 new requests are refused while the requests in flight finish within the grace period).
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from drafter_sdk.errors import ListenError
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_app import HttpState, build_app
 
@@ -34,9 +35,8 @@ class _Server(uvicorn.Server):
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port ("[::]" or "::": every address, IPv4 included)."""
-    host = host.strip("[]") or "::"
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]") or "::", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -44,9 +44,9 @@ def bind(host: str, port: int) -> socket.socket:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)
         sock.listen(1024)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise ListenError(f"cannot listen on {host}:{port} (HTTP API): {exc.strerror or exc}") from exc
     return sock
 
 
@@ -63,7 +63,7 @@ class HttpServer:
                     max_body_bytes: int, tls_cert: str | None = None, tls_key: str | None = None,
                     tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = ()) -> "HttpServer":
-        """Bind and serve (health 503 until the model is attached). Raises OSError if the port is taken."""
+        """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         state = HttpState(generations, auth_token, max_body_bytes, served_names, tool_call_parser, allowed_origins)
         config = uvicorn.Config(
