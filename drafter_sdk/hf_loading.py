@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,19 +112,22 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_config(source: ModelSource) -> PretrainedConfig:
     """A GGUF's from its header, without converting it: a conversion runs torch ops, which belong on the
     thread that will run the model, and a config needs none."""
-    with _loading(source):
+    with _loading(source, ValueError, struct.error):
         if source.gguf_file is not None:
             return gguf_loading.load_config(gguf_path(source))
         return AutoConfig.from_pretrained(source.path)
 
 
 @contextlib.contextmanager
-def _loading(source: ModelSource) -> Iterator[None]:
-    """Files missing or unreadable, or a hub name that cannot be fetched, raised as ModelLoadError."""
+def _loading(source: ModelSource, *unreadable: type[Exception]) -> Iterator[None]:
+    """Files missing or unreadable, or a hub name that cannot be fetched, raised as ModelLoadError; so
+    are the `unreadable` errors, where only a file that is not what it claims raises them (a config:
+    a GGUF without its magic bytes or cut short, an architecture transformers does not know)."""
     try:
         yield
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load {source.name} from {source.path}: {exc}") from exc
+    except (OSError, *unreadable) as exc:
+        where = gguf_path(source) if source.gguf_file is not None else source.path
+        raise ModelLoadError(f"cannot load {source.name} from {where}: {exc}") from exc
 
 
 def gguf_path(source: ModelSource) -> str:

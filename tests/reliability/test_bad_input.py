@@ -225,6 +225,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU
     (["--model", "{tmp}/missing"], ["model path {tmp}/missing does not exist"]),
     (["--model", "{tmp}/weights.bin"], ["{tmp}/weights.bin is a file but not a .gguf"]),
     (["--model", "{tmp}/empty"], ["{tmp}/empty has no config.json and not exactly one .gguf file"]),
+    (["--model", "{tmp}/broken.gguf"], ["cannot load broken from {tmp}/broken.gguf", "GGUF magic bytes"]),
     pytest.param(["--device", "cuda"], ["device 'cuda'", "sees no CUDA device"], marks=NO_CUDA),
     (["--device", "tpu"], ["unknown device 'tpu'"]),
     # The embedded model's config, read from its GGUF's header: one 2,048-token sequence needs 0.09 GiB.
@@ -233,6 +234,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU
 def test_a_model_that_cannot_be_served_as_asked_is_refused_before_serving(tmp_path, capsys, args, words):
     """One line and status 2, before any port is bound or any weight loads: no port file appears."""
     (tmp_path / "weights.bin").write_bytes(b"\0")
+    (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
     (tmp_path / "empty").mkdir()
     port_file = tmp_path / "port"
     assert cli.main([*(a.format(tmp=tmp_path) for a in args), "--port", "0", "--port-file", str(port_file)]) == 2
