@@ -217,7 +217,6 @@ def test_bad_config_file_is_refused_at_start_up(tmp_path, capsys, config, words)
     assert all(w in err for w in words), err
 
 
-
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
 
 
@@ -267,8 +266,8 @@ def test_weights_that_cannot_load_end_the_verifier_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("setting, what", [("port", "gRPC"), ("http_port", "HTTP API")])
 def test_a_taken_port_fails_start_up_naming_it(setting, what):
-    """A second verifier on a port already in use: a ListenError naming the port (the CLI prints it in
-    one line, status 2), and nothing of this one left listening."""
+    """A second verifier on a port already in use: a ListenError naming the port and what it is for
+    (the CLI prints it in one line, status 2), not gRPC's bare RuntimeError or the OS's error."""
     async def main() -> None:
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
