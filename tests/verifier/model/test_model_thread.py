@@ -67,7 +67,7 @@ def test_a_gguf_is_converted_on_the_model_thread(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(gguf_conversion, "convert", recorded("convert", gguf_conversion.convert))
     monkeypatch.setattr(builder, "make_runner", recorded("runner", builder.make_runner))
-    # The config a tensor-parallel start checks first is read from the header, converting nothing.
+    # The config every start checks first (api/cli.check_start) is read from the header, converting nothing.
     assert hf_loading.load_config(hf_loading.resolve_source(str(gguf))).num_hidden_layers == 2
     assert "convert" not in threads
     settings = ServerSettings(model=str(gguf), host="127.0.0.1", port=0, http_port=0, max_model_len=256,
