@@ -22,6 +22,11 @@ Only these rewrites are made, because a laptop is not a pod:
    load-balancing policy and every other field stay as rendered.
 5. The process environment is only the image ENV + container env (plus PATH
    = .venv/bin:/usr/bin:/bin), as in a container; nothing from the host.
+6. Threads: a pod has its CPU request to itself, a test run shares the
+   machine. Where the run gives its processes fewer threads than the pod's
+   OMP_NUM_THREADS (`pytest -n 2` gives each worker's processes one), the
+   run's number is kept: two thread pools spinning on two cores slow each
+   other many times over.
 
 Health is checked the way the kubelet's gRPC probes do (grpc.health.v1
 Check with the probe's service, "" by default), then a Generate call must
@@ -31,6 +36,7 @@ within terminationGracePeriodSeconds minus the preStop sleep.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -145,6 +151,10 @@ def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int 
         env[e["name"]] = e.get("value", "")
     env = {k: remap_path(v, mounts) for k, v in env.items()}
     env["PATH"] = f"{VENV_BIN}:/usr/bin:/bin"
+    # Rewrite 6: threads.
+    run_threads = os.environ.get("OMP_NUM_THREADS")
+    if run_threads and "OMP_NUM_THREADS" in env and int(run_threads) < int(env["OMP_NUM_THREADS"]):
+        env["OMP_NUM_THREADS"] = run_threads
     cwd = remap_path(c.get("workingDir") or img.workdir or "/", mounts)
 
     # Rewrite 4: the drafter target in the mounted speculative config.
