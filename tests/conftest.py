@@ -4,10 +4,10 @@ test worker.
 Every test, and every verifier or drafter process a test starts, loads the embedded model through
 the same fresh cache folder: the run converts the GGUF once (and tests that conversion), times the
 embedded model's forwards once, and writes nothing under the home folder. Run in parallel
-(`pytest -n 2`, as CI does), the workers share that folder: its lock files let one worker convert
-or time while the other waits, then read what it kept. Each worker, and every process it starts,
-keeps to one torch thread: two workers' thread pools spinning on two cores would slow each other
-many times over.
+(`pytest -n 2 --dist loadfile`, as CI does), the workers share that folder: its lock files let one
+worker convert or time while the other waits, then read what it kept. Each worker, and every process
+it starts, keeps to one torch thread: two workers' thread pools spinning on two cores would slow
+each other many times over.
 """
 
 from __future__ import annotations
