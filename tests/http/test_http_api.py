@@ -66,7 +66,7 @@ def test_completions_equal_grpc_and_stream_equals_whole() -> None:
     asyncio.run(main())
 
 
-def test_chat_stream_equals_whole_and_grpc_with_stop_string() -> None:
+def test_chat_stream_equals_whole_and_grpc_with_stop_string_cut_or_kept() -> None:
     async def main() -> None:
         async with http_verifier() as h:
             plain = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30)
@@ -93,6 +93,22 @@ def test_chat_stream_equals_whole_and_grpc_with_stop_string() -> None:
                     deltas.append(c.delta.content or "")
                     assert stop not in "".join(deltas)  # not even for one chunk
             assert roles == ["assistant"] and "".join(deltas) == text
+
+            # vLLM's include_stop_str_in_output: the same tokens, and the text keeps the stop string, in a
+            # stream too, and nothing after it.
+            kept = full[:full.index(stop) + len(stop)]
+            keep = {"include_stop_str_in_output": True}
+            whole_kept = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30,
+                                                                stop=[stop], extra_body=keep)
+            assert whole_kept.choices[0].message.content == kept and whole_kept.choices[0].finish_reason == "stop"
+            assert whole_kept.usage.completion_tokens == whole.usage.completion_tokens
+            stream = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, stop=stop,
+                                                            stream=True, extra_body=keep)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == kept
+            grpc_kept = await grpc_generate(h, chat=verifier_pb2.ChatMessages(messages=[
+                verifier_pb2.ChatMessage(**m) for m in CHAT]), stopping=verifier_pb2.StoppingCriteria(
+                max_new_tokens=30, stop=[stop], include_stop_str_in_output=True))
+            assert grpc_kept.text == kept and list(grpc_kept.token_ids) == list(grpc_out.token_ids)
 
     asyncio.run(main())
 

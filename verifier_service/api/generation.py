@@ -55,7 +55,8 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = N
     return Sequence(
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
-        detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens),
+        detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens,
+                                parsed.stopping.include_stop_str),
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar)
 
 

@@ -314,7 +314,8 @@ def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: L
         raise _invalid(f"min_new_tokens ({st.min_new_tokens}) is more than max_new_tokens ({max_new})")
     return StoppingParams(
         max_new_tokens=max_new, stop=tuple(st.stop), stop_token_ids=frozenset(st.stop_token_ids),
-        eos_token_ids=frozenset() if st.ignore_eos else limits.eos_token_ids, min_new_tokens=st.min_new_tokens)
+        eos_token_ids=frozenset() if st.ignore_eos else limits.eos_token_ids, min_new_tokens=st.min_new_tokens,
+        include_stop_str=st.include_stop_str_in_output)
 
 
 def _speculation(s: verifier_pb2.SpeculationOverrides) -> SpeculationParams:

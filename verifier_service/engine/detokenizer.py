@@ -2,7 +2,9 @@
 
 Text is released only when it ends on a whole character (a multi-byte
 character split over tokens decodes to U+FFFD until complete), and text that
-could be the start of a stop string is held back until it is decided.
+could be the start of a stop string is held back until it is decided. The text
+ends where the stop string begins, or where it ends when it is to be kept (vLLM's
+include_stop_str_in_output); nothing after it is released either way.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ from transformers import PreTrainedTokenizerBase
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
+                 keep_stop: bool = False) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
+        self._keep_stop = keep_stop
         self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
         self._ids: list[int] = []
         self._prefix = 0  # decode from here for context (merging spaces)
         self._read = 0  # ids before this are already in _text
-        self._text = ""  # decided text, stop strings removed
+        self._text = ""  # decided text, up to the stop string (or through it, when kept)
         self._released = 0  # chars of _text handed out
         self._searched = 0  # stop strings cannot start before this index
         self._before: str | None = None  # decode of ids[_prefix:_read], kept until they move (one decode per token)
@@ -61,7 +65,7 @@ class Detokenizer:
         hits = [(i, s) for s in self._stop if (i := self._text.find(s, self._searched)) >= 0]
         if hits:
             index, stop = min(hits)
-            self._text = self._text[:index]
+            self._text = self._text[:index + len(stop) if self._keep_stop else index]
             self.stopped_by = stop
             return
         self._searched = max(0, len(self._text) - max(len(s) for s in self._stop) + 1)

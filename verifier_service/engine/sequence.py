@@ -31,6 +31,7 @@ class StoppingParams:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
     min_new_tokens: int = 0  # until then, no EOS or stop token id, and no stop string, ends it
+    include_stop_str: bool = False  # the text keeps the stop string that ended it
 
 
 @dataclass

@@ -86,18 +86,19 @@ def test_stream_releases_whole_characters_and_several_tokens_per_step(script_mod
 
 
 @pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
-def test_stop_string_cuts_text_and_tokens(script_model, mode: str) -> None:  # noqa: ANN001
-    """Stop at the first "京🙂": neither the stop string nor anything after it is
-    returned, even when the whole cycle is accepted in one step."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_stop_string_cuts_text_and_tokens(script_model, mode: str, keep: bool) -> None:  # noqa: ANN001
+    """Stop at the first "京🙂": nothing after it is returned, nor the stop string itself unless
+    include_stop_str_in_output, even when the whole cycle is accepted in one step."""
 
     async def main() -> None:
         async with run_verifier(spec_config(mode, 8), model=script_model) as v:
-            params = verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=PROMPT),
-                                                   stopping=stopping(max_new_tokens=60, stop=["京🙂", "zz"]))
+            params = verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=PROMPT), stopping=stopping(
+                max_new_tokens=60, stop=["京🙂", "zz"], include_stop_str_in_output=keep))
             unary = await v.stub.Generate(verifier_pb2.GenerateRequest(params=params), timeout=WAIT_S)
             messages = await stream_all(v.stub, verifier_pb2.GenerateStreamRequest(params=params))
         text, ids = check_stream(messages)
-        assert unary.output.text == text == "i 東"
+        assert unary.output.text == text == ("i 東京🙂" if keep else "i 東")
         assert unary.output.finish_reason == messages[-1].output.finish_reason == STOP
         assert unary.output.stop_reason == messages[-1].output.stop_reason == "京🙂"
         # Tokens up to the one completing the stop string ("i", " ", 東 x3, 京 x3, 🙂 x4).
@@ -290,16 +291,17 @@ ALPHABET = "ab éü東京🙂\n"
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30), data=st.data())
-def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(text: str, data) -> None:  # noqa: ANN001
+@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30), keep=st.booleans(), data=st.data())
+def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(text: str, keep: bool,
+                                                                                 data) -> None:  # noqa: ANN001
     """Property: fed token by token, the released chunks never hold a broken
-    character and add up to the text up to the first stop string (all of it
-    when none occurs)."""
+    character and add up to the text up to the first stop string, or through it
+    when it is kept (all of the text when none occurs)."""
     tok = tiny_tokenizer()
     stops = tuple(data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3)))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
-    detok = Detokenizer(tok, stops)
+    detok = Detokenizer(tok, stops, keep_stop=keep)
     chunks = []
     for token in ids:
         detok.add(token)
@@ -313,10 +315,11 @@ def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(
     expected = text
     for m in range(1, len(ids) + 1):
         so_far = tok.decode(ids[:m])
-        hits = [i for s in stops if (i := so_far.find(s)) >= 0]
+        hits = [(i, s) for s in stops if (i := so_far.find(s)) >= 0]
         if hits and not so_far.endswith("\ufffd"):
-            expected = so_far[:min(hits)]
+            index, stop = min(hits)  # the earliest; of two starting there, the one that sorts first
+            expected = so_far[:index + len(stop) if keep else index]
             break
     assert "".join(chunks) == expected
     assert not any("\ufffd" in c for c in chunks)
-    assert (detok.stopped_by is not None) == (expected != text or any(s in text for s in stops))
+    assert (detok.stopped_by is not None) == any(s in text for s in stops)
