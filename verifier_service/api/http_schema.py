@@ -132,7 +132,7 @@ class GenerationBody(_Body):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0, le=UINT32)  # vLLM's
-    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string or token that ended the text stays in it
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -31,7 +31,7 @@ class StoppingParams:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
     min_new_tokens: int = 0  # until then, no EOS or stop token id, and no stop string, ends it
-    include_stop_str: bool = False  # the text keeps the stop string that ended it
+    include_stop_str: bool = False  # the text keeps the stop string or stop token's text that ended it
 
 
 @dataclass
@@ -174,7 +174,11 @@ class Sequence:
             if logprobs is not None:
                 self.output_logprobs.append(logprobs[i])
             kept.append(token)
-            self.detokenizer.add(token)
+            # As vLLM's: the text of a token that ends it (a stop token id, the end of sequence) is left
+            # out, unless stop strings are kept; the token itself is in token_ids either way.
+            ends = token in self.stopping.stop_token_ids or token in self.stopping.eos_token_ids
+            if not ends or self.stopping.include_stop_str:
+                self.detokenizer.add(token)
             if self.detokenizer.stopped_by is not None:
                 self._finish(FinishReason.STOP, self.detokenizer.stopped_by)
             elif token in self.stopping.stop_token_ids:

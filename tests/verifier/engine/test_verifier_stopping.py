@@ -134,6 +134,8 @@ def test_stop_string_across_steps_and_held_back_prefixes(script_model) -> None: 
 
 @pytest.mark.parametrize("mode", ["NONE", "NGRAM"])
 def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
+    """The token that ends the answer (a stop token id, the end of sequence) is in its tokens but not, as in
+    vLLM, in its text, unless include_stop_str_in_output keeps it."""
     tok_x = CHAIN[TEXT.index("i")]  # "i" is the first generated token; stop at the space after it instead
     space = CHAIN[2]
     bang = CHAIN[-1]
@@ -147,8 +149,15 @@ def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
             assert len(r.output.token_ids) == 5 and r.output.finish_reason == LENGTH and r.output.text == cycle_text(5)
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space, 5])), timeout=WAIT_S)
             assert list(r.output.token_ids) == [tok_x, space] and r.output.finish_reason == STOP and r.output.stop_reason == str(space)
+            assert r.output.text == "i"
+            r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space],
+                                                       include_stop_str_in_output=True)), timeout=WAIT_S)
+            assert list(r.output.token_ids) == [tok_x, space] and r.output.text == "i "
             r = await gen(token_request(PROMPT, 30), timeout=WAIT_S)  # EOS after "é": "!" ends it
             assert list(r.output.token_ids) == CHAIN[1:] and r.output.finish_reason == STOP and r.output.stop_reason == ""
+            assert r.output.text == TEXT[1:-1]
+            streamed = await stream_all(v.stub, stream_request(PROMPT, 30))
+            assert check_stream(streamed) == (TEXT[1:-1], CHAIN[1:])
             assert list(r.output.token_ids) == reference_greedy(model, PROMPT, 30)  # generate() stops there too
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, ignore_eos=True)), timeout=WAIT_S)
             assert len(r.output.token_ids) == 30 and r.output.finish_reason == LENGTH
