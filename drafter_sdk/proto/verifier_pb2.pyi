@@ -122,7 +122,7 @@ class SpeculationOverrides(_message.Message):
     def __init__(self, max_draft_len: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output")
+    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class GenerationParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -143,7 +144,8 @@ class GenerationParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    skip_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")

@@ -113,6 +113,27 @@ def test_chat_stream_equals_whole_and_grpc_with_stop_string_cut_or_kept() -> Non
     asyncio.run(main())
 
 
+def test_skip_special_tokens_false_writes_special_tokens_into_the_text() -> None:
+    """vLLM's skip_special_tokens: the same tokens either way; false spells the special ones out."""
+    eos = tiny_tokenizer().eos_token_id  # pushed to the top by logit_bias; ignore_eos generates past it
+    body = {"logit_bias": {str(eos): 100}, "ignore_eos": True}
+
+    async def main() -> None:
+        async with http_verifier() as h:
+            skipped = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body=body)
+            written = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3,
+                                                        extra_body={**body, "skip_special_tokens": False})
+            assert skipped.choices[0].text == "" and written.choices[0].text == "<eos>" * 3
+            assert skipped.choices[0].model_extra["splitspec"]["token_ids"] == [eos] * 3
+            assert written.choices[0].model_extra["splitspec"]["token_ids"] == [eos] * 3
+            over_grpc = await grpc_generate(h, prompt=PROMPT, skip_special_tokens=False, sampling=verifier_pb2.
+                                            SamplingParams(logit_bias={eos: 100}), stopping=verifier_pb2.
+                                            StoppingCriteria(max_new_tokens=3, ignore_eos=True))
+            assert over_grpc.text == "<eos>" * 3
+
+    asyncio.run(main())
+
+
 def test_seeded_sampling_reproduces_and_n_choices_are_separate_sequences() -> None:
     async def main() -> None:
         async with http_verifier() as h:

@@ -87,7 +87,8 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of: not supported"),
     # vLLM's own options, likewise (include_stop_str_in_output is served: a wrong type names it).
     (COMPLETIONS, {"prompt": "x", "include_stop_str_in_output": [True]}, 400, "include_stop_str_in_output"),
-    (COMPLETIONS, {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens: not supported"),
+    (COMPLETIONS, {"prompt": "x", "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens: not supported"),
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search: not supported"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids: not supported"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,

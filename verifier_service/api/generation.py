@@ -56,7 +56,7 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = N
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens,
-                                parsed.stopping.include_stop_str),
+                                parsed.stopping.include_stop_str, parsed.skip_special_tokens),
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar)
 
 

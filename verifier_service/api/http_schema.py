@@ -2,11 +2,11 @@
 (and vLLM's /tokenize and /detokenize bodies into their gRPC requests).
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` and `include_stop_str_in_output`); unknown fields are
-ignored, as OpenAI's own server ignores them. Structured output comes as OpenAI's `response_format`,
-vLLM's `structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice` and
-`guided_grammar`: one of them. Known fields that would change the answer but are not served here
-(tools, functions, `best_of`, `suffix`, and vLLM's own options such as `skip_special_tokens` or
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens`);
+unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as OpenAI's
+`response_format`, vLLM's `structured_outputs` or its older `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
+(tools, functions, `best_of`, `suffix`, and vLLM's own options such as `use_beam_search` or
 `chat_template`) are refused unless neutral: an answer that silently ignored them would look
 right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
@@ -37,7 +37,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
-               "use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+               "use_beam_search": False, "length_penalty": 1.0,
                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
                "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
                "logits_processors": None, "guided_whitespace_pattern": None}
@@ -133,6 +133,7 @@ class GenerationBody(_Body):
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0, le=UINT32)  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or token that ended the text stays in it
+    skip_special_tokens: bool = True  # vLLM's: false writes special tokens into the text
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -157,7 +158,6 @@ class GenerationBody(_Body):
     suffix: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
@@ -243,6 +243,7 @@ class GenerationBody(_Body):
         if self.min_tokens is not None:
             st.min_new_tokens = self.min_tokens
         st.include_stop_str_in_output = self.include_stop_str_in_output
+        p.skip_special_tokens = self.skip_special_tokens
         if self.speculation is not None:
             p.speculation.disable = self.speculation.disable
             if self.speculation.max_draft_len is not None:

@@ -69,6 +69,7 @@ class ParsedRequest:
     speculation: SpeculationParams
     prompt_logprobs: int | None = None  # alternatives at each prompt position (None: no prompt log-probabilities)
     constraint: Constraint | None = None  # structured output, compiled when the sequence is made
+    skip_special_tokens: bool = True  # special tokens' text left out of the answer's
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -79,7 +80,8 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
-                         prompt_logprobs, _constraint(request))
+                         prompt_logprobs, _constraint(request),
+                         not request.HasField("skip_special_tokens") or request.skip_special_tokens)
 
 
 def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:

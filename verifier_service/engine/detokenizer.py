@@ -14,8 +14,9 @@ from transformers import PreTrainedTokenizerBase
 
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
-                 keep_stop: bool = False) -> None:
+                 keep_stop: bool = False, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._keep_stop = keep_stop
         self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
@@ -29,7 +30,7 @@ class Detokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def add(self, token: int) -> None:
         """Append one token; sets `stopped_by` when a stop string completes."""
