@@ -90,7 +90,9 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "spaces_between_special_tokens": False}, 400,
      "spaces_between_special_tokens: not supported"),
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search: not supported"),
-    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids: not supported"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),  # vLLM refuses it too
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 2], "guided_regex": "a+"}, 400,
+     "cannot be combined with allowed_token_ids"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
      "prompt_logprobs: prompt_logprobs are not available when stream is true"),
     (CHAT, {"messages": MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs"),  # vLLM's whole vocabulary

@@ -2,7 +2,8 @@
 (and vLLM's /tokenize and /detokenize bodies into their gRPC requests).
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens`);
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens` and
+`allowed_token_ids`);
 unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as OpenAI's
 `response_format`, vLLM's `structured_outputs` or its older `guided_json`, `guided_regex`,
 `guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
@@ -38,8 +39,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
                "use_beam_search": False, "length_penalty": 1.0,
-               "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-               "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
+               "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [], "return_tokens_as_token_ids": False,
                "logits_processors": None, "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
@@ -142,6 +142,7 @@ class GenerationBody(_Body):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # vLLM's: only these can be generated
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -160,7 +161,6 @@ class GenerationBody(_Body):
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
@@ -232,6 +232,8 @@ class GenerationBody(_Body):
             s.repetition_penalty = self.repetition_penalty
         if self.logit_bias:
             s.logit_bias.update(self.logit_bias)
+        if self.allowed_token_ids:
+            s.allowed_token_ids.extend(self.allowed_token_ids)
         st = p.stopping
         if self.max_new_tokens is not None:
             st.max_new_tokens = self.max_new_tokens

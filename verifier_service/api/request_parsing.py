@@ -95,6 +95,9 @@ def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:
     if request.stopping.ignore_eos or request.stopping.min_new_tokens:
         raise _invalid("structured_output cannot be combined with ignore_eos or min_new_tokens: the constraint "
                        "decides where the answer ends")
+    if request.sampling.allowed_token_ids:
+        raise _invalid("structured_output cannot be combined with allowed_token_ids: the two could leave no "
+                       "token to generate; hold the answer with the constraint alone")
     if kind == "json_object":
         if not so.json_object:
             raise _invalid("structured_output.json_object must be true when set")
@@ -281,11 +284,15 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: 
         if not -MAX_LOGIT_BIAS <= _finite("logit_bias", bias) <= MAX_LOGIT_BIAS:
             raise _invalid(f"logit_bias must be within [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias:g} "
                            f"(token {token})")
+    outside = next((t for t in s.allowed_token_ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise _invalid(f"allowed_token_ids: token id {outside} is outside the vocabulary [0, {vocab_size})")
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                           seed=s.seed if s.HasField("seed") else None, logprobs=logprobs,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,
-                          logit_bias=tuple(sorted((t, b) for t, b in s.logit_bias.items() if b)))
+                          logit_bias=tuple(sorted((t, b) for t, b in s.logit_bias.items() if b)),
+                          allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))))
 
 
 def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:

@@ -13,6 +13,7 @@ tokens plain decoding with the same settings emits.
 In the order vLLM applies them, all before temperature, top-k and top-p:
 - structured output (engine/structured_output.py): the tokens the request's constraint refuses at a
   row's position get no chance at all (vLLM, too, masks before its sampler's processors);
+- `allowed_token_ids` (vLLM): every token not listed gets no chance at all;
 - `logit_bias` (OpenAI): a fixed amount added to each listed token's logit;
 - `min_new_tokens` (vLLM's `min_tokens`): at a position fewer tokens past the committed ones than
   the sequence still lacks, its end-of-sequence and stop token ids get no chance at all;
@@ -65,6 +66,10 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
     params = row.params
     if row.grammar is not None:  # first: what it refuses stays at -inf through every step below
         x.masked_fill_(~row.grammar.row_masks(row.draft, row.parents).to(device), -torch.inf)
+    if params.allowed_token_ids:
+        banned = torch.ones(x.shape[1], dtype=torch.bool, device=device)
+        banned[torch.tensor(params.allowed_token_ids, device=device)] = False
+        x.masked_fill_(banned, -torch.inf)
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))

@@ -61,6 +61,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    allowed_token_ids: tuple[int, ...] = ()  # sorted; empty: any token
 
     @property
     def greedy(self) -> bool:
@@ -70,7 +71,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether its logits change before sampling (engine/logits_processors.py)."""
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids))
 
 
 @dataclass(frozen=True)

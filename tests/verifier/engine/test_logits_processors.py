@@ -1,7 +1,8 @@
-"""Logit bias, the stops held until min_new_tokens, and the frequency, presence and repetition
-penalties: each verify row is processed with its own prefix (a chain's draft prefix, a tree node's
-path), so speculation stays exact: greedy and seeded outputs equal plain decoding's with the same
-settings, and transformers' generate() with its repetition penalty. (min_p: test_verifier_sampling;
+"""Logit bias, allowed token ids, the stops held until min_new_tokens, and the frequency, presence
+and repetition penalties: each verify row is processed with its own prefix (a chain's draft prefix,
+a tree node's path), so speculation stays exact: greedy and seeded outputs equal plain decoding's
+with the same settings, and transformers' generate() with its repetition penalty and suppressed
+tokens. (min_p: test_verifier_sampling;
 min_new_tokens end to end: test_verifier_stopping.)"""
 
 from __future__ import annotations
@@ -120,6 +121,33 @@ def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> No
     asyncio.run(main())
 
 
+def test_allowed_token_ids_equal_transformers_generate_and_hold_against_wrong_drafts() -> None:
+    """vLLM's allowed_token_ids: greedy output is transformers' with every other token suppressed, and
+    drafts that know that output but err a fifth of the time (often with a token outside the set)
+    change none of it; seeded sampling keeps to the set too."""
+    model = shared_model()
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=model) as v:
+            free = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {})]
+            allowed = sorted({t for out in free for t in out})[::2]  # half of what they would write
+            sampling = verifier_pb2.SamplingParams(allowed_token_ids=allowed)
+            plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
+            sampled = await generate_all(v, PROMPTS[:3], {"sampling": verifier_pb2.SamplingParams(
+                allowed_token_ids=allowed, temperature=1.0, seed=3)})
+        assert plain != free and all(set(out) <= set(allowed) for out in plain)
+        assert all(set(r.output.token_ids) <= set(allowed) for r in sampled)
+        suppressed = sorted(set(range(model.config.vocab_size)) - set(allowed))
+        for prompt, got in zip(PROMPTS, plain):
+            x = torch.tensor([prompt])
+            assert got == model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, do_sample=False,
+                                         suppress_tokens=suppressed)[0, len(prompt):].tolist()
+        chained = await through_oracle_chains(plain, sampling, seed=11)
+        assert [list(r.output.token_ids) for r in chained] == plain
+
+    asyncio.run(main())
+
+
 def test_repetition_penalty_equals_transformers_generate() -> None:
     model = shared_model()
 
@@ -157,6 +185,7 @@ def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculatio
     ("min_p", 1.5, "min_p must be within [0, 1]"),
     ("logit_bias", {5: 101.0}, "logit_bias must be within [-100, 100], not 101 (token 5)"),
     ("logit_bias", {100000: 1.0}, "logit_bias: token id 100000 is outside the vocabulary"),
+    ("allowed_token_ids", [5, 100000], "allowed_token_ids: token id 100000 is outside the vocabulary"),
 ])
 def test_bad_settings_fail_alone_over_grpc_and_http(field: str, value: object, words: str) -> None:
     async def main() -> None:
