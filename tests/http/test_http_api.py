@@ -306,7 +306,7 @@ def test_echo_with_logprobs_scores_each_prompt_as_an_evaluation_harness_asks() -
     asyncio.run(main())
 
 
-def test_logprobs_equal_with_and_without_speculation_and_over_grpc() -> None:
+def test_logprobs_equal_with_and_without_speculation_and_over_grpc_and_name_tokens_by_id() -> None:
     async def main() -> None:
         async with http_verifier() as h:
             # The chat template's text is the prompt itself: the model loops on it, drafts are accepted.
@@ -349,6 +349,18 @@ def test_logprobs_equal_with_and_without_speculation_and_over_grpc() -> None:
             assert lps.text_offset == plain_lps.text_offset
             no = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
             assert no.choices[0].logprobs is None
+
+            # vLLM's return_tokens_as_token_ids: every token named "token_id:N", the numbers the same.
+            named = {"return_tokens_as_token_ids": True}
+            by_id = await h.client.chat.completions.create(**(ask | {"extra_body": ask["extra_body"] | named}))
+            assert [t.token for t in by_id.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+            first = by_id.choices[0].logprobs.content[0]
+            assert first.bytes == list(first.token.encode()) and first.top_logprobs[0].token == first.token
+            comp_ids = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, logprobs=2,
+                                                         extra_body=named)
+            assert comp_ids.choices[0].logprobs.tokens == [
+                f"token_id:{t}" for t in comp_ids.choices[0].model_extra["splitspec"]["token_ids"]]
+            assert all(k.startswith("token_id:") for top in comp_ids.choices[0].logprobs.top_logprobs for k in top)
 
     asyncio.run(main())
 

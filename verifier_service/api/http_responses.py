@@ -97,6 +97,7 @@ class Responder:
     prompt_only: bool = False
     prompt_logprobs: bool = False  # vLLM's field asked for (not only echo's)
     tools: ToolPlan | None = None  # chat: how answers become tool calls (tool_calls.py)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" wherever a token is named
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
@@ -110,7 +111,9 @@ class Responder:
         return {"id": self._id, "object": obj, "created": self.created, "model": self.model}
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token as log-probabilities name it: its text, or its id where the request asked (a token
+        that is part of a character has no text of its own to tell it apart by)."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.tokenizer.decode([token_id])
 
     def _logprobs(self, out: Output, offset: int) -> dict[str, object] | None:
         if not out.logprobs:

@@ -2,8 +2,8 @@
 (and vLLM's /tokenize and /detokenize bodies into their gRPC requests).
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens` and
-`allowed_token_ids`);
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
+`allowed_token_ids` and `return_tokens_as_token_ids`);
 unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as OpenAI's
 `response_format`, vLLM's `structured_outputs` or its older `guided_json`, `guided_regex`,
 `guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
@@ -38,9 +38,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 # values that change nothing (besides leaving them out or null).
 UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
-               "use_beam_search": False, "length_penalty": 1.0,
-               "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [], "return_tokens_as_token_ids": False,
-               "logits_processors": None, "guided_whitespace_pattern": None}
+               "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+               "truncate_prompt_tokens": None, "bad_words": [], "logits_processors": None,
+               "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
 CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "documents": None}
@@ -143,6 +143,7 @@ class GenerationBody(_Body):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # vLLM's: only these can be generated
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:N", not by text
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -162,7 +163,6 @@ class GenerationBody(_Body):
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
-    return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
 
