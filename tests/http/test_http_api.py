@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API through the official openai client, against a real verifier
 (tiny random model, HTTP on port 0) with a remote SDK n-gram drafter over gRPC: the same tokens
-as gRPC, streaming equal to the whole answer, usage and speculation stats, stop strings, seeds,
-n, batches of prompts, logprobs with and without speculation, echo with the prompt's logprobs,
-structured output."""
+as gRPC, streaming equal to the whole answer, usage and speculation stats, stop strings (cut or
+kept), special tokens written out, seeds, n, batches of prompts, logprobs with and without
+speculation (and naming tokens by id), echo with the prompt's logprobs, structured output."""
 
 from __future__ import annotations
 

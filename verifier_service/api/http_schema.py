@@ -3,10 +3,10 @@
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
-`allowed_token_ids` and `return_tokens_as_token_ids`);
-unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as OpenAI's
-`response_format`, vLLM's `structured_outputs` or its older `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
+`allowed_token_ids` and `return_tokens_as_token_ids`); unknown fields are ignored, as OpenAI's own
+server ignores them. Structured output comes as OpenAI's `response_format`, vLLM's
+`structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice` and
+`guided_grammar`: one of them. Known fields that would change the answer but are not served here
 (tools, functions, `best_of`, `suffix`, and vLLM's own options such as `use_beam_search` or
 `chat_template`) are refused unless neutral: an answer that silently ignored them would look
 right and not be what was asked for.
