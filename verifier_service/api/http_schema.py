@@ -3,8 +3,8 @@
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
-`allowed_token_ids` and `return_tokens_as_token_ids`); unknown fields are ignored, as OpenAI's own
-server ignores them. Structured output comes as OpenAI's `response_format`, vLLM's
+`allowed_token_ids`, `bad_words` and `return_tokens_as_token_ids`); unknown fields are ignored, as
+OpenAI's own server ignores them. Structured output comes as OpenAI's `response_format`, vLLM's
 `structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice` and
 `guided_grammar`: one of them. Known fields that would change the answer but are not served here
 (tools, functions, `best_of`, `suffix`, and vLLM's own options such as `use_beam_search` or
@@ -39,7 +39,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
                "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-               "truncate_prompt_tokens": None, "bad_words": [], "logits_processors": None,
+               "truncate_prompt_tokens": None, "logits_processors": None,
                "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
@@ -143,6 +143,7 @@ class GenerationBody(_Body):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[TokenId, float] | None = None  # OpenAI sends the token ids as strings
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # vLLM's: only these can be generated
+    bad_words: list[str] | None = None  # vLLM's: words that cannot be generated
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:N", not by text
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -162,7 +163,6 @@ class GenerationBody(_Body):
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
 
@@ -234,6 +234,8 @@ class GenerationBody(_Body):
             s.logit_bias.update(self.logit_bias)
         if self.allowed_token_ids:
             s.allowed_token_ids.extend(self.allowed_token_ids)
+        if self.bad_words:
+            s.bad_words.extend(self.bad_words)
         st = p.stopping
         if self.max_new_tokens is not None:
             st.max_new_tokens = self.max_new_tokens

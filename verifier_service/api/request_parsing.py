@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ MAX_LOGIT_BIAS = 100.0  # as OpenAI bounds it
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
+MAX_BAD_WORDS = 128
 MAX_REQUEST_ID_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -78,7 +79,7 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     prompt_ids = input_ids(request, tokenizer, limits)
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
-    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size),
+    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
                          prompt_logprobs, _constraint(request),
                          not request.HasField("skip_special_tokens") or request.skip_special_tokens)
@@ -259,7 +260,8 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: int) -> SamplingParams:
+def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: int,
+              tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
     temperature = _finite("temperature", s.temperature)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {temperature:g}")
@@ -292,7 +294,31 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: 
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,
                           logit_bias=tuple(sorted((t, b) for t, b in s.logit_bias.items() if b)),
-                          allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))))
+                          allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))),
+                          bad_words=_bad_words(s.bad_words, tokenizer, vocab_size))
+
+
+def _bad_words(words: Sequence[str], tokenizer: PreTrainedTokenizerBase,
+               vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as vLLM takes them: the word as written (leading spaces dropped),
+    and after a space where that spells it with other tokens of the same count (a word-initial form)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise _invalid(f"at most {MAX_BAD_WORDS} bad_words, got {len(words)}")
+    forms: list[tuple[int, ...]] = []
+    for word in words:
+        if not word.strip():
+            raise _invalid("bad_words must not be empty or only spaces")
+        if len(word) > MAX_STOP_STRING_CHARS:
+            raise _invalid(f"bad_words must be at most {MAX_STOP_STRING_CHARS} characters")
+        alone = tuple(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+        spaced = tuple(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        forms.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            forms.append(spaced)
+    bad = next((t for form in forms for t in form if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tuple(forms)
 
 
 def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: Limits) -> StoppingParams:

@@ -14,6 +14,8 @@ In the order vLLM applies them, all before temperature, top-k and top-p:
 - structured output (engine/structured_output.py): the tokens the request's constraint refuses at a
   row's position get no chance at all (vLLM, too, masks before its sampler's processors);
 - `allowed_token_ids` (vLLM): every token not listed gets no chance at all;
+- `bad_words` (vLLM): a word's last token gets no chance at all where the generated tokens before the
+  row's position (the draft's, for a draft row) end with the rest of the word;
 - `logit_bias` (OpenAI): a fixed amount added to each listed token's logit;
 - `min_new_tokens` (vLLM's `min_tokens`): at a position fewer tokens past the committed ones than
   the sequence still lacks, its end-of-sequence and stop token ids get no chance at all;
@@ -70,6 +72,8 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
         banned = torch.ones(x.shape[1], dtype=torch.bool, device=device)
         banned[torch.tensor(params.allowed_token_ids, device=device)] = False
         x.masked_fill_(banned, -torch.inf)
+    if params.bad_words:
+        _ban_words(x, row)
     if params.logit_bias:
         tokens, biases = zip(*params.logit_bias)
         x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
@@ -97,6 +101,19 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
         rp = params.repetition_penalty
         sub = torch.where(repeated, torch.where(sub > 0, sub / rp, sub * rp), sub)
     x[:, seen] = sub - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
+def _ban_words(x: torch.Tensor, row: VerifyRow) -> None:
+    """x [n, V], in place: at each row, the last token of every bad word whose other tokens end what was
+    generated before that row's position (vLLM matches the generated tokens only, not the prompt's)."""
+    longest = max(len(word) for word in row.params.bad_words) - 1  # how far back a word's rest reaches
+    tail = list(row.output_ids[len(row.output_ids) - longest:]) if longest else []
+    before = [tail, *(tail + path for path in draft_paths(row.draft, row.parents))]
+    for r, generated in enumerate(before):
+        for word in row.params.bad_words:
+            *rest, last = word
+            if len(rest) <= len(generated) and generated[len(generated) - len(rest):] == rest:
+                x[r, last] = -torch.inf
 
 
 def _depths(draft: list[int], parents: list[int]) -> list[int]:

@@ -62,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     allowed_token_ids: tuple[int, ...] = ()  # sorted; empty: any token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # each word's token ids (vLLM's bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +72,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether its logits change before sampling (engine/logits_processors.py)."""
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or bool(self.allowed_token_ids))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words))
 
 
 @dataclass(frozen=True)

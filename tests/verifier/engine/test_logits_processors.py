@@ -1,5 +1,5 @@
-"""Logit bias, allowed token ids, the stops held until min_new_tokens, and the frequency, presence
-and repetition penalties: each verify row is processed with its own prefix (a chain's draft prefix,
+"""Logit bias, allowed token ids, bad words, the stops held until min_new_tokens, and the frequency,
+presence and repetition penalties: each verify row is processed with its own prefix (a chain's draft prefix,
 a tree node's path), so speculation stays exact: greedy and seeded outputs equal plain decoding's
 with the same settings, and transformers' generate() with its repetition penalty and suppressed
 tokens. (min_p: test_verifier_sampling;
@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from test_tree_verification import TreeOracle
+from tiny_model import tiny_tokenizer
 from transformers import RepetitionPenaltyLogitsProcessor
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
@@ -148,6 +149,46 @@ def test_allowed_token_ids_equal_transformers_generate_and_hold_against_wrong_dr
     asyncio.run(main())
 
 
+def test_bad_words_are_never_generated_and_hold_against_wrong_drafts() -> None:
+    """vLLM's bad_words: words the free outputs write (two tokens each, and their form after a space) never
+    appear in what is generated with them banned, and drafts that know that output but err, chains and
+    trees, change none of it."""
+    tok = tiny_tokenizer()
+
+    def two_token_words(outputs: list[list[int]]) -> list[str]:
+        words = []
+        for out in outputs:
+            for pair in zip(out, out[1:]):
+                text = tok.decode(list(pair))
+                if text == text.strip() and "\ufffd" not in text and tuple(tok(text, add_special_tokens=False)[
+                        "input_ids"]) == pair and text not in words:
+                    words.append(text)
+        return words[:3]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            free = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {})]
+            words = two_token_words(free)
+            sampling = verifier_pb2.SamplingParams(bad_words=words)
+            plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
+        assert len(words) == 3 and plain != free
+        forms = [tok(w, add_special_tokens=False)["input_ids"] for w in words]
+        forms += [ids for w in words if len(ids := tok(" " + w, add_special_tokens=False)["input_ids"]) == 2]
+        assert all(out[i:i + len(f)] != f for out in plain for f in forms for i in range(len(out)))
+        chained = await through_oracle_chains(plain, sampling, seed=13)
+        assert [list(r.output.token_ids) for r in chained] == plain
+        trees = TreeOracle({tuple(p): out for p, out in zip(PROMPTS, plain)}, ("path", "deep", "all-wrong"), seed=4)
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
+            engine = engine_of(v)
+            in_process_drafter(engine, trees)
+            await engine.drafter.connect()
+            treed = await generate_all(v, PROMPTS, {"sampling": sampling})
+        assert [list(r.output.token_ids) for r in treed] == plain
+        assert trees.trees > 0 and sum(r.output.stats.num_accepted_tokens for r in treed) > 0
+
+    asyncio.run(main())
+
+
 def test_repetition_penalty_equals_transformers_generate() -> None:
     model = shared_model()
 
@@ -186,6 +227,8 @@ def test_a_seed_with_penalties_gives_the_same_output_with_and_without_speculatio
     ("logit_bias", {5: 101.0}, "logit_bias must be within [-100, 100], not 101 (token 5)"),
     ("logit_bias", {100000: 1.0}, "logit_bias: token id 100000 is outside the vocabulary"),
     ("allowed_token_ids", [5, 100000], "allowed_token_ids: token id 100000 is outside the vocabulary"),
+    ("bad_words", ["a", " "], "bad_words must not be empty or only spaces"),
+    ("bad_words", ["a"] * 129, "at most 128 bad_words, got 129"),
 ])
 def test_bad_settings_fail_alone_over_grpc_and_http(field: str, value: object, words: str) -> None:
     async def main() -> None:
