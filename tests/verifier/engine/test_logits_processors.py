@@ -98,6 +98,22 @@ async def through_oracle_chains(outputs: list[list[int]], sampling: verifier_pb2
     return responses
 
 
+async def same_through_chains_and_trees(plain: list[list[int]], sampling: verifier_pb2.SamplingParams,
+                                        seed: int) -> None:
+    """Greedy `plain` again, drafted by oracle chains that err, then by oracle token trees whose correct
+    path is not always the first branch: the same tokens each time."""
+    chained = await through_oracle_chains(plain, sampling, seed=seed)
+    assert [list(r.output.token_ids) for r in chained] == plain
+    trees = TreeOracle({tuple(p): out for p, out in zip(PROMPTS, plain)}, ("path", "deep", "all-wrong"), seed=seed)
+    async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
+        engine = engine_of(v)
+        in_process_drafter(engine, trees)
+        await engine.drafter.connect()
+        treed = await generate_all(v, PROMPTS, {"sampling": sampling})
+    assert [list(r.output.token_ids) for r in treed] == plain
+    assert trees.trees > 0 and sum(r.output.stats.num_accepted_tokens for r in treed) > 0
+
+
 def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> None:
     async def main() -> None:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
@@ -107,24 +123,14 @@ def test_greedy_with_penalties_and_a_bias_is_exact_with_chains_and_trees() -> No
             plain = [list(r.output.token_ids) for r in await generate_all(v, PROMPTS, {"sampling": sampling})]
         assert plain != unprocessed, "the penalties changed nothing: the test would prove nothing"
         assert all(banned not in out for out in plain)
-        chained = await through_oracle_chains(plain, sampling, seed=5)
-        assert [list(r.output.token_ids) for r in chained] == plain
-        # Trees whose correct path is not the first branch.
-        trees = TreeOracle({tuple(p): out for p, out in zip(PROMPTS, plain)}, ("path", "deep", "all-wrong"), seed=3)
-        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
-            engine = engine_of(v)
-            in_process_drafter(engine, trees)
-            await engine.drafter.connect()
-            treed = await generate_all(v, PROMPTS, {"sampling": sampling})
-        assert [list(r.output.token_ids) for r in treed] == plain
-        assert trees.trees > 0 and sum(r.output.stats.num_accepted_tokens for r in treed) > 0
+        await same_through_chains_and_trees(plain, sampling, seed=5)
 
     asyncio.run(main())
 
 
 def test_allowed_token_ids_equal_transformers_generate_and_hold_against_wrong_drafts() -> None:
     """vLLM's allowed_token_ids: greedy output is transformers' with every other token suppressed, and
-    drafts that know that output but err a fifth of the time (often with a token outside the set)
+    drafts that know that output but err (often with a token outside the set), chains and trees,
     change none of it; seeded sampling keeps to the set too."""
     model = shared_model()
 
@@ -143,8 +149,7 @@ def test_allowed_token_ids_equal_transformers_generate_and_hold_against_wrong_dr
             x = torch.tensor([prompt])
             assert got == model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, do_sample=False,
                                          suppress_tokens=suppressed)[0, len(prompt):].tolist()
-        chained = await through_oracle_chains(plain, sampling, seed=11)
-        assert [list(r.output.token_ids) for r in chained] == plain
+        await same_through_chains_and_trees(plain, sampling, seed=11)
 
     asyncio.run(main())
 
@@ -175,16 +180,7 @@ def test_bad_words_are_never_generated_and_hold_against_wrong_drafts() -> None:
         forms = [tok(w, add_special_tokens=False)["input_ids"] for w in words]
         forms += [ids for w in words if len(ids := tok(" " + w, add_special_tokens=False)["input_ids"]) == 2]
         assert all(out[i:i + len(f)] != f for out in plain for f in forms for i in range(len(out)))
-        chained = await through_oracle_chains(plain, sampling, seed=13)
-        assert [list(r.output.token_ids) for r in chained] == plain
-        trees = TreeOracle({tuple(p): out for p, out in zip(PROMPTS, plain)}, ("path", "deep", "all-wrong"), seed=4)
-        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), max_draft_nodes=10) as v:
-            engine = engine_of(v)
-            in_process_drafter(engine, trees)
-            await engine.drafter.connect()
-            treed = await generate_all(v, PROMPTS, {"sampling": sampling})
-        assert [list(r.output.token_ids) for r in treed] == plain
-        assert trees.trees > 0 and sum(r.output.stats.num_accepted_tokens for r in treed) > 0
+        await same_through_chains_and_trees(plain, sampling, seed=13)
 
     asyncio.run(main())
 
