@@ -76,9 +76,9 @@ REFUSALS = [  # body, status, words of the message
     ({}, 400, "either prompt or messages"),
     ({"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
     ({"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
-    ({"messages": CHAT, "add_generation_prompt": False}, 400, "add_generation_prompt"),
-    ({"prompt": PROMPT, "add_generation_prompt": True}, 400, "add_generation_prompt"),
-    ({"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+    ({"prompt": PROMPT, "add_generation_prompt": True}, 400, "only messages take add_generation_prompt"),
+    ({"prompt": PROMPT, "continue_final_message": True}, 400, "only messages take continue_final_message"),
+    ({"messages": CHAT, "continue_final_message": True}, 400, "set add_generation_prompt false too"),
     ({"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
     ({"prompt": PROMPT, "chat_template_kwargs": {"enable_thinking": False}}, 400, "only messages take"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
@@ -88,7 +88,46 @@ REFUSALS = [  # body, status, words of the message
     # What generation does, said out loud, is accepted.
     ({"prompt": PROMPT, "add_special_tokens": True}, 200, ""),
     ({"messages": CHAT, "add_special_tokens": False, "add_generation_prompt": True, "tools": []}, 200, ""),
+    ({"messages": CHAT, "add_generation_prompt": False}, 200, ""),
 ]
+
+
+def test_an_answer_begun_for_the_model_is_continued() -> None:
+    """vLLM's continue_final_message, with add_generation_prompt false: the last message is left open, the
+    prompt is the template's rendering of that, on both fronts and in /tokenize, and the answer continues
+    it as a token-id prompt of those ids would. add_generation_prompt false alone leaves the assistant's
+    turn unopened."""
+    begun = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Sure, here"}]
+    left_open = {"add_generation_prompt": False, "continue_final_message": True}
+
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            def rendered(messages: list[dict[str, str]], **flags: bool) -> list[int]:
+                text = h.tokenizer.apply_chat_template(messages, tokenize=False, **flags)
+                return h.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+            want = rendered(begun, **left_open)
+            assert h.tokenizer.decode(want).endswith("Sure, here") and want != rendered(begun,
+                                                                                       add_generation_prompt=True)
+            assert (await http.post("/tokenize", json={"messages": begun, **left_open})).json()["tokens"] == want
+            answer = await h.client.chat.completions.create(model="tiny", messages=begun, max_tokens=8,
+                                                            extra_body=left_open)
+            assert answer.usage.prompt_tokens == len(want)
+            from_ids = await h.client.completions.create(model="tiny", prompt=want, max_tokens=8)
+            assert answer.choices[0].model_extra["splitspec"]["token_ids"] == from_ids.choices[0].model_extra[
+                "splitspec"]["token_ids"]
+            unopened = (await http.post("/tokenize", json={"messages": CHAT[1:], "add_generation_prompt": False}))
+            assert unopened.json()["tokens"] == rendered(CHAT[1:], add_generation_prompt=False) != rendered(
+                CHAT[1:], add_generation_prompt=True)
+            chat = verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(**m) for m in begun],
+                                             continue_final_message=True)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat), timeout=WAIT_S)
+            assert "set add_generation_prompt false too" in refused.value.details()
+            chat.add_generation_prompt = False
+            assert list((await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat))).token_ids) == want
+
+    asyncio.run(main())
 
 
 def test_tokenize_refuses_what_generation_would_not_do() -> None:

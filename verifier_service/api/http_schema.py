@@ -43,10 +43,10 @@ UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
-CHAT_RENDERING = {"continue_final_message": False, "chat_template": None, "documents": None}
-# vLLM's chat echo (the last message repeated; completions serve echo), and the generation prompt and
-# special tokens that chat completions always render as the template has them.
-UNSUPPORTED_IN_CHAT = {"echo": False, "add_generation_prompt": True, "add_special_tokens": False, **CHAT_RENDERING}
+CHAT_RENDERING = {"chat_template": None, "documents": None}
+# vLLM's chat echo (the last message repeated; completions serve echo), and the special tokens that
+# chat completions always render as the template has them.
+UNSUPPORTED_IN_CHAT = {"echo": False, "add_special_tokens": False, **CHAT_RENDERING}
 # A prompt always gets the tokenizer's special tokens; tools need a chat for the template to render them in.
 UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True, "tools": [], "tool_choice": None}
 UNSUPPORTED_IN_TOKENIZE = CHAT_RENDERING
@@ -377,11 +377,13 @@ class NamedToolChoice(_Body):
 
 
 def chat_messages(messages: list[ChatMessage], template_kwargs: dict[str, Any] | None,
-                  tools: list[Tool] | None = None) -> verifier_pb2.ChatMessages:
+                  tools: list[Tool] | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> verifier_pb2.ChatMessages:
     return verifier_pb2.ChatMessages(
         messages=[m.message() for m in messages],
         template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
-        tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "")
+        tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "",
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -393,11 +395,11 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
+    continue_final_message: bool = False  # vLLM's: the answer continues the last message
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
     echo: Any = None
-    add_generation_prompt: Any = None
     add_special_tokens: Any = None
-    continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
 
@@ -412,7 +414,8 @@ class ChatCompletionRequest(GenerationBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs, self.tools))
+        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs, self.tools,
+                                      self.add_generation_prompt, self.continue_final_message))
 
     def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
         """How answers become tool calls, "auto" with the server's parser (None: auto not served)."""
@@ -500,9 +503,9 @@ class CompletionRequest(GenerationBody):
 
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a `prompt`, tokenized as /v1/completions tokenizes it, or chat `messages`,
-    rendered as /v1/chat/completions renders them. vLLM's options that would tokenize otherwise are
-    refused unless they ask for just that (a prompt's special tokens added; a chat's generation
-    prompt added and no special tokens on top of the template's)."""
+    rendered as /v1/chat/completions renders them (with or without the generation prompt, or the last
+    message left open, as there). vLLM's options that would tokenize otherwise are refused unless they
+    ask for just that (a prompt's special tokens added; no special tokens on top of a chat template's)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -510,10 +513,10 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     # Refused unless neutral (UNSUPPORTED_IN_TOKENIZE); never read.
-    continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
 
@@ -534,14 +537,15 @@ class TokenizeRequest(_Body):
                 "do: leave add_special_tokens out or send false") if chat else (
                 "a prompt gets the tokenizer's special tokens, as completions do: leave add_special_tokens out or "
                 "send true"))
-        if self.add_generation_prompt is not None and not (chat and self.add_generation_prompt):
-            raise PydanticCustomError("add_generation_prompt", "only messages take add_generation_prompt, and only "
-                                      "true, as chat completions render them: leave it out")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if getattr(self, name) and not chat:
+                raise PydanticCustomError(name, f"only messages take {name}")
         return self
 
     def request(self) -> verifier_pb2.TokenizeRequest:
         if self.messages is not None:
-            chat = chat_messages(self.messages, self.chat_template_kwargs, self.tools)
+            chat = chat_messages(self.messages, self.chat_template_kwargs, self.tools,
+                                 self.add_generation_prompt is not False, self.continue_final_message)
             return verifier_pb2.TokenizeRequest(chat=chat, return_token_strs=self.return_token_strs)
         return verifier_pb2.TokenizeRequest(prompt=self.prompt, return_token_strs=self.return_token_strs)
 

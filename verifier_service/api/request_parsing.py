@@ -190,11 +190,20 @@ def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBas
                            "this model has no chat template; send a plain prompt instead")
     messages = [_message(i, m) for i, m in enumerate(chat.messages)]
     tools = _tools(chat, tokenizer)
+    generation_prompt = not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
+    if chat.continue_final_message and generation_prompt:
+        raise _invalid("chat.continue_final_message leaves the last message open for the answer to continue: "
+                       "set add_generation_prompt false too")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                             continue_final_message=chat.continue_final_message,
                                              **({"tools": tools} if tools else {}), **_template_kwargs(chat, tokenizer))
     except jinja2.TemplateError as e:  # a template's raise_exception: roles out of order, and the like
         raise _invalid(f"the model's chat template refused these messages: {e}") from None
+    except ValueError as e:  # continue_final_message: the template does not write the last message as sent
+        if not chat.continue_final_message:
+            raise
+        raise _invalid(f"chat.continue_final_message: {e}") from None
     # The template already holds the special tokens (BOS and the like).
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
