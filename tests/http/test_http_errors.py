@@ -58,7 +58,7 @@ BAD = [
     (COMPLETIONS, {"prompt": ["hi", "x " * 2000]}, 400, "prompt.1: the prompt has"),
     (COMPLETIONS, {"prompt": ["hi"] * 100, "n": 8}, 400, "make 800 sequences"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    (CHAT, {"messages": MSG, "echo": True}, 400, "echo: not supported"),
+    (CHAT, {"messages": MSG, "echo": "please"}, 400, "echo"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 asks for the prompt alone, which needs echo"),
     # Fields that would change the answer and are not served: refused, never answered as if absent.
     (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias must be within [-100, 100]"),

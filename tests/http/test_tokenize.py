@@ -95,8 +95,9 @@ REFUSALS = [  # body, status, words of the message
 def test_an_answer_begun_for_the_model_is_continued() -> None:
     """vLLM's continue_final_message, with add_generation_prompt false: the last message is left open, the
     prompt is the template's rendering of that, on both fronts and in /tokenize, and the answer continues
-    it as a token-id prompt of those ids would. add_generation_prompt false alone leaves the assistant's
-    turn unopened."""
+    it as a token-id prompt of those ids would; with vLLM's chat echo, the answer's content starts with the
+    begun message, whole or streamed. add_generation_prompt false alone leaves the assistant's turn
+    unopened."""
     begun = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Sure, here"}]
     left_open = {"add_generation_prompt": False, "continue_final_message": True}
 
@@ -116,6 +117,17 @@ def test_an_answer_begun_for_the_model_is_continued() -> None:
             from_ids = await h.client.completions.create(model="tiny", prompt=want, max_tokens=8)
             assert answer.choices[0].model_extra["splitspec"]["token_ids"] == from_ids.choices[0].model_extra[
                 "splitspec"]["token_ids"]
+            echo = {**left_open, "echo": True}
+            echoed = await h.client.chat.completions.create(model="tiny", messages=begun, max_tokens=8, extra_body=echo)
+            assert echoed.choices[0].message.content == "Sure, here" + answer.choices[0].message.content
+            stream = await h.client.chat.completions.create(model="tiny", messages=begun, max_tokens=8, stream=True,
+                                                            extra_body=echo)
+            deltas = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            assert "".join(deltas) == echoed.choices[0].message.content
+            # Echo repeats only an assistant's message: after the user's, the answer is as without it.
+            asked = [await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4,
+                                                            extra_body={"echo": e}) for e in (True, False)]
+            assert asked[0].choices[0].message.content == asked[1].choices[0].message.content
             unopened = (await http.post("/tokenize", json={"messages": CHAT[1:], "add_generation_prompt": False}))
             assert unopened.json()["tokens"] == rendered(CHAT[1:], add_generation_prompt=False) != rendered(
                 CHAT[1:], add_generation_prompt=True)

@@ -220,7 +220,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     seqs = await _start(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
                           body.echoes_prompt, body.prompt_only, body.prompt_logprobs is not None, tools,
-                          body.return_tokens_as_token_ids)
+                          body.return_tokens_as_token_ids, body.echoed_message)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -98,6 +98,7 @@ class Responder:
     prompt_logprobs: bool = False  # vLLM's field asked for (not only echo's)
     tools: ToolPlan | None = None  # chat: how answers become tool calls (tool_calls.py)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" wherever a token is named
+    echoed_message: str = ""  # chat: what each answer's content starts with (vLLM's chat echo)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
@@ -200,6 +201,8 @@ class Responder:
             finish = FINISH.get(out.finish_reason)
             if self.chat:
                 message, finish = self._message(out.text, finish)
+                if self.echoed_message:
+                    message["content"] = self.echoed_message + (message["content"] or "")
                 c |= {"message": message, "logprobs": self._logprobs(out, 0)}
             else:
                 c["text"], c["logprobs"] = self._completion(seq, out, 0, self.echo)
@@ -229,9 +232,10 @@ class Responder:
         return message, finish
 
     def role_chunk(self, index: int) -> str:
-        """Chat streams open each choice with the assistant's role, as OpenAI's do."""
-        return self._sse({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None})
+        """Chat streams open each choice with the assistant's role, as OpenAI's do (and with the echoed
+        message, where one is)."""
+        return self._sse({"index": index, "delta": {"role": "assistant", "content": self.echoed_message},
+                          "logprobs": None, "finish_reason": None})
 
     def chunk(self, index: int, out: Output, offset: int, seq: Sequence) -> str:
         """One output of one choice; `offset`: characters of this choice sent before it."""

@@ -44,9 +44,8 @@ UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
 CHAT_RENDERING = {"chat_template": None, "documents": None}
-# vLLM's chat echo (the last message repeated; completions serve echo), and the special tokens that
-# chat completions always render as the template has them.
-UNSUPPORTED_IN_CHAT = {"echo": False, "add_special_tokens": False, **CHAT_RENDERING}
+# The special tokens that chat completions always render as the template has them.
+UNSUPPORTED_IN_CHAT = {"add_special_tokens": False, **CHAT_RENDERING}
 # A prompt always gets the tokenizer's special tokens; tools need a chat for the template to render them in.
 UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True, "tools": [], "tool_choice": None}
 UNSUPPORTED_IN_TOKENIZE = CHAT_RENDERING
@@ -202,6 +201,11 @@ class GenerationBody(_Body):
     @property
     def echoes_prompt(self) -> bool:
         return False
+
+    @property
+    def echoed_message(self) -> str:
+        """What each chat answer's content starts with (vLLM's chat echo): "" for none."""
+        return ""
 
     @property
     def prompt_only(self) -> bool:
@@ -397,8 +401,8 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
     continue_final_message: bool = False  # vLLM's: the answer continues the last message
+    echo: bool = False  # vLLM's: the answer's content starts with the last message's, if the assistant's
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
-    echo: Any = None
     add_special_tokens: Any = None
     chat_template: Any = None
     documents: Any = None
@@ -412,6 +416,11 @@ class ChatCompletionRequest(GenerationBody):
     @property
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def echoed_message(self) -> str:
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else ""
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs, self.tools,
