@@ -14,11 +14,11 @@ from transformers import PreTrainedTokenizerBase
 
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
-                 keep_stop: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
-        self._keep_stop = keep_stop
+        self._include_stop_str = include_stop_str
         self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
         self._ids: list[int] = []
         self._prefix = 0  # decode from here for context (merging spaces)
@@ -66,7 +66,7 @@ class Detokenizer:
         hits = [(i, s) for s in self._stop if (i := self._text.find(s, self._searched)) >= 0]
         if hits:
             index, stop = min(hits)
-            self._text = self._text[:index + len(stop) if self._keep_stop else index]
+            self._text = self._text[:index + len(stop) if self._include_stop_str else index]
             self.stopped_by = stop
             return
         self._searched = max(0, len(self._text) - max(len(s) for s in self._stop) + 1)

@@ -174,17 +174,16 @@ class Sequence:
             if logprobs is not None:
                 self.output_logprobs.append(logprobs[i])
             kept.append(token)
-            # As vLLM's: the text of a token that ends it (a stop token id, the end of sequence) is left
-            # out, unless stop strings are kept; the token itself is in token_ids either way.
-            ends = token in self.stopping.stop_token_ids or token in self.stopping.eos_token_ids
-            if not ends or self.stopping.include_stop_str:
+            # A stop token id, or the end of sequence, ends it: as in vLLM, its text is left out unless stop
+            # strings are kept; the token itself is in token_ids either way.
+            ended_by = (str(token) if token in self.stopping.stop_token_ids
+                        else "" if token in self.stopping.eos_token_ids else None)
+            if ended_by is None or self.stopping.include_stop_str:
                 self.detokenizer.add(token)
             if self.detokenizer.stopped_by is not None:
                 self._finish(FinishReason.STOP, self.detokenizer.stopped_by)
-            elif token in self.stopping.stop_token_ids:
-                self._finish(FinishReason.STOP, str(token))
-            elif token in self.stopping.eos_token_ids:
-                self._finish(FinishReason.STOP, "")
+            elif ended_by is not None:
+                self._finish(FinishReason.STOP, ended_by)
             elif self.remaining_tokens <= 0 or self.num_tokens >= max_model_len:
                 self._finish(FinishReason.LENGTH, "")
             if self.finished:

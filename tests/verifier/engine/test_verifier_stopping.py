@@ -310,7 +310,7 @@ def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(
     stops = tuple(data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3)))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
-    detok = Detokenizer(tok, stops, keep_stop=keep)
+    detok = Detokenizer(tok, stops, include_stop_str=keep)
     chunks = []
     for token in ids:
         detok.add(token)
