@@ -67,6 +67,9 @@ class ServerSettings:
     # Chat tool calling's "auto" choice (api/tool_calls.py), as vLLM's flags: both, or it is refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of tool_calls.PARSERS
+    # Memory for the Responses API's stored responses (api/response_store.py), least recently used
+    # evicted first; 0 stores none.
+    responses_store_mb: int = 64
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.
     rank_timeout_s: float = 60.0
@@ -92,6 +95,8 @@ class ServerSettings:
             raise ConfigError(f"cuda_graph_max_tokens must be >= 0, not {self.cuda_graph_max_tokens}")
         if self.max_draft_nodes < 0:
             raise ConfigError(f"max_draft_nodes must be >= 0, not {self.max_draft_nodes}")
+        if self.responses_store_mb < 0:
+            raise ConfigError(f"responses_store_mb must be >= 0, not {self.responses_store_mb}")
         if self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:

@@ -197,7 +197,7 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names 'nope', which is not among the tools"),
     ({"messages": MSG, "tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
-     "send no response_format or structured_outputs with it"),
+     "send no other structured output with it"),
     ({"messages": MSG, "tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, "two tools have the same name"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {

@@ -38,7 +38,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
-                 "max_draft_nodes")
+                 "responses_store_mb", "max_draft_nodes")
 
 
 def _http_port(value: str) -> int | None:
@@ -56,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
     _setting(p, "host", "address to listen on")
     _setting(p, "port", "0 picks a free port (see --port-file)", type=int)
     p.add_argument("--port-file", help="write the bound port to this file once listening")
-    _setting(p, "http_port", "the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-                             "/health, /metrics, and a playground at /); 0 picks a free port (see "
+    _setting(p, "http_port", "the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, "
+                             "/v1/models, /health, /metrics, and a playground at /); 0 picks a free port (see "
                              "--http-port-file), off disables it", type=_http_port, metavar="PORT|off")
     p.add_argument("--http-port-file", help="write the HTTP API's bound port to this file once listening")
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,
@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
                                                    "the model's calls with --tool-call-parser (vLLM's flags)")
     _setting(p, "tool_call_parser", "how --enable-auto-tool-choice reads calls from the model's text: hermes "
                                     "(<tool_call> blocks: Hermes, Qwen2.5, Qwen3)", choices=tool_calls.PARSERS)
+    _setting(p, "responses_store_mb", "memory for the Responses API's stored responses (GET /v1/responses/{id}, "
+                                      "previous_response_id), least recently used evicted first; 0 stores none",
+             type=int, metavar="MB")
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the same Generations the gRPC front uses.
 
-Routes: POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events
-with `stream: true`), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /health,
-/metrics, and / (the playground).
+Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as Server-Sent
+Events with `stream: true`), GET and DELETE /v1/responses/{id} (the stored responses), POST
+/tokenize and /detokenize (vLLM's), GET /v1/models, /health, /metrics, and / (the playground).
 Bodies are read and checked here, not by FastAPI's own validation, so every mistake
 is an OpenAI error object with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
-from verifier_service.api.http_responses import DONE, Choice, Responder, sse
+from verifier_service.api.http_responses import DONE, Choice, Responder, sse, token_name
 from verifier_service.api.http_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,13 +41,16 @@ from verifier_service.api.http_schema import (
     TokenizeRequest,
 )
 from verifier_service.api.request_parsing import RequestError
+from verifier_service.api.response_store import ResponseStore
+from verifier_service.api.responses_output import ResponseBuilder
+from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Body = TypeVar("Body", GenerationBody, TokenizeRequest, DetokenizeRequest)
+Body = TypeVar("Body", GenerationBody, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class HttpState:
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # the Responses API's; 0: none
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -151,6 +155,23 @@ def build_app(state: HttpState) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await _generate(state, request, CompletionRequest, chat=False)
 
+    @app.post("/v1/responses", dependencies=[Depends(authorize)])
+    async def create_response(request: Request) -> Response:
+        return await _respond(state, request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
+    async def get_response(response_id: str) -> JSONResponse:
+        entry = state.responses.get(response_id)
+        if entry is None:
+            raise _not_stored(response_id)
+        return JSONResponse(entry.body)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not state.responses.delete(response_id):
+            raise _not_stored(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request) -> JSONResponse:
         body = await _body(state, request, TokenizeRequest)
@@ -214,7 +235,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     gen = state.generations
     rt, _ = _refusals_as_errors(gen.check_ready)
     names = state.names()
-    tools = body.tool_plan(state.tool_call_parser) if isinstance(body, ChatCompletionRequest) else None
+    tools = body.tool_plan(state.tool_call_parser)
     if tools is not None and (why := tools.unserved()):
         raise HttpError(400, why, param="tool_choice")
     seqs = await _start(gen, body)
@@ -224,23 +245,78 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await _collect_unless_gone(state, request, seqs, arrival)
+    if choices is None:
+        return Response(status_code=499)  # nobody is left to read it
+    return JSONResponse(responder.response(seqs, choices))
+
+
+async def _collect_unless_gone(state: HttpState, request: Request, seqs: list[Sequence],
+                               arrival: float) -> list[Choice] | None:
+    """Every choice's outputs, joined; None if the client went away first (its sequences are then freed
+    at the next step)."""
     with state.request():
-        collecting = asyncio.ensure_future(_collect(gen, seqs, arrival))
+        collecting = asyncio.ensure_future(_collect(state.generations, seqs, arrival))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collecting.done():  # the client went away: free its sequences at the next step
+            if not collecting.done():
                 collecting.cancel()
                 await asyncio.gather(collecting, return_exceptions=True)
         if collecting.cancelled():
-            return Response(status_code=499)  # nobody is left to read it
+            return None
         try:
-            choices = collecting.result()
+            return collecting.result()
         except GenerationFailed as exc:
             raise HttpError(503 if exc.unavailable else 500, str(exc)) from None
-    return JSONResponse(responder.response(seqs, choices))
+
+
+def _not_stored(response_id: str) -> HttpError:
+    return HttpError(404, f"no stored response {response_id!r}: it was not stored (store false, or the verifier's "
+                          "--responses-store-mb is 0), or it was deleted or evicted", code="response_not_found")
+
+
+async def _respond(state: HttpState, request: Request) -> Response:
+    """POST /v1/responses: the request as the chat it describes (responses_schema.py), answered as a
+    response (responses_output.py), and kept where asked and the store has room (response_store.py)."""
+    arrival = time.perf_counter()
+    body = await _body(state, request, ResponsesRequest)
+    gen = state.generations
+    rt, _ = _refusals_as_errors(gen.check_ready)
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id)
+        if previous is None:
+            error = _not_stored(body.previous_response_id)
+            error.param = "previous_response_id"
+            raise error
+        body.continues(list(previous.conversation))
+    tools = body.tool_plan(state.tool_call_parser)
+    if why := tools.unserved():
+        raise HttpError(400, why, param="tool_choice")
+    seqs = await _start(gen, body)
+    builder = ResponseBuilder(body, body.model or state.names()[0], tools,
+                              token_name(rt.tokenizer, body.return_tokens_as_token_ids),
+                              stored=body.store and state.responses.enabled)
+    if body.stream:
+        return StreamingResponse(_stream_response(state, seqs[0], builder, arrival), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await _collect_unless_gone(state, request, seqs, arrival)
+    if choices is None:
+        return Response(status_code=499)
+    result = builder.whole(seqs[0], choices[0].joined())
+    _keep(state, builder, result)
+    return JSONResponse(result)
+
+
+def _keep(state: HttpState, builder: ResponseBuilder, result: dict[str, object]) -> None:
+    """Store a finished response, with its conversation (its answer last), where it asked to be."""
+    if not builder.stored:
+        return
+    answer = chat_history(ITEMS.validate_python(result["output"]))
+    if not state.responses.put(builder.id, result, (*builder.request.continued_chat(), *answer)):
+        log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)
 
 
 async def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
@@ -268,6 +344,29 @@ async def _start(gen: Generations, body: GenerationBody) -> list[Sequence]:
             raise HttpError(429, str(exc)) from None
         raise
     return seqs
+
+
+async def _stream_response(state: HttpState, seq: Sequence, builder: ResponseBuilder,
+                           arrival: float) -> AsyncIterator[str]:
+    with state.request():
+        try:
+            for event in builder.opening():
+                yield event
+            finish = None
+            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
+                async for out in outputs:
+                    for event in builder.feed(out):
+                        yield event
+                    finish = out.finish_reason
+            events, result = builder.closing(seq, finish)
+            _keep(state, builder, result)
+            for event in events:
+                yield event
+        except GenerationFailed as exc:
+            for event in builder.failed(str(exc)):
+                yield event
+        finally:  # closed before the outputs were read (client gone at once): free the sequence anyway
+            state.generations.runtime.engine.cancel(seq)
 
 
 async def _disconnected(request: Request) -> None:

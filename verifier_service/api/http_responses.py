@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -61,6 +62,24 @@ def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, 
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def token_name(tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> Callable[[int], str]:
+    """How log-probabilities name a token: by its text, or by its id where the request asked (a token
+    that is part of a character has no text of its own to tell it apart by)."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def chat_logprob(lp: TokenLogprob, name: Callable[[int], str]) -> dict[str, object]:
+    """A token's log-probability and its alternatives' as chat completions (and the Responses API) give
+    them; `name`: a token's text as shown."""
+    def entry(token_id: int, logprob: float) -> dict[str, object]:
+        text = name(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
 @dataclass
@@ -112,9 +131,7 @@ class Responder:
         return {"id": self._id, "object": obj, "created": self.created, "model": self.model}
 
     def _token(self, token_id: int) -> str:
-        """A token as log-probabilities name it: its text, or its id where the request asked (a token
-        that is part of a character has no text of its own to tell it apart by)."""
-        return f"token_id:{token_id}" if self.tokens_as_ids else self.tokenizer.decode([token_id])
+        return token_name(self.tokenizer, self.tokens_as_ids)(token_id)
 
     def _logprobs(self, out: Output, offset: int) -> dict[str, object] | None:
         if not out.logprobs:
@@ -174,11 +191,7 @@ class Responder:
         return entries
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, object]:
-        def entry(token_id: int, logprob: float) -> dict[str, object]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        return chat_logprob(lp, self._token)
 
     def _shown(self, out: Output) -> Output:
         """What the client sees of an output: all of it, or with `prompt_only` none of its token (it ends

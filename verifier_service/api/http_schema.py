@@ -265,16 +265,37 @@ class GenerationBody(_Body):
             p.structured_output.CopyFrom(constraint)
         return p
 
+    def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan | None:
+        """How answers become tool calls, "auto" with the server's parser (None: auto not served); None
+        where the API has no tools."""
+        return None
+
     def structured_output(self) -> verifier_pb2.StructuredOutput | None:
         """The one constraint asked for, by whichever field (None: free text); several are a ValueError.
-        The constraint itself is checked where gRPC's is (request_parsing.py)."""
+        A named or required tool choice holds the answer to its calls' JSON, which leaves no room for
+        another. The constraint itself is checked where gRPC's is (request_parsing.py)."""
+        asked = self._asked_structured_output()
+        tools = self.tool_plan(None)
+        held = tools.constraint if tools is not None else None
+        if held is None:
+            return asked
+        if asked is not None:
+            raise ValueError("a named or required tool_choice holds the answer to its calls' JSON: send no "
+                             "other structured output with it")
+        return held
+
+    def _response_format(self) -> tuple[str, ResponseFormat] | None:
+        """OpenAI's response format, and the field it came in."""
+        return ("response_format", self.response_format) if self.response_format is not None else None
+
+    def _asked_structured_output(self) -> verifier_pb2.StructuredOutput | None:
         found: list[tuple[str, verifier_pb2.StructuredOutput]] = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            found.append(("response_format", verifier_pb2.StructuredOutput(json_object=True)))
-        elif rf is not None and rf.json_schema is not None:
-            schema = rf.json_schema.schema_
-            found.append(("response_format", _json_schema(schema) if schema is not None
+        named = self._response_format()
+        if named is not None and named[1].type == "json_object":
+            found.append((named[0], verifier_pb2.StructuredOutput(json_object=True)))
+        elif named is not None and named[1].json_schema is not None:
+            schema = named[1].json_schema.schema_
+            found.append((named[0], _json_schema(schema) if schema is not None
                           else verifier_pb2.StructuredOutput(json_object=True)))
         so = self.structured_outputs
         if so is not None:
@@ -427,21 +448,9 @@ class ChatCompletionRequest(GenerationBody):
                                       self.add_generation_prompt, self.continue_final_message))
 
     def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
-        """How answers become tool calls, "auto" with the server's parser (None: auto not served)."""
+        """(Checked with the body, by structured_output: so are the tools against tool_choice.)"""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         return tool_calls.plan([t.model_dump() for t in self.tools or []], choice, self.parallel_tool_calls, parser)
-
-    def structured_output(self) -> verifier_pb2.StructuredOutput | None:
-        """A named or required tool choice holds the answer to its calls' JSON, which leaves no room
-        for another constraint. (Checked with the body: so are the tools against tool_choice.)"""
-        asked = super().structured_output()
-        held = self.tool_plan(None).constraint
-        if held is None:
-            return asked
-        if asked is not None:
-            raise ValueError("a named or required tool_choice holds the answer to its calls' JSON: send no "
-                             "response_format or structured_outputs with it")
-        return held
 
 
 class CompletionRequest(GenerationBody):

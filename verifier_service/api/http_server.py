@@ -22,6 +22,7 @@ import uvicorn
 from drafter_sdk.errors import ListenError
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_app import HttpState, build_app
+from verifier_service.api.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # after the drain: for idle keep-alive connections to close
@@ -62,10 +63,12 @@ class HttpServer:
     async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | None,
                     max_body_bytes: int, tls_cert: str | None = None, tls_key: str | None = None,
                     tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
-                    tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = ()) -> "HttpServer":
+                    tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
+                    responses_store_bytes: int = 0) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
-        state = HttpState(generations, auth_token, max_body_bytes, served_names, tool_call_parser, allowed_origins)
+        state = HttpState(generations, auth_token, max_body_bytes, served_names, tool_call_parser, allowed_origins,
+                          ResponseStore(responses_store_bytes))
         config = uvicorn.Config(
             build_app(state), lifespan="off", access_log=False, log_level="warning", timeout_graceful_shutdown=CLOSE_S,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,

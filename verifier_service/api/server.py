@@ -121,7 +121,7 @@ async def start_server(settings: ServerSettings,
                 max_body_bytes=settings.max_message_bytes, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                 tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names,
                 tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
-                allowed_origins=settings.allowed_origins)
+                allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20)
         except BaseException:
             await service.stop(0)
             raise

@@ -1,0 +1,262 @@
+"""OpenAI's Responses API through the official openai client, against a real verifier (tiny random model,
+HTTP on port 0) with a remote SDK n-gram drafter: a response is the chat it describes (the same text, usage
+and logprobs as chat completions, which are exact against plain decoding); streamed, its events build the same
+response in the client's own stream helper; previous_response_id continues a stored conversation (without
+the earlier instructions), retrieved and deleted by id; tool calls go out as function_call items and their
+outputs come back; mistakes are 400s and 404s naming them; a client that leaves mid-stream frees its sequence."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from http_support import PROMPT, WAIT_S, http_verifier, wait_until
+from test_tool_calls import NAMED, TOOLS, serving
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from verifier_service.api.http_schema import ChatMessage
+from verifier_service.api.response_store import ResponseStore
+
+INSTRUCTIONS = "Be brief."
+CHAT = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": PROMPT}]
+
+
+def message_text(response) -> str:  # noqa: ANN001
+    """The text of the response's one message item (the client's output_text joins every message's)."""
+    messages = [item for item in response.output if item.type == "message"]
+    assert len(messages) == 1 and len(messages[0].content) == 1
+    return messages[0].content[0].text
+
+
+def test_a_response_is_the_chat_it_describes_whole_and_streamed() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            chat = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30)
+            response = await h.client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=PROMPT,
+                                                       max_output_tokens=30)
+            assert chat.choices[0].finish_reason == "length"
+            assert message_text(response) == response.output_text == chat.choices[0].message.content
+            assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+            assert response.output[0].status == "incomplete" and response.id.startswith("resp_")
+            assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (
+                chat.usage.prompt_tokens, 30, chat.usage.total_tokens)
+            assert response.usage.input_tokens_details.cached_tokens >= 0
+            assert response.instructions == INSTRUCTIONS and response.max_output_tokens == 30
+            spec = response.model_extra["speculation"]
+            assert spec["num_drafts"] > 0  # the remote drafter drafted
+
+            # Streamed: OpenAI's events in order, numbered; the last carries the same response.
+            events = [e async for e in await h.client.responses.create(
+                model="tiny", instructions=INSTRUCTIONS, input=PROMPT, max_output_tokens=30, stream=True)]
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            kinds = [e.type for e in events]
+            assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                                 "response.content_part.added"]
+            assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                                  "response.output_item.done", "response.incomplete"]
+            deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+            assert len(deltas) > 1 and "".join(deltas) == message_text(response)
+            last = events[-1].response
+            assert last.output_text == response.output_text and last.usage == response.usage
+            assert last.output[0].id == events[2].item.id == events[-2].item.id
+
+            # Ended by a stop string (vLLM's field): completed, and the client's stream helper builds the same.
+            text = message_text(response)
+            stop = text[8:11]
+            assert len(stop) == 3 and stop.strip()
+            ask = {"model": "tiny", "instructions": INSTRUCTIONS, "input": PROMPT, "max_output_tokens": 30,
+                   "extra_body": {"stop": [stop]}}
+            whole = await h.client.responses.create(**ask)
+            assert whole.status == "completed" and whole.output_text == text[:text.index(stop)]
+            async with h.client.responses.stream(**ask) as stream:
+                final = await stream.get_final_response()
+            assert final.output_text == whole.output_text and final.status == "completed"
+            assert final.usage == whole.usage
+
+    asyncio.run(main())
+
+
+def assert_same_logprobs(got: list, want: list) -> None:
+    """The same tokens and alternatives, their log-probabilities equal up to float32 rounding (a verify
+    forward's width, which speculation varies, moves the last bits)."""
+    def split(entries: list) -> tuple[list, list]:
+        names = [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+        return names, [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+    (got_names, got_values), (want_names, want_values) = split(got), split(want)
+    assert len(got) == 12 and got_names == want_names
+    assert got_values == pytest.approx(want_values, abs=1e-4)
+
+
+def test_logprobs_are_chats_where_included() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            chat = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, logprobs=True,
+                                                          top_logprobs=2)
+            response = await h.client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=PROMPT,
+                                                       max_output_tokens=12, top_logprobs=2,
+                                                       include=["message.output_text.logprobs"])
+            want = chat.choices[0].logprobs.content
+            assert_same_logprobs(response.output[0].content[0].logprobs, want)
+            streamed = [e async for e in await h.client.responses.create(
+                model="tiny", instructions=INSTRUCTIONS, input=PROMPT, max_output_tokens=12, top_logprobs=2,
+                include=["message.output_text.logprobs"], stream=True)]
+            assert_same_logprobs([lp for e in streamed if e.type == "response.output_text.delta" for lp in e.logprobs],
+                                 want)
+            plain = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=12)
+            assert plain.output[0].content[0].logprobs == []
+
+    asyncio.run(main())
+
+
+def test_previous_response_id_continues_the_stored_conversation() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            first = await h.client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=PROMPT,
+                                                    max_output_tokens=10)
+            assert first.store is True
+            follow = "and then? " + PROMPT[:20]
+            second = await h.client.responses.create(model="tiny", input=follow, previous_response_id=first.id,
+                                                     max_output_tokens=10)
+            # The same as the chat written out, without the first request's instructions (OpenAI's rule).
+            chat = await h.client.chat.completions.create(model="tiny", max_tokens=10, messages=[
+                {"role": "user", "content": PROMPT}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": follow}])
+            assert second.output_text == chat.choices[0].message.content
+            assert second.usage.input_tokens == chat.usage.prompt_tokens
+            assert second.previous_response_id == first.id and second.instructions is None
+            # ... and the same as the conversation sent whole, the earlier answer's items as input.
+            sent = await h.client.responses.create(model="tiny", max_output_tokens=10, input=[
+                {"role": "user", "content": PROMPT}, *[item.model_dump() for item in first.output],
+                {"role": "user", "content": follow}])
+            assert sent.output_text == second.output_text
+
+            stored = await h.client.responses.retrieve(first.id)
+            assert stored.model_dump() == first.model_dump()
+            deleted = await h.client.responses.delete(first.id)
+            assert deleted is None  # the client returns nothing for a delete
+            with pytest.raises(openai.NotFoundError, match="no stored response"):
+                await h.client.responses.retrieve(first.id)
+            with pytest.raises(openai.NotFoundError) as gone:
+                await h.client.responses.create(model="tiny", input=follow, previous_response_id=first.id)
+            assert gone.value.body["param"] == "previous_response_id"
+            # A chain outlives what it continued: the second holds the whole conversation.
+            third = await h.client.responses.create(model="tiny", input="more", previous_response_id=second.id,
+                                                    max_output_tokens=4)
+            assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+            unstored = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, store=False)
+            assert unstored.store is False
+            with pytest.raises(openai.NotFoundError):
+                await h.client.responses.retrieve(unstored.id)
+
+        async with http_verifier(speculate=False, responses_store_mb=0) as h:
+            response = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2)
+            assert response.store is False  # the store is off: nothing is kept, as the response says
+            with pytest.raises(openai.NotFoundError):
+                await h.client.responses.create(model="tiny", input=PROMPT, previous_response_id=response.id)
+
+    asyncio.run(main())
+
+
+def test_tool_calls_are_function_call_items_and_their_outputs_come_back() -> None:
+    async def main() -> None:
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        ask = "What is the weather in Paris?"
+        async with serving() as h:
+            chat = await h.client.chat.completions.create(model="tiny", max_tokens=40, tools=TOOLS, tool_choice=NAMED,
+                                                          messages=[{"role": "user", "content": ask}])
+            call = chat.choices[0].message.tool_calls[0]
+            response = await h.client.responses.create(model="tiny", max_output_tokens=40, tools=tools, input=ask,
+                                                       tool_choice={"type": "function", "name": "get_weather"})
+            assert [item.type for item in response.output] == ["function_call"]
+            item = response.output[0]
+            assert (item.name, item.arguments) == ("get_weather", call.function.arguments)
+            assert response.tool_choice.name == "get_weather" and len(response.tools) == 2
+            async with h.client.responses.stream(model="tiny", max_output_tokens=40, tools=tools, input=ask,
+                                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+                kinds = [event.type async for event in stream]
+                final = await stream.get_final_response()
+            assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+            assert [(i.name, i.arguments) for i in final.output] == [("get_weather", call.function.arguments)]
+
+            # The call's result sent back: the same answer as the chat with its tool message.
+            result = "sunny, 21 C"
+            # (One tool: the tiny tokenizer spells the template out nearly character by character.)
+            back = await h.client.responses.create(model="tiny", max_output_tokens=12, tools=tools[:1], input=[
+                {"role": "user", "content": ask}, item.model_dump(),
+                {"type": "function_call_output", "call_id": item.call_id, "output": result}], tool_choice="none")
+            chat_back = await h.client.chat.completions.create(model="tiny", max_tokens=12, tools=TOOLS[:1],
+                                                               tool_choice="none", messages=[
+                {"role": "user", "content": ask},
+                {"role": "assistant", "tool_calls": [{"id": item.call_id, "type": "function", "function": {
+                    "name": item.name, "arguments": item.arguments}}]},
+                {"role": "tool", "tool_call_id": item.call_id, "content": result}])
+            assert back.output_text == chat_back.choices[0].message.content
+            assert back.usage.input_tokens == chat_back.usage.prompt_tokens
+            # Continued by id, the call and its result are in the chat the same way.
+            by_id = await h.client.responses.create(model="tiny", max_output_tokens=12, tools=tools[:1],
+                                                    tool_choice="none",
+                                                    previous_response_id=response.id, input=[
+                {"type": "function_call_output", "call_id": item.call_id, "output": result}])
+            assert by_id.output_text == back.output_text
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), [
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0", "function_call_output"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input.0.message.content.0.type", "input_text"),
+    ({"input": "hi", "background": True}, 400, "background", "not supported"),
+    ({"input": "hi", "truncation": "auto"}, 400, "truncation", '"disabled"'),
+    ({"input": "hi", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, 400,
+     "body", "not both"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     400, "body", "not among the tools"),
+    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata", "at most 16"),
+    ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id", "no stored response"),
+    ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens", "greater than or equal to 1"),
+])
+def test_mistakes_are_refused_naming_them(body: dict, status: int, param: str, words: str) -> None:
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as c:
+            answer = await c.post("/v1/responses", json={"model": "tiny", **body})
+            assert answer.status_code == status, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == param and words in error["message"], error
+
+    asyncio.run(main())
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequence() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            stream = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=200, stream=True)
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    break
+            await stream.close()
+            await wait_until(h.idle, "the sequence and the drafter's state freed")
+
+    asyncio.run(main())
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_budget() -> None:
+    message = ChatMessage(role="user", content="x" * 100)
+    store = ResponseStore(1000)
+    for name in "abc":
+        assert store.put(name, {"id": name}, (message,))
+    size = store.get("a").size
+    assert size > 100 and store.used_bytes == 3 * size
+    assert store.get("a") is not None  # a used again: b is now the least recently used
+    room = 1000 // size
+    for i in range(room - 2):  # one more than there is room for
+        assert store.put(str(i), {"id": str(i)}, (message,))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert len(store) == room and store.used_bytes == room * size <= 1000
+    assert not store.put("huge", {"id": "huge"}, (ChatMessage(role="user", content="y" * 2000),))
+    assert store.get("huge") is None and store.delete("0") and not store.delete("b")
+    assert ResponseStore(0).enabled is False

@@ -1,0 +1,208 @@
+"""The Responses API's response object and its stream of events, built from the engine's outputs.
+
+A response's `output` is a list of items: the assistant's message (one output_text part, with its
+log-probabilities where asked) and, under a tool choice that makes calls, a function_call item per
+call after it (tool_calls.py reads them from the answer, as for chat). Streamed, the events are
+OpenAI's, in its order: response.created and response.in_progress; per item
+output_item.added, then its content (content_part.added, output_text.delta..., output_text.done,
+content_part.done; or function_call_arguments.delta..., function_call_arguments.done) and
+output_item.done; last, response.completed (response.incomplete where max_output_tokens cut the
+answer short), carrying the whole response, as a non-streamed request gets it. Each event has its
+sequence_number. Usage counts the prompt's tokens reused from the prefix cache as cached_tokens;
+the speculation stats ride under vLLM's names, as in chat responses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from verifier_service.api.http_responses import FINISH, chat_logprob, speculation
+from verifier_service.api.responses_schema import ResponsesRequest
+from verifier_service.api.tool_calls import CallStream, ToolPlan
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def event_sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class ResponseBuilder:
+    """One response: its body, whole (`whole`) or as events (`opening`, `feed` per output, `closing`).
+    `token` names a token as log-probabilities show it; `stored`: whether it will be kept."""
+
+    request: ResponsesRequest
+    model: str
+    tools: ToolPlan
+    token: Callable[[int], str]
+    stored: bool
+    id: str = field(default_factory=lambda: _id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)  # the items so far
+    _message: dict[str, Any] | None = None  # streaming: the message item open now
+    _calls: CallStream | None = None  # streaming under a plan that makes calls
+    _call_items: list[dict[str, Any]] = field(default_factory=list)  # streaming: by the call's index
+    _events: int = 0
+
+    @property
+    def calling(self) -> bool:
+        return self.tools.mode != "none"
+
+    def body(self, status: str, seq: Sequence | None = None) -> dict[str, Any]:
+        """The response object as it stands (`seq`: the finished sequence, for usage)."""
+        r = self.request
+        fmt = r.text.format if r.text is not None and r.text.format is not None else None
+        tool_choice: object = self.tools.mode
+        if self.tools.mode == "named":
+            tool_choice = {"type": "function", "name": self.tools.name}
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
+            "model": self.model, "output": [dict(item) for item in self.output],
+            "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": r.previous_response_id,
+            "reasoning": None, "store": self.stored, "temperature": r.temperature, "top_p": r.top_p,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "top_logprobs": r.top_logprobs, "truncation": "disabled", "user": r.user, "usage": None}
+        if seq is not None:
+            body["usage"] = {"input_tokens": len(seq.prompt_ids),
+                             "input_tokens_details": {"cached_tokens": seq.cached_prompt_tokens},
+                             "output_tokens": len(seq.output_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+            body["speculation"] = speculation([seq])
+        return body
+
+    def _logprobs(self, out: Output) -> list[dict[str, object]]:
+        """The output's tokens' log-probabilities where asked (text and tokens line up only without calls)."""
+        if self.request.logprobs_count is None or self.calling:
+            return []
+        return [chat_logprob(lp, self.token) for lp in out.logprobs]
+
+    @staticmethod
+    def _status(finish: str | None) -> str:
+        return "incomplete" if finish == "length" else "completed"
+
+    def _message_item(self, text: str, status: str, logprobs: list[dict[str, object]]) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+        return {"id": _id("msg"), "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+    @staticmethod
+    def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"id": _id("fc"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
+                "arguments": arguments}
+
+    def whole(self, seq: Sequence, out: Output) -> dict[str, Any]:
+        """The finished response of a request not streamed; `out`: its outputs joined."""
+        finish = FINISH.get(out.finish_reason)
+        status = self._status(finish)
+        content, calls = (out.text, [])
+        if self.calling:
+            content, calls, _ = self.tools.answer(out.text, finish)
+        if content or not calls:
+            self.output.append(self._message_item(content or "", status, self._logprobs(out)))
+        self.output += [self._call_item(f"call_{uuid.uuid4().hex}", c.name, c.arguments, status) for c in calls]
+        return self.body(status, seq)
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        event = {"type": kind, "sequence_number": self._events, **fields}
+        self._events += 1
+        return event_sse(event)
+
+    def opening(self) -> list[str]:
+        return [self._event("response.created", response=self.body("in_progress")),
+                self._event("response.in_progress", response=self.body("in_progress"))]
+
+    def feed(self, out: Output) -> list[str]:
+        """The events of one output of the sequence (the last one included)."""
+        content, deltas = out.text, []
+        if self.calling:
+            if self._calls is None:
+                self._calls = CallStream(self.tools)
+            content, deltas = self._calls.feed(out.text)
+            if out.finish_reason is not None:
+                rest, last, _ = self._calls.finish(FINISH.get(out.finish_reason))
+                content, deltas = content + rest, deltas + last
+        events = self._text(content, self._logprobs(out)) if content or not self.calling else []
+        for delta in deltas:
+            events += self._call_delta(delta)
+        return events
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _text(self, text: str, logprobs: list[dict[str, object]]) -> list[str]:
+        events = []
+        if self._message is None:
+            self._message = self._message_item("", "in_progress", [])
+            self.output.append(self._message)
+            part = dict(self._message["content"][0])
+            events += [self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                   item=self._message | {"content": []}),
+                       self._event("response.content_part.added", **self._where(self._message), content_index=0,
+                                   part=part)]
+        part = self._message["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        if text or logprobs:
+            events.append(self._event("response.output_text.delta", **self._where(self._message), content_index=0,
+                                      delta=text, logprobs=logprobs))
+        return events
+
+    def _close_message(self, status: str) -> list[str]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        message["status"] = status
+        part = message["content"][0]
+        where = self._where(message)
+        return [self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                            logprobs=part["logprobs"]),
+                self._event("response.content_part.done", **where, content_index=0, part=part),
+                self._event("response.output_item.done", output_index=where["output_index"], item=message)]
+
+    def _call_delta(self, delta: dict[str, Any]) -> list[str]:
+        """A chat tool-call delta (tool_calls.CallStream) as the function_call item's events."""
+        events = []
+        function = delta["function"]
+        if "id" in delta:  # a call begins: the message before it is done
+            events += self._close_message("completed")
+            item = self._call_item(delta["id"], function["name"], "", "in_progress")
+            self._call_items.append(item)
+            self.output.append(item)
+            events.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
+        item = self._call_items[delta["index"]]
+        if function.get("arguments"):
+            item["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", **self._where(item),
+                                      delta=function["arguments"]))
+        return events
+
+    def closing(self, seq: Sequence, finish_reason: FinishReason | None) -> tuple[list[str], dict[str, Any]]:
+        """The events that end the response (the whole response last), and that response."""
+        status = self._status(FINISH.get(finish_reason))
+        events = self._text("", []) if not self.output else []  # an empty answer is an empty message
+        events += self._close_message(status)
+        for item in self._call_items:
+            item["status"] = status
+            where = self._where(item)
+            events += [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+                       self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        result = self.body(status, seq)
+        return [*events, self._event(kind, response=result)], result
+
+    def failed(self, message: str) -> list[str]:
+        """The events of a response the engine failed after it started."""
+        body = self.body("failed") | {"error": {"code": "server_error", "message": message}}
+        return [self._event("error", code="server_error", message=message, param=None),
+                self._event("response.failed", response=body)]

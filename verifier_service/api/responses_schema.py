@@ -1,0 +1,233 @@
+"""OpenAI's Responses API request (POST /v1/responses), served as the chat it describes.
+
+A Responses request is a chat in other clothes: `instructions` are its system message, `input` its
+messages (a text is one user message; items of type message, function_call and function_call_output
+are the chat's messages, an assistant's tool calls and the tools' results), `tools` its tools (flat:
+`{type, name, parameters}`), `text.format` its response_format and `max_output_tokens` its
+max_completion_tokens. So the body becomes GenerationParams exactly as a chat completion's does
+(http_schema.py), and both fronts refuse the same mistakes with the same messages. With
+`previous_response_id`, the chat starts with that stored response's conversation (its instructions
+are not carried over, as OpenAI's are not): response_store.py.
+
+Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
+alternatives). Fields this server does not serve (background runs, reasoning effort, reusable
+prompts, conversations, truncation "auto", max_tool_calls) are refused unless neutral; vLLM's
+sampling fields (top_k, min_p, seed, stop, ...) are taken as in chat completions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, PrivateAttr, Tag, TypeAdapter, field_validator
+from pydantic_core import PydanticCustomError
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import tool_calls
+from verifier_service.api.http_schema import (
+    INT32,
+    CalledFunction,
+    ChatMessage,
+    GenerationBody,
+    JsonSchemaFormat,
+    ResponseFormat,
+    Tool,
+    ToolCallMessage,
+    _Body,
+    _refused_unless_neutral,
+    chat_messages,
+)
+from verifier_service.api.request_parsing import MAX_LOGPROBS
+
+LOGPROBS = "message.output_text.logprobs"
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+# OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
+UNSUPPORTED_IN_RESPONSES = {"background": False, "reasoning": None, "prompt": None, "conversation": None,
+                            "truncation": "disabled", "max_tool_calls": None}
+
+
+class ContentPart(_Body):
+    """Text, as a message's content part: input_text (what a user, system or developer says), or
+    output_text and refusal (an assistant's, sent back from an earlier response)."""
+
+    type: Literal["input_text", "output_text", "refusal"]
+    text: str = ""
+    refusal: str = ""
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"  # OpenAI's "easy" message leaves the type out
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[ContentPart] | str  # the list first, as for `input`
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or part.refusal for part in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[ContentPart] | str
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+def _item_type(item: Any) -> str | None:
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type, custom_error_type="input_item", custom_error_message=(
+        "an input item is a message, a function_call or a function_call_output (only text is served here)"))]
+ITEMS = TypeAdapter(list[InputItem])
+
+
+def chat_history(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+    """The chat messages that Responses items stand for: a function call joins the assistant's message
+    before it (or opens one), as a chat answer holds its text and its calls together."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append(ChatMessage(role=item.role, content=item.text))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCallMessage(id=item.call_id, function=CalledFunction(name=item.name, arguments=item.arguments))
+            if messages and messages[-1].role == "assistant":
+                last = messages[-1]
+                messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            messages.append(ChatMessage(role="tool", content=item.text, tool_call_id=item.call_id))
+    return messages
+
+
+class ResponsesTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The tool as chat completions write it."""
+        return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
+
+
+class NamedFunctionChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # OpenAI's other verbosities are for its reasoning models
+
+
+class ResponsesRequest(GenerationBody):
+    input: list[InputItem] | str  # the list first: a mistake in an item is named by its path
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32)
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None  # what else to return; only LOGPROBS changes anything here
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    n: Literal[1] = 1  # one answer per response
+    # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
+    background: Any = None
+    reasoning: Any = None
+    prompt: Any = None
+    conversation: Any = None
+    truncation: Any = None
+    max_tool_calls: Any = None
+
+    _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
+    # The stored conversation that previous_response_id names (http_app.py sets it): the chat starts with it.
+    _history: list[ChatMessage] = PrivateAttr(default_factory=list)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_openai_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and (len(metadata) > MAX_METADATA_PAIRS or any(
+                len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
+            raise PydanticCustomError("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+                                                  f"{MAX_METADATA_KEY_CHARS} characters and values of at most "
+                                                  f"{MAX_METADATA_VALUE_CHARS}")
+        return metadata
+
+    def continues(self, history: list[ChatMessage]) -> None:
+        self._history = history
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
+
+    def new_messages(self) -> list[ChatMessage]:
+        """This request's input as chat messages (without the instructions)."""
+        if isinstance(self.input, str):
+            return [ChatMessage(role="user", content=self.input)]
+        return chat_history(self.input)
+
+    def continued_chat(self) -> list[ChatMessage]:
+        """The stored conversation continued, then this request's input."""
+        return [*self._history, *self.new_messages()]
+
+    def messages(self) -> list[ChatMessage]:
+        """The whole chat: the instructions, then the conversation."""
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        return [*system, *self.continued_chat()]
+
+    def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
+        tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
+        p.chat.CopyFrom(chat_messages(self.messages(), None, tools))
+
+    def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunctionChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        return tool_calls.plan([t.chat() for t in self.tools or []], choice, self.parallel_tool_calls, parser)
+
+    def _response_format(self) -> tuple[str, ResponseFormat] | None:
+        """text.format, as chat's response_format (one of them)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return super()._response_format()
+        if self.response_format is not None:
+            raise ValueError("send text.format or response_format, not both")
+        schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict) \
+            if fmt.type == "json_schema" else None
+        return "text.format", ResponseFormat(type=fmt.type, json_schema=schema)
