@@ -41,6 +41,10 @@ def test_http_port_flag() -> None:
     assert settings("--allowed-origins", "https://a.example", "http://b:3000").allowed_origins == (
         "https://a.example", "http://b:3000")
     assert settings("--allowed-origins").allowed_origins == ()  # none: no cross-origin calls
+    assert DEFAULTS.responses_store_mb == settings().responses_store_mb == 64
+    assert settings("--responses-store-mb", "0").responses_store_mb == 0
+    with pytest.raises(cli.config.ConfigError, match="responses_store_mb must be >= 0"):
+        settings("--responses-store-mb", "-1")
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--http-port", "eighty"])
     with pytest.raises(cli.config.ConfigError, match="http_port must be within"):
@@ -52,7 +56,8 @@ def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
     verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "512",
                              "--kv-cache-memory-gb", "0.25", "--host", "127.0.0.1", "--http-port", "0",
                              "--http-port-file", str(http_port_file), "--served-model-name", "tiny", "small",
-                             "--grace-period-s", "60"], name="verifier", env=ENV, startup_timeout_s=WAIT_S)
+                             "--grace-period-s", "60", "--responses-store-mb", "1"], name="verifier", env=ENV,
+                            startup_timeout_s=WAIT_S)
     with verifier:
         base = f"http://127.0.0.1:{int(http_port_file.read_text())}"
         with httpx.Client(base_url=base, timeout=WAIT_S) as http:
@@ -60,6 +65,9 @@ def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "small"]
             r = http.post("/v1/completions", json={"model": "small", "prompt": "def", "max_tokens": 3})
             assert r.status_code == 200
+            response = http.post("/v1/responses", json={"model": "tiny", "input": "def", "max_output_tokens": 3})
+            assert response.status_code == 200 and response.json()["store"] is True
+            assert http.get(f"/v1/responses/{response.json()['id']}").json() == response.json()
             with http.stream("POST", "/v1/completions", json={"prompt": "def add", "max_tokens": 300, "stream": True,
                                                               "ignore_eos": True}) as stream:
                 lines = stream.iter_lines()

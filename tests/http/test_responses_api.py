@@ -146,6 +146,8 @@ def test_previous_response_id_continues_the_stored_conversation() -> None:
             third = await h.client.responses.create(model="tiny", input="more", previous_response_id=second.id,
                                                     max_output_tokens=4)
             assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+            # The conversation so far renders as it did: its blocks come from the prefix cache.
+            assert third.usage.input_tokens_details.cached_tokens > 0
 
             unstored = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, store=False)
             assert unstored.store is False
@@ -202,6 +204,23 @@ def test_tool_calls_are_function_call_items_and_their_outputs_come_back() -> Non
                                                     previous_response_id=response.id, input=[
                 {"type": "function_call_output", "call_id": item.call_id, "output": result}])
             assert by_id.output_text == back.output_text
+
+            # "auto": the text before the model's Hermes block is a message item, its call a function_call
+            # item after it, whole and streamed (the random model writes a block only when a regular
+            # expression holds it to one, as in test_tool_calls).
+            block = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+            auto = {"model": "tiny", "max_output_tokens": 80, "tools": tools, "input": ask,
+                    "extra_body": {"structured_outputs": {"regex": block}}}
+            whole = await h.client.responses.create(**auto)
+            assert [i.type for i in whole.output] == ["message", "function_call"]
+            assert whole.output[0].content[0].text == "Sure." and whole.output[1].name == "get_time"
+            async with h.client.responses.stream(**auto) as stream:
+                kinds = [event.type async for event in stream]
+                final = await stream.get_final_response()
+            assert [i.type for i in final.output] == ["message", "function_call"]
+            assert final.output[0].content[0].text.strip() == "Sure."  # streamed: the space before the block too
+            assert final.output[1].arguments == whole.output[1].arguments
+            assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
 
     asyncio.run(main())
 
