@@ -8,6 +8,9 @@ outputs come back; mistakes are 400s and 404s naming them; a client that leaves 
 from __future__ import annotations
 
 import asyncio
+import re
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -259,6 +262,27 @@ def test_a_client_leaving_mid_stream_frees_its_sequence() -> None:
                     break
             await stream.close()
             await wait_until(h.idle, "the sequence and the drafter's state freed")
+
+    asyncio.run(main())
+
+
+def test_the_multi_turn_example_runs_as_written(tmp_path: Path) -> None:
+    """examples/responses/multi_turn.py, a real process with the official client: every turn after the first
+    reads the conversation so far from the prefix cache."""
+    example = Path(__file__).parents[2] / "examples" / "responses" / "multi_turn.py"
+    document = tmp_path / "doc.txt"
+    document.write_text(PROMPT)
+
+    async def main() -> None:
+        async with http_verifier() as h:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(example), "--base-url", f"{h.base_url}/v1", "--document", str(document),
+                "--max-output-tokens", "6", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
+            assert process.returncode == 0, err.decode()
+            turns = re.findall(r"^turn (\d): .*prompt (\d+) tokens \((\d+) cached\)", out.decode(), re.MULTILINE)
+            assert [t[0] for t in turns] == ["1", "2", "3", "4"], out.decode()
+            assert all(0 < int(cached) < int(prompt) for _, prompt, cached in turns[1:])
 
     asyncio.run(main())
 
