@@ -234,6 +234,7 @@ def test_tool_calls_are_function_call_items_and_their_outputs_come_back() -> Non
      "input.0.message.content.0.type", "input_text"),
     ({"input": "hi", "background": True}, 400, "background", "not supported"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation", '"disabled"'),
+    ({"input": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
     ({"input": "hi", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, 400,
      "body", "not both"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},

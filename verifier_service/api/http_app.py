@@ -61,10 +61,10 @@ class HttpState:
     generations: Generations
     auth_token: str | None
     max_body_bytes: int
+    responses: ResponseStore  # the Responses API's stored responses
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # the Responses API's; 0: none
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -273,9 +273,10 @@ async def _collect_unless_gone(state: HttpState, request: Request, seqs: list[Se
             raise HttpError(503 if exc.unavailable else 500, str(exc)) from None
 
 
-def _not_stored(response_id: str) -> HttpError:
+def _not_stored(response_id: str, param: str | None = None) -> HttpError:
     return HttpError(404, f"no stored response {response_id!r}: it was not stored (store false, or the verifier's "
-                          "--responses-store-mb is 0), or it was deleted or evicted", code="response_not_found")
+                          "--responses-store-mb is 0), or it was deleted or evicted", param=param,
+                     code="response_not_found")
 
 
 async def _respond(state: HttpState, request: Request) -> Response:
@@ -288,9 +289,7 @@ async def _respond(state: HttpState, request: Request) -> Response:
     if body.previous_response_id is not None:
         previous = state.responses.get(body.previous_response_id)
         if previous is None:
-            error = _not_stored(body.previous_response_id)
-            error.param = "previous_response_id"
-            raise error
+            raise _not_stored(body.previous_response_id, "previous_response_id")
         body.continues(list(previous.conversation))
     tools = body.tool_plan(state.tool_call_parser)
     if why := tools.unserved():

@@ -61,14 +61,13 @@ class HttpServer:
 
     @classmethod
     async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | None,
-                    max_body_bytes: int, tls_cert: str | None = None, tls_key: str | None = None,
-                    tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
-                    tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                    responses_store_bytes: int = 0) -> "HttpServer":
+                    max_body_bytes: int, responses_store_bytes: int, tls_cert: str | None = None,
+                    tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
+                    tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = ()) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
-        state = HttpState(generations, auth_token, max_body_bytes, served_names, tool_call_parser, allowed_origins,
-                          ResponseStore(responses_store_bytes))
+        state = HttpState(generations, auth_token, max_body_bytes, ResponseStore(responses_store_bytes), served_names,
+                          tool_call_parser, allowed_origins)
         config = uvicorn.Config(
             build_app(state), lifespan="off", access_log=False, log_level="warning", timeout_graceful_shutdown=CLOSE_S,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,

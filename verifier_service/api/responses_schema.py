@@ -44,7 +44,8 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
 UNSUPPORTED_IN_RESPONSES = {"background": False, "reasoning": None, "prompt": None, "conversation": None,
-                            "truncation": "disabled", "max_tool_calls": None}
+                            "truncation": "disabled", "max_tool_calls": None,
+                            "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 
 
 class ContentPart(_Body):
