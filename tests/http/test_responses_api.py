@@ -228,12 +228,40 @@ def test_tool_calls_are_function_call_items_and_their_outputs_come_back() -> Non
     asyncio.run(main())
 
 
+def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit() -> None:
+    turns = [{"role": "user", "content": PROMPT * 6}, {"role": "assistant", "content": "add " * 20},
+             {"role": "user", "content": PROMPT}, {"role": "assistant", "content": "d10 " * 10},
+             {"role": "user", "content": "again"}]
+    system = [{"role": "system", "content": INSTRUCTIONS}]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as c:
+            async def tokens(messages: list) -> int:
+                return (await c.post("/tokenize", json={"messages": messages})).json()["count"]
+
+            whole, context = await tokens(system + turns), h.v.running.runtime.max_model_len
+            new = context - whole + 8  # too many for the whole chat; from the second user turn on, they fit
+            assert new > 8 and await tokens(system + turns[2:]) + new <= context
+            ask = {"model": "tiny", "instructions": INSTRUCTIONS, "input": turns, "max_output_tokens": new}
+            with pytest.raises(openai.BadRequestError, match="exceeds the context"):
+                await h.client.responses.create(**ask)
+            response = await h.client.responses.create(**ask, truncation="auto")
+            chat = await h.client.chat.completions.create(model="tiny", max_tokens=new, messages=system + turns[2:])
+            assert response.truncation == "auto" and response.output_text == chat.choices[0].message.content
+            assert response.usage.input_tokens == chat.usage.prompt_tokens
+            # Where it fits whole, nothing is left out.
+            short = await h.client.responses.create(**{**ask, "max_output_tokens": context - whole}, truncation="auto")
+            assert short.usage.input_tokens == whole
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.message.content.0.type", "input_text"),
     ({"input": "hi", "background": True}, 400, "background", "not supported"),
-    ({"input": "hi", "truncation": "auto"}, 400, "truncation", '"disabled"'),
+    ({"input": "hi", "truncation": "on"}, 400, "truncation", "'auto' or 'disabled'"),
     ({"input": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
     ({"input": "hi", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, 400,
      "body", "not both"),

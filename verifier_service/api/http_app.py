@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import DONE, Choice, Responder, sse, token_name
@@ -40,7 +41,7 @@ from verifier_service.api.http_schema import (
     GenerationBody,
     TokenizeRequest,
 )
-from verifier_service.api.request_parsing import RequestError
+from verifier_service.api.request_parsing import PromptTooLong, RequestError
 from verifier_service.api.response_store import ResponseStore
 from verifier_service.api.responses_output import ResponseBuilder
 from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history
@@ -291,6 +292,16 @@ async def _respond(state: HttpState, request: Request) -> Response:
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         body.continues(list(previous.conversation))
+    reserve = body.max_new_tokens or 1  # what the answer needs of the context besides the prompt
+
+    def fits(chat: verifier_pb2.ChatMessages) -> bool:
+        try:
+            ids = gen.tokenize(verifier_pb2.TokenizeRequest(chat=chat)).token_ids
+        except PromptTooLong:
+            return False
+        return len(ids) + reserve <= rt.max_model_len
+
+    _refusals_as_errors(lambda: body.truncate(fits))
     tools = body.tool_plan(state.tool_call_parser)
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")

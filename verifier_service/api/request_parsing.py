@@ -41,6 +41,13 @@ class RequestError(Exception):
         self.message = message
 
 
+class PromptTooLong(RequestError):
+    """The prompt does not fit the context (or has more characters than it could hold)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
 def _invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -167,14 +174,15 @@ def in_vocabulary(ids: Iterable[int], limits: Limits) -> list[int]:
 
 def _check_length(num_tokens: int, limits: Limits) -> None:
     if num_tokens >= limits.max_model_len:
-        raise _invalid(f"the prompt has {num_tokens} tokens; the context is {limits.max_model_len} tokens "
-                       f"(prompt plus at least one new token must fit)")
+        raise PromptTooLong(f"the prompt has {num_tokens} tokens; the context is {limits.max_model_len} tokens "
+                            f"(prompt plus at least one new token must fit)")
 
 
 def _check_chars(num_chars: int, limits: Limits) -> None:
     if limits.max_prompt_chars and num_chars > limits.max_prompt_chars:
-        raise _invalid(f"the prompt has {num_chars} characters, more than the context of {limits.max_model_len} "
-                       f"tokens can hold (at most {limits.max_prompt_chars} characters); shorten it")
+        raise PromptTooLong(f"the prompt has {num_chars} characters, more than the context of "
+                            f"{limits.max_model_len} tokens can hold (at most {limits.max_prompt_chars} characters); "
+                            "shorten it")
 
 
 def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:

@@ -73,7 +73,7 @@ class ResponseBuilder:
             "reasoning": None, "store": self.stored, "temperature": r.temperature, "top_p": r.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
-            "top_logprobs": r.top_logprobs, "truncation": "disabled", "user": r.user, "usage": None}
+            "top_logprobs": r.top_logprobs, "truncation": r.truncation, "user": r.user, "usage": None}
         if seq is not None:
             body["usage"] = {"input_tokens": len(seq.prompt_ids),
                              "input_tokens_details": {"cached_tokens": seq.cached_prompt_tokens},

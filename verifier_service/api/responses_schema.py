@@ -10,13 +10,15 @@ max_completion_tokens. So the body becomes GenerationParams exactly as a chat co
 are not carried over, as OpenAI's are not): response_store.py.
 
 Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
-alternatives). Fields this server does not serve (background runs, reasoning effort, reusable
-prompts, conversations, truncation "auto", max_tool_calls) are refused unless neutral; vLLM's
-sampling fields (top_k, min_p, seed, stop, ...) are taken as in chat completions.
+alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
+context. Fields this server does not serve (background runs, reasoning effort, reusable prompts,
+conversations, max_tool_calls) are refused unless neutral; vLLM's sampling fields (top_k, min_p,
+seed, stop, ...) are taken as in chat completions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, PrivateAttr, Tag, TypeAdapter, field_validator
@@ -44,7 +46,7 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
 UNSUPPORTED_IN_RESPONSES = {"background": False, "reasoning": None, "prompt": None, "conversation": None,
-                            "truncation": "disabled", "max_tool_calls": None,
+                            "max_tool_calls": None,
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 
 
@@ -164,17 +166,19 @@ class ResponsesRequest(GenerationBody):
     metadata: dict[str, str] | None = None
     user: str | None = None
     n: Literal[1] = 1  # one answer per response
+    # "auto": the conversation's earliest turns are left out until the chat fits the context (truncate()).
+    truncation: Literal["auto", "disabled"] = "disabled"
     # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
     background: Any = None
     reasoning: Any = None
     prompt: Any = None
     conversation: Any = None
-    truncation: Any = None
     max_tool_calls: Any = None
 
     _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
     # The stored conversation that previous_response_id names (http_app.py sets it): the chat starts with it.
     _history: list[ChatMessage] = PrivateAttr(default_factory=list)
+    _dropped: int = PrivateAttr(0)  # the conversation's first messages left out by truncation "auto"
 
     @field_validator("metadata")
     @classmethod
@@ -207,14 +211,35 @@ class ResponsesRequest(GenerationBody):
         """The stored conversation continued, then this request's input."""
         return [*self._history, *self.new_messages()]
 
-    def messages(self) -> list[ChatMessage]:
-        """The whole chat: the instructions, then the conversation."""
+    def chat(self, dropped: int | None = None) -> verifier_pb2.ChatMessages:
+        """The chat: the instructions, then the conversation without its first `dropped` messages (by
+        default, those truncation left out)."""
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
-        return [*system, *self.continued_chat()]
+        conversation = self.continued_chat()[self._dropped if dropped is None else dropped:]
+        tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
+        return chat_messages([*system, *conversation], None, tools)
+
+    def truncate(self, fits: Callable[[verifier_pb2.ChatMessages], bool]) -> None:
+        """truncation "auto", OpenAI's: where the chat does not fit the context (`fits`), leave out the
+        fewest earliest turns of the conversation (whole: up to a user's message) with which it does; the
+        instructions stay. Where even the last turn alone does not fit, nothing is left out (and the
+        request is refused as too long)."""
+        if self.truncation != "auto" or fits(self.chat(0)):
+            return
+        conversation = self.continued_chat()
+        starts = [i for i, m in enumerate(conversation) if i > 0 and m.role == "user"]
+        low, high = 0, len(starts)  # the fewest turns to leave out lies in starts[low:high], or none fits
+        while low < high:
+            mid = (low + high) // 2
+            if fits(self.chat(starts[mid])):
+                high = mid
+            else:
+                low = mid + 1
+        if low < len(starts):
+            self._dropped = starts[low]
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
-        p.chat.CopyFrom(chat_messages(self.messages(), None, tools))
+        p.chat.CopyFrom(self.chat())
 
     def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
         choice = self.tool_choice
