@@ -19,6 +19,7 @@ from verifier_service.settings import ServerSettings
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
 
 # (path, body or raw bytes, status, words the message must contain)
@@ -107,6 +108,15 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here; served: tiny"),
+    # The Responses API takes the chat's checks (more in test_responses_api.py).
+    (RESPONSES, {}, 400, "input"),
+    (RESPONSES, {"input": []}, 400, "chat has no messages"),
+    (RESPONSES, {"input": "hi", "max_output_tokens": 100000}, 400, "exceeds the context"),
+    (RESPONSES, {"input": "x " * 2000}, 400, "context"),
+    (RESPONSES, {"input": "hi", "temperature": float("nan")}, 400, "temperature"),
+    (RESPONSES, {"input": [{"role": "wizard", "content": "hi"}]}, 400, "input.0.message.role"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    (RESPONSES, {"input": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
     ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
 ]
 
