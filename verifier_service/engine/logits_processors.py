@@ -29,7 +29,7 @@ default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
 
 import torch
 
@@ -69,38 +69,44 @@ def _process_float(x: torch.Tensor, row: VerifyRow) -> None:
     if row.grammar is not None:  # first: what it refuses stays at -inf through every step below
         x.masked_fill_(~row.grammar.row_masks(row.draft, row.parents).to(device), -torch.inf)
     if params.allowed_token_ids:
-        banned = torch.ones(x.shape[1], dtype=torch.bool, device=device)
-        banned[torch.tensor(params.allowed_token_ids, device=device)] = False
-        x.masked_fill_(banned, -torch.inf)
+        x.masked_fill_(row.state.banned(params.allowed_token_ids, x.shape[1], device), -torch.inf)
     if params.bad_words:
         _ban_words(x, row)
     if params.logit_bias:
-        tokens, biases = zip(*params.logit_bias)
-        x.index_add_(1, torch.tensor(tokens, device=device), torch.tensor(biases, device=device).expand(n, -1))
+        tokens, biases = row.state.bias(params.logit_bias, device)
+        x.index_add_(1, tokens, biases.expand(n, -1))
     if row.held:
         short = [r for r, depth in enumerate(_depths(row.draft, row.parents)) if depth < row.held_for]
         x[torch.tensor(short, device=device)[:, None], torch.tensor(row.held, device=device)] = -torch.inf
     if params.frequency_penalty == params.presence_penalty == 0.0 and params.repetition_penalty == 1.0:
         return
-    # Only the tokens of the prompt, the output and the draft can be penalised: work on their columns.
-    seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids, *row.draft}), device=device)  # [m]
+    _penalise(x, row)
 
-    def columns(tokens: Sequence[int]) -> torch.Tensor:
-        return torch.searchsorted(seen, torch.tensor(tokens, device=device, dtype=seen.dtype))
 
-    counts = torch.zeros(n, len(seen), device=device)  # [n, m] generated tokens before each row's position
-    if row.output_ids:
-        counts += torch.bincount(columns(row.output_ids), minlength=len(seen))
-    for r, path in enumerate(draft_paths(row.draft, row.parents), start=1):
-        counts[r].index_add_(0, columns(path), torch.ones(len(path), device=device))
-    sub = x[:, seen]  # [n, m]
-    if params.repetition_penalty != 1.0:
-        repeated = counts > 0
-        if row.prompt_ids:
-            repeated[:, columns(row.prompt_ids)] = True
-        rp = params.repetition_penalty
-        sub = torch.where(repeated, torch.where(sub > 0, sub / rp, sub * rp), sub)
-    x[:, seen] = sub - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+def _penalise(x: torch.Tensor, row: VerifyRow) -> None:
+    """x [n, V], in place: every row penalised with the committed tokens (the prompt's and the output's,
+    whose columns and counts the sequence's LogitsState keeps on the device), then the columns of each
+    draft row's own path tokens computed again from their values before, with the path counted too.
+    Column for column, the same float32 operations in the same order as a row of plain decoding, whose
+    output holds that path: the same bits. Only the seen tokens' columns can change."""
+    device = x.device
+    rp, f, p = row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty
+    seen, counts = row.state.penalty_view(row.prompt_ids, row.output_ids, x.shape[1], device)  # [m], [V]
+    on_paths = [(r, token, k) for r, path in enumerate(draft_paths(row.draft, row.parents), start=1)
+                for token, k in Counter(path).items()]
+    if on_paths:
+        rows, tokens, extra = (torch.tensor(column, device=device) for column in zip(*on_paths))
+        before = x[rows, tokens]  # [k]
+    sub = x[:, seen]  # [n, m]: every seen token is repeated (in the prompt, or generated)
+    if rp != 1.0:
+        sub = torch.where(sub > 0, sub / rp, sub * rp)
+    seen_counts = counts[seen]  # [m]
+    x[:, seen] = sub - f * seen_counts - p * (seen_counts > 0).float()
+    if on_paths:
+        path_counts = counts[tokens] + extra  # [k], each above 0: repeated, and present
+        if rp != 1.0:
+            before = torch.where(before > 0, before / rp, before * rp)
+        x[rows, tokens] = before - f * path_counts - p * (path_counts > 0).float()
 
 
 def _ban_words(x: torch.Tensor, row: VerifyRow) -> None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_sdk.tree import accepted_path
+from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.structured_output import Grammar
 from verifier_service.engine.tree_verify import walk
 
@@ -101,6 +102,7 @@ class VerifyRow:
     held_for: int = 0
     held: tuple[int, ...] = ()
     grammar: Grammar | None = None  # structured output (engine/structured_output.py), at the committed tokens
+    state: LogitsState = field(default_factory=LogitsState)  # the sequence's, kept between steps
 
     @property
     def processes_logits(self) -> bool:

@@ -145,10 +145,10 @@ class StepPlan:
 
     def verify_rows(self) -> list[VerifyRow]:
         """How to turn each sequence's logits (laid out as in forward_batch) into tokens."""
-        return ([VerifyRow([], s.sampling, s.generator, [], s.prompt_ids, s.output_ids, *s.held_stops(), s.grammar)
-                 for s, last in zip(self.prefills, self.finishing) if last]
-                + [VerifyRow(d, s.sampling, s.generator, p, s.prompt_ids, s.output_ids, *s.held_stops(), s.grammar)
-                   for s, d, p in zip(self.decodes, self.drafts, self.tree_parents)])
+        return ([VerifyRow([], s.sampling, s.generator, [], s.prompt_ids, s.output_ids, *s.held_stops(), s.grammar,
+                           s.logits_state) for s, last in zip(self.prefills, self.finishing) if last]
+                + [VerifyRow(d, s.sampling, s.generator, p, s.prompt_ids, s.output_ids, *s.held_stops(), s.grammar,
+                             s.logits_state) for s, d, p in zip(self.decodes, self.drafts, self.tree_parents)])
 
     def spread(self, per_row: list) -> list:
         """Results per verify row (new tokens, log-probabilities) -> per sequence: [] for a prefill whose

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, TokenLogprob
 from verifier_service.engine.structured_output import Grammar
 from verifier_service.spec.drafter_client import DeltaHistory
@@ -116,6 +117,7 @@ class Sequence:
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: Grammar | None = None  # its structured-output constraint, at its committed tokens
+    logits_state: LogitsState = field(default_factory=LogitsState)  # its logits processors' device tensors
 
     @property
     def all_ids(self) -> list[int]:

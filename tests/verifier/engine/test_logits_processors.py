@@ -35,6 +35,7 @@ from verifier_support import (
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.engine.logits_processors import process_logits
+from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, VerifyRow
 
 PENALTIES = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "repetition_penalty": 1.3}
@@ -78,6 +79,29 @@ def test_each_row_is_penalised_with_its_own_prefix() -> None:
     # bfloat16 logits (CUDA) are processed in float32 and written back.
     assert torch.allclose(process_logits(logits.bfloat16(), rows).float(), out, rtol=1e-2, atol=1e-2)
     assert process_logits(logits, [plain] * len(logits)) is logits
+
+
+def test_state_kept_between_steps_gives_the_bits_of_a_fresh_one() -> None:
+    """A sequence's LogitsState grows with its output, step by step (new tokens, some never seen before;
+    chains and trees of drafts): every step's rows equal those built from scratch, bit for bit, and the
+    seen tokens are the prompt's and the output's."""
+    rng = random.Random(3)
+    vocab = 300
+    p = SamplingParams(**PENALTIES, logit_bias=((3, -2.5),), allowed_token_ids=tuple(range(0, vocab, 2)))
+    prompt, output, state = [rng.randrange(100) for _ in range(30)], [], LogitsState()
+    for step in range(12):
+        output += [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]  # what the last step committed
+        if step % 2:
+            draft, parents = [rng.randrange(vocab) for _ in range(5)], [-1, 0, 0, 2, -1]
+        else:
+            draft, parents = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))], []
+        logits = torch.randn(len(draft) + 1, vocab, generator=torch.Generator().manual_seed(step))
+        kept = process_logits(logits, [VerifyRow(draft, p, None, parents, prompt, list(output), state=state)])
+        fresh = process_logits(logits, [VerifyRow(draft, p, None, parents, prompt, list(output))])
+        assert torch.equal(kept, fresh), step
+    seen, counts = state.penalty_view(prompt, output, vocab, torch.device("cpu"))
+    assert sorted(seen.tolist()) == sorted({*prompt, *output}) and len(seen) == len(set(seen.tolist()))
+    assert counts.tolist() == [output.count(t) for t in range(vocab)]
 
 
 def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
