@@ -167,7 +167,7 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
 
 
 @pytest.mark.timeout(600)  # five verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_output_and_cuda_graphs(
+def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_output_graphs_logits(
         tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
@@ -198,6 +198,10 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
     assert [r["system"] for r in graphs] == ["plain", "remote n-gram"]
     assert all(r["identical"] and r["graphs_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in graphs)
     assert "CUDA graphs at batch 1" in done.stdout
+    logits = report["logits"]  # the processors alone, kept state against rebuilt
+    assert [(r["request"].split()[0], r["draft_tokens"]) for r in logits] == [
+        (name, k) for name in ("penalties", "allowed_token_ids", "logit_bias", "bad_words") for k in (0, 4, 16)]
+    assert all(0 < r["kept_ms"] and 0 < r["rebuilt_ms"] for r in logits) and "Logits processors" in done.stdout
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:

@@ -19,7 +19,9 @@
   (structured output), plain and with the remote n-gram drafter: decoding speed, tokens per step,
   whether each held answer is valid JSON of the schema, and whether speculation changed a token;
 - cuda-graphs (CUDA): decoding's speed at batch 1 with CUDA graphs (the default) and with
-  --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns.
+  --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns;
+- logits: the logits processors alone, in this process (logits_speed.py): no verifier is started
+  for it.
 
 Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
 prefix caching and eager; one n-gram drafter (with /metrics). Each section uses prompts of its own, so no cached
@@ -43,11 +45,12 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerBase
 
+from drafter_sdk.hf_loading import pick_device
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from verifier_service.tools.bench import workloads
+from verifier_service.tools.bench import logits_speed, workloads
 from verifier_service.tools.local_services import LocalService, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "cuda-graphs")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "cuda-graphs", "logits")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -97,6 +100,21 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
     one-token forward's seconds after n cached tokens."""
     chosen = sections(args)
     results: dict = {}
+    if "logits" in chosen:
+        device, vocab = pick_device(args.device), len(tokenizer)
+        results["logits"] = logits_speed.measure(vocab, device)
+        logits_speed.print_table(results["logits"], vocab, device)
+    if set(chosen) - {"logits"}:
+        results |= _with_services(chosen, args, tokenizer, common, forward_s)
+    _print(results)
+    (out / "engine.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def _with_services(chosen: list[str], args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+                   common: list[str], forward_s: Callable[[int], float]) -> dict:
+    """The sections that measure verifier processes, beside one n-gram drafter."""
+    results: dict = {}
     metrics_port, drafter_metrics_port = free_port(), free_port()
     with contextlib.ExitStack() as stack:
         drafter = stack.enter_context(LocalService(
@@ -128,8 +146,6 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
             results["structured"] = _structured(default, tokenizer, args)
         if "cuda-graphs" in chosen:
             results["cuda_graphs"] = _cuda_graphs(default, verifier("eager", "--enforce-eager"), tokenizer, args)
-    _print(results)
-    (out / "engine.json").write_text(json.dumps(results, indent=2))
     return results
 
 
