@@ -141,12 +141,17 @@ class OracleDrafter(ScriptedDrafter):
     position with probability `corrupt` (per prompt overrides in `corrupt_by_prompt`).
 
     It checks the verifier's feedback: after a draft, the next call for the request
-    must report exactly the accepted prefix length greedy verification implies.
+    must report exactly the accepted prefix length greedy verification implies. With `cut_ok`
+    (a request whose logits processors ban tokens), the verifier may have verified less of a draft
+    than was proposed, never less than was accepted: it cuts what could never be accepted.
     """
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], corrupt: float = 0.3, seed: int = 0,
-                 corrupt_by_prompt: dict[tuple[int, ...], float] | None = None, vocab_size: int = 400) -> None:
+                 corrupt_by_prompt: dict[tuple[int, ...], float] | None = None, vocab_size: int = 400,
+                 cut_ok: bool = False) -> None:
         super().__init__()
+        self.cut_ok = cut_ok
+        self.cuts = 0  # drafts the verifier verified only in part
         self.references = references
         self.corrupt = corrupt
         self.corrupt_by_prompt = corrupt_by_prompt or {}
@@ -160,7 +165,11 @@ class OracleDrafter(ScriptedDrafter):
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
         for r in requests:
             want = self.expected.pop(r.key, None)
-            if want is not None and want != (r.last_num_drafted, r.last_num_accepted):
+            if want is None:
+                continue
+            cut = self.cut_ok and r.last_num_accepted == want[1] <= r.last_num_drafted < want[0]
+            self.cuts += cut
+            if not cut and want != (r.last_num_drafted, r.last_num_accepted):
                 self.feedback_errors.append(f"{r.request_id}: expected {want}, verifier said "
                                             f"{(r.last_num_drafted, r.last_num_accepted)}")
         return super().prepare_draft_tokens(requests)

@@ -24,7 +24,7 @@ import torch
 
 from drafter_sdk.proto import drafter_pb2
 from verifier_service.engine import tree_verify
-from verifier_service.engine.logits_processors import process_logits
+from verifier_service.engine.logits_processors import cut_banned, process_logits
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.sampler import TokenLogprob, prompt_token_logprobs, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
@@ -178,10 +178,9 @@ class Engine:
             drafts, parents = reply.drafts, reply.parents or none
         plan.parents = parents
         plan.drafts = [d if p else d[:k] for d, p, k in zip(drafts, parents, plan.draft_lens)]
-        if any(s.grammar is not None for s in plan.decodes):
+        if any(s.grammar is not None or s.sampling.bans_tokens for s in plan.decodes):
             plan.drafts, plan.parents = map(list, zip(*[
-                s.grammar.cut(d, p) if s.grammar is not None else (d, p)
-                for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
+                _cut_refused(s, d, p) for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
         plan.shadows = [d if k == 0 else [] for d, k in zip(drafts, plan.draft_lens)]
         return reply
 
@@ -251,6 +250,14 @@ class InFlight:
     call: DraftCall
     sequences: list[Sequence]
     bases: list[int]  # per sequence: its generated tokens when the call was sent
+
+
+def _cut_refused(seq: Sequence, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """The draft without the tokens the request's constraint or logits processors refuse where they
+    stand: they could never be accepted, so they cost no verify row."""
+    if seq.grammar is not None:
+        draft, parents = seq.grammar.cut(draft, parents)
+    return cut_banned(draft, parents, seq.sampling, seq.output_ids, seq.logits_state)
 
 
 def _keep(seqs: list[Sequence], bases: list[int], reply: DraftReply, chains: bool) -> None:

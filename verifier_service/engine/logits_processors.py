@@ -24,18 +24,21 @@ In the order vLLM applies them, all before temperature, top-k and top-p:
 - `frequency_penalty` f, `presence_penalty` p (OpenAI): over the generated tokens only, each
   logit loses f times its token's count, and p once if the token occurs.
 Log-probabilities stay those of the raw logits (sampler.token_logprobs), as vLLM reports them by
-default.
+default. Draft tokens that allowed_token_ids or bad_words ban where they stand could never be
+accepted: `cut_banned` takes them out of the draft before the forward.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
 from drafter_sdk.tree import depths
-from verifier_service.engine.sampler import VerifyRow
-from verifier_service.engine.tree_verify import draft_paths
+from verifier_service.engine.logits_state import LogitsState
+from verifier_service.engine.sampler import SamplingParams, VerifyRow
+from verifier_service.engine.tree_verify import cut_draft, draft_paths
 
 
 def process_logits(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
@@ -112,14 +115,41 @@ def _penalise(x: torch.Tensor, row: VerifyRow) -> None:
 def _ban_words(x: torch.Tensor, row: VerifyRow) -> None:
     """x [n, V], in place: at each row, the last token of every bad word whose other tokens end what was
     generated before that row's position (vLLM matches the generated tokens only, not the prompt's)."""
-    longest = max(len(word) for word in row.params.bad_words) - 1  # how far back a word's rest reaches
-    tail = list(row.output_ids[len(row.output_ids) - longest:]) if longest else []
+    tail = _tail(row.params.bad_words, row.output_ids)
     before = [tail, *(tail + path for path in draft_paths(row.draft, row.parents))]
     for r, generated in enumerate(before):
-        for word in row.params.bad_words:
-            *rest, last = word
-            if len(rest) <= len(generated) and generated[len(generated) - len(rest):] == rest:
-                x[r, last] = -torch.inf
+        for last in _bad_word_ends(row.params.bad_words, generated):
+            x[r, last] = -torch.inf
+
+
+def _tail(bad_words: Sequence[tuple[int, ...]], output_ids: Sequence[int]) -> list[int]:
+    """The generated tokens a bad word's first tokens can reach back to."""
+    longest = max(len(word) for word in bad_words) - 1
+    return list(output_ids[len(output_ids) - longest:]) if longest else []
+
+
+def _bad_word_ends(bad_words: Sequence[tuple[int, ...]], generated: list[int]) -> list[int]:
+    """The last tokens of the bad words whose other tokens end `generated`: banned next."""
+    return [last for *rest, last in bad_words
+            if len(rest) <= len(generated) and generated[len(generated) - len(rest):] == rest]
+
+
+def cut_banned(draft: list[int], parents: list[int], params: SamplingParams, output_ids: Sequence[int],
+               state: LogitsState) -> tuple[list[int], list[int]]:
+    """The draft without the tokens allowed_token_ids or bad_words ban at their position, which
+    process_logits would mask and no verification could accept (as structured output cuts a draft,
+    tree_verify.cut_draft): they cost no verify row."""
+    if not draft or not params.bans_tokens:
+        return draft, parents
+    allowed = state.allowed_set(params.allowed_token_ids) if params.allowed_token_ids else None
+    tail = _tail(params.bad_words, output_ids) if params.bad_words else []
+
+    def refused(path: list[int]) -> bool:
+        token = path[-1]
+        return ((allowed is not None and token not in allowed)
+                or (bool(params.bad_words) and token in _bad_word_ends(params.bad_words, tail + path[:-1])))
+
+    return cut_draft(draft, parents, refused)
 
 
 def _depths(draft: list[int], parents: list[int]) -> list[int]:

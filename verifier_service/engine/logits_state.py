@@ -18,6 +18,7 @@ import torch
 @dataclass
 class LogitsState:
     _banned: torch.Tensor | None = None  # [V] bool: not among allowed_token_ids
+    _allowed: frozenset[int] | None = None  # allowed_token_ids, for cutting drafts
     _bias: tuple[torch.Tensor, torch.Tensor] | None = None  # [b] token ids, [b] their biases
     _counts: torch.Tensor | None = None  # [V] float32: each token's count among the first `_counted` generated
     _counted: int = 0
@@ -30,6 +31,11 @@ class LogitsState:
             self._banned = torch.ones(vocab, dtype=torch.bool, device=device)
             self._banned[torch.tensor(allowed, device=device)] = False
         return self._banned
+
+    def allowed_set(self, allowed: Sequence[int]) -> frozenset[int]:
+        if self._allowed is None:
+            self._allowed = frozenset(allowed)
+        return self._allowed
 
     def bias(self, logit_bias: Sequence[tuple[int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """([b] token ids, [b] biases) of logit_bias."""

@@ -70,6 +70,11 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def bans_tokens(self) -> bool:
+        """Whether some tokens can never come next (engine/logits_processors.py cuts them from drafts)."""
+        return bool(self.allowed_token_ids) or bool(self.bad_words)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether its logits change before sampling (engine/logits_processors.py)."""
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0

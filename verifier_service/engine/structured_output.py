@@ -28,8 +28,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from drafter_sdk.tree import ROOT
-from verifier_service.engine.tree_verify import draft_paths
+from verifier_service.engine.tree_verify import cut_draft, draft_paths
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +125,9 @@ class Grammar:
         token, a tree without its refused nodes and everything below them."""
         if not draft:
             return draft, parents
-        if not parents:
+        if not parents:  # one call for the whole chain
             return draft[:self._matcher.validate_tokens(draft)], parents
-        kept: dict[int, int] = {}  # node -> its index in the cut tree
-        tokens: list[int] = []
-        new_parents: list[int] = []
-        for node, path in enumerate(draft_paths(draft, parents)):
-            parent = parents[node]
-            if parent != ROOT and parent not in kept:
-                continue
-            if self._matcher.validate_tokens(path) == len(path):
-                kept[node] = len(tokens)
-                tokens.append(draft[node])
-                new_parents.append(ROOT if parent == ROOT else kept[parent])
-        return tokens, new_parents
+        return cut_draft(draft, parents, lambda path: self._matcher.validate_tokens(path) < len(path))
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The request emitted these tokens (each allowed where it was sampled). Past the constraint's

@@ -50,6 +50,27 @@ def draft_paths(draft: Sequence[int], parents: Sequence[int]) -> list[list[int]]
     return paths
 
 
+def cut_draft(draft: list[int], parents: list[int], refused: Callable[[list[int]], bool]
+              ) -> tuple[list[int], list[int]]:
+    """The draft without the tokens that could never be accepted, `refused(path)` telling for each one,
+    its path from the root ending with it: a chain up to its first refused token, a tree without its
+    refused nodes and everything below them."""
+    if not parents:
+        return next((draft[:j] for j, path in enumerate(draft_paths(draft, parents)) if refused(path)), draft), parents
+    kept: dict[int, int] = {}  # node -> its index in the cut tree
+    tokens: list[int] = []
+    new_parents: list[int] = []
+    for node, path in enumerate(draft_paths(draft, parents)):
+        parent = parents[node]
+        if parent != ROOT and parent not in kept:
+            continue
+        if not refused(path):
+            kept[node] = len(tokens)
+            tokens.append(draft[node])
+            new_parents.append(ROOT if parent == ROOT else kept[parent])
+    return tokens, new_parents
+
+
 def accepted_moves(num_cached: int, draft: Sequence[int], parents: Sequence[int],
                    new_tokens: Sequence[int]) -> list[tuple[int, int]]:
     """The K/V copies (from, to) that put a tree's accepted path where plain decoding writes it;

@@ -34,7 +34,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.engine.logits_processors import process_logits
+from verifier_service.engine.logits_processors import cut_banned, process_logits
 from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, VerifyRow
 
@@ -104,6 +104,25 @@ def test_state_kept_between_steps_gives_the_bits_of_a_fresh_one() -> None:
     assert counts.tolist() == [output.count(t) for t in range(vocab)]
 
 
+def test_drafts_lose_the_tokens_allowed_ids_and_bad_words_ban() -> None:
+    """What process_logits would mask is cut from the draft before the forward: a chain at its first banned
+    token, a tree without its banned nodes and all below them; a bad word is banned only where the tokens
+    before it (the output's last ones, then the draft's path) spell the rest of it."""
+    state = LogitsState()
+    allowed = SamplingParams(allowed_token_ids=(1, 2, 3, 4))
+    assert cut_banned([1, 2, 9, 3], [], allowed, [7], state) == ([1, 2], [])
+    assert cut_banned([1, 9, 2, 3, 9], [-1, -1, 0, 2, 3], allowed, [7], state) == ([1, 2, 3], [-1, 0, 1])
+    words = SamplingParams(bad_words=((5, 6), (8,)))
+    assert cut_banned([5, 6, 1], [], words, [], LogitsState()) == ([5], [])
+    assert cut_banned([6, 1, 8], [], words, [5], LogitsState()) == ([], [])  # the output ends with 5
+    assert cut_banned([6, 1], [], words, [4], LogitsState()) == ([6, 1], [])
+    # tree: 5 -> 6 (banned), 5 -> 7 -> 6 (fine), 6 at the root (fine: nothing before it here)
+    assert cut_banned([5, 6, 7, 6, 6], [-1, 0, 0, 2, -1], words, [], LogitsState()) == (
+        [5, 7, 6, 6], [-1, 0, 1, -1])
+    free = SamplingParams()
+    assert cut_banned([9, 9], [], free, [], LogitsState()) == ([9, 9], [])
+
+
 def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
     return run_together(v, [functools.partial(v.stub.Generate, token_request(p, N, **fields), timeout=WAIT_S)
                             for p in prompts])
@@ -112,13 +131,16 @@ def generate_all(v, prompts, fields) -> asyncio.Future:  # noqa: ANN001
 async def through_oracle_chains(outputs: list[list[int]], sampling: verifier_pb2.SamplingParams, seed: int) -> list:
     """Every prompt again with an oracle drafter of `outputs`, corrupted, so that every draft position
     is accepted somewhere and rejected somewhere; checks the verifier's feedback to it."""
-    oracle = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, outputs)}, corrupt=0.2, seed=seed)
+    bans = bool(sampling.allowed_token_ids or sampling.bad_words)  # refused draft tokens are cut
+    oracle = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, outputs)}, corrupt=0.2, seed=seed, cut_ok=bans)
     async with serve_drafter(oracle) as drafter:
         spec = spec_config("USER_PROVIDED", 5, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
         async with run_verifier(spec, model=shared_model()) as v:
             responses = await generate_all(v, PROMPTS, {"sampling": sampling})
     assert not oracle.feedback_errors, oracle.feedback_errors[:3]
     assert set(oracle.accepted_at) == set(range(5)) and len(oracle.rejected_at) > 0
+    if sampling.allowed_token_ids:  # most wrong tokens are outside the set: those drafts were verified in part
+        assert oracle.cuts > 0
     return responses
 
 
