@@ -21,7 +21,8 @@ import uvicorn
 
 from drafter_sdk.errors import ListenError
 from verifier_service.api.generation import Generations
-from verifier_service.api.http_app import HttpState, build_app
+from verifier_service.api.http_app import build_app
+from verifier_service.api.http_requests import HttpState
 from verifier_service.api.response_store import ResponseStore
 
 log = logging.getLogger(__name__)

@@ -176,7 +176,7 @@ class ResponsesRequest(GenerationBody):
     max_tool_calls: Any = None
 
     _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
-    # The stored conversation that previous_response_id names (http_app.py sets it): the chat starts with it.
+    # The stored conversation that previous_response_id names (responses_route.py sets it): the chat starts with it.
     _history: list[ChatMessage] = PrivateAttr(default_factory=list)
     _dropped: int = PrivateAttr(0)  # the conversation's first messages left out by truncation "auto"
 

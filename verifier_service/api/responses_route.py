@@ -1,0 +1,125 @@
+"""The Responses API's routes: POST /v1/responses (the request served as the chat it describes,
+responses_schema.py; answered whole or as OpenAI's events, responses_output.py), and the stored
+responses (response_store.py) that GET and DELETE /v1/responses/{id} read and remove and that
+`previous_response_id` continues."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.generation import GenerationFailed, Generations
+from verifier_service.api.http_errors import HttpError
+from verifier_service.api.http_requests import (
+    HttpState,
+    collect_unless_gone,
+    read_body,
+    refusals_as_errors,
+    start_sequences,
+)
+from verifier_service.api.http_responses import token_name
+from verifier_service.api.request_parsing import PromptTooLong
+from verifier_service.api.responses_output import ResponseBuilder
+from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history
+from verifier_service.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def retrieve(state: HttpState, response_id: str) -> JSONResponse:
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise not_stored(response_id)
+    return JSONResponse(entry.body)
+
+
+def delete(state: HttpState, response_id: str) -> JSONResponse:
+    if not state.responses.delete(response_id):
+        raise not_stored(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def not_stored(response_id: str, param: str | None = None) -> HttpError:
+    return HttpError(404, f"no stored response {response_id!r}: it was not stored (store false, or the verifier's "
+                          "--responses-store-mb is 0), or it was deleted or evicted", param=param,
+                     code="response_not_found")
+
+
+async def respond(state: HttpState, request: Request) -> Response:
+    """POST /v1/responses: the request as the chat it describes (responses_schema.py), answered as a
+    response (responses_output.py), and kept where asked and the store has room (response_store.py)."""
+    arrival = time.perf_counter()
+    body = await read_body(state, request, ResponsesRequest)
+    gen = state.generations
+    rt, _ = refusals_as_errors(gen.check_ready)
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id)
+        if previous is None:
+            raise not_stored(body.previous_response_id, "previous_response_id")
+        body.continues(list(previous.conversation))
+    refusals_as_errors(lambda: body.truncate(_fits(gen, rt.max_model_len, reserve=body.max_new_tokens or 1)))
+    tools = body.tool_plan(state.tool_call_parser)
+    if why := tools.unserved():
+        raise HttpError(400, why, param="tool_choice")
+    seqs = await start_sequences(gen, body)
+    builder = ResponseBuilder(body, body.model or state.names()[0], tools,
+                              token_name(rt.tokenizer, body.return_tokens_as_token_ids),
+                              stored=body.store and state.responses.enabled)
+    if body.stream:
+        return StreamingResponse(_stream_response(state, seqs[0], builder, arrival), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await collect_unless_gone(state, request, seqs, arrival)
+    if choices is None:
+        return Response(status_code=499)
+    result = builder.whole(seqs[0], choices[0].joined())
+    _keep(state, builder, result)
+    return JSONResponse(result)
+
+
+def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb2.ChatMessages], bool]:
+    """Whether a chat fits the context with `reserve` tokens for the answer (truncation "auto" asks)."""
+    def fits(chat: verifier_pb2.ChatMessages) -> bool:
+        try:
+            ids = gen.tokenize(verifier_pb2.TokenizeRequest(chat=chat)).token_ids
+        except PromptTooLong:
+            return False
+        return len(ids) + reserve <= context
+    return fits
+
+
+def _keep(state: HttpState, builder: ResponseBuilder, result: dict[str, object]) -> None:
+    """Store a finished response, with its conversation (its answer last), where it asked to be."""
+    if not builder.stored:
+        return
+    answer = chat_history(ITEMS.validate_python(result["output"]))
+    if not state.responses.put(builder.id, result, (*builder.request.continued_chat(), *answer)):
+        log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)
+
+
+async def _stream_response(state: HttpState, seq: Sequence, builder: ResponseBuilder,
+                           arrival: float) -> AsyncIterator[str]:
+    with state.request():
+        try:
+            for event in builder.opening():
+                yield event
+            finish = None
+            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
+                async for out in outputs:
+                    for event in builder.feed(out):
+                        yield event
+                    finish = out.finish_reason
+            events, result = builder.closing(seq, finish)
+            _keep(state, builder, result)
+            for event in events:
+                yield event
+        except GenerationFailed as exc:
+            for event in builder.failed(str(exc)):
+                yield event
+        finally:  # closed before the outputs were read (client gone at once): free the sequence anyway
+            state.generations.runtime.engine.cancel(seq)
