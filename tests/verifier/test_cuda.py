@@ -1,7 +1,8 @@
 """On a CUDA device: the verifier's packed forward, KV rollback and sampler give what they give
 on the CPU (greedy outputs equal transformers' generate() on the same device, with and without
 speculation, with CUDA graphs and without, token trees too; seeded sampling equal with and without
-speculation). Skipped without CUDA; run by `.ci/gpu-check` on a GPU machine."""
+speculation; penalties and allowed tokens with their state kept on the device). Skipped without CUDA;
+run by `.ci/gpu-check` on a GPU machine."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from drafter_sdk.proto import verifier_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
+from verifier_service.engine.logits_processors import process_logits
+from verifier_service.engine.logits_state import LogitsState
+from verifier_service.engine.sampler import SamplingParams, VerifyRow
 from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
 
 pytestmark = [pytest.mark.cuda,
@@ -157,3 +161,33 @@ def test_seeded_sampling_on_cuda_is_the_same_with_and_without_speculation() -> N
     assert any(d for c in drafter.calls for d in c.drafts), "the drafter was not consulted"
     assert with_spec == without
     assert len({tuple(t) for t in without}) > 1, "the seeds did not change the samples"
+
+
+def test_penalties_and_allowed_tokens_on_cuda_keep_state_on_the_device_and_equal_plain() -> None:
+    """Penalties (counts kept on the device between steps) and allowed_token_ids (draft tokens outside the
+    set cut before the forward): greedy outputs with the n-gram drafter equal plain decoding's on CUDA, and
+    a sequence's kept LogitsState gives the bits of a fresh one there too."""
+    vocab = cuda_model().config.vocab_size
+    allowed = list(range(0, vocab, 3))
+    sampling = verifier_pb2.SamplingParams(frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.3,
+                                           allowed_token_ids=allowed)
+    requests = [token_request(p, NEW_TOKENS, sampling=sampling) for p in PROMPTS[:8]]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=cuda_model()) as v:
+            plain = await generate_all(v, requests)
+        async with run_verifier(spec_config("NGRAM", 4), model=cuda_model()) as v:
+            assert await generate_all(v, requests) == plain
+            assert engine_of(v).drafter.stats.calls > 0
+        assert all(set(out) <= set(allowed) for out in plain)
+
+    asyncio.run(main())
+    params = SamplingParams(frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.3)
+    state, output = LogitsState(), []
+    for step in range(6):
+        output += [(7 * step + i) % vocab for i in range(3)]
+        draft, parents = [(5 * step + i) % vocab for i in range(5)], ([-1, 0, 0, 2, -1] if step % 2 else [])
+        logits = torch.randn(len(draft) + 1, vocab, device="cuda")
+        kept = process_logits(logits, [VerifyRow(draft, params, None, parents, PROMPTS[0], list(output), state=state)])
+        fresh = process_logits(logits, [VerifyRow(draft, params, None, parents, PROMPTS[0], list(output))])
+        assert torch.equal(kept, fresh)
