@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as Server-Sent
 Events with `stream: true`), GET and DELETE /v1/responses/{id} (the stored responses), POST
-/tokenize and /detokenize (vLLM's), GET /v1/models, /health, /metrics, and / (the playground).
+/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors in its shape and
+its x-api-key header taken for the token), POST /tokenize and /detokenize (vLLM's), GET /v1/models,
+/health, /metrics, and / (the playground).
 Bodies are read and checked (http_requests.py), not by FastAPI's own validation, so every mistake
 is an OpenAI error object with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
@@ -25,9 +27,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from verifier_service.api import responses_route
+from verifier_service.api import messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
-from verifier_service.api.http_errors import HttpError
+from verifier_service.api.http_errors import AnthropicError, HttpError
 from verifier_service.api.http_requests import (
     HttpState,
     collect_unless_gone,
@@ -70,13 +72,21 @@ def build_app(state: HttpState) -> FastAPI:
     async def starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, method
         return HttpError(exc.status_code, str(exc.detail)).response()
 
-    def authorize(request: Request) -> None:
-        if state.auth_token is None:
-            return
+    def bearer_token(request: Request) -> str:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.auth_token.encode()):
+        return token.strip() if scheme.lower() == "bearer" else ""
+
+    def authorize(request: Request) -> None:
+        if state.auth_token is not None and not _same(bearer_token(request), state.auth_token):
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                             code="invalid_api_key")
+
+    def authorize_anthropic(request: Request) -> None:
+        """Anthropic's clients send the token as x-api-key (or, given one, as a bearer token)."""
+        if state.auth_token is not None and not any(_same(token, state.auth_token) for token in (
+                request.headers.get("x-api-key", ""), bearer_token(request))):
+            raise AnthropicError(401, "missing or wrong API key (x-api-key: <token>, or Authorization: Bearer "
+                                      "<token>)")
 
     @app.get("/", response_class=HTMLResponse)
     async def playground() -> HTMLResponse:
@@ -126,6 +136,14 @@ def build_app(state: HttpState) -> FastAPI:
     async def delete_response(response_id: str) -> JSONResponse:
         return responses_route.delete(state, response_id)
 
+    @app.post("/v1/messages", dependencies=[Depends(authorize_anthropic)])
+    async def create_message(request: Request) -> Response:
+        return await messages_route.respond(state, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize_anthropic)])
+    async def count_message_tokens(request: Request) -> JSONResponse:
+        return await messages_route.count_tokens(state, request)
+
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request) -> JSONResponse:
         body = await read_body(state, request, TokenizeRequest)
@@ -140,6 +158,10 @@ def build_app(state: HttpState) -> FastAPI:
         return JSONResponse({"prompt": refusals_as_errors(lambda: state.generations.detokenize(body.request())).text})
 
     return app
+
+
+def _same(token: str, expected: str) -> bool:
+    return hmac.compare_digest(token.encode(), expected.encode())
 
 
 async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:

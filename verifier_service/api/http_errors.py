@@ -41,6 +41,25 @@ class HttpError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+# Anthropic's error types by HTTP status (its Messages API's routes answer in its shape).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+}
+
+
+class AnthropicError(HttpError):
+    """The same failure as Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
+
+    @classmethod
+    def of(cls, error: HttpError) -> AnthropicError:
+        return cls(error.status, error.message, error.param, error.code)
+
+    def body(self) -> dict[str, object]:
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+
 def from_validation(exc: ValidationError) -> HttpError:
     """400 naming the first offending field (its path in the body) and what is wrong with it."""
     errors = exc.errors(include_url=False)

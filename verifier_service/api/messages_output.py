@@ -1,0 +1,163 @@
+"""Anthropic's message object and its stream of events, built from the engine's outputs.
+
+A message's `content` is a text block (where the answer has text) and, under a tool choice that makes
+calls, a `tool_use` block per call after it, its `input` the call's JSON arguments as an object
+(tool_calls.py reads the calls, as for chat). `stop_reason`: "tool_use" where it calls, "max_tokens"
+where the limit cut it, "stop_sequence" (with `stop_sequence`) where one of the request's ended it,
+else "end_turn". Streamed, Anthropic's events in its order: message_start (usage so far), per block
+content_block_start, its deltas (text_delta, or input_json_delta: the arguments as they are written)
+and content_block_stop, then message_delta (stop_reason, output tokens) and message_stop; the
+client's own stream helper builds the same message from them. Usage counts the prompt's tokens read
+from the prefix cache as cache_read_input_tokens; the speculation stats ride under vLLM's names.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_core import from_json
+
+from verifier_service.api.http_responses import FINISH, speculation
+from verifier_service.api.messages_schema import MessagesRequest
+from verifier_service.api.tool_calls import CallStream, ToolPlan
+from verifier_service.engine.sequence import FinishReason, Output, Sequence
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as tool_use's input: the object they spell, as far as they are written (a call
+    cut short by max_tokens); {} where they spell no object."""
+    try:
+        value = from_json(arguments, allow_partial=True) if arguments.strip() else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def event_sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class MessageBuilder:
+    """One message: whole (`whole`) or as events (`opening`, `feed` per output, `closing`)."""
+
+    request: MessagesRequest
+    model: str
+    tools: ToolPlan
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    _blocks: list[dict[str, Any]] = field(default_factory=list)  # streaming: the blocks begun
+    _open: int | None = None  # streaming: the block whose deltas go out now
+    _calls: CallStream | None = None
+    _call_blocks: list[int] = field(default_factory=list)  # streaming: each call's block index
+    _called: bool = False
+
+    @property
+    def calling(self) -> bool:
+        return self.tools.mode != "none"
+
+    def _stop(self, out_finish: FinishReason | None, stop_reason: str, called: bool) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence)."""
+        finish = FINISH.get(out_finish)
+        if finish == "length":
+            return "max_tokens", None
+        if called:
+            return "tool_use", None
+        if stop_reason and stop_reason in (self.request.stop_sequences or []) + self._stops():
+            return "stop_sequence", stop_reason
+        return "end_turn", None
+
+    def _stops(self) -> list[str]:
+        stop = self.request.stop
+        return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+    def _usage(self, seq: Sequence | None, output_tokens: int) -> dict[str, int]:
+        prompt = len(seq.prompt_ids) if seq is not None else 0
+        cached = seq.cached_prompt_tokens if seq is not None else 0
+        return {"input_tokens": prompt, "output_tokens": output_tokens, "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0}
+
+    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                 seq: Sequence | None, output_tokens: int) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": self._usage(seq, output_tokens)}
+
+    @staticmethod
+    def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        return {"type": "tool_use", "id": call_id, "name": name, "input": _input(arguments)}
+
+    def whole(self, seq: Sequence, out: Output) -> dict[str, Any]:
+        """The finished message of a request not streamed; `out`: its outputs joined."""
+        content, calls = out.text, []
+        if self.calling:
+            content, calls, _ = self.tools.answer(out.text, FINISH.get(out.finish_reason))
+        blocks = [{"type": "text", "text": content}] if content else []
+        blocks += [self._tool_use(f"toolu_{uuid.uuid4().hex}", c.name, c.arguments) for c in calls]
+        message = self._message(blocks, self._stop(out.finish_reason, out.stop_reason, bool(calls)), seq,
+                                len(seq.output_ids))
+        message["speculation"] = speculation([seq])
+        return message
+
+    def opening(self, seq: Sequence) -> list[str]:
+        return [event_sse({"type": "message_start", "message": self._message([], (None, None), seq, 0)})]
+
+    def feed(self, out: Output) -> list[str]:
+        """The events of one output of the sequence (the last one included)."""
+        content, deltas = out.text, []
+        if self.calling:
+            if self._calls is None:
+                self._calls = CallStream(self.tools)
+            content, deltas = self._calls.feed(out.text)
+            if out.finish_reason is not None:
+                rest, last, _ = self._calls.finish(FINISH.get(out.finish_reason))
+                content, deltas = content + rest, deltas + last
+        events = self._text(content) if content else []
+        for delta in deltas:
+            events += self._call_delta(delta)
+        return events
+
+    def _begin(self, block: dict[str, Any]) -> list[str]:
+        events = self._close()
+        self._blocks.append(block)
+        self._open = len(self._blocks) - 1
+        return events + [event_sse({"type": "content_block_start", "index": self._open, "content_block": block})]
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [event_sse({"type": "content_block_stop", "index": index})]
+
+    def _text(self, text: str) -> list[str]:
+        events = [] if self._open is not None and self._blocks[self._open]["type"] == "text" else self._begin(
+            {"type": "text", "text": ""})
+        return events + [event_sse({"type": "content_block_delta", "index": self._open,
+                                    "delta": {"type": "text_delta", "text": text}})]
+
+    def _call_delta(self, delta: dict[str, Any]) -> list[str]:
+        """A chat tool-call delta (tool_calls.CallStream) as the tool_use block's events."""
+        events = []
+        function = delta["function"]
+        if "id" in delta:  # a call begins
+            self._called = True
+            events += self._begin({"type": "tool_use", "id": delta["id"], "name": function["name"], "input": {}})
+            self._call_blocks.append(self._open)
+        index = self._call_blocks[delta["index"]]
+        if function.get("arguments"):
+            events.append(event_sse({"type": "content_block_delta", "index": index,
+                                     "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}}))
+        return events
+
+    def closing(self, seq: Sequence, out: Output) -> list[str]:
+        """The events that end the message; `out`: its last output."""
+        stop = self._stop(out.finish_reason, out.stop_reason, self._called)
+        return [*self._close(),
+                event_sse({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                           "usage": self._usage(seq, len(seq.output_ids)), "speculation": speculation([seq])}),
+                event_sse({"type": "message_stop"})]
+
+    @staticmethod
+    def failed(message: str) -> list[str]:
+        return [event_sse({"type": "error", "error": {"type": "api_error", "message": message}})]

@@ -1,0 +1,89 @@
+"""Anthropic's Messages API routes: POST /v1/messages (the request served as the chat it describes,
+messages_schema.py; answered whole or as Anthropic's events, messages_output.py) and POST
+/v1/messages/count_tokens. Their errors are Anthropic's error objects, with the statuses the OpenAI
+routes give the same mistakes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.generation import GenerationFailed
+from verifier_service.api.http_errors import AnthropicError, HttpError
+from verifier_service.api.http_requests import (
+    HttpState,
+    collect_unless_gone,
+    read_body,
+    refusals_as_errors,
+    start_sequences,
+)
+from verifier_service.api.messages_output import MessageBuilder
+from verifier_service.api.messages_schema import MessagesRequest
+from verifier_service.engine.sequence import Output, Sequence
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # not asked for: nothing is generated
+
+
+async def respond(state: HttpState, request: Request) -> Response:
+    try:
+        return await _respond(state, request)
+    except AnthropicError:
+        raise
+    except HttpError as e:
+        raise AnthropicError.of(e) from None
+
+
+async def count_tokens(state: HttpState, request: Request) -> JSONResponse:
+    """The prompt tokens the same message would start from (a chat too long to generate from is counted)."""
+    try:
+        body = await read_body(state, request, CountTokensRequest)
+        tokens = refusals_as_errors(lambda: state.generations.tokenize(verifier_pb2.TokenizeRequest(chat=body.chat())))
+    except HttpError as e:
+        raise AnthropicError.of(e) from None
+    return JSONResponse({"input_tokens": len(tokens.token_ids)})
+
+
+async def _respond(state: HttpState, request: Request) -> Response:
+    arrival = time.perf_counter()
+    body = await read_body(state, request, MessagesRequest)
+    refusals_as_errors(state.generations.check_ready)
+    tools = body.tool_plan(state.tool_call_parser)
+    if why := tools.unserved():
+        raise HttpError(400, why, param="tool_choice")
+    (seq,) = await start_sequences(state.generations, body)
+    builder = MessageBuilder(body, body.model or state.names()[0], tools)
+    if body.stream:
+        return StreamingResponse(_stream(state, seq, builder, arrival), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await collect_unless_gone(state, request, [seq], arrival)
+    if choices is None:
+        return Response(status_code=499)
+    return JSONResponse(builder.whole(seq, choices[0].joined()))
+
+
+async def _stream(state: HttpState, seq: Sequence, builder: MessageBuilder, arrival: float) -> AsyncIterator[str]:
+    with state.request():
+        try:
+            for event in builder.opening(seq):
+                yield event
+            last: Output | None = None
+            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
+                async for last in outputs:
+                    for event in builder.feed(last):
+                        yield event
+            if last is not None:
+                for event in builder.closing(seq, last):
+                    yield event
+        except GenerationFailed as exc:
+            for event in builder.failed(str(exc)):
+                yield event
+        finally:  # closed before the outputs were read (client gone at once): free the sequence anyway
+            state.generations.runtime.engine.cancel(seq)

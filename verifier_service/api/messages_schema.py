@@ -1,0 +1,164 @@
+"""Anthropic's Messages API request (POST /v1/messages), served as the chat it describes.
+
+As for OpenAI's Responses API (responses_schema.py), the body becomes GenerationParams exactly as a
+chat completion's does: `system` is the system message; each message's text blocks its content, an
+assistant's `tool_use` blocks its tool calls (their `input` written as the call's JSON arguments) and a
+user's `tool_result` blocks the tools' messages before it; `tools` (`{name, description,
+input_schema}`) are the chat's tools, `tool_choice` (auto, any, tool, none) its tool_choice ("any" is
+"required"), `disable_parallel_tool_use` its parallel_tool_calls false, `stop_sequences` its stop
+strings and `max_tokens` (required, as Anthropic's) its limit. Images, documents and extended
+thinking are refused: this server serves text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
+
+from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import tool_calls
+from verifier_service.api.http_schema import (
+    INT32,
+    CalledFunction,
+    ChatMessage,
+    GenerationBody,
+    Tool,
+    ToolCallMessage,
+    _Body,
+    _refused_unless_neutral,
+    chat_messages,
+)
+
+# Anthropic's fields that change the answer and that this server does not serve, with their neutral values.
+UNSUPPORTED_IN_MESSAGES = {"thinking": None, "mcp_servers": None, "container": None}
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: list[TextBlock] | str = ""
+    is_error: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+def _block_type(block: Any) -> str | None:
+    return block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+
+
+Block = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")],
+    Discriminator(_block_type, custom_error_type="content_block", custom_error_message=(
+        "a content block is text, tool_use or tool_result (only text is served here)"))]
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: list[Block] | str  # the list first: a mistake in a block is named by its path
+
+    def chat(self) -> list[ChatMessage]:
+        """The chat messages this message stands for: a user's tool results first (as tool messages),
+        then its text; an assistant's text with its tool calls."""
+        blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if self.role == "assistant":
+            calls = [ToolCallMessage(id=b.id, function=CalledFunction(name=b.name, arguments=json.dumps(b.input)))
+                     for b in blocks if isinstance(b, ToolUseBlock)]
+            return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
+        results = [ChatMessage(role="tool", content=b.text, tool_call_id=b.tool_use_id)
+                   for b in blocks if isinstance(b, ToolResultBlock)]
+        plain = [ChatMessage(role="user", content=text)] if text or not results else []
+        return [*results, *plain]
+
+
+class AnthropicTool(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule, and Anthropic's (up to 128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def chat(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named_with_type_tool(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise PydanticCustomError("tool_choice", 'a tool_choice names a tool with type "tool", and only then')
+        return self
+
+
+class MessagesRequest(GenerationBody):
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: list[TextBlock] | str | None = None
+    max_tokens: int = Field(ge=1, le=INT32)  # required, as Anthropic's
+    stop_sequences: list[str] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None  # Anthropic's user_id: nothing to do with it here
+    n: Literal[1] = 1  # one answer per message
+    # Refused unless neutral (UNSUPPORTED_IN_MESSAGES); never read.
+    thinking: Any = None
+    mcp_servers: Any = None
+    container: Any = None
+
+    _check_unsupported_in_messages = _refused_unless_neutral(UNSUPPORTED_IN_MESSAGES)
+
+
+    @property
+    def system_text(self) -> str | None:
+        if self.system is None or isinstance(self.system, str):
+            return self.system
+        return "".join(b.text for b in self.system)
+
+    def chat(self) -> verifier_pb2.ChatMessages:
+        system = [ChatMessage(role="system", content=self.system_text)] if self.system_text else []
+        messages = [m for message in self.messages for m in message.chat()]
+        tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
+        return chat_messages([*system, *messages], None, tools)
+
+    def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
+        p.chat.CopyFrom(self.chat())
+
+    def params(self, choice: int) -> verifier_pb2.GenerationParams:
+        p = super().params(choice)
+        p.stopping.stop.extend(self.stop_sequences or [])
+        return p
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return None  # Anthropic's API has none
+
+    def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
+        choice = self.tool_choice
+        chosen: str | dict[str, Any] | None = None
+        if choice is not None:
+            chosen = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+                "type": "function", "function": {"name": choice.name}}
+        parallel = choice is None or not choice.disable_parallel_tool_use
+        return tool_calls.plan([t.chat() for t in self.tools or []], chosen, parallel, parser)
