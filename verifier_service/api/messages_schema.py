@@ -33,7 +33,7 @@ from verifier_service.api.http_schema import (
 )
 
 # Anthropic's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_MESSAGES = {"thinking": None, "mcp_servers": None, "container": None}
+UNSUPPORTED_IN_MESSAGES = {"thinking": {"type": "disabled"}, "mcp_servers": None, "container": None}
 
 
 class TextBlock(_Body):
