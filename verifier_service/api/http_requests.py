@@ -9,7 +9,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -153,6 +153,44 @@ async def collect_unless_gone(state: HttpState, request: Request, seqs: list[Seq
             return collecting.result()
         except GenerationFailed as exc:
             raise HttpError(503 if exc.unavailable else 500, str(exc)) from None
+
+
+class EventBuilder(Protocol):
+    """What a streamed answer's events come from (responses_output.py, messages_output.py)."""
+
+    def opening(self) -> list[str]: ...
+
+    def feed(self, out: Output) -> list[str]: ...
+
+    def closing(self, last: Output) -> list[str]: ...
+
+    def failed(self, message: str) -> list[str]: ...
+
+
+async def stream_events(state: HttpState, seq: Sequence, builder: EventBuilder, arrival: float,
+                        finished: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
+    """One sequence's answer as the builder's events: its opening, its events for each output, then,
+    once `finished()` has had the route's last word (storing the answer, say), its closing; or its
+    failure. The sequence is freed whatever happens (a client gone frees it at the next step)."""
+    with state.request():
+        try:
+            for event in builder.opening():
+                yield event
+            last: Output | None = None
+            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
+                async for last in outputs:
+                    for event in builder.feed(last):
+                        yield event
+            if last is not None:
+                closing = builder.closing(last)
+                finished()
+                for event in closing:
+                    yield event
+        except GenerationFailed as exc:
+            for event in builder.failed(str(exc)):
+                yield event
+        finally:
+            state.generations.runtime.engine.cancel(seq)
 
 
 async def _disconnected(request: Request) -> None:

@@ -259,10 +259,7 @@ class Responder:
             delta: dict[str, object] = {"content": out.text}
             if self._calling():  # content up to where a call may begin, and the calls' deltas
                 calls = self._calls.setdefault(index, CallStream(self.tools))
-                content, deltas = calls.feed(out.text)
-                if out.finish_reason is not None:
-                    rest, last, finish = calls.finish(finish)
-                    content, deltas = content + rest, deltas + last
+                content, deltas, finish = calls.advance(out.text, out.finish_reason is not None, finish)
                 delta["content"] = content
                 if deltas:
                     delta["tool_calls"] = deltas

@@ -42,17 +42,22 @@ def event_sse(event: dict[str, Any]) -> str:
 
 @dataclass
 class MessageBuilder:
-    """One message: whole (`whole`) or as events (`opening`, `feed` per output, `closing`)."""
+    """One message (of `seq`): whole (`whole`) or as events (`opening`, `feed` per output, `closing`)."""
 
     request: MessagesRequest
+    seq: Sequence
     model: str
     tools: ToolPlan
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     _blocks: list[dict[str, Any]] = field(default_factory=list)  # streaming: the blocks begun
     _open: int | None = None  # streaming: the block whose deltas go out now
-    _calls: CallStream | None = None
+    _calls: CallStream | None = None  # streaming under a plan that makes calls
     _call_blocks: list[int] = field(default_factory=list)  # streaming: each call's block index
     _called: bool = False
+
+    def __post_init__(self) -> None:
+        if self.calling:
+            self._calls = CallStream(self.tools)
 
     @property
     def calling(self) -> bool:
@@ -73,46 +78,38 @@ class MessageBuilder:
         stop = self.request.stop
         return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
-    def _usage(self, seq: Sequence | None, output_tokens: int) -> dict[str, int]:
-        prompt = len(seq.prompt_ids) if seq is not None else 0
-        cached = seq.cached_prompt_tokens if seq is not None else 0
-        return {"input_tokens": prompt, "output_tokens": output_tokens, "cache_read_input_tokens": cached,
-                "cache_creation_input_tokens": 0}
+    def _usage(self) -> dict[str, int]:
+        return {"input_tokens": len(self.seq.prompt_ids), "output_tokens": len(self.seq.output_ids),
+                "cache_read_input_tokens": self.seq.cached_prompt_tokens, "cache_creation_input_tokens": 0}
 
-    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-                 seq: Sequence | None, output_tokens: int) -> dict[str, Any]:
+    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": self._usage(seq, output_tokens)}
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": self._usage()}
 
     @staticmethod
     def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
         return {"type": "tool_use", "id": call_id, "name": name, "input": _input(arguments)}
 
-    def whole(self, seq: Sequence, out: Output) -> dict[str, Any]:
+    def whole(self, out: Output) -> dict[str, Any]:
         """The finished message of a request not streamed; `out`: its outputs joined."""
         content, calls = out.text, []
         if self.calling:
             content, calls, _ = self.tools.answer(out.text, FINISH.get(out.finish_reason))
         blocks = [{"type": "text", "text": content}] if content else []
         blocks += [self._tool_use(f"toolu_{uuid.uuid4().hex}", c.name, c.arguments) for c in calls]
-        message = self._message(blocks, self._stop(out.finish_reason, out.stop_reason, bool(calls)), seq,
-                                len(seq.output_ids))
-        message["speculation"] = speculation([seq])
+        message = self._message(blocks, self._stop(out.finish_reason, out.stop_reason, bool(calls)))
+        message["speculation"] = speculation([self.seq])
         return message
 
-    def opening(self, seq: Sequence) -> list[str]:
-        return [event_sse({"type": "message_start", "message": self._message([], (None, None), seq, 0)})]
+    def opening(self) -> list[str]:
+        return [event_sse({"type": "message_start", "message": self._message([], (None, None))})]
 
     def feed(self, out: Output) -> list[str]:
         """The events of one output of the sequence (the last one included)."""
         content, deltas = out.text, []
         if self.calling:
-            if self._calls is None:
-                self._calls = CallStream(self.tools)
-            content, deltas = self._calls.feed(out.text)
-            if out.finish_reason is not None:
-                rest, last, _ = self._calls.finish(FINISH.get(out.finish_reason))
-                content, deltas = content + rest, deltas + last
+            content, deltas, _ = self._calls.advance(out.text, out.finish_reason is not None,
+                                                     FINISH.get(out.finish_reason))
         events = self._text(content) if content else []
         for delta in deltas:
             events += self._call_delta(delta)
@@ -150,12 +147,12 @@ class MessageBuilder:
                                      "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}}))
         return events
 
-    def closing(self, seq: Sequence, out: Output) -> list[str]:
-        """The events that end the message; `out`: its last output."""
-        stop = self._stop(out.finish_reason, out.stop_reason, self._called)
+    def closing(self, last: Output) -> list[str]:
+        """The events that end the message (`last`: its last output)."""
+        stop = self._stop(last.finish_reason, last.stop_reason, self._called)
         return [*self._close(),
                 event_sse({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                           "usage": self._usage(seq, len(seq.output_ids)), "speculation": speculation([seq])}),
+                           "usage": self._usage(), "speculation": speculation([self.seq])}),
                 event_sse({"type": "message_stop"})]
 
     @staticmethod

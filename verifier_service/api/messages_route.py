@@ -5,16 +5,13 @@ routes give the same mistakes."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
 from verifier_service.api.http_requests import (
     HttpState,
@@ -22,10 +19,10 @@ from verifier_service.api.http_requests import (
     read_body,
     refusals_as_errors,
     start_sequences,
+    stream_events,
 )
 from verifier_service.api.messages_output import MessageBuilder
 from verifier_service.api.messages_schema import MessagesRequest
-from verifier_service.engine.sequence import Output, Sequence
 
 
 class CountTokensRequest(MessagesRequest):
@@ -59,31 +56,11 @@ async def _respond(state: HttpState, request: Request) -> Response:
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")
     (seq,) = await start_sequences(state.generations, body)
-    builder = MessageBuilder(body, body.model or state.names()[0], tools)
+    builder = MessageBuilder(body, seq, body.model or state.names()[0], tools)
     if body.stream:
-        return StreamingResponse(_stream(state, seq, builder, arrival), media_type="text/event-stream",
+        return StreamingResponse(stream_events(state, seq, builder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await collect_unless_gone(state, request, [seq], arrival)
     if choices is None:
         return Response(status_code=499)
-    return JSONResponse(builder.whole(seq, choices[0].joined()))
-
-
-async def _stream(state: HttpState, seq: Sequence, builder: MessageBuilder, arrival: float) -> AsyncIterator[str]:
-    with state.request():
-        try:
-            for event in builder.opening(seq):
-                yield event
-            last: Output | None = None
-            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
-                async for last in outputs:
-                    for event in builder.feed(last):
-                        yield event
-            if last is not None:
-                for event in builder.closing(seq, last):
-                    yield event
-        except GenerationFailed as exc:
-            for event in builder.failed(str(exc)):
-                yield event
-        finally:  # closed before the outputs were read (client gone at once): free the sequence anyway
-            state.generations.runtime.engine.cancel(seq)
+    return JSONResponse(builder.whole(choices[0].joined()))

@@ -24,7 +24,7 @@ from typing import Any
 from verifier_service.api.http_responses import FINISH, chat_logprob, speculation
 from verifier_service.api.responses_schema import ResponsesRequest
 from verifier_service.api.tool_calls import CallStream, ToolPlan
-from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.engine.sequence import Output, Sequence
 
 
 def _id(prefix: str) -> str:
@@ -37,10 +37,12 @@ def event_sse(event: dict[str, Any]) -> str:
 
 @dataclass
 class ResponseBuilder:
-    """One response: its body, whole (`whole`) or as events (`opening`, `feed` per output, `closing`).
-    `token` names a token as log-probabilities show it; `stored`: whether it will be kept."""
+    """One response (of `seq`): its body, whole (`whole`) or as events (`opening`, `feed` per output,
+    `closing`, which leaves the finished body in `result`). `token` names a token as log-probabilities
+    show it; `stored`: whether it will be kept."""
 
     request: ResponsesRequest
+    seq: Sequence
     model: str
     tools: ToolPlan
     token: Callable[[int], str]
@@ -48,17 +50,22 @@ class ResponseBuilder:
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)  # the items so far
+    result: dict[str, Any] | None = None  # the finished response
     _message: dict[str, Any] | None = None  # streaming: the message item open now
     _calls: CallStream | None = None  # streaming under a plan that makes calls
     _call_items: list[dict[str, Any]] = field(default_factory=list)  # streaming: by the call's index
     _events: int = 0
 
+    def __post_init__(self) -> None:
+        if self.calling:
+            self._calls = CallStream(self.tools)
+
     @property
     def calling(self) -> bool:
         return self.tools.mode != "none"
 
-    def body(self, status: str, seq: Sequence | None = None) -> dict[str, Any]:
-        """The response object as it stands (`seq`: the finished sequence, for usage)."""
+    def body(self, status: str, finished: bool = False) -> dict[str, Any]:
+        """The response object as it stands (`finished`: with its usage)."""
         r = self.request
         fmt = r.text.format if r.text is not None and r.text.format is not None else None
         tool_choice: object = self.tools.mode
@@ -74,7 +81,8 @@ class ResponseBuilder:
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "top_logprobs": r.top_logprobs, "truncation": r.truncation, "user": r.user, "usage": None}
-        if seq is not None:
+        seq = self.seq
+        if finished:
             body["usage"] = {"input_tokens": len(seq.prompt_ids),
                              "input_tokens_details": {"cached_tokens": seq.cached_prompt_tokens},
                              "output_tokens": len(seq.output_ids), "output_tokens_details": {"reasoning_tokens": 0},
@@ -101,7 +109,7 @@ class ResponseBuilder:
         return {"id": _id("fc"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
                 "arguments": arguments}
 
-    def whole(self, seq: Sequence, out: Output) -> dict[str, Any]:
+    def whole(self, out: Output) -> dict[str, Any]:
         """The finished response of a request not streamed; `out`: its outputs joined."""
         finish = FINISH.get(out.finish_reason)
         status = self._status(finish)
@@ -111,7 +119,8 @@ class ResponseBuilder:
         if content or not calls:
             self.output.append(self._message_item(content or "", status, self._logprobs(out)))
         self.output += [self._call_item(f"call_{uuid.uuid4().hex}", c.name, c.arguments, status) for c in calls]
-        return self.body(status, seq)
+        self.result = self.body(status, finished=True)
+        return self.result
 
     def _event(self, kind: str, **fields: Any) -> str:
         event = {"type": kind, "sequence_number": self._events, **fields}
@@ -126,12 +135,8 @@ class ResponseBuilder:
         """The events of one output of the sequence (the last one included)."""
         content, deltas = out.text, []
         if self.calling:
-            if self._calls is None:
-                self._calls = CallStream(self.tools)
-            content, deltas = self._calls.feed(out.text)
-            if out.finish_reason is not None:
-                rest, last, _ = self._calls.finish(FINISH.get(out.finish_reason))
-                content, deltas = content + rest, deltas + last
+            content, deltas, _ = self._calls.advance(out.text, out.finish_reason is not None,
+                                                     FINISH.get(out.finish_reason))
         events = self._text(content, self._logprobs(out)) if content or not self.calling else []
         for delta in deltas:
             events += self._call_delta(delta)
@@ -187,9 +192,9 @@ class ResponseBuilder:
                                       delta=function["arguments"]))
         return events
 
-    def closing(self, seq: Sequence, finish_reason: FinishReason | None) -> tuple[list[str], dict[str, Any]]:
-        """The events that end the response (the whole response last), and that response."""
-        status = self._status(FINISH.get(finish_reason))
+    def closing(self, last: Output) -> list[str]:
+        """The events that end the response (`last`: its last output), the whole response last."""
+        status = self._status(FINISH.get(last.finish_reason))
         events = self._text("", []) if not self.output else []  # an empty answer is an empty message
         events += self._close_message(status)
         for item in self._call_items:
@@ -198,8 +203,8 @@ class ResponseBuilder:
             events += [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
                        self._event("response.output_item.done", output_index=where["output_index"], item=item)]
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        result = self.body(status, seq)
-        return [*events, self._event(kind, response=result)], result
+        self.result = self.body(status, finished=True)
+        return [*events, self._event(kind, response=self.result)]
 
     def failed(self, message: str) -> list[str]:
         """The events of a response the engine failed after it started."""

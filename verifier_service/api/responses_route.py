@@ -5,16 +5,15 @@ responses (response_store.py) that GET and DELETE /v1/responses/{id} read and re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api.generation import GenerationFailed, Generations
+from verifier_service.api.generation import Generations
 from verifier_service.api.http_errors import HttpError
 from verifier_service.api.http_requests import (
     HttpState,
@@ -22,12 +21,12 @@ from verifier_service.api.http_requests import (
     read_body,
     refusals_as_errors,
     start_sequences,
+    stream_events,
 )
 from verifier_service.api.http_responses import token_name
 from verifier_service.api.request_parsing import PromptTooLong
 from verifier_service.api.responses_output import ResponseBuilder
 from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history
-from verifier_service.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +67,19 @@ async def respond(state: HttpState, request: Request) -> Response:
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")
     seqs = await start_sequences(gen, body)
-    builder = ResponseBuilder(body, body.model or state.names()[0], tools,
+    builder = ResponseBuilder(body, seqs[0], body.model or state.names()[0], tools,
                               token_name(rt.tokenizer, body.return_tokens_as_token_ids),
                               stored=body.store and state.responses.enabled)
-    if body.stream:
-        return StreamingResponse(_stream_response(state, seqs[0], builder, arrival), media_type="text/event-stream",
+    if body.stream:  # stored before the last event goes out: a follow-up may continue it at once
+        return StreamingResponse(stream_events(state, seqs[0], builder, arrival, lambda: _keep(state, builder)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await collect_unless_gone(state, request, seqs, arrival)
     if choices is None:
         return Response(status_code=499)
-    result = builder.whole(seqs[0], choices[0].joined())
-    _keep(state, builder, result)
-    return JSONResponse(result)
+    builder.whole(choices[0].joined())
+    _keep(state, builder)
+    return JSONResponse(builder.result)
 
 
 def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb2.ChatMessages], bool]:
@@ -93,33 +93,10 @@ def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb
     return fits
 
 
-def _keep(state: HttpState, builder: ResponseBuilder, result: dict[str, object]) -> None:
+def _keep(state: HttpState, builder: ResponseBuilder) -> None:
     """Store a finished response, with its conversation (its answer last), where it asked to be."""
-    if not builder.stored:
+    if not builder.stored or builder.result is None:
         return
-    answer = chat_history(ITEMS.validate_python(result["output"]))
-    if not state.responses.put(builder.id, result, (*builder.request.continued_chat(), *answer)):
+    answer = chat_history(ITEMS.validate_python(builder.result["output"]))
+    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer)):
         log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)
-
-
-async def _stream_response(state: HttpState, seq: Sequence, builder: ResponseBuilder,
-                           arrival: float) -> AsyncIterator[str]:
-    with state.request():
-        try:
-            for event in builder.opening():
-                yield event
-            finish = None
-            async with contextlib.aclosing(state.generations.outputs(seq, arrival)) as outputs:
-                async for out in outputs:
-                    for event in builder.feed(out):
-                        yield event
-                    finish = out.finish_reason
-            events, result = builder.closing(seq, finish)
-            _keep(state, builder, result)
-            for event in events:
-                yield event
-        except GenerationFailed as exc:
-            for event in builder.failed(str(exc)):
-                yield event
-        finally:  # closed before the outputs were read (client gone at once): free the sequence anyway
-            state.generations.runtime.engine.cancel(seq)

@@ -268,6 +268,15 @@ class CallStream:
             content, self._sent = self._text[self._sent:end], max(self._sent, end)
         return content, self._call_deltas()
 
+    def advance(self, piece: str, ended: bool, finish: str | None) -> tuple[str, list[dict[str, object]], str | None]:
+        """feed(piece) and, where the answer has `ended` (with `finish`), finish too: (content, tool-call
+        deltas, finish_reason) of one output."""
+        content, deltas = self.feed(piece)
+        if not ended:
+            return content, deltas, finish
+        rest, last, finish = self.finish(finish)
+        return content + rest, deltas + last, finish
+
     def _call_deltas(self) -> list[dict[str, object]]:
         """The deltas of the calls written since the last piece: each call's first (id, name), then
         its arguments as far as they are written."""
