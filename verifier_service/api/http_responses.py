@@ -293,4 +293,9 @@ def sse(body: dict[str, object]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def event_sse(event: dict[str, object]) -> str:
+    """A Server-Sent Event named by its body's type, as the Responses and Messages APIs stream them."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
 DONE = "data: [DONE]\n\n"

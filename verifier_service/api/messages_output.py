@@ -13,14 +13,13 @@ from the prefix cache as cache_read_input_tokens; the speculation stats ride und
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic_core import from_json
 
-from verifier_service.api.http_responses import FINISH, speculation
+from verifier_service.api.http_responses import FINISH, event_sse, speculation
 from verifier_service.api.messages_schema import MessagesRequest
 from verifier_service.api.tool_calls import CallStream, ToolPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -34,10 +33,6 @@ def _input(arguments: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def event_sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 @dataclass

@@ -14,14 +14,13 @@ the speculation stats ride under vLLM's names, as in chat responses.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifier_service.api.http_responses import FINISH, chat_logprob, speculation
+from verifier_service.api.http_responses import FINISH, chat_logprob, event_sse, speculation
 from verifier_service.api.responses_schema import ResponsesRequest
 from verifier_service.api.tool_calls import CallStream, ToolPlan
 from verifier_service.engine.sequence import Output, Sequence
@@ -29,10 +28,6 @@ from verifier_service.engine.sequence import Output, Sequence
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def event_sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 @dataclass
