@@ -51,8 +51,7 @@ class ToolUseBlock(_Body):
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: list[TextBlock] | str = ""
-    is_error: bool = False
+    content: list[TextBlock] | str = ""  # (is_error has no place in a chat template: the text says it)
 
     @property
     def text(self) -> str:
