@@ -119,7 +119,6 @@ class MessagesRequest(GenerationBody):
     stop_sequences: list[str] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    metadata: dict[str, Any] | None = None  # Anthropic's user_id: nothing to do with it here
     n: Literal[1] = 1  # one answer per message
     # Refused unless neutral (UNSUPPORTED_IN_MESSAGES); never read.
     thinking: Any = None
@@ -127,7 +126,6 @@ class MessagesRequest(GenerationBody):
     container: Any = None
 
     _check_unsupported_in_messages = _refused_unless_neutral(UNSUPPORTED_IN_MESSAGES)
-
 
     @property
     def system_text(self) -> str | None:
