@@ -59,9 +59,19 @@ def test_a_message_is_the_chat_it_describes_whole_and_streamed() -> None:
             ended = await c.messages.create(model="tiny", system=SYSTEM, max_tokens=30, extra_body={
                 "stop_token_ids": [token]}, messages=[{"role": "user", "content": PROMPT}])
             assert (ended.stop_reason, ended.stop_sequence) == ("end_turn", None) and ended.usage.output_tokens < 30
-            counted = await c.messages.count_tokens(model="tiny", system=SYSTEM,
-                                                    messages=[{"role": "user", "content": PROMPT}])
+            counted = await c.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                    system=[{"type": "text", "text": SYSTEM,
+                                                             "cache_control": {"type": "ephemeral"}}])
             assert counted.input_tokens == chat.usage.prompt_tokens
+
+            # A last message from the assistant is the answer's start (a prefill): the answer continues it.
+            begun = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "d10 add"}]
+            prefilled = await c.messages.create(model="tiny", system=SYSTEM, max_tokens=12, messages=begun)
+            continued = await h.client.chat.completions.create(
+                model="tiny", max_tokens=12, messages=[{"role": "system", "content": SYSTEM}, *begun],
+                extra_body={"add_generation_prompt": False, "continue_final_message": True})
+            assert prefilled.content[0].text == continued.choices[0].message.content
+            assert prefilled.usage.input_tokens == continued.usage.prompt_tokens
 
             # A client leaving mid-stream frees its sequence.
             async with c.messages.stream(model="tiny", max_tokens=200,

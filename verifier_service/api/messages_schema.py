@@ -6,8 +6,9 @@ assistant's `tool_use` blocks its tool calls (their `input` written as the call'
 user's `tool_result` blocks the tools' messages before it; `tools` (`{name, description,
 input_schema}`) are the chat's tools, `tool_choice` (auto, any, tool, none) its tool_choice ("any" is
 "required"), `disable_parallel_tool_use` its parallel_tool_calls false, `stop_sequences` its stop
-strings and `max_tokens` (required, as Anthropic's) its limit. Images, documents and extended
-thinking are refused: this server serves text.
+strings and `max_tokens` (required, as Anthropic's) its limit. A last message from the assistant
+is the start of the answer (Anthropic's prefill), which the answer continues. Images, documents and
+extended thinking are refused: this server serves text.
 """
 
 from __future__ import annotations
@@ -133,11 +134,20 @@ class MessagesRequest(GenerationBody):
             return self.system
         return "".join(b.text for b in self.system)
 
+    @property
+    def prefilled(self) -> bool:
+        """Whether the last message is the start of the answer, an assistant's text (Anthropic's prefill):
+        the answer continues it (vLLM's continue_final_message)."""
+        last = self.messages[-1]
+        return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in last.content
+                                                    if not isinstance(last.content, str))
+
     def chat(self) -> verifier_pb2.ChatMessages:
         system = [ChatMessage(role="system", content=self.system_text)] if self.system_text else []
         messages = [m for message in self.messages for m in message.chat()]
         tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
-        return chat_messages([*system, *messages], None, tools)
+        return chat_messages([*system, *messages], None, tools, add_generation_prompt=not self.prefilled,
+                             continue_final_message=self.prefilled)
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         p.chat.CopyFrom(self.chat())
