@@ -137,6 +137,21 @@ def test_previous_response_id_continues_the_stored_conversation() -> None:
 
             stored = await h.client.responses.retrieve(first.id)
             assert stored.model_dump() == first.model_dump()
+            # Its input, as OpenAI lists it: newest first unless asked, in pages.
+            (listed,) = (await h.client.responses.input_items.list(first.id)).data
+            assert (listed.type, listed.role, listed.content[0].text) == ("message", "user", PROMPT)
+            items = [{"role": "user", "content": "one"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                           "arguments": "{}", "id": "fc_given"},
+                     {"type": "function_call_output", "call_id": "c1", "output": "two"}]
+            several = await h.client.responses.create(model="tiny", input=items, max_output_tokens=2)
+            asc = (await h.client.responses.input_items.list(several.id, order="asc")).data
+            assert [i.type for i in asc] == ["message", "function_call", "function_call_output"]
+            assert asc[1].id == "fc_given" and asc[2].output == "two"
+            paged = [i.id async for i in h.client.responses.input_items.list(several.id, limit=1)]
+            assert paged == [i.id for i in reversed(asc)]  # every page followed, newest first
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                bad = await http.get(f"/v1/responses/{several.id}/input_items", params={"limit": "x"})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
             deleted = await h.client.responses.delete(first.id)
             assert deleted is None  # the client returns nothing for a delete
             with pytest.raises(openai.NotFoundError, match="no stored response"):

@@ -132,6 +132,10 @@ def build_app(state: HttpState) -> FastAPI:
     async def get_response(response_id: str) -> JSONResponse:
         return responses_route.retrieve(state, response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
+    async def get_input_items(response_id: str, request: Request) -> JSONResponse:
+        return responses_route.input_items(state, response_id, request.query_params)
+
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def delete_response(response_id: str) -> JSONResponse:
         return responses_route.delete(state, response_id)

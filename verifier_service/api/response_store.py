@@ -1,15 +1,15 @@
-"""Stored responses of the Responses API: what GET /v1/responses/{id} returns and what
-`previous_response_id` continues, in memory, under a budget.
+"""Stored responses of the Responses API: what GET /v1/responses/{id} (and .../input_items) returns
+and what `previous_response_id` continues, in memory, under a budget.
 
-Each entry holds the response object and the conversation it ended (the chat's messages without
-its instructions, its answer last), so that a follow-up renders the whole chat without walking a
-chain of entries, and an entry stays usable after the ones before it are evicted. A conversation
-shares its earlier messages with its predecessor's entry, but each entry is charged all of them
-(the JSON size of the response and of every message), so the charge bounds the memory from above.
-Past the budget the least recently used entries go first; an entry larger than the whole budget is
-not kept. A budget of 0 keeps nothing: responses then say `store: false`, as vLLM's do without its
-store. The store is one process's: a follow-up must reach the replica that answered (a sticky
-session), or send the conversation itself as `input`.
+Each entry holds the response object, its request's input items and the conversation it ended (the
+chat's messages without its instructions, its answer last), so that a follow-up renders the whole
+chat without walking a chain of entries, and an entry stays usable after the ones before it are
+evicted. A conversation shares its earlier messages with its predecessor's entry, but each entry is
+charged all of them (the JSON size of the response, its input items and every message), so the
+charge bounds the memory from above. Past the budget the least recently used entries go first; an
+entry larger than the whole budget is not kept. A budget of 0 keeps nothing: responses then say
+`store: false`, as vLLM's do without its store. The store is one process's: a follow-up must reach
+the replica that answered (a sticky session), or send the conversation itself as `input`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from verifier_service.api.http_schema import ChatMessage
 class StoredResponse:
     body: dict[str, Any]
     conversation: tuple[ChatMessage, ...]
+    input_items: tuple[dict[str, Any], ...]  # its request's input, as GET .../input_items lists it
     size: int  # bytes charged
 
 
@@ -42,16 +43,18 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, body: dict[str, Any], conversation: tuple[ChatMessage, ...]) -> bool:
+    def put(self, response_id: str, body: dict[str, Any], conversation: tuple[ChatMessage, ...],
+            input_items: tuple[dict[str, Any], ...] = ()) -> bool:
         """Keep the response (evicting the least recently used past the budget); False if it does not fit."""
-        size = len(json.dumps(body)) + sum(len(m.model_dump_json()) for m in conversation)
+        size = (len(json.dumps(body)) + sum(len(m.model_dump_json()) for m in conversation)
+                + len(json.dumps(input_items)))
         if size > self.budget_bytes:
             return False
         self.delete(response_id)
         while self.used_bytes + size > self.budget_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.used_bytes -= evicted.size
-        self._entries[response_id] = StoredResponse(body, conversation, size)
+        self._entries[response_id] = StoredResponse(body, conversation, input_items, size)
         self.used_bytes += size
         return True
 

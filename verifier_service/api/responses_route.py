@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +26,7 @@ from verifier_service.api.http_requests import (
 from verifier_service.api.http_responses import token_name
 from verifier_service.api.request_parsing import PromptTooLong
 from verifier_service.api.responses_output import ResponseBuilder
-from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history
+from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history, listed_item
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,29 @@ def retrieve(state: HttpState, response_id: str) -> JSONResponse:
     if entry is None:
         raise not_stored(response_id)
     return JSONResponse(entry.body)
+
+
+def input_items(state: HttpState, response_id: str, query: Mapping[str, str]) -> JSONResponse:
+    """OpenAI's list of a stored response's input items: `order` asc (as sent) or desc (the default),
+    `limit` (1-100, 20) of them after the item `after` names."""
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise not_stored(response_id)
+    asked, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
+    if not asked.isdigit() or not 1 <= int(asked) <= 100:
+        raise HttpError(400, f"limit must be a whole number within [1, 100], not {asked!r}", param="limit")
+    limit = int(asked)
+    if order not in ("asc", "desc"):
+        raise HttpError(400, f"order must be asc or desc, not {order!r}", param="order")
+    items = list(entry.input_items) if order == "asc" else list(reversed(entry.input_items))
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise HttpError(400, f"after names no input item of response {response_id!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 def delete(state: HttpState, response_id: str) -> JSONResponse:
@@ -98,5 +121,6 @@ def _keep(state: HttpState, builder: ResponseBuilder) -> None:
     if not builder.stored or builder.result is None:
         return
     answer = chat_history(ITEMS.validate_python(builder.result["output"]))
-    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer)):
+    items = tuple(listed_item(item) for item in builder.request.input_items())
+    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer), items):
         log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)

@@ -18,6 +18,7 @@ seed, stop, ...) are taken as in chat completions.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -61,6 +62,7 @@ class ContentPart(_Body):
 
 class MessageItem(_Body):
     type: Literal["message"] = "message"  # OpenAI's "easy" message leaves the type out
+    id: str | None = None  # an item sent back from an earlier response keeps its id
     role: Literal["user", "assistant", "system", "developer"]
     content: list[ContentPart] | str  # the list first, as for `input`
 
@@ -73,6 +75,7 @@ class MessageItem(_Body):
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str
     name: str
     arguments: str  # a JSON object, as text
@@ -80,6 +83,7 @@ class FunctionCallItem(_Body):
 
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str
     output: list[ContentPart] | str
 
@@ -100,6 +104,20 @@ InputItem = Annotated[
     Discriminator(_item_type, custom_error_type="input_item", custom_error_message=(
         "an input item is a message, a function_call or a function_call_output (only text is served here)"))]
 ITEMS = TypeAdapter(list[InputItem])
+
+
+def listed_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem) -> dict[str, Any]:
+    """An input item as GET /v1/responses/{id}/input_items lists it: OpenAI's shape, with an id."""
+    if isinstance(item, MessageItem):
+        part = ({"type": "output_text", "text": item.text, "annotations": []} if item.role == "assistant"
+                else {"type": "input_text", "text": item.text})
+        return {"id": item.id or f"msg_{uuid.uuid4().hex}", "type": "message", "role": item.role,
+                "status": "completed", "content": [part]}
+    if isinstance(item, FunctionCallItem):
+        return {"id": item.id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": item.call_id,
+                "name": item.name, "arguments": item.arguments, "status": "completed"}
+    return {"id": item.id or f"fco_{uuid.uuid4().hex}", "type": "function_call_output", "call_id": item.call_id,
+            "output": item.text, "status": "completed"}
 
 
 def chat_history(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
@@ -201,11 +219,15 @@ class ResponsesRequest(GenerationBody):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
 
+    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        """This request's input as items (a text is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
     def new_messages(self) -> list[ChatMessage]:
         """This request's input as chat messages (without the instructions)."""
-        if isinstance(self.input, str):
-            return [ChatMessage(role="user", content=self.input)]
-        return chat_history(self.input)
+        return chat_history(self.input_items())
 
     def continued_chat(self) -> list[ChatMessage]:
         """The stored conversation continued, then this request's input."""
