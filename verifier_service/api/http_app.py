@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the same Generations the gRPC front uses.
 
 Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as Server-Sent
-Events with `stream: true`), GET and DELETE /v1/responses/{id} (the stored responses), POST
-/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors in its shape and
-its x-api-key header taken for the token), POST /tokenize and /detokenize (vLLM's), GET /v1/models,
-/health, /metrics, and / (the playground).
+Events with `stream: true`), GET and DELETE /v1/responses/{id} and GET .../input_items (the stored
+responses), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors in
+its shape and its x-api-key header taken for the token), POST /tokenize and /detokenize (vLLM's),
+GET /v1/models, /health, /metrics, and / (the playground).
 Bodies are read and checked (http_requests.py), not by FastAPI's own validation, so every mistake
-is an OpenAI error object with the status the issue and OpenAI's server give it
+is an OpenAI error object (Anthropic's on its routes) with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
 the bearer token when one is configured, as gRPC does. Web pages of the allowed origins
 may call it from a browser (CORS, as vLLM's --allowed-origins).

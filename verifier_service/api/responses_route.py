@@ -1,7 +1,7 @@
 """The Responses API's routes: POST /v1/responses (the request served as the chat it describes,
 responses_schema.py; answered whole or as OpenAI's events, responses_output.py), and the stored
-responses (response_store.py) that GET and DELETE /v1/responses/{id} read and remove and that
-`previous_response_id` continues."""
+responses (response_store.py) that GET and DELETE /v1/responses/{id} (and GET .../input_items) read
+and remove and that `previous_response_id` continues."""
 
 from __future__ import annotations
 
