@@ -120,6 +120,11 @@ class VerifierMetrics:
             f"{p}engine_step_overhead_seconds", "Per step of a busy engine: the step period minus its forward "
             "(scheduling, drafter call, hand-offs to and from the model thread, sampling, emitting)",
             buckets=OVERHEAD_BUCKETS, registry=r)
+        # --- the Responses API's stored responses (read at scrape time once `track_responses` is called)
+        self.responses_stored = Gauge(f"{p}responses_stored", "Responses kept for GET /v1/responses/{id} and "
+                                      "previous_response_id", registry=r)
+        self.responses_store_bytes = Gauge(f"{p}responses_store_bytes", "Bytes the stored responses are charged "
+                                           "(at most --responses-store-mb)", registry=r)
         ProcessCollector(registry=r)
         self._drafter_seen = (0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped at the last step
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
@@ -140,6 +145,11 @@ class VerifierMetrics:
             self.drafter_up = Gauge(f"{PREFIX}drafter_up", "1 while the drafter circuit breaker is closed, "
                                     "0 while open (absent without a drafter)", registry=self.registry)
             self.drafter_up.set_function(lambda: 1.0 if drafter_healthy() else 0.0)
+
+    def track_responses(self, stored: Callable[[], float], charged_bytes: Callable[[], float]) -> None:
+        """Read the response store's size at scrape time."""
+        self.responses_stored.set_function(stored)
+        self.responses_store_bytes.set_function(charged_bytes)
 
     # --- engine -------------------------------------------------------------------------------------
 

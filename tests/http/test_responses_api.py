@@ -115,7 +115,7 @@ def test_logprobs_are_chats_where_included() -> None:
 
 def test_previous_response_id_continues_the_stored_conversation() -> None:
     async def main() -> None:
-        async with http_verifier() as h:
+        async with http_verifier(metrics_port=0) as h:
             first = await h.client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=PROMPT,
                                                     max_output_tokens=10)
             assert first.store is True
@@ -170,6 +170,12 @@ def test_previous_response_id_continues_the_stored_conversation() -> None:
             assert unstored.store is False
             with pytest.raises(openai.NotFoundError):
                 await h.client.responses.retrieve(unstored.id)
+
+            # The store's size, in the metrics.
+            metrics = h.v.running.generations.metrics.registry
+            assert metrics.get_sample_value("splitspec:responses_stored") == len(h.v.running.http.state.responses)
+            assert metrics.get_sample_value("splitspec:responses_store_bytes") == \
+                h.v.running.http.state.responses.used_bytes > 0
 
         async with http_verifier(speculate=False, responses_store_mb=0) as h:
             response = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2)

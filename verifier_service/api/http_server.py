@@ -67,8 +67,11 @@ class HttpServer:
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = ()) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
-        state = HttpState(generations, auth_token, max_body_bytes, ResponseStore(responses_store_bytes), served_names,
-                          tool_call_parser, allowed_origins)
+        store = ResponseStore(responses_store_bytes)
+        if generations.metrics is not None:
+            generations.metrics.track_responses(lambda: len(store), lambda: store.used_bytes)
+        state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
+                          allowed_origins)
         config = uvicorn.Config(
             build_app(state), lifespan="off", access_log=False, log_level="warning", timeout_graceful_shutdown=CLOSE_S,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
