@@ -232,7 +232,7 @@ class Responder:
         return body
 
     def _calling(self) -> bool:
-        return self.tools is not None and self.tools.mode != "none"
+        return self.tools is not None and self.tools.makes_calls
 
     def _message(self, text: str, finish: str | None) -> tuple[dict[str, object], str | None]:
         """A whole chat answer's message and finish_reason: its text, or its content and tool calls."""

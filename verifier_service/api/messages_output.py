@@ -51,12 +51,8 @@ class MessageBuilder:
     _called: bool = False
 
     def __post_init__(self) -> None:
-        if self.calling:
+        if self.tools.makes_calls:
             self._calls = CallStream(self.tools)
-
-    @property
-    def calling(self) -> bool:
-        return self.tools.mode != "none"
 
     def _stop(self, out_finish: FinishReason | None, stop_reason: str, called: bool) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
@@ -88,7 +84,7 @@ class MessageBuilder:
     def whole(self, out: Output) -> dict[str, Any]:
         """The finished message of a request not streamed; `out`: its outputs joined."""
         content, calls = out.text, []
-        if self.calling:
+        if self.tools.makes_calls:
             content, calls, _ = self.tools.answer(out.text, FINISH.get(out.finish_reason))
         blocks = [{"type": "text", "text": content}] if content else []
         blocks += [self._tool_use(f"toolu_{uuid.uuid4().hex}", c.name, c.arguments) for c in calls]
@@ -102,7 +98,7 @@ class MessageBuilder:
     def feed(self, out: Output) -> list[str]:
         """The events of one output of the sequence (the last one included)."""
         content, deltas = out.text, []
-        if self.calling:
+        if self.tools.makes_calls:
             content, deltas, _ = self._calls.advance(out.text, out.finish_reason is not None,
                                                      FINISH.get(out.finish_reason))
         events = self._text(content) if content else []

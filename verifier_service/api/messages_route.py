@@ -5,7 +5,9 @@ routes give the same mistakes."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,22 +31,25 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = Field(None, ge=1)  # not asked for: nothing is generated
 
 
-async def respond(state: HttpState, request: Request) -> Response:
+@contextlib.contextmanager
+def _in_anthropic_shape() -> Iterator[None]:
+    """A refusal on these routes as Anthropic's error object."""
     try:
-        return await _respond(state, request)
-    except AnthropicError:
-        raise
+        yield
     except HttpError as e:
         raise AnthropicError.of(e) from None
+
+
+async def respond(state: HttpState, request: Request) -> Response:
+    with _in_anthropic_shape():
+        return await _respond(state, request)
 
 
 async def count_tokens(state: HttpState, request: Request) -> JSONResponse:
     """The prompt tokens the same message would start from (a chat too long to generate from is counted)."""
-    try:
+    with _in_anthropic_shape():
         body = await read_body(state, request, CountTokensRequest)
         tokens = refusals_as_errors(lambda: state.generations.tokenize(verifier_pb2.TokenizeRequest(chat=body.chat())))
-    except HttpError as e:
-        raise AnthropicError.of(e) from None
     return JSONResponse({"input_tokens": len(tokens.token_ids)})
 
 

@@ -52,12 +52,8 @@ class ResponseBuilder:
     _events: int = 0
 
     def __post_init__(self) -> None:
-        if self.calling:
+        if self.tools.makes_calls:
             self._calls = CallStream(self.tools)
-
-    @property
-    def calling(self) -> bool:
-        return self.tools.mode != "none"
 
     def body(self, status: str, finished: bool = False) -> dict[str, Any]:
         """The response object as it stands (`finished`: with its usage)."""
@@ -87,7 +83,7 @@ class ResponseBuilder:
 
     def _logprobs(self, out: Output) -> list[dict[str, object]]:
         """The output's tokens' log-probabilities where asked (text and tokens line up only without calls)."""
-        if self.request.logprobs_count is None or self.calling:
+        if self.request.logprobs_count is None or self.tools.makes_calls:
             return []
         return [chat_logprob(lp, self.token) for lp in out.logprobs]
 
@@ -109,7 +105,7 @@ class ResponseBuilder:
         finish = FINISH.get(out.finish_reason)
         status = self._status(finish)
         content, calls = (out.text, [])
-        if self.calling:
+        if self.tools.makes_calls:
             content, calls, _ = self.tools.answer(out.text, finish)
         if content or not calls:
             self.output.append(self._message_item(content or "", status, self._logprobs(out)))
@@ -129,10 +125,10 @@ class ResponseBuilder:
     def feed(self, out: Output) -> list[str]:
         """The events of one output of the sequence (the last one included)."""
         content, deltas = out.text, []
-        if self.calling:
+        if self.tools.makes_calls:
             content, deltas, _ = self._calls.advance(out.text, out.finish_reason is not None,
                                                      FINISH.get(out.finish_reason))
-        events = self._text(content, self._logprobs(out)) if content or not self.calling else []
+        events = self._text(content, self._logprobs(out)) if content or not self.tools.makes_calls else []
         for delta in deltas:
             events += self._call_delta(delta)
         return events

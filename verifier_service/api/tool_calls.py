@@ -60,6 +60,10 @@ class ToolPlan:
     constraint: verifier_pb2.StructuredOutput | None = None
     parser: str | None = None  # auto's: the server's --tool-call-parser (None: auto is not served)
 
+    @property
+    def makes_calls(self) -> bool:
+        return self.mode != "none"
+
     def unserved(self) -> str | None:
         """Why this server cannot answer the plan, if it cannot."""
         if self.mode == "auto" and self.parser is None:
