@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="between the request's own tree and the global one, the draft after the longer match "
                              "wins, the higher score between equal matches (on; not in vLLM). --no-...: the higher "
                              "score wins, vLLM's rule")
+    suffix.add_argument("--learn-choice", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                        help="with --prefer-longer-match: both trees draft every step, and what the verifier "
+                             "accepts teaches the drafter after which pairs of match lengths the other tree "
+                             "drafts better (on; not in vLLM)")
     suffix.add_argument("--max-spec-offset", type=float, default=argparse.SUPPRESS,
                         help="... plus this many tokens (0)")
     suffix.add_argument("--min-token-prob", type=float, default=argparse.SUPPRESS,
@@ -115,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "own_spec_factor", "prefer_longer_match",
-                "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
+                "learn_choice", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
 
 
 def suffix_kwargs(args: argparse.Namespace) -> dict:

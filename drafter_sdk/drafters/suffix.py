@@ -37,11 +37,14 @@ are not alike: a passage the request's context holds once gives each of its toke
 probability 1, so a one- or two-token match in the own tree outscored a three- or
 four-token match in the global tree that predicted better. As variable-order Markov
 predictors do, the longer context is trusted first (README: templated answers ran 1.20x
-and 1.31x the n-gram drafter in two runs, against 1.17x). So the tree that drafted the
-request's last step is searched first (it likely holds the longer match again), and the
-other only where it holds a match as long as that draft's: without one, its draft cannot
-win. A request copying its own context then skips the global tree's search, and one
-answered from other requests' outputs skips its own.
+and 1.31x the n-gram drafter in two runs, against 1.17x). With `learn_choice` (the
+default) that rule is where the drafter starts: both trees draft every step, and what the
+verifier then accepts teaches it after which pairs of match lengths the other tree drafts
+better (suffix_choice.py). Without it, the tree that drafted the request's last step is
+searched first (it likely holds the longer match again), and the other only where it
+holds a match as long as that draft's: without one, its draft cannot win. A request
+copying its own context then skips the global tree's search, and one answered from
+other requests' outputs skips its own.
 
 As a service, one suffix drafter behind many verifiers learns from all of their
 outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's
@@ -70,6 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafters.suffix_choice import ChoiceTable, Trial, bucket, pending_trials
 from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
@@ -84,6 +88,7 @@ class _Request:
     own: Cursor = field(default_factory=Cursor)
     shared: Cursor = field(default_factory=Cursor)
     own_won: bool = False  # whether its own tree drafted last step: that tree is searched first
+    trials: deque[Trial] = field(default_factory=pending_trials)  # both trees' drafts, until tokens settle them
 
 
 class SuffixDrafter(Drafter):
@@ -94,8 +99,8 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
-                 cache_scope: str = "global", own_spec_factor: float = 8.0, prefer_longer_match: bool = True
-                 ) -> None:
+                 cache_scope: str = "global", own_spec_factor: float = 8.0, prefer_longer_match: bool = True,
+                 learn_choice: bool = True) -> None:
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")
         if max_cached_requests < 0:
@@ -118,8 +123,10 @@ class SuffixDrafter(Drafter):
         self.cache_prompts = cache_prompts
         self.cache_scope = cache_scope
         self.prefer_longer_match = prefer_longer_match
+        self.learn_choice = learn_choice
         self._requests: dict[Key, _Request] = {}
         self._global: dict[str, SuffixIndex] = {}  # by scope: "" for global, the verifier id for verifier
+        self._choices: dict[str, ChoiceTable] = {}  # by scope, beside its global tree
         self._learned: deque[str] = deque()  # the scope of each cached output, oldest first
 
     # --- the Drafter API ---
@@ -146,6 +153,7 @@ class SuffixDrafter(Drafter):
         tree = self._global.get(scope)
         if tree is None:
             tree = self._global[scope] = SuffixIndex(self.max_tree_depth)
+            self._choices[scope] = ChoiceTable()
         tree.add(learned)
         self._learned.append(scope)
         while len(self._learned) > self.max_cached_requests:
@@ -153,11 +161,14 @@ class SuffixDrafter(Drafter):
             tree = self._global[oldest]
             tree.evict_oldest()
             if not len(tree):
-                del self._global[oldest]
+                del self._global[oldest], self._choices[oldest]
 
     def state_bytes(self, key: Key) -> int:
         state = self._requests.get(key)
-        return state.tree.nbytes() + state.own.nbytes() + state.shared.nbytes() if state is not None else 0
+        if state is None:
+            return 0
+        return (state.tree.nbytes() + state.own.nbytes() + state.shared.nbytes()
+                + sum(trial.nbytes() for trial in state.trials))
 
     def shared_state_bytes(self) -> int:
         return sum(tree.nbytes() for tree in self._global.values())
@@ -187,9 +198,26 @@ class SuffixDrafter(Drafter):
         state = self._requests[key]
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
-        index, draft, own = self._choose(state, shared, tokens, draft_len)
+        if shared is not None and self.prefer_longer_match and self.learn_choice:
+            index, draft, own = self._learned_choice(state, shared, self._choices[scope], tokens, draft_len)
+        else:
+            index, draft, own = self._choose(state, shared, tokens, draft_len)
         state.own_won = own and bool(draft.tokens)
         return index, draft, own
+
+    def _learned_choice(self, state: _Request, shared: SuffixIndex, choices: ChoiceTable, tokens: Sequence[int],
+                        draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
+        """Both trees draft; where both have a draft, the table picks one and keeps both to learn from
+        (suffix_choice.py)."""
+        mine, theirs = self._own(state, tokens, draft_len), self._theirs(state, shared, tokens, draft_len)
+        if not (mine.tokens and theirs.tokens):
+            return (state.tree, mine, True) if mine.tokens or not theirs.tokens else (shared, theirs, False)
+        if not state.trials or state.trials[-1].at != len(tokens):  # a context asked again is one trial
+            state.trials.append(Trial(len(tokens), (bucket(mine.match_len), bucket(theirs.match_len)), mine.tokens,
+                                      theirs.tokens))
+        if choices.own_wins(mine.match_len, theirs.match_len, mine.score >= theirs.score):
+            return state.tree, mine, True
+        return shared, theirs, False
 
     def _choose(self, state: _Request, shared: SuffixIndex | None, tokens: Sequence[int],
                 draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
@@ -239,6 +267,11 @@ class SuffixDrafter(Drafter):
             state.tree.add(r.tokens)
         elif state.tree.num_tokens < len(r.tokens):
             state.tree.extend(r.tokens[state.tree.num_tokens:])
+            choices = self._choices.get(self._scope(r.key)) if state.trials else None
+            if choices is not None:
+                choices.learn(state.trials, r.tokens)
+            else:  # its global tree has gone (all evicted) since they were drafted
+                state.trials.clear()
         return state
 
     def _scope(self, key: Key) -> str | None:

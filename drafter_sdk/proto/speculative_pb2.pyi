@@ -89,7 +89,7 @@ class NgramConfig(_message.Message):
     def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ..., tree_min_prob: _Optional[float] = ...) -> None: ...
 
 class SuffixConfig(_message.Message):
-    __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope", "own_spec_factor", "prefer_longer_match")
+    __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope", "own_spec_factor", "prefer_longer_match", "learn_choice")
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class SuffixConfig(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     OWN_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PREFER_LONGER_MATCH_FIELD_NUMBER: _ClassVar[int]
+    LEARN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     max_tree_depth: int
     max_cached_requests: int
     max_spec_factor: float
@@ -108,7 +109,8 @@ class SuffixConfig(_message.Message):
     cache_scope: SuffixCacheScope
     own_spec_factor: float
     prefer_longer_match: bool
-    def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ..., own_spec_factor: _Optional[float] = ..., prefer_longer_match: _Optional[bool] = ...) -> None: ...
+    learn_choice: bool
+    def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ..., own_spec_factor: _Optional[float] = ..., prefer_longer_match: _Optional[bool] = ..., learn_choice: _Optional[bool] = ...) -> None: ...
 
 class DraftModelConfig(_message.Message):
     __slots__ = ("model", "device", "dtype", "kv_cache_memory_gb", "draft_ahead")

@@ -159,12 +159,13 @@ def test_cli_builds_the_ngram_drafter_from_its_flags():
 
 def test_cli_builds_the_suffix_drafter_from_its_flags():
     default = cli.make_drafter(cli.build_parser().parse_args(["suffix"]))
-    assert (default.max_spec_factor, default.own_spec_factor, default.prefer_longer_match) == (1.0, 8.0, True)
+    assert (default.max_spec_factor, default.own_spec_factor, default.prefer_longer_match,
+            default.learn_choice) == (1.0, 8.0, True, True)
     args = cli.build_parser().parse_args(["suffix", "--max-spec-factor", "1.5", "--own-spec-factor", "1.0",
-                                          "--no-prefer-longer-match", "--cache-scope", "request"])
+                                          "--no-prefer-longer-match", "--no-learn-choice", "--cache-scope", "request"])
     drafter = cli.make_drafter(args)
-    assert (drafter.max_spec_factor, drafter.own_spec_factor, drafter.prefer_longer_match,
-            drafter.cache_scope) == (1.5, 1.0, False, "request")
+    assert (drafter.max_spec_factor, drafter.own_spec_factor, drafter.prefer_longer_match, drafter.learn_choice,
+            drafter.cache_scope) == (1.5, 1.0, False, False, "request")
 
 
 def test_the_sdk_imports_without_torch_or_numpy():

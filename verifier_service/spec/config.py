@@ -214,13 +214,13 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
 
 
 def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
-    """Unset knobs take SuffixDrafter's defaults (vLLM's, own_spec_factor and prefer_longer_match); the drafter
-    checks the values."""
+    """Unset knobs take SuffixDrafter's defaults (vLLM's, own_spec_factor, prefer_longer_match and
+    learn_choice); the drafter checks the values."""
     defaults = SuffixDrafter()
     if sx.max_tree_depth == 0:
         sx.max_tree_depth = defaults.max_tree_depth
     for knob in ("max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "own_spec_factor",
-                 "prefer_longer_match"):
+                 "prefer_longer_match", "learn_choice"):
         if not sx.HasField(knob):
             setattr(sx, knob, getattr(defaults, knob))
     if sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_UNSPECIFIED:
@@ -245,7 +245,8 @@ def suffix_drafter(sx: speculative_pb2.SuffixConfig) -> SuffixDrafter:
     return SuffixDrafter(max_tree_depth=sx.max_tree_depth, max_cached_requests=sx.max_cached_requests,
                          max_spec_factor=sx.max_spec_factor, max_spec_offset=sx.max_spec_offset,
                          min_token_prob=sx.min_token_prob, cache_prompts=sx.cache_prompts, cache_scope=scope,
-                         own_spec_factor=sx.own_spec_factor, prefer_longer_match=sx.prefer_longer_match)
+                         own_spec_factor=sx.own_spec_factor, prefer_longer_match=sx.prefer_longer_match,
+                         learn_choice=sx.learn_choice)
 
 def _fill_draft_model(dm: speculative_pb2.DraftModelConfig) -> None:
     dm.device = dm.device or "auto"
