@@ -73,7 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
-from drafter_sdk.drafters.suffix_choice import ChoiceTable, Trial, bucket, pending_trials
+from drafter_sdk.drafters.suffix_choice import LONG_MATCH, RECHECK_EVERY, ChoiceTable, Trial, bucket, pending_trials
 from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
@@ -89,6 +89,7 @@ class _Request:
     shared: Cursor = field(default_factory=Cursor)
     own_won: bool = False  # whether its own tree drafted last step: that tree is searched first
     trials: deque[Trial] = field(default_factory=pending_trials)  # both trees' drafts, until tokens settle them
+    choices: int = 0  # drafting steps with a choice between the trees (learn_choice)
 
 
 class SuffixDrafter(Drafter):
@@ -208,8 +209,27 @@ class SuffixDrafter(Drafter):
     def _learned_choice(self, state: _Request, shared: SuffixIndex, choices: ChoiceTable, tokens: Sequence[int],
                         draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
         """Both trees draft; where both have a draft, the table picks one and keeps both to learn from
-        (suffix_choice.py)."""
-        mine, theirs = self._own(state, tokens, draft_len), self._theirs(state, shared, tokens, draft_len)
+        (suffix_choice.py). As in `_choose`, the tree that drafted last step goes first; the other is
+        skipped where it holds no match the table says could win, except on every RECHECK_EVERY-th step.
+        The own tree is skipped so only after a LONG_MATCH in the global one: after shorter ones its
+        drafts are what the table learns to overrule the rule from."""
+        state.choices += 1
+        recheck = state.choices % RECHECK_EVERY == 0
+        longest = min(len(tokens), self.max_tree_depth)
+        if state.own_won:
+            mine = self._own(state, tokens, draft_len)
+            if mine.tokens and not recheck:
+                rival = choices.shortest_rival(mine.match_len, True, longest)
+                if rival > longest or rival >= 2 and not shared.occurs(tokens, rival):
+                    return state.tree, mine, True
+            theirs = self._theirs(state, shared, tokens, draft_len)
+        else:
+            theirs = self._theirs(state, shared, tokens, draft_len)
+            if theirs.match_len >= LONG_MATCH and not recheck:
+                rival = choices.shortest_rival(theirs.match_len, False, longest)
+                if rival > longest or rival >= 2 and not state.tree.occurs(tokens, rival, own=True):
+                    return shared, theirs, False
+            mine = self._own(state, tokens, draft_len)
         if not (mine.tokens and theirs.tokens):
             return (state.tree, mine, True) if mine.tokens or not theirs.tokens else (shared, theirs, False)
         if not state.trials or state.trials[-1].at != len(tokens):  # a context asked again is one trial

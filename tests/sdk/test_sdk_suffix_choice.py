@@ -115,3 +115,19 @@ def test_trials_are_dropped_once_their_global_tree_is_evicted() -> None:
     assert "v" not in drafter._choices
     drafter.prepare_draft_tokens([request("r", prompt + TEMPLATE + [20], prompt_len=len(prompt))])
     assert not drafter._requests[("v", "r")].trials
+
+
+def test_a_request_copying_its_own_context_searches_the_global_tree_only_to_recheck(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    drafter = SuffixDrafter()
+    finish(drafter, "old", [9], [70, 71, 72, 73, 74, 75])
+    searched = []
+    theirs = drafter._theirs
+    monkeypatch.setattr(drafter, "_theirs", lambda *a: searched.append(1) or theirs(*a))
+    text = list(range(100, 140))
+    context = text + text[:4]
+    steps = 2 * suffix_choice.RECHECK_EVERY
+    for i in range(steps):  # it goes on copying: its own tree's long match wins every step
+        [draft] = drafter.prepare_draft_tokens([request("copy", context + text[4:4 + i], prompt_len=len(text))])
+        assert draft[:1] == [text[4 + i]]
+    assert len(searched) == 1 + steps // suffix_choice.RECHECK_EVERY  # the first step, then each recheck
