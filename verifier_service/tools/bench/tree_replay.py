@@ -190,9 +190,9 @@ def main() -> None:
                    help="chains ask for 2k + 1 tokens where k are verified: adds the share of drafting steps the "
                         "rest of the last answer covers (their call could overlap the forward)")
     q.add_argument("--drafter", choices=["ngram", "suffix"], default="ngram",
-                   help="suffix: instead of trees, the suffix drafter's chains against the n-gram chain, with the "
-                        "longer match winning between its trees and with vLLM's higher score (one drafter learns "
-                        "every record in order)")
+                   help="suffix: instead of trees, the suffix drafter's chains against the n-gram chain, its choice "
+                        "between its trees learned, by the longer match alone (unlearned) and by vLLM's higher "
+                        "score (one drafter learns every record in order)")
     args = p.parse_args()
     if args.command == "record":
         record(args.file, args.workloads.split(","), args.prompts, args.max_new_tokens)
@@ -211,6 +211,7 @@ def main() -> None:
     systems: list[tuple[str, Callable[[], Drafter], int, bool]] = [("chain", chain, 0, False)]
     if args.drafter == "suffix":
         systems += [("suffix", SuffixDrafter, 0, True),
+                    ("suffix unlearned", lambda: SuffixDrafter(learn_choice=False), 0, True),
                     ("suffix score", lambda: SuffixDrafter(prefer_longer_match=False), 0, True)]
     else:
         systems += [(f"tree p>={floor:g}", functools.partial(NgramDrafter, max_draft_len=n, tree_min_prob=floor), n,
