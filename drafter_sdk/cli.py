@@ -92,9 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "wins, the higher score between equal matches (on; not in vLLM). --no-...: the higher "
                              "score wins, vLLM's rule")
     suffix.add_argument("--learn-choice", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                        help="with --prefer-longer-match: both trees draft every step, and what the verifier "
-                             "accepts teaches the drafter after which pairs of match lengths the other tree "
-                             "drafts better (on; not in vLLM)")
+                        help="with --prefer-longer-match: what the verifier accepts teaches the drafter after which "
+                             "pairs of match lengths the other tree drafts better (on; not in vLLM)")
     suffix.add_argument("--max-spec-offset", type=float, default=argparse.SUPPRESS,
                         help="... plus this many tokens (0)")
     suffix.add_argument("--min-token-prob", type=float, default=argparse.SUPPRESS,

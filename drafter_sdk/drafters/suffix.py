@@ -38,9 +38,9 @@ probability 1, so a one- or two-token match in the own tree outscored a three- o
 four-token match in the global tree that predicted better. As variable-order Markov
 predictors do, the longer context is trusted first (README: templated answers ran 1.20x
 and 1.31x the n-gram drafter in two runs, against 1.17x). With `learn_choice` (the
-default) that rule is where the drafter starts: both trees draft every step, and what the
-verifier then accepts teaches it after which pairs of match lengths the other tree drafts
-better (suffix_choice.py). Without it, the tree that drafted the request's last step is
+default) that rule is where the drafter starts: both trees draft wherever either could win,
+and what the verifier then accepts teaches it after which pairs of match lengths the other
+tree drafts better (suffix_choice.py). Without it, the tree that drafted the request's last step is
 searched first (it likely holds the longer match again), and the other only where it
 holds a match as long as that draft's: without one, its draft cannot win. A request
 copying its own context then skips the global tree's search, and one answered from
@@ -89,7 +89,7 @@ class _Request:
     shared: Cursor = field(default_factory=Cursor)
     own_won: bool = False  # whether its own tree drafted last step: that tree is searched first
     trials: deque[Trial] = field(default_factory=pending_trials)  # both trees' drafts, until tokens settle them
-    choices: int = 0  # drafting steps with a choice between the trees (learn_choice)
+    choice_steps: int = 0  # drafting steps that chose between the trees (learn_choice): every 16th rechecks
 
 
 class SuffixDrafter(Drafter):
@@ -208,13 +208,13 @@ class SuffixDrafter(Drafter):
 
     def _learned_choice(self, state: _Request, shared: SuffixIndex, choices: ChoiceTable, tokens: Sequence[int],
                         draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
-        """Both trees draft; where both have a draft, the table picks one and keeps both to learn from
-        (suffix_choice.py). As in `_choose`, the tree that drafted last step goes first; the other is
-        skipped where it holds no match the table says could win, except on every RECHECK_EVERY-th step.
+        """Where both trees draft, the table picks one and both are kept to learn from (suffix_choice.py).
+        As in `_choose`, the tree that drafted last step goes first; the other is skipped where it holds
+        no match the table says could win, except on every RECHECK_EVERY-th step.
         The own tree is skipped so only after a LONG_MATCH in the global one: after shorter ones its
         drafts are what the table learns to overrule the rule from."""
-        state.choices += 1
-        recheck = state.choices % RECHECK_EVERY == 0
+        state.choice_steps += 1
+        recheck = state.choice_steps % RECHECK_EVERY == 0
         longest = min(len(tokens), self.max_tree_depth)
         if state.own_won:
             mine = self._own(state, tokens, draft_len)
