@@ -84,12 +84,13 @@ def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_di
     """The recurring rounds after the first: the suffix drafter remembers the first round, n-gram cannot."""
     out = tmp_path / "results"
     done = subprocess.run(
-        [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens",
-         "12", "--workloads", "recurring", "--suffix-speed-outputs", "0", "--suffix-variant=--cache-scope request",
-         "--out", str(out)],
+        [script("splitspec"), "bench", "--replay", "--model", str(model_dir), "--prompts", "2", "--prompts-for",
+         "recurring=1", "--max-new-tokens", "12", "--workloads", "recurring", "--suffix-speed-outputs", "0",
+         "--suffix-variant=--cache-scope request", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {(r["drafter"], r["workload"]): r for r in json.loads((out / "replay.json").read_text())["results"]}
+    assert results[("suffix", "recurring")]["prompts"] == 2  # rounds 2 and 3 of one question (--prompts-for)
     assert results[("suffix", "recurring")]["mean_acceptance_length"] > 2.0
     assert results[("suffix", "recurring")]["accepted"] > results[("ngram", "recurring")]["accepted"]
     assert results[("suffix-score", "recurring")]["steps"] > 0  # vLLM's choice between the trees, beside it
@@ -217,6 +218,14 @@ def test_decode_speed_leaves_the_prefill_out() -> None:
     one_token = Run(token_ids=[1], seconds=1.0, decode_seconds=0.0)
     assert bench_report.decode_speed(one_token, fast_prefill) is None
     assert math.isnan(bench_report.relative_decode_speed([one_token], [fast_prefill]))
+
+
+@pytest.mark.parametrize("bad", ["nope=3", "templated=0", "templated", "code=x"])
+def test_a_bad_prompt_count_for_one_workload_fails_before_anything_runs(bad: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--prompts-for", bad])
+    assert exit_info.value.code == 2 and "give WORKLOAD=N" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["bench", "bench-tp"])

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
                    help=f"comma list of {', '.join(workloads.WORKLOADS)}")
     p.add_argument("--prompts", type=int, default=6, help="prompts per workload")
+    p.add_argument("--prompts-for", action="append", default=[], metavar="WORKLOAD=N", type=_workload_count,
+                   help="another count for one workload, e.g. --prompts-for templated=40 (repeatable): a drafter "
+                        "that learns across requests needs more of them than the others, in the same run")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-draft-len", type=int, default=8)
     p.add_argument("--ngram-size", type=int, default=3, help="max matching n-gram size (ours and transformers')")
@@ -105,6 +108,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     engine_sections.add_arguments(p)
     p.set_defaults(func=main)
+
+
+def _workload_count(text: str) -> tuple[str, int]:
+    name, _, count = text.partition("=")
+    if name not in workloads.WORKLOADS or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give WORKLOAD=N, a workload of {', '.join(workloads.WORKLOADS)} "
+                                         "and a count of 1 or more")
+    return name, int(count)
 
 
 def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
@@ -166,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
     device = model_loader.pick_device(args.device)
     # The verifiers' dtype, so transformers decodes the same numbers.
     model, tokenizer = model_loader.load(source, model_loader.pick_dtype(args.dtype, device), device)
-    prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer)
+    prompts = workloads.build(args.workloads.split(","), args.prompts, tokenizer, dict(args.prompts_for))
     if args.replay:
         return _replay(model, tokenizer, prompts, args, out, variants)
     if args.trees:

@@ -145,12 +145,14 @@ def chat_ids(text: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def build(names: list[str], count: int, tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
-    """The prompts in the order every system runs them (learning drafters depend on that order).
-    The first round of `recurring` is reported apart, as `recurring-first`: nothing to remember yet."""
+def build(names: list[str], count: int, tokenizer: PreTrainedTokenizerBase,
+          counts: dict[str, int] | None = None) -> list[Prompt]:
+    """`count` prompts of each workload (`counts`: another for some), in the order every system runs them
+    (learning drafters depend on that order). The first round of `recurring` is reported apart, as
+    `recurring-first`: nothing to remember yet."""
     prompts = []
     for workload in names:
-        for item in WORKLOADS[workload](count):
+        for item in WORKLOADS[workload]((counts or {}).get(workload, count)):
             if isinstance(item, Prompt):
                 prompts.append(item)
                 continue
