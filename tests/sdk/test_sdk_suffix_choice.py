@@ -40,7 +40,7 @@ def test_the_longer_match_rule_holds_until_the_evidence_outweighs_it() -> None:
     assert not pending and not table.own_wins(3, 5, True)
     pending.append(Trial(1, (3, 5), [1, 2, 9], [5]))
     table.learn(pending, committed)
-    assert table.own_wins(3, 5, True)  # about 9 tokens of evidence (decayed a little): more than the rule's 8
+    assert table.own_wins(3, 5, True)  # 8.4 tokens of evidence (decayed): more than the rule's 8
     assert not table.own_wins(3, 6, True)  # a pair of the same buckets but a longer difference
     assert not table.own_wins(2, 5, True)  # another pair: nothing learned there
 

@@ -51,6 +51,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) ->
     # The variant is paired with the n-gram remote and with the default suffix drafter, in the same run.
     assert {(c["system"], c["baseline"]) for c in report["comparisons"] if c["system"] == VARIANT} == {
         (VARIANT, "splitspec ngram remote"), (VARIANT, "splitspec suffix remote")}
+    assert "suffix remote --max-spec-factor 2 ÷ suffix remote " in done.stdout  # the second pairing says so
     assert all(c["ratio"] > 0 and c["decode_ratio"] > 0 for c in report["comparisons"]), report["comparisons"]
     assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]

@@ -127,8 +127,9 @@ def print_tables(report: Report) -> None:
     if report.comparisons:
         print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts; "
               "decode: after the first token) ==")
+        header_baseline = report.comparisons[0]["baseline"]
         for workload in dict.fromkeys(c["workload"] for c in report.comparisons):
-            print(f"  {workload:<16} " + ", ".join(f"{c['system'].removeprefix('splitspec ')} {c['ratio']:.2f}x "
+            print(f"  {workload:<16} " + ", ".join(f"{_against(c, header_baseline)} {c['ratio']:.2f}x "
                                                     f"(decode {c['decode_ratio']:.2f}x)"
                                                     for c in report.comparisons if c["workload"] == workload))
     if report.suffix_speed:
@@ -144,6 +145,15 @@ def print_tables(report: Report) -> None:
         for row in report.serving:
             print(f"{row['concurrency']:>11} {row['plain_tps']:>11.1f} {row['spec_tps']:>10.1f} "
                   f"{row['spec_tps'] / row['plain_tps']:>5.2f}x {row['identical']:>4}/{row['requests']:<4}")
+
+
+def _against(comparison: dict, header_baseline: str) -> str:
+    """A comparison's system, and its baseline where that is not the one the header names (a suffix variant
+    against the default suffix drafter)."""
+    system = comparison["system"].removeprefix("splitspec ")
+    if comparison["baseline"] == header_baseline:
+        return system
+    return f"{system} ÷ {comparison['baseline'].removeprefix('splitspec ')}"
 
 
 def print_suffix_speed(s: dict) -> None:
