@@ -5,11 +5,11 @@ right more often than vLLM's higher score, but not everywhere. In templated answ
 often matches a long run of shared boilerplate that ends in the first token of something only this
 request knows (a name it wrote three lines up): there a three-token match in its own context drafted
 6.0 accepted tokens on average where the global tree's match of four or more drafted 1.3 (replayed
-against greedy outputs of 40 templated prompts; README). So wherever both trees draft, the drafter keeps both
-drafts as a Trial, and once the committed tokens show how many tokens of each the verifier would have
-accepted, the pair of match lengths they followed learns the difference (ChoiceTable). The choice then
-goes to the tree that drafted better after such pairs, the longer-match rule deciding until evidence
-outweighs it.
+against greedy outputs of 40 templated prompts; README). So wherever both trees draft, the drafter
+keeps both drafts as a Trial, and once the committed tokens show how many tokens of each the verifier
+would have accepted, the pair of match lengths they followed learns the difference (ChoiceTable). The
+choice then goes to the tree that drafted better after such pairs, the longer-match rule deciding
+until evidence outweighs it.
 
 The untried draft's count is as sound as the tried one's: the committed tokens do not depend on which
 draft was verified, under greedy decoding and under lossless sampling alike (each emitted token is
@@ -36,7 +36,7 @@ DECAY = 0.95
 # settled keeps being checked, at a sixteenth of the cost of searching both trees every step.
 RECHECK_EVERY = 16
 # After a global match this long (a recurring answer) the own tree is searched only where it holds a
-# match that could win: replayed, no own draft beat such a global one, and skipping the search kept 16
+# match that could win: in the replays no own draft beat such a global one, and skipping the search kept 16
 # sequences' drafting at 1.82 ms p50 (the speed bench) where searching the own tree after every global
 # draft took 2.67 ms. After shorter global matches it is always searched: its drafts there are what the
 # table learns from.
