@@ -54,7 +54,10 @@ def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
 
             for _ in range(100):  # "c" idles out after 0.5 s
                 samples = await scrape(port)
-                if value(samples, "state_evictions_total", cause="idle") == 1:
+                # A scrape reads the held count before the eviction counters, so one taken while the sweeper
+                # runs may see the eviction without its drop: wait for both.
+                idle = value(samples, "state_evictions_total", cause="idle")
+                if idle == 1 and value(samples, "held_sequences") == 0:
                     break
                 await asyncio.sleep(0.05)
             assert value(samples, "state_evictions_total", cause="idle") == 1
