@@ -40,11 +40,11 @@ predictors do, the longer context is trusted first (README: templated answers ra
 and 1.31x the n-gram drafter in two runs, against 1.17x). With `learn_choice` (the
 default) that rule is where the drafter starts: both trees draft wherever either could win,
 and what the verifier then accepts teaches it after which pairs of match lengths the other
-tree drafts better (suffix_choice.py). Without it, the tree that drafted the request's last step is
-searched first (it likely holds the longer match again), and the other only where it
-holds a match as long as that draft's: without one, its draft cannot win. A request
-copying its own context then skips the global tree's search, and one answered from
-other requests' outputs skips its own.
+tree drafts better (suffix_choice.py). Either way, the tree that drafted the request's last
+step is searched first (it likely holds the longer match again), and the other only where
+it holds a match that could win (by the rule alone: one as long as that draft's). A
+request copying its own context then skips the global tree's search, and one answered
+from other requests' outputs skips its own.
 
 As a service, one suffix drafter behind many verifiers learns from all of their
 outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's
@@ -128,6 +128,7 @@ class SuffixDrafter(Drafter):
         self._requests: dict[Key, _Request] = {}
         self._global: dict[str, SuffixIndex] = {}  # by scope: "" for global, the verifier id for verifier
         self._choices: dict[str, ChoiceTable] = {}  # by scope, beside its global tree
+        self._rule = ChoiceTable()  # never learns: the longer-match rule alone (learn_choice off)
         self._learned: deque[str] = deque()  # the scope of each cached output, oldest first
 
     # --- the Drafter API ---
@@ -199,72 +200,63 @@ class SuffixDrafter(Drafter):
         state = self._requests[key]
         scope = self._scope(key)
         shared = self._global.get(scope) if scope is not None else None
-        if shared is not None and self.prefer_longer_match and self.learn_choice:
-            index, draft, own = self._learned_choice(state, shared, self._choices[scope], tokens, draft_len)
+        if shared is None:
+            index, draft, own = state.tree, self._own(state, tokens, draft_len), True
+        elif not self.prefer_longer_match:
+            index, draft, own = self._by_score(state, shared, tokens, draft_len)
         else:
-            index, draft, own = self._choose(state, shared, tokens, draft_len)
+            choices = self._choices[scope] if self.learn_choice else None
+            index, draft, own = self._by_longer_match(state, shared, choices, tokens, draft_len)
         state.own_won = own and bool(draft.tokens)
         return index, draft, own
 
-    def _learned_choice(self, state: _Request, shared: SuffixIndex, choices: ChoiceTable, tokens: Sequence[int],
-                        draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
-        """Where both trees draft, the table picks one and both are kept to learn from (suffix_choice.py).
-        As in `_choose`, the tree that drafted last step goes first; the other is skipped where it holds
-        no match the table says could win, except on every RECHECK_EVERY-th step.
-        The own tree is skipped so only after a LONG_MATCH in the global one: after shorter ones its
-        drafts are what the table learns to overrule the rule from."""
-        state.choice_steps += 1
-        recheck = state.choice_steps % RECHECK_EVERY == 0
+    def _by_longer_match(self, state: _Request, shared: SuffixIndex, choices: ChoiceTable | None,
+                         tokens: Sequence[int], draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
+        """The draft after the longer match wins, corrected by what `choices` learned (suffix_choice.py;
+        None: the rule alone). The tree that drafted last step goes first: it likely holds the longer
+        match again. The other is searched only where it holds a match the table says could win (under
+        the rule alone: one as long as the first one's). A learning table also has the other searched on
+        every RECHECK_EVERY-th step, and the own tree after any global match shorter than LONG_MATCH:
+        its drafts there are what the table learns to overrule the rule from. Where both trees draft, it
+        keeps both as a trial."""
+        table = self._rule if choices is None else choices
+        recheck, skip_own_from = False, 0
+        if choices is not None:
+            state.choice_steps += 1
+            recheck, skip_own_from = state.choice_steps % RECHECK_EVERY == 0, LONG_MATCH
         longest = min(len(tokens), self.max_tree_depth)
         if state.own_won:
             mine = self._own(state, tokens, draft_len)
             if mine.tokens and not recheck:
-                rival = choices.shortest_rival(mine.match_len, True, longest)
+                rival = table.shortest_rival(mine.match_len, True, longest)
                 if rival > longest or rival >= 2 and not shared.occurs(tokens, rival):
                     return state.tree, mine, True
             theirs = self._theirs(state, shared, tokens, draft_len)
         else:
             theirs = self._theirs(state, shared, tokens, draft_len)
-            if theirs.match_len >= LONG_MATCH and not recheck:
-                rival = choices.shortest_rival(theirs.match_len, False, longest)
+            if theirs.match_len >= skip_own_from and not recheck:
+                rival = table.shortest_rival(theirs.match_len, False, longest)
                 if rival > longest or rival >= 2 and not state.tree.occurs(tokens, rival, own=True):
                     return shared, theirs, False
             mine = self._own(state, tokens, draft_len)
         if not (mine.tokens and theirs.tokens):
             return (state.tree, mine, True) if mine.tokens or not theirs.tokens else (shared, theirs, False)
-        if not state.trials or state.trials[-1].at != len(tokens):  # a context asked again is one trial
+        if choices is not None and (not state.trials or state.trials[-1].at != len(tokens)):  # asked again: one
             state.trials.append(Trial(len(tokens), (bucket(mine.match_len), bucket(theirs.match_len)), mine.tokens,
                                       theirs.tokens))
-        if choices.own_wins(mine.match_len, theirs.match_len, mine.score >= theirs.score):
+        if table.own_wins(mine.match_len, theirs.match_len, mine.score >= theirs.score):
             return state.tree, mine, True
         return shared, theirs, False
 
-    def _choose(self, state: _Request, shared: SuffixIndex | None, tokens: Sequence[int],
-                draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
-        if shared is None:
+    def _by_score(self, state: _Request, shared: SuffixIndex, tokens: Sequence[int],
+                  draft_len: int) -> tuple[SuffixIndex, Draft, bool]:
+        """vLLM's rule: the higher score wins. The own draft need only score at least as much as the global
+        one: just above the next lower float."""
+        theirs = self._theirs(state, shared, tokens, draft_len)
+        if not theirs.tokens:
             return state.tree, self._own(state, tokens, draft_len), True
-        if not self.prefer_longer_match:  # it need only score at least as much: just above the next lower float
-            theirs = self._theirs(state, shared, tokens, draft_len)
-            if not theirs.tokens:
-                return state.tree, self._own(state, tokens, draft_len), True
-            mine = self._own(state, tokens, draft_len, beat=math.nextafter(theirs.score, -math.inf))
-            return (state.tree, mine, True) if mine.tokens else (shared, theirs, False)
-        # The draft after the longer match wins, so the tree searched second is searched only where it holds a
-        # match as long as the first one's draft: without one, it cannot win. The tree that drafted last step
-        # goes first: it likely holds the longer match again.
-        if state.own_won:
-            mine = self._own(state, tokens, draft_len)
-            if mine.tokens and mine.match_len >= 2 and not shared.occurs(tokens, mine.match_len):
-                return state.tree, mine, True
-            theirs = self._theirs(state, shared, tokens, draft_len)
-        else:
-            theirs = self._theirs(state, shared, tokens, draft_len)
-            if theirs.tokens and theirs.match_len >= 2 and not state.tree.occurs(tokens, theirs.match_len, own=True):
-                return shared, theirs, False
-            mine = self._own(state, tokens, draft_len)
-        if not theirs.tokens or (mine.tokens and (mine.match_len, mine.score) >= (theirs.match_len, theirs.score)):
-            return state.tree, mine, True
-        return shared, theirs, False
+        mine = self._own(state, tokens, draft_len, beat=math.nextafter(theirs.score, -math.inf))
+        return (state.tree, mine, True) if mine.tokens else (shared, theirs, False)
 
     def _own(self, state: _Request, tokens: Sequence[int], draft_len: int, beat: float = 0.0) -> Draft:
         return state.tree.speculate(tokens, draft_len, self.own_spec_factor, self.max_spec_offset, self.min_token_prob,
