@@ -48,38 +48,61 @@ def full_context(runner: ModelRunner, token_counts: list[int], context_len: int 
 def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN, repeats: int = 5,
             statistic: Callable[[list[float]], float] = statistics.median,
             prefill_context: bool = True) -> dict[int, float]:
-    """Seconds of one forward of t new tokens after `context_len` cached ones, for each t:
-    the `statistic` of `repeats` runs (min resists a noisy machine; median is the typical cost).
-    Without `prefill_context` the context is not computed: the slot's keys stay what they were
-    (zeros, or an earlier measurement's), which changes what the forward computes but not its time,
-    and a long context costs no prefill (2,000 tokens of a large model on a CPU take minutes).
+    """Seconds of one forward of t new tokens after `context_len` cached ones, for each t, in the
+    layouts the runner has chosen: the `statistic` of `repeats` runs (min resists a noisy machine;
+    median is the typical cost). Without `prefill_context` the context is not computed: the slot's
+    keys stay what they were (zeros, or an earlier measurement's), which changes what the forward
+    computes but not its time, and a long context costs no prefill (2,000 tokens of a large model on
+    a CPU take minutes)."""
+    timed = measure_shapes(runner, [(None, t) for t in token_counts], context_len, repeats, statistic, prefill_context)
+    return {t: s for (_, t), s in timed.items()}
 
-    Borrows one free KV slot and gives it back.
-    """
+
+def measure_shapes(runner: ModelRunner, shapes: list[tuple[Layout | None, int]], context_len: int, repeats: int,
+                   statistic: Callable[[list[float]], float],
+                   prefill_context: bool = True) -> dict[tuple[Layout | None, int], float]:
+    """`measure`'s seconds of each (linear layout, token count): None, the layout already chosen for
+    that count. Each shape is warmed up once, then every round times each shape once, so that each
+    shape's runs spread over the whole measurement and a machine whose speed drifts over seconds (a
+    shared VM) slows every shape alike. Timed one shape after the other instead, drift bent the curve
+    the planner drafts by: in ten back-to-back measurements of SmolLM2 on a 2-core VM (7 runs a
+    shape), 6 tokens cost 1.00x-1.50x one token (standard deviation 0.16), and 1.05x-1.29x (0.07)
+    interleaved; 9 tokens 1.08x-1.68x (0.18) against 1.14x-1.47x (0.10).
+
+    Borrows one free KV slot and gives it back."""
     cache = runner.kv_cache
-    token_counts = [t for t in token_counts if t < cache.shape.capacity // 2] or [1]
-    context_len = min(context_len, cache.shape.capacity - max(token_counts))
+    fits = ([(layout, t) for layout, t in shapes if t < cache.shape.capacity // 2]
+            or list(dict.fromkeys((layout, 1) for layout, _ in shapes)))
+    longest = max(t for _, t in fits)
+    context_len = min(context_len, cache.shape.capacity - longest)
     slot = cache.allocate()
     try:
         device = runner.device
-        ids = torch.randint(0, runner.vocab_size, (context_len + max(token_counts),)).tolist()
+        ids = torch.randint(0, runner.vocab_size, (context_len + longest,)).tolist()
         if prefill_context:
             runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
-        costs: dict[int, float] = {}
-        for t in token_counts:
-            batch = ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
-            runner.forward(batch)  # warm-up for this shape
-            samples = []
-            for _ in range(repeats):
+        batches = {t: ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
+                   for _, t in fits}
+
+        def run(layout: Layout | None, t: int) -> None:
+            if layout is not None:
+                assert runner.layouts is not None
+                runner.layouts.choose({t: layout})
+            runner.forward(batches[t])
+
+        for shape in fits:  # warm-up of each shape
+            run(*shape)
+        samples: dict[tuple[Layout | None, int], list[float]] = {shape: [] for shape in fits}
+        for _ in range(repeats):
+            for shape in fits:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 started = time.perf_counter()
-                runner.forward(batch)
+                run(*shape)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                samples.append(time.perf_counter() - started)
-            costs[t] = statistic(samples)
-        return costs
+                samples[shape].append(time.perf_counter() - started)
+        return {shape: statistic(runs) for shape, runs in samples.items()}
     finally:
         cache.free(slot)
 
@@ -128,17 +151,17 @@ def measure_layouts(runner: ModelRunner, token_counts: list[int], context_len: i
                     known: Measurements | None = None) -> Measurements:
     """`measure`'s seconds under each of the runner's linear layouts, for the token counts that
     `known` (earlier measurements: model/timing_cache.py) lacks; the rest are taken from it."""
-    layouts = runner.layouts
+    layouts: list[Layout | None] = list(runner.layouts.available) if runner.layouts is not None else [None]
     measured: Measurements = {}
-    for layout in layouts.available if layouts is not None else [None]:
+    missing: list[tuple[Layout | None, int]] = []
+    for layout in layouts:
         name = layout.value if layout is not None else ""
-        seconds = {t: s for t, s in (known or {}).get(name, {}).items() if t in token_counts}
-        missing = [t for t in token_counts if t not in seconds]
-        if missing:
-            if layouts is not None and layout is not None:
-                layouts.choose({t: layout for t in missing})
-            seconds.update(measure(runner, missing, context_len, repeats, statistic))
-        measured[name] = seconds
+        measured[name] = {t: s for t, s in (known or {}).get(name, {}).items() if t in token_counts}
+        missing += [(layout, t) for t in token_counts if t not in measured[name]]
+    if missing:  # all layouts in the same rounds: drift bends neither the curve nor the choice between them
+        missing.sort(key=lambda shape: shape[1])
+        for (layout, t), seconds in measure_shapes(runner, missing, context_len, repeats, statistic).items():
+            measured[layout.value if layout is not None else ""][t] = seconds
     return measured
 
 

@@ -42,7 +42,8 @@ from verifier_service.model.step_costs import Measurements, disturbance
 log = logging.getLogger(__name__)
 
 # 2: a start that converted its GGUF off the model thread timed every forward ~1.5x slow; not reused.
-FORMAT = 2
+# 3: shapes timed in rounds (step_costs.measure_shapes); one shape after another, drift bent the curve.
+FORMAT = 3
 # How long a start waits for its turn to measure: a busy CPU may take minutes, a hung holder forever.
 TURN_WAIT_S = 600.0
 TURN_POLL_S = 0.1

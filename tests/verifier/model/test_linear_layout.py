@@ -67,3 +67,28 @@ def test_tune_and_measure_chooses_a_layout_per_count_and_returns_every_cost() ->
     finally:
         runner.close()
     assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_every_layout_and_count_is_timed_once_a_round() -> None:
+    """A machine whose speed drifts must slow every shape alike: each round times each (layout, token
+    count) once, rather than all runs of one shape back to back."""
+    model = tiny_model()
+    cache = KVCache(KVCacheShape.for_model(model.config, num_slots=1, capacity=512), model.dtype, model.device)
+    runner = ModelRunner(model, cache)
+    forward, shapes = runner.forward, []
+
+    def recorded(batch):  # noqa: ANN001, ANN202
+        tokens = len(batch.input_ids)
+        shapes.append((runner.layouts.layout_for(tokens), tokens))
+        return forward(batch)
+
+    runner.forward = recorded  # type: ignore[method-assign]
+    try:
+        seconds = step_costs.measure_layouts(runner, [1, 2, 5], context_len=32, repeats=3)
+        every = [(layout, t) for t in (1, 2, 5) for layout in runner.layouts.available]
+        assert shapes[0][1] == 32  # the context's prefill, once
+        assert shapes[1:] == every * 4  # a warm-up of each shape, then three rounds
+        assert {name: sorted(s) for name, s in seconds.items()} == {
+            layout.value: [1, 2, 5] for layout in runner.layouts.available}
+    finally:
+        runner.close()

@@ -84,7 +84,8 @@ def test_only_the_missing_counts_are_measured_and_the_file_grows(runners, cache_
     first.measure(POINTS[:3])
     layouts = len(second.runner.layouts.available)
     second.measure(POINTS)  # 16 is new: measured, under every layout
-    assert second.forwards == layouts * (1 + 1 + 3)  # each: the context's prefill, a warm-up, 3 timed runs
+    # the context's prefill once, then under each layout a warm-up and 3 timed runs
+    assert second.forwards == 1 + layouts * (1 + 3)
     third.measure(POINTS)
     assert third.forwards == 0 and len(timing_files(cache_dir)) == 1
 
@@ -157,18 +158,18 @@ def test_disturbed_timings_are_neither_kept_nor_read(runners, cache_dir, monkeyp
 
     first, second, third = Counted(), Counted(), Counted()
     runners += [first, second, third]
-    measure = step_costs.measure
+    measure = step_costs.measure_shapes
 
-    def busy(runner, token_counts, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        seconds = measure(runner, token_counts, *args, **kwargs)
-        return {t: s + (1.0 if t == 2 else 0.0) for t, s in seconds.items()}
+    def busy(runner, shapes, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seconds = measure(runner, shapes, *args, **kwargs)
+        return {(layout, t): s + (1.0 if t == 2 else 0.0) for (layout, t), s in seconds.items()}
 
-    monkeypatch.setattr(step_costs, "measure", busy)
+    monkeypatch.setattr(step_costs, "measure_shapes", busy)
     with caplog.at_level(logging.WARNING):
         first.measure(POINTS)
     assert "disturbed by other work on this machine (2 tokens took" in caplog.text
     assert timing_files(cache_dir) == []
-    monkeypatch.setattr(step_costs, "measure", measure)
+    monkeypatch.setattr(step_costs, "measure_shapes", measure)
     second.measure(POINTS)  # what the busy start measured was not kept: measured again, and kept
     assert second.forwards > 0 and len(timing_files(cache_dir)) == 1
 
