@@ -151,17 +151,15 @@ def measure_layouts(runner: ModelRunner, token_counts: list[int], context_len: i
                     known: Measurements | None = None) -> Measurements:
     """`measure`'s seconds under each of the runner's linear layouts, for the token counts that
     `known` (earlier measurements: model/timing_cache.py) lacks; the rest are taken from it."""
-    layouts: list[Layout | None] = list(runner.layouts.available) if runner.layouts is not None else [None]
-    measured: Measurements = {}
-    missing: list[tuple[Layout | None, int]] = []
-    for layout in layouts:
-        name = layout.value if layout is not None else ""
-        measured[name] = {t: s for t, s in (known or {}).get(name, {}).items() if t in token_counts}
-        missing += [(layout, t) for t in token_counts if t not in measured[name]]
-    if missing:  # all layouts in the same rounds: drift bends neither the curve nor the choice between them
-        missing.sort(key=lambda shape: shape[1])
+    layouts = runner.layouts.available if runner.layouts is not None else [None]
+    names = {layout: layout.value if layout is not None else "" for layout in layouts}
+    measured: Measurements = {name: {t: s for t, s in (known or {}).get(name, {}).items() if t in token_counts}
+                              for name in names.values()}
+    # All layouts in the same rounds: drift bends neither the curve nor the choice between them.
+    missing = [(layout, t) for t in token_counts for layout in layouts if t not in measured[names[layout]]]
+    if missing:
         for (layout, t), seconds in measure_shapes(runner, missing, context_len, repeats, statistic).items():
-            measured[layout.value if layout is not None else ""][t] = seconds
+            measured[names[layout]][t] = seconds
     return measured
 
 
