@@ -411,6 +411,41 @@ def test_structured_output_through_the_openai_client_equals_grpc_with_and_withou
     asyncio.run(main())
 
 
+def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens_alone() -> None:
+    """vLLM's truncate_prompt_tokens through the openai client's extra_body: the answer, the usage and the
+    echo are those of the prompt's last N tokens sent alone (gRPC token ids), on chat after the template; -1
+    keeps as many as leave room for max_tokens, so a prompt longer than the context is answered."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            tok = h.tokenizer
+            ids = tok(PROMPT)["input_ids"]
+            keep = len(ids) // 2
+            got = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, echo=True,
+                                                    extra_body={"truncate_prompt_tokens": keep})
+            alone = await grpc_generate(h, token_ids=verifier_pb2.TokenIds(ids=ids[-keep:]),
+                                        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=16))
+            assert got.choices[0].model_extra["splitspec"]["token_ids"] == list(alone.token_ids)
+            assert got.choices[0].text == tok.decode(ids[-keep:]) + alone.text
+            assert got.usage.prompt_tokens == keep
+
+            rendered = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+            chat_ids = tok(rendered, add_special_tokens=False)["input_ids"]
+            got = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16,
+                                                         extra_body={"truncate_prompt_tokens": 12})
+            alone = await grpc_generate(h, token_ids=verifier_pb2.TokenIds(ids=chat_ids[-12:]),
+                                        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=16))
+            assert got.choices[0].message.content == alone.text and got.usage.prompt_tokens == 12
+
+            context = h.v.running.runtime.max_model_len
+            long = " ".join(["d10 add"] * context)  # more tokens than the context holds
+            assert len(tok(long)["input_ids"]) > context
+            got = await h.client.completions.create(model="tiny", prompt=long, max_tokens=8,
+                                                    extra_body={"truncate_prompt_tokens": -1})
+            assert got.usage.prompt_tokens == context - 8 and got.usage.completion_tokens == 8
+
+    asyncio.run(main())
+
+
 def test_models_health_metrics() -> None:
     async def main() -> None:
         async with http_verifier(speculate=False, metrics_port=0) as h:

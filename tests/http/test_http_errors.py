@@ -107,6 +107,9 @@ BAD = [
     (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "set add_generation_prompt false too"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be -1"),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    (COMPLETIONS, {"prompt": "x " * 2000, "truncate_prompt_tokens": 4000}, 400, "context"),  # still too long
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here; served: tiny"),
     # The Responses API takes the chat's checks (more in test_responses_api.py).
     (RESPONSES, {}, 400, "input"),

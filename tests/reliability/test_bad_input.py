@@ -69,6 +69,12 @@ CASES = [
     ("unknown chat role", chat(("wizard", "hi")), INVALID, "role 'wizard'"),
     ("prompt beyond the context", tokens([5] * MAX_MODEL_LEN), INVALID, f"context is {MAX_MODEL_LEN} tokens"),
     ("prompt text far beyond the context", req(prompt="lorem ipsum " * 40_000), INVALID, "characters"),
+    ("truncate_prompt_tokens 0", tokens([5, 6], truncate_prompt_tokens=0), INVALID, "truncate_prompt_tokens must be"),
+    ("truncate_prompt_tokens below -1", tokens([5, 6], truncate_prompt_tokens=-2), INVALID, "at least 1, not -2"),
+    ("truncated prompt still beyond the context", tokens([5] * 300, truncate_prompt_tokens=MAX_MODEL_LEN), INVALID,
+     f"context is {MAX_MODEL_LEN} tokens"),
+    ("no room for max_new_tokens after -1", tokens([5] * 300, MAX_MODEL_LEN, truncate_prompt_tokens=-1), INVALID,
+     "at most 255 new tokens fit"),
     ("token id past the vocabulary", tokens([5, VOCAB]), INVALID, f"token id {VOCAB} is outside"),
     ("negative token id", tokens([5, -3]), INVALID, "token id -3 is outside"),
     ("NaN temperature", sampled(temperature=math.nan), INVALID, "temperature must be a finite number"),
@@ -158,6 +164,11 @@ def test_odd_but_valid_sampling_parameters_are_served(verifier):
         spec = stub.Generate(tokens([5, 6, 7], 8, speculation=pb.SpeculationOverrides(max_draft_len=2**32 - 1)),
                              timeout=60)
         assert list(spec.output.token_ids) == list(reference((5, 6, 7), 8))
+        # A prompt longer than the context, cut to its last tokens: the answer those get alone.
+        cut = stub.Generate(tokens([9] * 400 + [5, 6, 7], 8, truncate_prompt_tokens=3), timeout=60)
+        assert list(cut.output.token_ids) == list(reference((5, 6, 7), 8)) and cut.output.prompt_tokens == 3
+        fit = stub.Generate(tokens([9] * 400 + [5, 6, 7], 8, truncate_prompt_tokens=-1), timeout=60)
+        assert fit.output.prompt_tokens == MAX_MODEL_LEN - 8 and len(fit.output.token_ids) == 8
 
 
 def test_chat_without_a_chat_template_is_failed_precondition():

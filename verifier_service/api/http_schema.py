@@ -3,10 +3,10 @@
 
 Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
-`allowed_token_ids`, `bad_words` and `return_tokens_as_token_ids`); unknown fields are ignored, as
-OpenAI's own server ignores them. Structured output comes as OpenAI's `response_format`, vLLM's
-`structured_outputs` or its older `guided_json`, `guided_regex`, `guided_choice` and
-`guided_grammar`: one of them. Known fields that would change the answer but are not served here
+`allowed_token_ids`, `bad_words`, `return_tokens_as_token_ids` and `truncate_prompt_tokens`);
+unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as
+OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
 (tools, functions, `best_of`, `suffix`, and vLLM's own options such as `use_beam_search` or
 `chat_template`) are refused unless neutral: an answer that silently ignored them would look
 right and not be what was asked for.
@@ -39,7 +39,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32)]
 UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
                # vLLM's own sampling and output options
                "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-               "truncate_prompt_tokens": None, "logits_processors": None,
+               "logits_processors": None,
                "guided_whitespace_pattern": None}
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
@@ -154,6 +154,8 @@ class GenerationBody(_Body):
     # vLLM's: each prompt token's log-probability (the first's null) with this many alternatives, in each
     # completion choice's `prompt_logprobs` (a chat's: the response's). Not streamed, as in vLLM.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: only the prompt's last N tokens (after the chat template); -1, as many as leave room for the answer
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     functions: Any = None
@@ -161,7 +163,6 @@ class GenerationBody(_Body):
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
 
@@ -260,6 +261,8 @@ class GenerationBody(_Body):
             p.logprobs = self.logprobs_count
         if self.prompt_logprobs is not None:
             p.prompt_logprobs = self.prompt_logprobs
+        if self.truncate_prompt_tokens is not None:
+            p.truncate_prompt_tokens = self.truncate_prompt_tokens
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)

@@ -84,7 +84,7 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
           limits: Limits) -> ParsedRequest:
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    prompt_ids = input_ids(request, tokenizer, limits)
+    prompt_ids = input_ids(request, tokenizer, limits, keep_last=_kept_prompt_tokens(request, limits))
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
@@ -135,10 +135,26 @@ def _logprobs(request: verifier_pb2.GenerationParams, name: str) -> int | None:
     return count
 
 
+def _kept_prompt_tokens(request: verifier_pb2.GenerationParams, limits: Limits) -> int | None:
+    """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return None
+    kept = request.truncate_prompt_tokens
+    if kept == -1:  # as many as leave room for the answer
+        st = request.stopping
+        answer = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
+        return max(1, limits.max_model_len - answer)
+    if kept < 1:
+        raise _invalid(f"truncate_prompt_tokens must be -1 (what fits beside the answer) or at least 1, not {kept}")
+    return kept
+
+
 def input_ids(request: verifier_pb2.GenerationParams | verifier_pb2.TokenizeRequest,
-              tokenizer: PreTrainedTokenizerBase, limits: Limits, fit_context: bool = True) -> list[int]:
+              tokenizer: PreTrainedTokenizerBase, limits: Limits, fit_context: bool = True,
+              keep_last: int | None = None) -> list[int]:
     """The prompt's token ids: a Generate request's, or what Tokenize answers for the same input
-    (`fit_context` False: a prompt too long to generate from is counted, not refused)."""
+    (`fit_context` False: a prompt too long to generate from is counted, not refused); with
+    `keep_last`, only that many of its last tokens."""
     which = request.WhichOneof("input")
     if which is None:
         *first, last = (f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
@@ -151,11 +167,13 @@ def input_ids(request: verifier_pb2.GenerationParams | verifier_pb2.TokenizeRequ
     elif which == "chat":
         ids = _chat_ids(request.chat, tokenizer, limits)
     else:
-        ids = request.token_ids.ids
+        ids = request.token_ids.ids[-keep_last:] if keep_last else request.token_ids.ids
         if not ids:
             raise _invalid("token_ids is empty")
         _check_length(len(ids), limits)
-        ids = in_vocabulary(request.token_ids.ids, limits)
+        ids = in_vocabulary(ids, limits)
+    if keep_last:
+        ids = ids[-keep_last:]
     if not ids:
         raise _invalid("the prompt tokenizes to no tokens")
     if fit_context:
