@@ -6,10 +6,10 @@ Field names and meanings are OpenAI's (plus vLLM's `top_k`, `min_p`, `repetition
 `allowed_token_ids`, `bad_words`, `return_tokens_as_token_ids` and `truncate_prompt_tokens`);
 unknown fields are ignored, as OpenAI's own server ignores them. Structured output comes as
 OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_json`,
-`guided_regex`, `guided_choice` and `guided_grammar`: one of them. Known fields that would change the answer but are not served here
-(tools, functions, `best_of`, `suffix`, and vLLM's own options such as `use_beam_search` or
-`chat_template`) are refused unless neutral: an answer that silently ignored them would look
-right and not be what was asked for.
+`guided_regex`, `guided_choice` and `guided_grammar`: one of them. Known fields that would change
+the answer but are not served here (tools, functions, `best_of`, `suffix`, and vLLM's own options
+such as `use_beam_search` or `chat_template`) are refused unless neutral: an answer that silently
+ignored them would look right and not be what was asked for.
 Only the shape is checked here (types, finite numbers, ranges a field's wire type
 imposes); everything else is request_parsing.py's, exactly as for a gRPC request.
 A per-request speculation override rides in `speculation: {disable, max_draft_len}`
