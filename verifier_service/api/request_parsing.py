@@ -167,13 +167,14 @@ def input_ids(request: verifier_pb2.GenerationParams | verifier_pb2.TokenizeRequ
     elif which == "chat":
         ids = _chat_ids(request.chat, tokenizer, limits)
     else:
-        ids = request.token_ids.ids[-keep_last:] if keep_last else request.token_ids.ids
+        ids = request.token_ids.ids
         if not ids:
             raise _invalid("token_ids is empty")
-        _check_length(len(ids), limits)
-        ids = in_vocabulary(ids, limits)
     if keep_last:
         ids = ids[-keep_last:]
+    if which == "token_ids":  # refused as too long before each id is checked
+        _check_length(len(ids), limits)
+        ids = in_vocabulary(ids, limits)
     if not ids:
         raise _invalid("the prompt tokenizes to no tokens")
     if fit_context:
