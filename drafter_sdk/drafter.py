@@ -109,7 +109,7 @@ class Drafter(ABC):
     capabilities: tuple[str, ...] = ()
     # True for a drafter whose calls take a few milliseconds at most and never wait on I/O (the
     # n-gram and suffix drafters): they then run on the event loop that serves gRPC, which saves a
-    # thread hop each way (0.16 ms a call, README), but a slow call stalls health checks and
+    # thread hop each way (0.16 ms a call, BENCHMARKS.md), but a slow call stalls health checks and
     # every other call while it runs. `load()` runs on the worker thread either way.
     runs_inline: bool = False
 

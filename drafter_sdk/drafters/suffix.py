@@ -15,7 +15,7 @@ context matched in both trees (suffix_index.Cursor) and extends that by the
 tokens it gained at the next step.
 
 Three deliberate differences from Arctic Inference, measured by replays against
-greedy outputs (README). The first two are for copy-heavy loops (an agent sending
+greedy outputs (BENCHMARKS.md). The first two are for copy-heavy loops (an agent sending
 back its last answer with a small edit: the text to copy is in the request's own
 context):
 
@@ -36,7 +36,7 @@ is a sum of probabilities estimated after its own match, and the two trees' esti
 are not alike: a passage the request's context holds once gives each of its tokens
 probability 1, so a one- or two-token match in the own tree outscored a three- or
 four-token match in the global tree that predicted better. As variable-order Markov
-predictors do, the longer context is trusted first (README: templated answers ran 1.20x
+predictors do, the longer context is trusted first (BENCHMARKS.md: templated answers ran 1.20x
 and 1.31x the n-gram drafter in two runs, against 1.17x). With `learn_choice` (the
 default) that rule is where the drafter starts: both trees draft wherever either could win,
 and what the verifier then accepts teaches it after which pairs of match lengths the other

@@ -5,7 +5,7 @@ right more often than vLLM's higher score, but not everywhere. In templated answ
 often matches a long run of shared boilerplate that ends in the first token of something only this
 request knows (a name it wrote three lines up): there a three-token match in its own context drafted
 6.0 accepted tokens on average where the global tree's match of four or more drafted 1.3 (replayed
-against greedy outputs of 40 templated prompts; README). So wherever both trees draft, the drafter
+against greedy outputs of 40 templated prompts; BENCHMARKS.md). So wherever both trees draft, the drafter
 keeps both drafts as a Trial, and once the committed tokens show how many tokens of each the verifier
 would have accepted, the pair of match lengths they followed learns the difference (ChoiceTable). The
 choice then goes to the tree that drafted better after such pairs, the longer-match rule deciding
