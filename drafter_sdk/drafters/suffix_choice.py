@@ -86,6 +86,8 @@ class ChoiceTable:
     were accepted than the global tree's, summed over settled trials (decayed)."""
 
     gains: dict[tuple[int, int], float] = field(default_factory=dict)
+    # shortest_rival's answers by its arguments, until the gains change: every request asks at every step.
+    _rivals: dict[tuple[int, bool, int], int] = field(default_factory=dict, init=False, repr=False)
 
     def own_wins(self, own_len: int, shared_len: int, own_scores_as_much: bool) -> bool:
         """The longer-match rule (between equal matches, the higher score; the own tree on a tie),
@@ -98,10 +100,14 @@ class ChoiceTable:
         """The shortest match (at most `longest` tokens) after which the other tree's draft could win
         against a draft after `length` tokens of the own tree (`own`) or of the global one; longest + 1
         where none could. Between equal matches the other is assumed to score more."""
-        for other in range(1, longest + 1):
-            if (not self.own_wins(length, other, False)) if own else self.own_wins(other, length, True):
-                return other
-        return longest + 1
+        key = (length, own, longest)
+        rival = self._rivals.get(key)
+        if rival is None:
+            rival = self._rivals[key] = next(
+                (other for other in range(1, longest + 1)
+                 if ((not self.own_wins(length, other, False)) if own else self.own_wins(other, length, True))),
+                longest + 1)
+        return rival
 
     def learn(self, pending: deque[Trial], tokens: Sequence[int]) -> None:
         """Learns from the trials the committed `tokens` settle, and drops them from `pending`."""
@@ -112,3 +118,4 @@ class ChoiceTable:
                 pending.append(trial)
             else:
                 self.gains[trial.pair] = self.gains.get(trial.pair, 0.0) * DECAY + own - shared
+                self._rivals.clear()

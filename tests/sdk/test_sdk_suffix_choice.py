@@ -45,6 +45,20 @@ def test_the_longer_match_rule_holds_until_the_evidence_outweighs_it() -> None:
     assert not table.own_wins(2, 5, True)  # another pair: nothing learned there
 
 
+def test_the_shortest_rival_follows_what_the_table_learns() -> None:
+    table = ChoiceTable()
+    # Rule alone: after a global match of 5, an own match of 5 (a tie, the own tree scoring more) could win.
+    assert table.shortest_rival(5, own=False, longest=24) == 5
+    assert table.shortest_rival(3, own=True, longest=24) == 3  # and a global match of 3 against an own 3
+    assert table.shortest_rival(3, own=True, longest=2) == 3  # none within the longest possible: longest + 1
+    pending = pending_trials()
+    for _ in range(4):  # own drafts after (3, 5) accepted 3 tokens more each time: evidence past the rule's 8
+        pending.append(Trial(1, (3, 5), [1, 2, 3], [5]))
+    table.learn(pending, [0, 1, 2, 3])
+    assert table.shortest_rival(5, own=False, longest=24) == 3  # asked before, answered anew
+    assert table.shortest_rival(3, own=True, longest=24) == 3
+
+
 def test_unsettled_trials_wait_and_at_most_max_pending_are_kept() -> None:
     table, pending = ChoiceTable(), pending_trials()
     for at in range(suffix_choice.MAX_PENDING + 5):
