@@ -27,12 +27,18 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
                                              min_p=args.min_p,
                                              frequency_penalty=args.frequency_penalty,
                                              presence_penalty=args.presence_penalty,
-                                             repetition_penalty=args.repetition_penalty),
+                                             repetition_penalty=args.repetition_penalty,
+                                             bad_words=args.bad_word or []),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or [],
+                                               stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos,
                                                min_new_tokens=args.min_new_tokens),
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
     if args.seed is not None:
         params.sampling.seed = args.seed
+    if args.max_draft_len is not None:
+        params.speculation.max_draft_len = args.max_draft_len
+    if args.truncate_prompt_tokens is not None:
+        params.truncate_prompt_tokens = args.truncate_prompt_tokens
     if args.json_schema is not None:
         with open(args.json_schema, encoding="utf-8") as f:
             params.structured_output.json_schema = f.read()
@@ -48,6 +54,17 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
         params.chat.messages.append(verifier_pb2.ChatMessage(role="user", content=args.prompt))
         params.chat.template_kwargs = args.chat_template_kwargs or ""
     return params
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (the proto's fields for these are unsigned)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def json_object(text: str) -> str:
@@ -124,8 +141,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON",
                    help="more variables for the model's chat template, as a JSON object (vLLM's "
                         "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--min-new-tokens", type=int, default=0, help="no end (EOS, stop token or string) before them")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=256)
+    p.add_argument("--min-new-tokens", type=non_negative_int, default=0,
+                   help="no end (EOS, stop token or string) before them")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -135,8 +153,16 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = none")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", metavar="ID", help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--bad-word", action="append", metavar="WORD",
+                   help="a word that cannot be generated (repeatable; vLLM's bad_words)")
+    p.add_argument("--truncate-prompt-tokens", type=int, metavar="N",
+                   help="keep only the prompt's last N tokens; -1: as many as leave room for the answer (vLLM's)")
     p.add_argument("--stream", action="store_true", help="print text as it is accepted")
     p.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
+    p.add_argument("--max-draft-len", type=non_negative_int, metavar="N",
+                   help="draft at most N tokens a step for this request (below the verifier's own limit)")
     form = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
     form.add_argument("--json-schema", metavar="FILE", help="answer with JSON following this JSON Schema file")
     form.add_argument("--json", action="store_true", help="answer with a JSON object")
