@@ -1,6 +1,6 @@
 """`splitspec generate`: each flag becomes the GenerationParams field it names, so the command's answer is a
-Generate call's with those fields; a count below zero is the command line's error, and a value the verifier
-refuses is printed as its status, with exit code 1."""
+Generate call's with those fields; a number the field cannot hold is the command line's error, and a value the
+verifier refuses is printed as its status, with exit code 1."""
 
 from __future__ import annotations
 
@@ -43,11 +43,20 @@ def test_each_flag_sets_the_field_it_names() -> None:
     assert not plain.sampling.bad_words and not plain.stopping.stop_token_ids and not plain.stopping.ignore_eos
 
 
-@pytest.mark.parametrize("flag", ["--max-draft-len", "--max-new-tokens", "--min-new-tokens"])
-def test_a_count_below_zero_is_the_command_lines_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flag", "value", "words"), [
+    ("--max-draft-len", "-1", "must be within [0, 4294967295], not -1"),
+    ("--max-new-tokens", "-1", "must be within [0, 4294967295], not -1"),
+    ("--min-new-tokens", "2.5", "not a whole number: '2.5'"),
+    ("--stop-token-id", "-3", "must be within [0, 2147483647], not -3"),
+    ("--truncate-prompt-tokens", str(2**31), "must be within [-2147483648, 2147483647], not 2147483648"),
+    ("--top-k", str(2**40), "must be within [-2147483648, 2147483647]"),
+    ("--seed", "-1", "must be within [0, 18446744073709551615], not -1"),
+])
+def test_a_number_its_field_cannot_hold_is_the_command_lines_error(flag: str, value: str, words: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        parse(flag, "-1")
-    assert exited.value.code == 2 and f"argument {flag}: must be 0 or more, not -1" in capsys.readouterr().err
+        parse(flag, value)
+    assert exited.value.code == 2 and f"argument {flag}: {words}" in capsys.readouterr().err
 
 
 def test_the_answer_is_generates_and_a_refused_value_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
