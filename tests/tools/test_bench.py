@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) ->
         (VARIANT, "splitspec ngram remote"), (VARIANT, "splitspec suffix remote")}
     assert "suffix remote --max-spec-factor 2 ÷ suffix remote " in done.stdout  # the second pairing says so
     assert all(c["ratio"] > 0 and c["decode_ratio"] > 0 for c in report["comparisons"]), report["comparisons"]
+    assert all(lo <= c["ratio"] <= hi for c in report["comparisons"] for lo, hi in [c["ratio_interval"]])
     assert all(s["identical"] == s["prompts"] for s in report["summaries"]), done.stdout
     assert [n for n, _ in report["request_bytes"]] == [100, 500, 1000, 2000]
     sizes = [b for _, b in report["request_bytes"]]
@@ -212,13 +214,25 @@ def test_decode_speed_leaves_the_prefill_out() -> None:
     slow_prefill = Run(token_ids=list(range(11)), seconds=10.0, decode_seconds=1.0)
     fast_prefill = Run(token_ids=list(range(11)), seconds=2.0, decode_seconds=1.0)
     half_as_fast = Run(token_ids=list(range(11)), seconds=3.0, decode_seconds=2.0)
-    assert bench_report.relative_speed([fast_prefill], [slow_prefill]) == pytest.approx(5.0)
+    assert bench_report.speed_ratios([fast_prefill], [slow_prefill]) == [pytest.approx(5.0)]
     assert bench_report.relative_decode_speed([fast_prefill], [slow_prefill]) == pytest.approx(1.0)
     assert bench_report.relative_decode_speed([half_as_fast, fast_prefill], [fast_prefill, fast_prefill]) \
         == pytest.approx(0.75)  # the median of 0.5 and 1.0
     one_token = Run(token_ids=[1], seconds=1.0, decode_seconds=0.0)
     assert bench_report.decode_speed(one_token, fast_prefill) is None
     assert math.isnan(bench_report.relative_decode_speed([one_token], [fast_prefill]))
+
+
+def test_the_median_ratio_comes_with_a_bootstrap_interval_over_prompts() -> None:
+    steady = [1.25] * 40
+    assert bench_report.median_interval(steady) == (1.25, 1.25)
+    spread = [1.0 + i / 100 for i in range(40)]  # 1.00 ... 1.39: median 1.195
+    low, high = bench_report.median_interval(spread)
+    assert low < statistics.median(spread) < high and 0.05 < high - low < 0.25
+    assert bench_report.median_interval(spread) == (low, high)  # seeded: the same run reads the same
+    few = bench_report.median_interval(spread[::4])  # 10 prompts of the same spread: a wider interval
+    assert few[1] - few[0] > high - low
+    assert all(math.isnan(x) for x in bench_report.median_interval([]))
 
 
 @pytest.mark.parametrize("bad", ["nope=3", "templated=0", "templated", "code=x"])

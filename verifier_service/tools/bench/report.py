@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,10 +50,27 @@ class Report:
         path.write_text(json.dumps(asdict(self), indent=2))
 
 
-def relative_speed(runs: list, baseline_runs: list) -> float:
-    """Median over prompts of (baseline time per token / this time per token): above 1 is faster."""
-    return statistics.median((b.seconds / max(1, len(b.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
-                             for r, b in zip(runs, baseline_runs))
+# Resamples of a bootstrap interval: its ends move by well under 0.01x between seeds at this many.
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def speed_ratios(runs: list, baseline_runs: list) -> list[float]:
+    """Per prompt, baseline time per token / this time per token: above 1 is faster."""
+    return [(b.seconds / max(1, len(b.token_ids))) / (r.seconds / max(1, len(r.token_ids)))
+            for r, b in zip(runs, baseline_runs)]
+
+
+def median_interval(values: list[float], confidence: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap percentile interval of the median over prompts (the prompts drawn again with replacement):
+    how far the median would move with other prompts of the same kind. Not how far another run would move it
+    (the machine's speed, the cost curve its verifiers measured at start-up): that takes another run."""
+    if not values:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = int((1 - confidence) / 2 * resamples)
+    return medians[tail], medians[resamples - 1 - tail]
 
 
 def decode_speed(run: Run, baseline: Run) -> float | None:
@@ -71,7 +90,7 @@ def relative_decode_speed(runs: list, baseline_runs: list) -> float:
 def summarise(system: str, workload: str, runs: list, plain_runs: list, costs: CostCurve) -> SystemSummary:
     """runs / plain_runs: bench.systems.Run per prompt, same order."""
     tps = [len(r.token_ids) / r.seconds for r in runs if r.seconds > 0]
-    ratios = [relative_speed([r], [p]) for r, p in zip(runs, plain_runs)]
+    ratios = speed_ratios(runs, plain_runs)
     drafts = sum(r.stats.num_drafts for r in runs)
     drafted = sum(r.stats.num_draft_tokens for r in runs)
     accepted = sum(r.stats.num_accepted_tokens for r in runs)
@@ -125,11 +144,12 @@ def print_tables(report: Report) -> None:
                   f"{_fmt(s.ideal_speedup, '.2f'):>6} {_fmt(s.efficiency, '.2f'):>6} "
                   f"{s.identical:>4}/{s.prompts:<4}  {per_pos}")
     if report.comparisons:
-        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts; "
-              "decode: after the first token) ==")
+        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts "
+              "[95% bootstrap interval over prompts]; decode: after the first token) ==")
         header_baseline = report.comparisons[0]["baseline"]
         for workload in dict.fromkeys(c["workload"] for c in report.comparisons):
-            print(f"  {workload:<16} " + ", ".join(f"{_against(c, header_baseline)} {c['ratio']:.2f}x "
+            print(f"  {workload:<16} " + ", ".join(f"{_against(c, header_baseline)} {c['ratio']:.3f}x "
+                                                    f"[{c['ratio_interval'][0]:.3f}-{c['ratio_interval'][1]:.3f}] "
                                                     f"(decode {c['decode_ratio']:.2f}x)"
                                                     for c in report.comparisons if c["workload"] == workload))
     if report.suffix_speed:

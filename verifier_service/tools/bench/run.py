@@ -296,8 +296,10 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
             pairs = [(system, NGRAM_REMOTE) for system in (SUFFIX_REMOTE, SUFFIX_LOCAL, *variant_names)]
             for system, baseline_name in pairs + [(name, SUFFIX_REMOTE) for name in variant_names]:
                 ours, baseline = [runs[system][i] for i in idx], [runs[baseline_name][i] for i in idx]
+                ratios = rep.speed_ratios(ours, baseline)
                 report.comparisons.append({"workload": workload, "system": system, "baseline": baseline_name,
-                                           "ratio": rep.relative_speed(ours, baseline),
+                                           "ratio": statistics.median(ratios),
+                                           "ratio_interval": list(rep.median_interval(ratios)),
                                            "decode_ratio": rep.relative_decode_speed(ours, baseline)})
         report.request_bytes = asyncio.run(_request_bytes(drafter.address, model.config.vocab_size))
         if args.concurrency:
