@@ -71,8 +71,9 @@ def whole_number(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-UINT32 = whole_number(0, 2**32 - 1)
-INT32 = whole_number(-(2**31), 2**31 - 1)
+# Flag types for the proto's uint32 and int32 fields (http_schema.py has the same bounds as pydantic limits).
+uint32 = whole_number(0, 2**32 - 1)
+int32 = whole_number(-(2**31), 2**31 - 1)
 
 
 def json_object(text: str) -> str:
@@ -149,12 +150,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON",
                    help="more variables for the model's chat template, as a JSON object (vLLM's "
                         "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--max-new-tokens", type=UINT32, default=256)
-    p.add_argument("--min-new-tokens", type=UINT32, default=0,
+    p.add_argument("--max-new-tokens", type=uint32, default=256)
+    p.add_argument("--min-new-tokens", type=uint32, default=0,
                    help="no end (EOS, stop token or string) before them")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=INT32, default=0)
+    p.add_argument("--top-k", type=int32, default=0)
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=whole_number(0, 2**64 - 1))
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
@@ -166,11 +167,11 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--bad-word", action="append", metavar="WORD",
                    help="a word that cannot be generated (repeatable; vLLM's bad_words)")
-    p.add_argument("--truncate-prompt-tokens", type=INT32, metavar="N",
+    p.add_argument("--truncate-prompt-tokens", type=int32, metavar="N",
                    help="keep only the prompt's last N tokens; -1: as many as leave room for the answer (vLLM's)")
     p.add_argument("--stream", action="store_true", help="print text as it is accepted")
     p.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
-    p.add_argument("--max-draft-len", type=UINT32, metavar="N",
+    p.add_argument("--max-draft-len", type=uint32, metavar="N",
                    help="draft at most N tokens a step for this request (below the verifier's own limit)")
     form = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
     form.add_argument("--json-schema", metavar="FILE", help="answer with JSON following this JSON Schema file")
