@@ -27,7 +27,7 @@ from drafter_sdk.server import serve
 from drafter_sdk.service import MIB
 
 # A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
-# for 2k + 1 (verifier_service/spec/lookahead.py), so 32 covers every k up to 15.
+# for 2k + 1 (verifier_service/spec_decode/lookahead.py), so 32 covers every k up to 15.
 NGRAM_MAX_DRAFT_LEN = 32
 MODEL_MAX_DRAFT_LEN = 8
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from drafter_sdk.proto import speculative_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.api.server import RunningVerifier, attach_model, start_server
 from verifier_service.settings import ServerSettings
-from verifier_service.spec.config import parse_mode
+from verifier_service.spec_decode.config import parse_mode
 
 
 def spec_config(mode: str = "NONE", max_draft_len: int = 0, drafter_target: str = "",

@@ -34,11 +34,11 @@ from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
 from verifier_service.settings import ServerSettings
-from verifier_service.spec.config import ConfigError
-from verifier_service.spec.drafter_client import DrafterClient
-from verifier_service.spec.drafters import build_drafter_client
-from verifier_service.spec.planner import DraftPlanner
-from verifier_service.spec.policy import SpeculationPolicy
+from verifier_service.spec_decode.config import ConfigError
+from verifier_service.spec_decode.drafter_client import DrafterClient
+from verifier_service.spec_decode.drafters import build_drafter_client
+from verifier_service.spec_decode.planner import DraftPlanner
+from verifier_service.spec_decode.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
 from verifier_service.api import tool_calls
-from verifier_service.spec.config import ConfigError, validate
+from verifier_service.spec_decode.config import ConfigError, validate
 
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 

@@ -21,12 +21,8 @@ from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node
 
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
-from verifier_service.spec.drafter_client import (
-    DeltaHistory,
-    DrafterClient,
-    DraftQuery,
-    GrpcTransport,
-)
+from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
+from verifier_service.spec_decode.transport import GrpcTransport
 
 pytestmark = [
     pytest.mark.skipif(not node_available(), reason="node is not on PATH"),

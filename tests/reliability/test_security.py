@@ -17,8 +17,8 @@ from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
 from drafter_sdk.security import auth_metadata, channel_credentials
 from verifier_service.api import cli
+from verifier_service.spec_decode.config import ConfigError
 from verifier_service.tools import cli as cli_client
-from verifier_service.spec.config import ConfigError
 from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)

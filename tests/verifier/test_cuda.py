@@ -32,7 +32,8 @@ from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 from verifier_service.engine.logits_processors import process_logits
 from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, VerifyRow
-from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
+from verifier_service.spec_decode.drafter_client import DrafterClient
+from verifier_service.spec_decode.transport import InProcessTransport
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -341,7 +341,7 @@ def test_scrape_time_reads_survive_concurrent_changes():
     """The KV usage is read on the HTTP thread while the event loop admits and finishes sequences."""
     from verifier_service.engine.scheduler import Scheduler
     from verifier_service.model.kv_cache import KVCache, KVCacheShape
-    from verifier_service.spec.policy import SpeculationPolicy
+    from verifier_service.spec_decode.policy import SpeculationPolicy
 
     kv = KVCache(KVCacheShape(num_layers=1, num_kv_heads=1, head_dim=2, num_slots=8, capacity=64),
                  torch.float32, torch.device("cpu"))

@@ -25,7 +25,8 @@ from drafter_sdk.server import RunningDrafter, start_server
 from drafter_sdk.servicer import DrafterServicer
 from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.settings import DEFAULTS
-from verifier_service.spec.drafter_client import DrafterClient, InProcessTransport
+from verifier_service.spec_decode.drafter_client import DrafterClient
+from verifier_service.spec_decode.transport import InProcessTransport
 
 WAIT_S = 60.0  # generous bound on anything awaited (never a timing assertion)
 T = TypeVar("T")

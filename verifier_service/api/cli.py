@@ -19,7 +19,7 @@ from drafter_sdk.security import add_server_flags, read_token, server_flags_prob
 from verifier_service.api import tool_calls
 from verifier_service.model import host_memory
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
-from verifier_service.spec import config
+from verifier_service.spec_decode import config
 
 if TYPE_CHECKING:
     from verifier_service.model.ranks import Ranks

@@ -24,7 +24,7 @@ from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.engine.structured_output import ConstraintError, Grammar, StructuredOutputUnavailable
 from verifier_service.metrics import RequestTimer, VerifierMetrics
-from verifier_service.spec.policy import SpecState
+from verifier_service.spec_decode.policy import SpecState
 
 FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
 LOADING = "the model is still loading; retry shortly"

@@ -19,7 +19,7 @@ from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.sequence import StoppingParams
 from verifier_service.engine.structured_output import Constraint
-from verifier_service.spec.policy import SpeculationParams
+from verifier_service.spec_decode.policy import SpeculationParams
 
 MAX_TEMPERATURE = 100.0
 # Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.

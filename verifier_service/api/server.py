@@ -38,7 +38,7 @@ from verifier_service.engine.model_thread import ModelThread
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import loader, ranks, tensor_parallel
 from verifier_service.settings import ServerSettings
-from verifier_service.spec.config import mode_name
+from verifier_service.spec_decode.config import mode_name
 
 log = logging.getLogger(__name__)
 

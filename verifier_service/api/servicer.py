@@ -20,7 +20,7 @@ from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
-from verifier_service.spec.drafter_client import GrpcTransport
+from verifier_service.spec_decode.transport import GrpcTransport
 
 VERSION = "0.1.0"
 FINISH = {FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH}

@@ -3,7 +3,7 @@
 The loop runs on the model thread's own event loop (engine/model_thread.py), so a step makes
 no thread hand-off: the scheduler plans, the drafter is called (in-process: inline; remote:
 the gRPC call is sent and awaited from the model thread, or, where the drafter looks ahead and
-the rest of its last chain covers the step's drafts, read after the forward: spec/lookahead.py),
+the rest of its last chain covers the step's drafts, read after the forward: spec_decode/lookahead.py),
 the forward and verification run inline, and the scheduler commits. What crosses to the
 servers' event loop is the step's outputs, handed over once per step (`call_soon_threadsafe`),
 and what comes back is new requests and cancellations (`submit`, `cancel`, under one lock with
@@ -31,8 +31,14 @@ from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ForwardBatch, ModelRunner
-from verifier_service.spec import lookahead
-from verifier_service.spec.drafter_client import DraftCall, DrafterClient, DraftQuery, DraftReply, ReleasedRequest
+from verifier_service.spec_decode import lookahead
+from verifier_service.spec_decode.drafter_client import (
+    DraftCall,
+    DrafterClient,
+    DraftQuery,
+    DraftReply,
+    ReleasedRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +151,7 @@ class Engine:
         tokens a request's structured-output constraint refuses could never be accepted: they are
         cut, not verified.
 
-        Where the drafter looks ahead (spec/lookahead.py) and what is left of every drafting
+        Where the drafter looks ahead (spec_decode/lookahead.py) and what is left of every drafting
         sequence's last chain covers its draft, the step verifies those and does not wait for its
         call: the answer arrives during the forward and is read at the next step. Returns the
         reply waited for, None if none was."""

@@ -37,7 +37,7 @@ from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.runner import ForwardBatch
-from verifier_service.spec.policy import SpeculationPolicy
+from verifier_service.spec_decode.policy import SpeculationPolicy
 
 PROMPT_LOGPROBS_CHUNK = 512
 

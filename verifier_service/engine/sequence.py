@@ -14,9 +14,9 @@ from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, TokenLogprob
 from verifier_service.engine.structured_output import Grammar
-from verifier_service.spec.drafter_client import DeltaHistory
-from verifier_service.spec.lookahead import Lookahead
-from verifier_service.spec.policy import SpecState
+from verifier_service.spec_decode.drafter_client import DeltaHistory
+from verifier_service.spec_decode.lookahead import Lookahead
+from verifier_service.spec_decode.policy import SpecState
 
 
 class FinishReason(enum.Enum):

@@ -46,7 +46,7 @@ from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.step_costs import CONTEXT_LEN, CostCurve
 from verifier_service.settings import ServerSettings
-from verifier_service.spec.policy import SpecState, SpeculationParams, SpeculationPolicy
+from verifier_service.spec_decode.policy import SpecState, SpeculationParams, SpeculationPolicy
 
 
 def long_prompt(seed: int, n: int) -> list[int]:

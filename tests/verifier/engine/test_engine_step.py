@@ -27,8 +27,8 @@ from verifier_service.engine.sequence import (
 )
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch
-from verifier_service.spec.drafter_client import DraftQuery, DraftReply, ReleasedRequest
-from verifier_service.spec.policy import SpecState, SpeculationParams, SpeculationPolicy
+from verifier_service.spec_decode.drafter_client import DraftQuery, DraftReply, ReleasedRequest
+from verifier_service.spec_decode.policy import SpecState, SpeculationParams, SpeculationPolicy
 
 VOCAB = 64
 MAX_MODEL_LEN = 48

@@ -52,8 +52,9 @@ from verifier_service.engine.sampler import SamplingParams, VerifyRow, verify_ba
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.model.tree_attention import apply_kv_moves
-from verifier_service.spec.config import ConfigError, validate
-from verifier_service.spec.drafter_client import DeltaHistory, DrafterClient, DraftQuery, InProcessTransport
+from verifier_service.spec_decode.config import ConfigError, validate
+from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
+from verifier_service.spec_decode.transport import InProcessTransport
 
 GREEDY = SamplingParams()
 

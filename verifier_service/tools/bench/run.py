@@ -27,13 +27,9 @@ from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner
 from verifier_service.settings import DEFAULTS
-from verifier_service.spec.config import DEFAULT_DELTA_OVERLAP_STEPS
-from verifier_service.spec.drafter_client import (
-    DeltaHistory,
-    DrafterClient,
-    DraftQuery,
-    GrpcTransport,
-)
+from verifier_service.spec_decode.config import DEFAULT_DELTA_OVERLAP_STEPS
+from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
+from verifier_service.spec_decode.transport import GrpcTransport
 from verifier_service.tools.bench import draft_model, engine_sections, replay, suffix_speed, workloads
 from verifier_service.tools.bench import report as rep
 from verifier_service.tools.bench import trees as bench_trees

@@ -17,7 +17,7 @@ seconds, and prints the tokens verified per step the forward cost depends on.
         --costs 1:35.8,9:60.1,17:73.7 --planner --lookahead
 
 `--lookahead` asks chain drafters for 2k + 1 tokens where k are verified, as a verifier does of a
-drafter that looks ahead (spec/lookahead.py), and reports the share of drafting steps whose drafts
+drafter that looks ahead (spec_decode/lookahead.py), and reports the share of drafting steps whose drafts
 the rest of the last answer covers: the steps whose call could overlap the forward.
 """
 
@@ -38,11 +38,11 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.tree import ROOT, DraftTree, accepted_path, depths
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.spec.lookahead import Lookahead
-from verifier_service.spec.lookahead import ask as lookahead_ask
-from verifier_service.spec.lookahead import covers as lookahead_covers
-from verifier_service.spec.planner import DraftPlanner
-from verifier_service.spec.policy import SpecState, SpeculationPolicy
+from verifier_service.spec_decode.lookahead import Lookahead
+from verifier_service.spec_decode.lookahead import ask as lookahead_ask
+from verifier_service.spec_decode.lookahead import covers as lookahead_covers
+from verifier_service.spec_decode.planner import DraftPlanner
+from verifier_service.spec_decode.policy import SpecState, SpeculationPolicy
 
 
 @dataclass

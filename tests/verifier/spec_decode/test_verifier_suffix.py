@@ -24,7 +24,7 @@ from verifier_support import (
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import drafter_pb2, speculative_pb2, verifier_pb2
-from verifier_service.spec.config import SUFFIX, ConfigError, suffix_drafter, validate
+from verifier_service.spec_decode.config import SUFFIX, ConfigError, suffix_drafter, validate
 from verifier_service.tools.local_services import LocalService, script
 
 # Looping prompts (the request's own tree drafts) and non-looping ones (only learning helps).

@@ -9,8 +9,8 @@ from verifier_harness import reference_greedy, run_verifier, spec_config, token_
 from verifier_support import shared_model
 
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.spec.planner import PROBE_STEPS, AcceptanceEstimate, DraftPlanner
-from verifier_service.spec.policy import SpecState, SpeculationPolicy
+from verifier_service.spec_decode.planner import PROBE_STEPS, AcceptanceEstimate, DraftPlanner
+from verifier_service.spec_decode.policy import SpecState, SpeculationPolicy
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
 LINEAR = [float(t) for t in range(17)]  # every verified token costs a full step

@@ -15,7 +15,8 @@ PrepareDraftTokensStream, which lives on one replica) the deltas are plain: the
 tokens since the last successful call. The client turns the
 answer into drafts the verifier can trust: anything late, failing or malformed
 becomes "no draft" for that step. The same client drives a remote drafter over
-gRPC and an SDK drafter in-process, so the two differ only by the network hop.
+gRPC and an SDK drafter in-process (transport.py), so the two differ only by
+the network hop.
 """
 
 from __future__ import annotations
@@ -24,29 +25,21 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, TypeVar
+from typing import Any, Sequence
 
 import grpc
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, STREAM_RELEASES, Drafter
-from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, STREAM_RELEASES
+from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
-from verifier_service.spec.circuit_breaker import CircuitBreaker
-from verifier_service.spec.draft_stream import DraftStream, Ticket
+from verifier_service.spec_decode.circuit_breaker import CircuitBreaker
+from verifier_service.spec_decode.transport import Answer, Transport, status_of
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 # While a drafter's tokenizer does not match, ask it again this often (it may be replaced).
 INCOMPATIBLE_RECHECK_S = 5.0
-# A drafter without PrepareDraftTokensStream gets unary calls; try the stream again this often
-# (a rolling update may bring it).
-STREAM_RECHECK_S = 60.0
-
-
-# Reads the answer to a call already sent (raises as the call would have failed).
-Answer = Callable[[], drafter_pb2.PrepareDraftTokensResponse]
 
 
 @dataclass
@@ -107,225 +100,6 @@ class DraftReply:
     latency_s: float = 0.0
     # Per query, a token tree's parents (drafter_sdk/tree.py; [] = a chain); empty = all chains.
     parents: list[list[int]] = field(default_factory=list)
-
-
-class Transport(Protocol):
-    target: str
-    # Every call reaches the same drafter (in-process, or over one draft stream): plain deltas do.
-    one_replica: bool
-    splits_calls: bool  # `start` sends a call whose answer is read later
-
-    async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
-                      timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse: ...
-
-    # Where it splits calls: send a PrepareDraftTokens call now and return what reads its answer.
-    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None: ...
-
-    # A sync-only PrepareDraftTokens (draft_len 0) whose answer nobody needs.
-    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None: ...
-
-    # on_stream: the drafter takes releases where it drafts (capability "stream-releases").
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
-                      on_stream: bool) -> None: ...
-
-    async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse: ...
-
-    async def close(self) -> None: ...
-
-
-class GrpcTransport:
-    """A DrafterService over gRPC; `dns:///name:port` plus round_robin spreads calls over replicas.
-
-    Calls are made with gRPC's threaded API and awaited as futures. With `block`, the verifier's
-    case (its engine loop runs on the model thread, apart from the servers' loop), a step's
-    PrepareDraftTokens call blocks: the thread sends it and reads the answer itself, no hop (the
-    step has nothing else to do meanwhile), on one long-lived PrepareDraftTokensStream
-    (draft_stream.py) where the drafter serves it, else as a unary call. grpc.aio would hand
-    every answer to the process's first event loop (the servers') and from there to the
-    engine's: two thread hops per step. Never block on a loop that serves the drafter itself."""
-
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 auth_token: str | None = None, load_balancing_policy: str = "round_robin",
-                 max_message_bytes: int = 16 * 1024 * 1024, server_name_override: str = "",
-                 block: bool = False) -> None:
-        self.target = target
-        self._block = block
-        self.splits_calls = block
-        options = [
-            ("grpc.lb_policy_name", load_balancing_policy or "round_robin"),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            # Reconnect quickly after a drafter restarts; the breaker paces calls.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
-        if server_name_override:
-            options.append(("grpc.ssl_target_name_override", server_name_override))
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
-        self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
-            requests, metadata=self._metadata)) if block else None
-        self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
-        # The stream has answered, and not been refused since (GetServerInfo.drafter.draft_stream).
-        self.streaming = False
-
-    @property
-    def one_replica(self) -> bool:
-        """The next call goes over the draft stream, to the replica that had the last ones (unless
-        the stream ended: a new replica answers RESYNC_REQUIRED, and the sequence starts over)."""
-        return self._stream is not None and time.monotonic() >= self._unary_until
-
-    async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
-                      timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        answer = self.start(request, timeout_s)
-        if answer is not None:
-            return answer()
-        return await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s,
-                                                                     metadata=self._metadata))
-
-    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None:
-        """With `block`: on the draft stream where the drafter serves it, else as a unary call (whose
-        answer gRPC's threads receive meanwhile too)."""
-        if not self._block:
-            return None
-        if self.one_replica:  # the stream is due
-            assert self._stream is not None
-            started = time.monotonic()
-            ticket = self._stream.start(request, timeout_s)
-            return lambda: self._finish(ticket, request, timeout_s - (time.monotonic() - started))
-        call = self._stub.PrepareDraftTokens.future(request, timeout=timeout_s, metadata=self._metadata)
-        return call.result
-
-    def _finish(self, ticket: Ticket, request: drafter_pb2.PrepareDraftTokensRequest,
-                left_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        assert self._stream is not None
-        try:
-            response = self._stream.finish(ticket)
-            self.streaming = True
-            return response
-        except grpc.RpcError as exc:
-            if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self.streaming = False
-            log.info("drafter %s does not serve PrepareDraftTokensStream: unary calls for %g s",
-                     self.target, STREAM_RECHECK_S)
-            self._unary_until = time.monotonic() + STREAM_RECHECK_S
-        return self._stub.PrepareDraftTokens(request, timeout=max(left_s, 0.001), metadata=self._metadata)
-
-    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        """On the draft stream, unanswered (draft_stream.py), where the steps go; else a unary call
-        awaited as a future: the stepping thread never waits for it."""
-        if self.one_replica:
-            assert self._stream is not None
-            self._stream.send(drafter_pb2.PrepareDraftTokensStreamRequest(request=request))
-            return
-        await _awaitable(self._stub.PrepareDraftTokens.future(request, timeout=timeout_s, metadata=self._metadata))
-
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
-                      on_stream: bool) -> None:
-        """On the draft stream, unanswered, where the drafter takes it there: it reaches the replica
-        that holds the sequences. Else unary, to whichever replica the balancer picks."""
-        if on_stream and self.one_replica:
-            assert self._stream is not None
-            self._stream.send(drafter_pb2.PrepareDraftTokensStreamRequest(release=request))
-            return
-        await _awaitable(self._stub.ReleaseRequests.future(request, timeout=timeout_s, metadata=self._metadata))
-
-    async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
-        return await _awaitable(self._stub.GetDrafterInfo.future(
-            drafter_pb2.GetDrafterInfoRequest(), timeout=timeout_s, metadata=self._metadata))
-
-    async def ready(self, timeout_s: float) -> None:
-        """Wait until the channel is connected (raises grpc.FutureTimeoutError)."""
-        await asyncio.get_running_loop().run_in_executor(None, grpc.channel_ready_future(self._channel).result,
-                                                         timeout_s)
-
-    async def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-        self._channel.close()
-
-
-def _awaitable(call: grpc.Future) -> asyncio.Future[Any]:
-    """A gRPC future as an asyncio one of the running loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(_: grpc.Future) -> None:
-        if future.done():
-            return
-        if call.exception() is not None:
-            future.set_exception(call.exception())
-        else:
-            future.set_result(call.result())
-
-    call.add_done_callback(lambda _: loop.call_soon_threadsafe(settle, call))
-    return future
-
-
-class InProcessTransport:
-    """Calls an SDK `DrafterServicer`'s logic directly, without gRPC, where a drafter service runs
-    it (`DrafterServicer.run`): on the calling loop for a drafter that `runs_inline` (n-gram,
-    suffix), else on the servicer's worker thread (a draft model's forwards must not block the
-    loop). `load` loads it on the worker."""
-
-    target = "in-process"
-    one_replica = True
-    splits_calls = False  # no wire to keep busy: the drafter runs on this loop or its worker
-
-    def __init__(self, servicer: "SupportsDrafterLogic") -> None:
-        self._servicer = servicer
-
-    async def load(self) -> None:
-        """Load the drafter if it is not yet (what it raises fails the verifier's start-up)."""
-        if not self._servicer.loaded:
-            await self._servicer.run_in_worker(self._servicer.load)
-
-    async def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
-                      timeout_s: float) -> drafter_pb2.PrepareDraftTokensResponse:
-        return await self._servicer.run(self._servicer.prepare, request)
-
-    def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None:
-        return None
-
-    async def sync(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        await self._servicer.run(self._servicer.prepare, request)
-
-    async def release(self, request: drafter_pb2.ReleaseRequestsRequest, timeout_s: float,
-                      on_stream: bool) -> None:
-        await self._servicer.run(self._servicer.release, request)
-
-    async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
-        return self._servicer.info()
-
-    async def close(self) -> None:
-        close = getattr(self._servicer.drafter, "close", None)  # e.g. the model drafter's own thread
-        if close is not None:
-            await self._servicer.run(close)
-        self._servicer.close()
-
-
-class SupportsDrafterLogic(Protocol):
-    loaded: bool
-    drafter: Drafter
-
-    def load(self) -> None: ...
-
-    def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest) -> drafter_pb2.PrepareDraftTokensResponse: ...
-
-    def release(self, request: drafter_pb2.ReleaseRequestsRequest) -> drafter_pb2.ReleaseRequestsResponse: ...
-
-    def info(self) -> drafter_pb2.GetDrafterInfoResponse: ...
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
-
-    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -583,7 +357,7 @@ class DrafterClient:
         try:
             info = await self.transport.info(timeout_s)
         except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
-            if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
+            if status_of(exc) != grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
                             self.transport.target, _describe(exc))
                 return
@@ -639,12 +413,7 @@ def _check_shape(response: drafter_pb2.PrepareDraftTokensResponse,
 
 
 def _describe(exc: BaseException) -> str:
-    code = _status(exc)
+    code = status_of(exc)
     if code is not None:
         return f"{code.name}: {exc.details()}"  # type: ignore[attr-defined]
     return f"{type(exc).__name__}: {exc}"
-
-
-def _status(exc: BaseException) -> grpc.StatusCode | None:
-    """A failed call's status code (blocking or asyncio), else None."""
-    return exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None

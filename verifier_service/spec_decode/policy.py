@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.tree import accepted_path, first_branch
-from verifier_service.spec.planner import AcceptanceEstimate, DraftPlanner
+from verifier_service.spec_decode.planner import AcceptanceEstimate, DraftPlanner
 
 
 @dataclass(frozen=True)

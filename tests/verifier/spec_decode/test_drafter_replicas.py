@@ -22,9 +22,9 @@ from drafter_sdk import DraftRequest, start_server
 from drafter_sdk.drafter import Key, ReleaseReason
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.spec.config import ConfigError, validate
-from verifier_service.spec.drafter_client import DrafterClientStats
-from verifier_service.spec.drafters import build_drafter_client
+from verifier_service.spec_decode.config import ConfigError, validate
+from verifier_service.spec_decode.drafter_client import DrafterClientStats
+from verifier_service.spec_decode.drafters import build_drafter_client
 
 pytestmark = pytest.mark.timeout(120)
 

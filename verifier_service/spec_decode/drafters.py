@@ -20,12 +20,9 @@ from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.security import channel_credentials, read_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.spec.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
-from verifier_service.spec.drafter_client import (
-    DrafterClient,
-    GrpcTransport,
-    InProcessTransport,
-)
+from verifier_service.spec_decode.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
+from verifier_service.spec_decode.drafter_client import DrafterClient
+from verifier_service.spec_decode.transport import GrpcTransport, InProcessTransport
 
 
 def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id: str, vocab_size: int,

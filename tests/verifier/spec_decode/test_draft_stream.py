@@ -17,7 +17,7 @@ from verifier_support import MethodLog
 
 from drafter_sdk import Drafter, DraftRequest, RunningDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
-from verifier_service.spec.drafter_client import GrpcTransport
+from verifier_service.spec_decode.transport import GrpcTransport
 
 pytestmark = pytest.mark.timeout(60)
 

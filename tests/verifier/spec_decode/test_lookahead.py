@@ -1,4 +1,4 @@
-"""Drafter calls overlapped with the forward (spec/lookahead.py): with a drafter that looks ahead,
+"""Drafter calls overlapped with the forward (spec_decode/lookahead.py): with a drafter that looks ahead,
 a step whose drafts what is left of the last answer covers sends its call before its forward and
 reads the answer after it. Real SDK drafter servers on port 0; every output is plain decoding's,
 whatever the lookahead holds, and a call that fails while it is in flight costs only drafts."""
@@ -26,7 +26,7 @@ from verifier_support import (
 from drafter_sdk import LOOKAHEAD, Drafter, DraftRequest
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.spec.lookahead import Lookahead, ask, covers
+from verifier_service.spec_decode.lookahead import Lookahead, ask, covers
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:8]]
 LENGTH = 40

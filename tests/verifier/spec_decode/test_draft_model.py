@@ -64,7 +64,7 @@ def check_exact(responses) -> int:
 
 def test_draft_target_in_process_is_exact_and_drafts(draft_dir, monkeypatch):
     """On the CPU beside a CPU target, the draft model runs on the verifier's model thread: a thread of its
-    own made every forward of the target about 1.8x as slow (spec/drafters.py)."""
+    own made every forward of the target about 1.8x as slow (spec_decode/drafters.py)."""
     spec = spec_config("DRAFT_TARGET", 4)
     spec.draft_model.model = str(draft_dir)
     threads: set[str] = set()
@@ -163,7 +163,7 @@ def test_a_drafter_with_another_tokenizer_gets_no_calls_and_the_server_says_why(
         finally:
             await running.stop(0)
 
-    with caplog.at_level(logging.ERROR, logger="verifier_service.spec.drafter_client"):
+    with caplog.at_level(logging.ERROR, logger="verifier_service.spec_decode.drafter_client"):
         responses, info = asyncio.run(body())
     assert check_exact(responses) == 0
     assert info.drafter.state == verifier_pb2.DRAFTER_STATE_INCOMPATIBLE
