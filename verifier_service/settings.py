@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
-from verifier_service.api import tool_calls
 from verifier_service.spec_decode.config import ConfigError, validate
 
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
+# The tool-call formats api/tool_calls.py reads from a model's text (vLLM's --tool-call-parser names).
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ("*",)
     # Chat tool calling's "auto" choice (api/tool_calls.py), as vLLM's flags: both, or it is refused.
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # one of tool_calls.PARSERS
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
     # Memory for the Responses API's stored responses (api/response_store.py), least recently used
     # evicted first; 0 stores none.
     responses_store_mb: int = 64
@@ -105,10 +106,10 @@ class ServerSettings:
             raise ConfigError(f"rank_timeout_s must be positive, not {self.rank_timeout_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
-        if self.tool_call_parser not in (None, *tool_calls.PARSERS):
-            raise ConfigError(f"tool_call_parser must be one of {', '.join(tool_calls.PARSERS)}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ConfigError(f"enable_auto_tool_choice needs tool_call_parser ({', '.join(tool_calls.PARSERS)})")
+            raise ConfigError(f"enable_auto_tool_choice needs tool_call_parser ({', '.join(TOOL_CALL_PARSERS)})")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:

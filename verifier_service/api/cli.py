@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 from drafter_sdk.errors import ListenError
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
-from verifier_service.api import tool_calls
 from verifier_service.model import host_memory
-from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, ServerSettings
+from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, TOOL_CALL_PARSERS, ServerSettings
 from verifier_service.spec_decode import config
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help='serve chat tool_choice "auto" (the default with tools), reading '
                                                    "the model's calls with --tool-call-parser (vLLM's flags)")
     _setting(p, "tool_call_parser", "how --enable-auto-tool-choice reads calls from the model's text: hermes "
-                                    "(<tool_call> blocks: Hermes, Qwen2.5, Qwen3)", choices=tool_calls.PARSERS)
+                                    "(<tool_call> blocks: Hermes, Qwen2.5, Qwen3)", choices=TOOL_CALL_PARSERS)
     _setting(p, "responses_store_mb", "memory for the Responses API's stored responses (GET /v1/responses/{id}, "
                                       "previous_response_id), least recently used evicted first; 0 stores none",
              type=int, metavar="MB")

@@ -31,7 +31,6 @@ from typing import Any
 
 from drafter_sdk.proto import verifier_pb2
 
-PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 # The start of a call's object up to its arguments' value: {"name": "...", "<key>": (the key: ARGUMENTS).
