@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_deploy.py and tests/test_deploy_local.py.
+"""Helpers shared by test_deploy.py and test_deploy_local.py.
 
 Reads the Dockerfiles under deploy/docker and renders the kustomize overlays
 under deploy/k8s with `kubectl kustomize` (offline). No pytest fixtures here.
