@@ -150,7 +150,8 @@ def test_remote_drafter_process_is_exact_and_accepts_drafts() -> None:
 
 
 def test_demo_runs_end_to_end() -> None:
-    """`splitspec demo`: both services start, outputs are identical, drafts are accepted, clean shutdown."""
+    """`splitspec demo`: both services start, outputs are identical, drafts are accepted, and each prompt asked
+    again is drafted from its first answer (the suffix drafter learns from finished requests); clean shutdown."""
     # Its own process group: if the test times out, the demo's verifier and drafter go with it.
     demo = subprocess.Popen([script("splitspec"), "demo", "--max-new-tokens", "24"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -161,12 +162,16 @@ def test_demo_runs_end_to_end() -> None:
             os.killpg(demo.pid, signal.SIGKILL)
     done = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = [line for line in done.stdout.splitlines()
-            if re.match(r"^(rewrite code|repeat text|open question)\s+\d", line)]
-    assert len(rows) == 3
-    assert all(line.split()[-1] == "yes" for line in rows), done.stdout
-    acceptance = [float(line.split()[-2]) for line in rows]
-    assert max(acceptance) > 1.0, done.stdout
+    rows = {line.split("  ")[0]: [part.split() for part in line.split("|")] for line in done.stdout.splitlines()
+            if re.match(r"^(rewrite code|repeat text|open question)\s+\d", line)}
+    assert len(rows) == 3, done.stdout
+    assert all(row[3] == ["yes"] for row in rows.values()), done.stdout
+    first = {name: float(row[1][2]) for name, row in rows.items()}  # spec tok/s, speedup, MAL
+    again = {name: float(row[2][2]) for name, row in rows.items()}
+    assert max(first.values()) > 1.0, done.stdout
+    # A finished answer's tokens draft the same request asked again: at least 4 tokens a step at k = 8.
+    assert min(again.values()) >= 4.0, done.stdout
+    assert again["open question"] > first["open question"] + 1.0, done.stdout
     assert "shut down: verifier exit 0, drafter exit 0" in done.stdout
 
 
