@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest context suffix matched; match plus draft never exceed it (24)")
     suffix.add_argument("--max-cached-requests", type=int, default=argparse.SUPPRESS,
                         help="finished requests kept in the global tree, oldest evicted first; 0: none (10000)")
+    suffix.add_argument("--max-cached-mib", type=float, default=argparse.SUPPRESS,
+                        help="memory the global tree may hold, oldest outputs evicted first past it; counted in "
+                             "--max-state-mib too (256; not in vLLM, whose count alone lets long outputs grow "
+                             "it by gigabytes)")
     suffix.add_argument("--max-spec-factor", type=float, default=argparse.SUPPRESS,
                         help="draft at most this times the match length ... (1.0)")
     suffix.add_argument("--own-spec-factor", type=float, default=argparse.SUPPRESS,
@@ -117,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "own_spec_factor", "prefer_longer_match",
-                "learn_choice", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope")
+SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_cached_mib", "max_spec_factor", "own_spec_factor",
+                "prefer_longer_match", "learn_choice", "max_spec_offset", "min_token_prob", "cache_prompts",
+                "cache_scope")
 
 
 def suffix_kwargs(args: argparse.Namespace) -> dict:

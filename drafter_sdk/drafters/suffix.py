@@ -6,7 +6,9 @@ Snowflake's Arctic Inference) keeps two kinds of suffix tree (suffix_index.py):
 - one per request, over its prompt and the tokens generated so far, grown from
   the delta stream as the SDK rebuilds it;
 - a global one over finished requests' outputs (and, with `cache_prompts`, their
-  prompts), at most `max_cached_requests` of them, oldest evicted first.
+  prompts), at most `max_cached_requests` of them and `max_cached_mib` of memory,
+  oldest evicted first: a count alone would let a client with long outputs grow
+  it by gigabytes (10,000 outputs of 32,000 tokens hold about 4 GiB).
 
 Each step, both trees look for the context's last <= `max_tree_depth` tokens and
 propose their best-scoring greedy continuation; the third difference below says
@@ -101,11 +103,13 @@ class SuffixDrafter(Drafter):
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, cache_prompts: bool = False,
                  cache_scope: str = "global", own_spec_factor: float = 8.0, prefer_longer_match: bool = True,
-                 learn_choice: bool = True) -> None:
+                 learn_choice: bool = True, max_cached_mib: float = 256.0) -> None:
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be at least 2, not {max_tree_depth}")
         if max_cached_requests < 0:
             raise ValueError(f"max_cached_requests must not be negative, not {max_cached_requests}")
+        if not max_cached_mib > 0:
+            raise ValueError(f"max_cached_mib must be positive, not {max_cached_mib}")
         if max_spec_factor < 0:
             raise ValueError(f"max_spec_factor must not be negative, not {max_spec_factor}")
         if own_spec_factor < 0:
@@ -117,6 +121,8 @@ class SuffixDrafter(Drafter):
         self.max_tree_depth = max_tree_depth
         self.max_draft_len = max_tree_depth - 1  # a match of one token leaves that much depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_mib = max_cached_mib  # every scope's global tree together
+        self._max_cached_bytes = round(max_cached_mib * (1 << 20))
         self.max_spec_factor = max_spec_factor
         self.own_spec_factor = own_spec_factor
         self.max_spec_offset = max_spec_offset
@@ -158,7 +164,9 @@ class SuffixDrafter(Drafter):
             self._choices[scope] = ChoiceTable()
         tree.add(learned)
         self._learned.append(scope)
-        while len(self._learned) > self.max_cached_requests:
+        # An output larger than the whole cap evicts everything, itself included.
+        while self._learned and (len(self._learned) > self.max_cached_requests
+                                 or self.shared_state_bytes() > self._max_cached_bytes):
             oldest = self._learned.popleft()
             tree = self._global[oldest]
             tree.evict_oldest()

@@ -89,7 +89,7 @@ class NgramConfig(_message.Message):
     def __init__(self, max_matching_ngram_size: _Optional[int] = ..., is_keep_all: _Optional[bool] = ..., is_use_oldest: _Optional[bool] = ..., is_public_pool: _Optional[bool] = ..., tree_min_prob: _Optional[float] = ...) -> None: ...
 
 class SuffixConfig(_message.Message):
-    __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope", "own_spec_factor", "prefer_longer_match", "learn_choice")
+    __slots__ = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "cache_prompts", "cache_scope", "own_spec_factor", "prefer_longer_match", "learn_choice", "max_cached_mib")
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class SuffixConfig(_message.Message):
     OWN_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PREFER_LONGER_MATCH_FIELD_NUMBER: _ClassVar[int]
     LEARN_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_MIB_FIELD_NUMBER: _ClassVar[int]
     max_tree_depth: int
     max_cached_requests: int
     max_spec_factor: float
@@ -110,7 +111,8 @@ class SuffixConfig(_message.Message):
     own_spec_factor: float
     prefer_longer_match: bool
     learn_choice: bool
-    def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ..., own_spec_factor: _Optional[float] = ..., prefer_longer_match: _Optional[bool] = ..., learn_choice: _Optional[bool] = ...) -> None: ...
+    max_cached_mib: float
+    def __init__(self, max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., cache_prompts: _Optional[bool] = ..., cache_scope: _Optional[_Union[SuffixCacheScope, str]] = ..., own_spec_factor: _Optional[float] = ..., prefer_longer_match: _Optional[bool] = ..., learn_choice: _Optional[bool] = ..., max_cached_mib: _Optional[float] = ...) -> None: ...
 
 class DraftModelConfig(_message.Message):
     __slots__ = ("model", "device", "dtype", "kv_cache_memory_gb", "draft_ahead")

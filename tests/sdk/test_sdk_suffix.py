@@ -288,6 +288,30 @@ def test_the_global_tree_evicts_oldest_first_and_stays_bounded() -> None:
     assert len(held._buf) <= 2 * (3 * 51 + 1) + 1
 
 
+def test_the_global_tree_stays_within_its_memory_cap_oldest_evicted_first() -> None:
+    """Long outputs fill the cap before the count: past `max_cached_mib` the oldest outputs go, across scopes,
+    and an output larger than the whole cap is not kept."""
+    cap_mib = 0.25
+    drafter = SuffixDrafter(max_cached_mib=cap_mib, cache_scope="verifier")
+    rng = random.Random(2)
+    outputs = [[rng.randrange(50_000) for _ in range(300)] for _ in range(30)]  # no chance matches
+    held = []
+    for i, out in enumerate(outputs):
+        finish(drafter, f"r{i}", [], out, verifier="AB"[i % 2])
+        assert drafter.shared_state_bytes() <= cap_mib * 2**20
+        held.append(drafter.cached_requests)
+    assert 2 <= held[-1] < 10 and max(held) < len(outputs)  # the bytes bound it, not the count (10,000)
+    kept = outputs[-held[-1]:]
+    for i, out in enumerate(outputs):
+        draft = drafter.prepare_draft_tokens([request(f"q{i}", out[:10], verifier="AB"[i % 2])])[0]
+        assert draft == (out[10:18] if out in kept else []), i
+    tiny = SuffixDrafter(max_cached_mib=0.01)
+    finish(tiny, "big", [], outputs[0])
+    assert tiny.cached_requests == 0 and tiny.shared_state_bytes() == 0
+    with pytest.raises(ValueError, match="max_cached_mib"):
+        SuffixDrafter(max_cached_mib=0)
+
+
 def test_max_cached_requests_zero_learns_nothing() -> None:
     drafter = SuffixDrafter(max_cached_requests=0)
     finish(drafter, "done", [], [1, 2, 3, 4])

@@ -219,8 +219,8 @@ def _fill_suffix(sx: speculative_pb2.SuffixConfig) -> None:
     defaults = SuffixDrafter()
     if sx.max_tree_depth == 0:
         sx.max_tree_depth = defaults.max_tree_depth
-    for knob in ("max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob", "own_spec_factor",
-                 "prefer_longer_match", "learn_choice"):
+    for knob in ("max_cached_requests", "max_cached_mib", "max_spec_factor", "max_spec_offset", "min_token_prob",
+                 "own_spec_factor", "prefer_longer_match", "learn_choice"):
         if not sx.HasField(knob):
             setattr(sx, knob, getattr(defaults, knob))
     if sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_UNSPECIFIED:
@@ -246,7 +246,8 @@ def suffix_drafter(sx: speculative_pb2.SuffixConfig) -> SuffixDrafter:
                          max_spec_factor=sx.max_spec_factor, max_spec_offset=sx.max_spec_offset,
                          min_token_prob=sx.min_token_prob, cache_prompts=sx.cache_prompts, cache_scope=scope,
                          own_spec_factor=sx.own_spec_factor, prefer_longer_match=sx.prefer_longer_match,
-                         learn_choice=sx.learn_choice)
+                         learn_choice=sx.learn_choice, max_cached_mib=sx.max_cached_mib)
+
 
 def _fill_draft_model(dm: speculative_pb2.DraftModelConfig) -> None:
     dm.device = dm.device or "auto"

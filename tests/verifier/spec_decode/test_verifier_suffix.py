@@ -60,16 +60,19 @@ def test_config_fills_vllm_defaults_and_refuses_bad_knobs() -> None:
     assert (sx.max_tree_depth, sx.max_cached_requests, sx.max_spec_factor, sx.max_spec_offset) == (24, 10000, 1.0, 0.0)
     assert sx.min_token_prob == pytest.approx(0.1) and sx.own_spec_factor == 8.0 and sx.prefer_longer_match
     assert sx.cache_scope == speculative_pb2.SUFFIX_CACHE_SCOPE_GLOBAL
+    assert sx.max_cached_mib == 256.0 and suffix_drafter(sx).max_cached_mib == 256.0  # not in vLLM
     assert suffix_drafter(sx).prefer_longer_match and sx.learn_choice and suffix_drafter(sx).learn_choice
     explicit = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
     explicit.suffix.max_cached_requests = 0  # set to 0: no global tree, as in vLLM (not the default)
     explicit.suffix.prefer_longer_match = False  # vLLM's rule: the higher score wins
     explicit.suffix.learn_choice = False
+    explicit.suffix.max_cached_mib = 64.0
     assert validate(explicit).suffix.max_cached_requests == 0
+    assert suffix_drafter(validate(explicit).suffix).max_cached_mib == 64.0
     drafter = suffix_drafter(validate(explicit).suffix)
     assert not drafter.prefer_longer_match and not drafter.learn_choice
     for field, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", -1.0),
-                         ("own_spec_factor", -1.0)):
+                         ("own_spec_factor", -1.0), ("max_cached_mib", 0.0)):
         bad = speculative_pb2.SpeculativeConfig(mode=SUFFIX)
         setattr(bad.suffix, field, value)
         with pytest.raises(ConfigError, match=field):
