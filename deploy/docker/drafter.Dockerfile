@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# splitspec drafter image: the drafter SDK and its built-in n-gram drafter.
-# No torch. Build context is the repository root:
+# splitspec drafter image: the drafter SDK and its built-in n-gram and suffix drafters
+# (numpy for the suffix drafter's long lists). No torch. Build context is the repository root:
 #   docker build -f deploy/docker/drafter.Dockerfile -t ghcr.io/splitspec/drafter:0.1.0 .
 # Your own drafter: FROM this image, COPY your module, and run
 #   splitspec-drafter my_module:MyDrafter --host [::] --port 50052
@@ -14,11 +14,11 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY drafter_sdk/ drafter_sdk/
-RUN pip install . && pip check
+RUN pip install ".[suffix]" && pip check
 
 FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.title="splitspec-drafter" \
-      org.opencontainers.image.description="splitspec remote drafter (gRPC DrafterService), n-gram built in" \
+      org.opencontainers.image.description="splitspec remote drafter (gRPC DrafterService), n-gram and suffix built in" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --gid 10001 splitspec \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin splitspec

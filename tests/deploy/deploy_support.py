@@ -33,7 +33,7 @@ DOCKERFILES = {
     "drafter": DOCKER_DIR / "drafter.Dockerfile",
     "model-drafter": DOCKER_DIR / "model-drafter.Dockerfile",
 }
-OVERLAYS = ("cpu", "gpu", "gpu-tp", "gpu-model-drafter")
+OVERLAYS = ("cpu", "cpu-suffix-drafter", "gpu", "gpu-tp", "gpu-model-drafter")
 VERIFIER = "splitspec-verifier"
 DRAFTER = "splitspec-drafter"
 

@@ -39,6 +39,8 @@ from deploy_support import (
     speculative_config_of,
 )
 
+from drafter_sdk.drafters.suffix import SuffixDrafter
+
 # Kubernetes versions whose (strict) schemas the overlays must pass: a current
 # release and the oldest one we claim (native sleep-free preStop, gRPC probes
 # GA since 1.27, unhealthyPodEvictionPolicy since 1.27).
@@ -238,7 +240,12 @@ def test_speculative_config_targets_the_headless_drafter_service(objs):
         assert (up.delta_overlap_steps or 8) >= hpa["spec"]["maxReplicas"]
     # Drafters are asked for no more than they are configured to give.
     drafter_args = main_container(one(objs, "Deployment", DRAFTER))["args"]
-    assert msg.max_draft_len <= int(flag_value(drafter_args, "--max-draft-len"))
+    if drafter_args[0] == "suffix":  # a one-token match leaves the rest of the tree's depth to draft
+        depth = flag_value(drafter_args, "--max-tree-depth")
+        most = SuffixDrafter(**({"max_tree_depth": int(depth)} if depth else {})).max_draft_len
+    else:
+        most = int(flag_value(drafter_args, "--max-draft-len"))
+    assert msg.max_draft_len <= most
 
 
 def test_probes_are_native_grpc_on_the_serving_port(objs):
@@ -431,6 +438,25 @@ def test_cpu_overlay_specifics():
     assert c["resources"]["requests"]["cpu"]
     assert "nvidia.com/gpu" not in str(v)
     assert not find(objs, "PersistentVolumeClaim")
+
+
+def test_cpu_suffix_drafter_overlay_specifics():
+    """The suffix-drafter component changes the drafter's args, memory and HPA, nothing else: its global tree fits
+    in the state budget beside the sequences' state, and the HPA never outgrows the verifier's delta overlap."""
+    objs, cpu = render("overlays/cpu-suffix-drafter"), render("overlays/cpu")
+    d = one(objs, "Deployment", DRAFTER)
+    args = main_container(d)["args"]
+    assert args[0] == "suffix" and flag_value(args, "--cache-scope") == "global"
+    assert float(flag_value(args, "--max-state-mib")) >= float(flag_value(args, "--max-cached-mib")) + 128
+    hpa = one(objs, "HorizontalPodAutoscaler")
+    _, config, _ = speculative_config_of(objs)
+    assert hpa["spec"]["maxReplicas"] <= config["userProvided"]["deltaOverlapSteps"]
+    assert hpa["spec"]["maxReplicas"] < one(cpu, "HorizontalPodAutoscaler")["spec"]["maxReplicas"]
+    assert main_container(d)["image"] == main_container(one(cpu, "Deployment", DRAFTER))["image"]
+    changed = {("Deployment", DRAFTER), ("HorizontalPodAutoscaler", DRAFTER)}
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, objs)) == sorted(map(key, cpu))
+    assert [o for o in objs if key(o) not in changed] == [o for o in cpu if key(o) not in changed]
 
 
 def test_gpu_overlay_specifics():

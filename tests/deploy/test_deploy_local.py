@@ -1,6 +1,7 @@
-"""Run the rendered cpu overlay's verifier and drafter as local processes.
+"""Run the rendered cpu overlays' verifier and drafter as local processes.
 
-Everything comes from `kubectl kustomize deploy/k8s/overlays/cpu` and from the
+Both CPU overlays run: `cpu` (the n-gram drafter) and `cpu-suffix-drafter` (the suffix drafter, which
+learns from finished requests). Everything comes from `kubectl kustomize deploy/k8s/overlays/<overlay>` and from the
 Dockerfiles that build its images: the executable is the image ENTRYPOINT
 (unless the container sets `command`), the arguments are the container's
 `args` (or the image CMD), the environment is the image ENV overlaid with the
@@ -199,9 +200,9 @@ def wait_serving(proc: Proc, deadline: float) -> None:
     pytest.fail(f"{proc.name} not SERVING after startup budget (last: {status}):\n{proc.log_tail()}")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    objs = render("overlays/cpu")
+@pytest.fixture(scope="module", params=["cpu", "cpu-suffix-drafter"])
+def stack(request, tmp_path_factory):
+    objs = render(f"overlays/{request.param}")
     root = tmp_path_factory.mktemp("deploy-local")
     drafter_dep = one(objs, "Deployment", DRAFTER)
     verifier_dep = one(objs, "Deployment", VERIFIER)
@@ -220,7 +221,7 @@ def stack(tmp_path_factory):
         deadline = time.monotonic() + STARTUP_BUDGET_S
         for p in procs:
             wait_serving(p, deadline)
-        yield {"drafter": drafter, "verifier": verifier, "objs": objs}
+        yield {"drafter": drafter, "verifier": verifier, "objs": objs, "overlay": request.param}
     finally:
         for p in procs:
             if p.popen and p.popen.poll() is None:
@@ -264,6 +265,31 @@ def test_generate_through_the_remote_drafter(stack):
     assert resp.output.stats.num_draft_tokens > 0, (
         f"no tokens drafted by the remote drafter: {resp.output.stats}\n{v.log_tail()}\n{stack['drafter'].log_tail()}"
     )
+
+
+def test_a_question_asked_again_drafts_from_its_first_answer_where_the_drafter_learns(stack):
+    """The same open question twice, as two requests: the suffix drafter has learned the first answer by the
+    time the second runs (at least 4 tokens a step, at the verifier's 8); the n-gram drafter, which drafts from
+    a request's own text alone, has not. Both answers are the same tokens."""
+    import grpc
+
+    from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+
+    v = stack["verifier"]
+    port = v.ports[int(flag_value(main_container(v.deployment)["args"], "--port"))]
+    req = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+        chat=verifier_pb2.ChatMessages(messages=[
+            verifier_pb2.ChatMessage(role="user", content="Give three tips for writing readable Python code.")]),
+        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=48),
+    ))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        first, again = (stub.Generate(req, timeout=120).output for _ in range(2))
+    assert list(again.token_ids) == list(first.token_ids)
+    learns = stack["overlay"] == "cpu-suffix-drafter"
+    assert (again.stats.mean_acceptance_length >= 4.0) == learns, (
+        f"{stack['overlay']}: first {first.stats.mean_acceptance_length:.2f}, "
+        f"again {again.stats.mean_acceptance_length:.2f}\n{stack['drafter'].log_tail()}")
 
 
 def test_server_info_reflects_the_rendered_flags(stack):
