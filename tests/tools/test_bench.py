@@ -67,7 +67,8 @@ def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: 
     out = tmp_path / "memory.json"
     done = subprocess.run(
         [script("splitspec"), "bench-drafter-memory", "--sequences", "4", "--tokens", "2000", "--unbounded-calls", "1",
-         "--calls", "4", "--max-state-mib", "0.5", "--good-sequences", "2", "--json", str(out)],
+         "--calls", "4", "--max-state-mib", "0.5", "--good-sequences", "2", "--learned-calls", "6",
+         "--learned-outputs", "4", "--max-cached-mib", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -81,6 +82,12 @@ def test_bench_drafter_memory_floods_a_real_drafter_within_its_budget(tmp_path: 
     assert budgeted["good_accepted_per_step"] > 0
     # Far within what the 10-call unbounded flood would take; the real bound is in the README's full run.
     assert budgeted["peak_rss_mib"] - budgeted["baseline_rss_mib"] <= budgeted["max_state_mib"] + 64
+    # The suffix drafter's global tree: held to its cap, where without one it takes what it was given.
+    capped, uncapped = report["learned"]
+    assert capped["calls_ok"] == uncapped["calls_ok"] == 6
+    assert capped["learned_tokens"] == uncapped["learned_tokens"] == 6 * 4 * 2000
+    assert 0 < capped["cached_mib"] <= capped["max_cached_mib"] == 1
+    assert uncapped["cached_mib"] > 4 * capped["cached_mib"]
 
 
 def test_bench_replay_reports_acceptance_without_timing(tmp_path: Path, model_dir: Path) -> None:

@@ -1,6 +1,6 @@
-"""`splitspec bench-drafter-memory`: a drafter's state per held token, and a flood against its budget.
+"""`splitspec bench-drafter-memory`: a drafter's state per held token, and floods against its bounds.
 
-Three measurements, all without a model (drafters need no torch):
+Four measurements, all without a model (drafters need no torch):
 
 1. accounting: the bytes the SDK accounts per held token (history + the drafter's
    `state_bytes` + `shared_state_bytes`) for each built-in drafter setting, in-process;
@@ -11,7 +11,12 @@ Three measurements, all without a model (drafters need no torch):
    verifier (its own namespace, a few repetitive sequences advancing a few tokens per call).
    Reported: whether every call was answered OK, the peak RSS (VmHWM) against the budget, the
    evictions, and the well-behaved verifier's resyncs and accepted draft tokens per step, flood
-   vs alone.
+   vs alone;
+4. learned: a real `splitspec-drafter suffix` receives `--learned-calls` calls, each syncing
+   `--learned-outputs` new random outputs of `--tokens` tokens and releasing them as finished, so
+   that all of them enter its global tree; once under `--max-cached-mib` and once with a cap no flood
+   reaches (a count alone bounds vLLM's cache). Reported: the peak RSS against the cap, and the
+   global tree's bytes by the drafter's own metric.
 
 The issue's flood at full scale (64 x 4,000 tokens, 60 calls, the default 1 GiB budget):
 
@@ -58,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=20, help="flood calls against the budget (0: skip)")
     p.add_argument("--max-state-mib", type=float, default=64.0, help="the drafter's budget in the flood")
     p.add_argument("--good-sequences", type=int, default=4, help="sequences of the well-behaved verifier")
+    p.add_argument("--learned-calls", type=int, default=16,
+                   help="calls finishing outputs into a suffix drafter's global tree (0: skip)")
+    p.add_argument("--learned-outputs", type=int, default=16, help="outputs finished per learned call")
+    p.add_argument("--max-cached-mib", type=float, default=32.0, help="the suffix drafter's cap in the learned flood")
     p.add_argument("--json", help="also write the figures here")
     p.set_defaults(func=main)
 
@@ -85,6 +94,23 @@ class FloodResult:
     good_resyncs: int
     good_accepted_per_step: float
     good_alone_accepted_per_step: float
+
+
+@dataclass
+class LearnedFlood:
+    max_cached_mib: float  # the suffix drafter's --max-cached-mib
+    calls: int
+    calls_ok: int
+    learned_tokens: int  # output tokens finished into the global tree
+    seconds: float
+    baseline_rss_mib: float
+    peak_rss_mib: float
+    final_rss_mib: float
+    cached_mib: float  # splitspec_drafter_shared_state_bytes at the end
+
+
+# A cap no flood here reaches: the global tree bounded by its count of outputs alone, as vLLM's.
+NO_CAP_MIB = 1 << 20
 
 
 def accounting(settings: dict[str, dict], sequences: int, tokens: int, vocab: int) -> list[Accounting]:
@@ -188,6 +214,42 @@ def flood(args: argparse.Namespace, max_state_mib: float, calls: int, with_good:
         good_alone_accepted_per_step=good_alone.accepted_per_step if good_alone else 0.0)
 
 
+def learned_flood(args: argparse.Namespace, max_cached_mib: float) -> LearnedFlood:
+    """Finish `--learned-outputs` random outputs per call into a real suffix drafter's global tree."""
+    metrics_port = free_port()
+    drafter = LocalService([script("splitspec-drafter"), "suffix", "--max-cached-mib", str(max_cached_mib),
+                            "--max-cached-requests", str(args.learned_calls * args.learned_outputs),
+                            "--max-state-mib", "0", "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+                           name="drafter")
+    rng, prompt_len = random.Random(3), 16
+    with drafter, grpc.insecure_channel(drafter.address, options=[
+            ("grpc.max_send_message_length", 64 * MIB)]) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        pid = drafter.process.pid
+        baseline = rss(pid)["VmRSS"]
+        ok, start = 0, time.perf_counter()
+        for call in range(args.learned_calls):
+            ids = [f"{call}-{i}" for i in range(args.learned_outputs)]
+            sync = drafter_pb2.PrepareDraftTokensRequest(verifier_id="learned", sequences=[
+                drafter_pb2.DraftSequence(request_id=rid, new_tokens=[rng.randrange(args.vocab) for _ in range(
+                    prompt_len + args.tokens)], prompt_len=prompt_len) for rid in ids])
+            release = drafter_pb2.ReleaseRequestsRequest(verifier_id="learned", request_ids=ids,
+                                                         reasons=[drafter_pb2.RELEASE_REASON_FINISHED] * len(ids))
+            try:
+                stub.PrepareDraftTokens(sync, timeout=120)
+                stub.ReleaseRequests(release, timeout=120)
+                ok += 1
+            except grpc.RpcError as err:
+                print(f"learned call {call}: {err.code().name} {err.details()}")
+        seconds = time.perf_counter() - start
+        memory, samples = rss(pid), scrape(metrics_port)
+    return LearnedFlood(
+        max_cached_mib=max_cached_mib, calls=args.learned_calls, calls_ok=ok,
+        learned_tokens=args.learned_calls * args.learned_outputs * args.tokens, seconds=seconds,
+        baseline_rss_mib=baseline / MIB, peak_rss_mib=memory["VmHWM"] / MIB, final_rss_mib=memory["VmRSS"] / MIB,
+        cached_mib=samples.get(("splitspec_drafter_shared_state_bytes", ()), 0.0) / MIB)
+
+
 def rss(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM (peak RSS) of a process, in bytes."""
     fields = {}
@@ -232,7 +294,17 @@ def main(args: argparse.Namespace) -> int:
         if r.max_state_mib:
             print(f"well-behaved verifier: {r.good_resyncs} resyncs, accepted {r.good_accepted_per_step:.2f} "
                   f"draft tokens/step beside the flood vs {r.good_alone_accepted_per_step:.2f} alone")
+    learned = [learned_flood(args, cap) for cap in (args.max_cached_mib, NO_CAP_MIB)] if args.learned_calls else []
+    for r in learned:
+        cap = f"--max-cached-mib {r.max_cached_mib:g}" if r.max_cached_mib < NO_CAP_MIB else "no byte cap"
+        print(f"\n# learned: {r.calls} calls x {args.learned_outputs} finished outputs x {args.tokens} tokens "
+              f"into the suffix drafter's global tree, {cap}")
+        print(f"answered OK {r.calls_ok}/{r.calls} in {r.seconds:.1f} s; {r.learned_tokens:,} tokens learned, "
+              f"global tree {r.cached_mib:.1f} MiB")
+        print(f"RSS {r.baseline_rss_mib:.0f} MiB before, peak {r.peak_rss_mib:.0f} MiB, "
+              f"{r.final_rss_mib:.0f} MiB after")
     if args.json:
         Path(args.json).write_text(json.dumps({"accounting": [asdict(a) for a in acct],
-                                               "floods": [asdict(r) for r in runs]}, indent=2))
-    return 0 if all(r.calls_ok == r.calls for r in runs) else 1
+                                               "floods": [asdict(r) for r in runs],
+                                               "learned": [asdict(r) for r in learned]}, indent=2))
+    return 0 if all(r.calls_ok == r.calls for r in [*runs, *learned]) else 1
