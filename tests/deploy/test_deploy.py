@@ -454,7 +454,10 @@ def test_cpu_suffix_drafter_overlay_specifics():
     assert hpa["spec"]["maxReplicas"] < one(cpu, "HorizontalPodAutoscaler")["spec"]["maxReplicas"]
     assert main_container(d)["image"] == main_container(one(cpu, "Deployment", DRAFTER))["image"]
     changed = {("Deployment", DRAFTER), ("HorizontalPodAutoscaler", DRAFTER)}
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+
+    def key(obj: dict) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
     assert sorted(map(key, objs)) == sorted(map(key, cpu))
     assert [o for o in objs if key(o) not in changed] == [o for o in cpu if key(o) not in changed]
 
