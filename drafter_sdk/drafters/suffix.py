@@ -122,7 +122,6 @@ class SuffixDrafter(Drafter):
         self.max_draft_len = max_tree_depth - 1  # a match of one token leaves that much depth
         self.max_cached_requests = max_cached_requests
         self.max_cached_mib = max_cached_mib  # every scope's global tree together
-        self._max_cached_bytes = round(max_cached_mib * (1 << 20))
         self.max_spec_factor = max_spec_factor
         self.own_spec_factor = own_spec_factor
         self.max_spec_offset = max_spec_offset
@@ -166,7 +165,7 @@ class SuffixDrafter(Drafter):
         self._learned.append(scope)
         # An output larger than the whole cap evicts everything, itself included.
         while self._learned and (len(self._learned) > self.max_cached_requests
-                                 or self.shared_state_bytes() > self._max_cached_bytes):
+                                 or self.shared_state_bytes() > self.max_cached_mib * (1 << 20)):
             oldest = self._learned.popleft()
             tree = self._global[oldest]
             tree.evict_oldest()

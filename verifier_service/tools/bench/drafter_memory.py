@@ -28,11 +28,13 @@ Linux only (RSS from /proc).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -171,15 +173,20 @@ class GoodVerifier:
         return self.accepted / max(1, self.steps)
 
 
-def flood(args: argparse.Namespace, max_state_mib: float, calls: int, with_good: bool) -> FloodResult:
+@contextlib.contextmanager
+def drafter_process(*flags: str) -> Iterator[tuple[drafter_pb2_grpc.DrafterServiceStub, int, int]]:
+    """A real `splitspec-drafter` started with these flags, serving metrics: (its stub, its pid, its metrics port)."""
     metrics_port = free_port()
-    drafter = LocalService([script("splitspec-drafter"), "ngram", "--max-state-mib", str(max_state_mib),
-                            "--metrics-port", str(metrics_port), "--log-level", "WARNING"], name="drafter")
-    rng = random.Random(2)
+    drafter = LocalService([script("splitspec-drafter"), *flags, "--metrics-port", str(metrics_port),
+                            "--log-level", "WARNING"], name="drafter")
     with drafter, grpc.insecure_channel(drafter.address, options=[
             ("grpc.max_send_message_length", 64 * MIB)]) as channel:
-        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
-        pid = drafter.process.pid
+        yield drafter_pb2_grpc.DrafterServiceStub(channel), drafter.process.pid, metrics_port
+
+
+def flood(args: argparse.Namespace, max_state_mib: float, calls: int, with_good: bool) -> FloodResult:
+    rng = random.Random(2)
+    with drafter_process("ngram", "--max-state-mib", str(max_state_mib)) as (stub, pid, metrics_port):
         good_alone = good = None
         if with_good:
             good_alone = GoodVerifier(stub, "good-alone", args.good_sequences)
@@ -216,16 +223,10 @@ def flood(args: argparse.Namespace, max_state_mib: float, calls: int, with_good:
 
 def learned_flood(args: argparse.Namespace, max_cached_mib: float) -> LearnedFlood:
     """Finish `--learned-outputs` random outputs per call into a real suffix drafter's global tree."""
-    metrics_port = free_port()
-    drafter = LocalService([script("splitspec-drafter"), "suffix", "--max-cached-mib", str(max_cached_mib),
-                            "--max-cached-requests", str(args.learned_calls * args.learned_outputs),
-                            "--max-state-mib", "0", "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
-                           name="drafter")
     rng, prompt_len = random.Random(3), 16
-    with drafter, grpc.insecure_channel(drafter.address, options=[
-            ("grpc.max_send_message_length", 64 * MIB)]) as channel:
-        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
-        pid = drafter.process.pid
+    with drafter_process("suffix", "--max-cached-mib", str(max_cached_mib), "--max-cached-requests",
+                         str(args.learned_calls * args.learned_outputs), "--max-state-mib", "0"
+                         ) as (stub, pid, metrics_port):
         baseline = rss(pid)["VmRSS"]
         ok, start = 0, time.perf_counter()
         for call in range(args.learned_calls):
