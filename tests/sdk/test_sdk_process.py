@@ -148,6 +148,28 @@ def test_cli_rejects_what_is_not_a_drafter(spec, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["suffix", "--max-draft-len", "4"], "--max-draft-len is a flag of the ngram and model drafters, not of suffix"),
+    (["ngram", "--max-tree-depth", "8"], "--max-tree-depth is a flag of the suffix drafter, not of ngram"),
+    (["ngram", "--device", "cpu"], "--device is a flag of the model drafter, not of ngram"),
+    (["model", "--no-is-keep-all"], "--is-keep-all is a flag of the ngram drafter, not of model"),
+    (["my_module:MyDrafter", "--cache-scope", "request"], "--cache-scope is a flag of the suffix drafter, not of "
+                                                          "my_module:MyDrafter"),
+])
+def test_cli_refuses_a_flag_of_another_drafter(argv, message, capsys):
+    """A flag the chosen drafter would not read is an error, not silently ignored."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_keeps_each_drafters_defaults_for_flags_not_given():
+    ngram = cli.make_drafter(cli.build_parser().parse_args(["ngram"]))
+    assert (ngram.max_draft_len, ngram.max_matching_ngram_size, ngram.is_keep_all, ngram.is_use_oldest,
+            ngram.is_public_pool, ngram.tree_min_prob) == (cli.NGRAM_MAX_DRAFT_LEN, 3, True, True, False, 0.0)
+
+
 def test_cli_builds_the_ngram_drafter_from_its_flags():
     args = cli.build_parser().parse_args(["ngram", "--max-draft-len", "5", "--max-matching-ngram-size", "2",
                                           "--no-is-keep-all", "--no-is-use-oldest", "--is-public-pool",

@@ -59,8 +59,9 @@ DRAFTERS = {
 
 def run_demo(args: argparse.Namespace) -> int:
     print(f"starting {DRAFTERS[args.drafter]} ...", flush=True)
-    drafter = LocalService([script("splitspec-drafter"), args.drafter, "--max-draft-len", str(args.max_draft_len)],
-                           name="drafter").start()
+    # The suffix drafter's drafts are as long as the verifier asks; the n-gram drafter's have a cap of their own.
+    cap = ["--max-draft-len", str(args.max_draft_len)] if args.drafter == "ngram" else []
+    drafter = LocalService([script("splitspec-drafter"), args.drafter, *cap], name="drafter").start()
     try:
         print(f"drafter SERVING at {drafter.address}; starting the verifier (loading the model) ...", flush=True)
         # One request at a time: start-up then times forwards of one sequence's draft only (26 s against

@@ -128,7 +128,8 @@ def suffix_variants(flag_lines: list[str]) -> dict[str, dict]:
             given = parser.parse_args(["suffix", *flags])
         except SystemExit:  # argparse has printed what was wrong
             raise ValueError(f"--suffix-variant {line!r}: not flags of `splitspec-drafter suffix`") from None
-        other = sorted(k for k, v in vars(given).items() if k not in drafter_cli.SUFFIX_FLAGS and defaults[k] != v)
+        other = sorted(k for k, v in vars(given).items()
+                       if k not in drafter_cli.SUFFIX_FLAGS and (k not in defaults or defaults[k] != v))
         if other:
             flag = "--" + other[0].replace("_", "-")
             raise ValueError(f"--suffix-variant {line!r}: only the suffix drafter's flags, not {flag}")
