@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from drafter_sdk.drafter import Drafter
+from drafter_sdk.drafter import Drafter, keeps_learned_state
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.errors import ListenError
@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-connection-age-s", type=float, default=300.0,
                         help="close each client connection gracefully after about this long, so clients "
                              "re-resolve DNS and reach replicas added since (0: never; default: 300)")
+    parser.add_argument("--learned-state-file",
+                        help="keep what the drafter learned across requests (the suffix drafter's cached outputs) "
+                             "in this file: restored before serving, saved periodically and at shutdown")
+    parser.add_argument("--save-learned-every-s", type=float, default=300.0,
+                        help="with --learned-state-file: seconds between saves (a crash loses what was learned "
+                             "since the last one)")
     parser.add_argument("--log-level", default="INFO")
     add_server_flags(parser)
     parser.add_argument("--auth-tokens-file",
@@ -210,8 +216,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-state-mib must be 0 (no limit) or positive")
     if args.max_connection_age_s < 0:
         parser.error("--max-connection-age-s must be 0 (never) or positive")
+    if not args.save_learned_every_s > 0:
+        parser.error("--save-learned-every-s must be positive")
     try:
         drafter = make_drafter(args)
+        if args.learned_state_file and not keeps_learned_state(drafter):
+            raise ValueError(f"--learned-state-file: the {drafter.name} drafter keeps nothing across requests "
+                             f"to save")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         token = read_named_tokens(args.auth_tokens_file) if args.auth_tokens_file else read_token(
             args.auth_token_file)
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
               max_state_mib=args.max_state_mib, grace_period_s=args.grace_period_s,
               max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
               server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
-              max_connection_age_s=args.max_connection_age_s)
+              max_connection_age_s=args.max_connection_age_s, learned_state_file=args.learned_state_file,
+              save_learned_every_s=args.save_learned_every_s)
     except ListenError as exc:
         parser.exit(2, f"splitspec-drafter: {exc}\n")
 

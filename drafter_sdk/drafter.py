@@ -150,6 +150,25 @@ class Drafter(ABC):
         """
         return 0
 
+    def save_learned(self) -> bytes | None:
+        """What this drafter learned across requests (a global index, a public pool) as bytes that
+        `restore_learned` takes back in a later process; None (the default): nothing worth keeping.
+
+        With a learned-state file (`--learned-state-file`), the SDK calls it every
+        `--save-learned-every-s` seconds and once more at shutdown, and writes what it returns to the
+        file; like every hook it runs one call at a time, so a `runs_inline` drafter holds the event
+        loop meanwhile: copy what you hold, don't compress it here.
+        """
+        return None
+
+    def restore_learned(self, data: bytes) -> None:
+        """Take back what `save_learned` returned, in a new process after `load()` and before any call.
+
+        Raise ValueError for data this drafter cannot use (another format, a configuration it does not
+        fit): the SDK logs why and the drafter starts empty, which costs speed only.
+        """
+        raise ValueError(f"{self.name} keeps nothing across requests to restore")
+
     def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
         """Forget any state kept for `key`.
 
@@ -161,3 +180,8 @@ class Drafter(ABC):
         An override may leave out `reason` (`def on_release(self, key)`): the SDK then
         calls it with the key alone.
         """
+
+
+def keeps_learned_state(drafter: Drafter) -> bool:
+    """Whether the drafter has anything to save across restarts (it overrides `save_learned`)."""
+    return type(drafter).save_learned is not Drafter.save_learned

@@ -77,6 +77,13 @@ class DrafterMetrics:
         self.draft_tokens = Counter(f"{prefix}draft_tokens", "Draft tokens proposed (after trimming)", registry=r)
         self.held_sequences = Gauge(f"{prefix}held_sequences", "Sequences whose context the drafter holds",
                                     registry=r)
+        self.learned_saves = Counter(f"{prefix}learned_state_saves",
+                                     "Saves of what the drafter learned to --learned-state-file, by outcome",
+                                     ["outcome"], registry=r)
+        self.learned_bytes = Gauge(f"{prefix}learned_state_bytes", "Size of the last saved learned state",
+                                   registry=r)
+        self.learned_saved_at = Gauge(f"{prefix}learned_state_last_save_timestamp_seconds",
+                                      "When the learned state was last saved (Unix time; 0: never)", registry=r)
         ProcessCollector(registry=r)
 
     def track_held(self, count: Callable[[], int]) -> None:
@@ -92,6 +99,13 @@ class DrafterMetrics:
         self.call_latency.labels(method).observe(seconds)
         if code is not grpc.StatusCode.OK:
             self.errors.labels(method, code.name).inc()
+
+    def record_learned_save(self, size: int | None) -> None:
+        """A save of the learned state: its size, or None where it failed."""
+        self.learned_saves.labels("failed" if size is None else "ok").inc()
+        if size is not None:
+            self.learned_bytes.set(size)
+            self.learned_saved_at.set_to_current_time()
 
     def record_drafts(self, response: drafter_pb2.PrepareDraftTokensResponse) -> None:
         results = response.results

@@ -1,5 +1,6 @@
 """Run a Drafter as a gRPC DrafterService: the shared server lifecycle (service.py), plus the
-drafter's own `load()` in the background and the idle-state sweep."""
+drafter's own `load()` in the background, the idle-state sweep, and what it learned kept in a file
+across restarts (learned_state.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 
 import grpc
 
-from drafter_sdk.drafter import Drafter
+from drafter_sdk.drafter import Drafter, keeps_learned_state
+from drafter_sdk.learned_state import LearnedStateFile
 from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import CallerIdentity, Tokens
@@ -31,14 +35,16 @@ class RunningDrafter:
     bound port of /metrics, None without metrics."""
 
     def __init__(self, service: GrpcService, servicer: DrafterServicer, grace_period_s: float,
-                 idle_timeout_s: float) -> None:
+                 idle_timeout_s: float, learned: LearnedStateFile | None = None) -> None:
         self.service = service
         self.servicer = servicer
         self.grace_period_s = grace_period_s
+        self.learned = learned
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._load_task = asyncio.create_task(self._load())
         self._evict_task = asyncio.create_task(self._evict_idle(idle_timeout_s))
+        self._save_task = asyncio.create_task(self._save_learned()) if learned is not None else None
 
     @property
     def port(self) -> int:
@@ -76,12 +82,18 @@ class RunningDrafter:
         await self.service.stop(grace)
         self._load_task.cancel()
         self._evict_task.cancel()
+        if self._save_task is not None:
+            self._save_task.cancel()
+            # After the last call, with the releases of requests that finished while draining.
+            if self.servicer.loaded and self.learned is not None:
+                await self.learned.save(self.servicer)
         self.servicer.close()
 
     async def _load(self) -> None:
         name = self.servicer.drafter.name
+        restore = partial(self.learned.restore, self.servicer) if self.learned is not None else None
         try:
-            await self.servicer.run_in_worker(self.servicer.load)
+            await self.servicer.run_in_worker(self.servicer.load, restore)
         except Exception as exc:
             # A drafter that cannot load can never serve: stop rather than linger NOT_SERVING.
             log.exception("%s.load() failed", name)
@@ -90,6 +102,12 @@ class RunningDrafter:
             return
         await self.service.set_serving(True)
         log.info("%s loaded, SERVING", name)
+
+    async def _save_learned(self) -> None:
+        # After load: what is saved before it would replace the file with an empty drafter's state.
+        await asyncio.shield(self._load_task)
+        if self.load_error is None and self.learned is not None:
+            await self.learned.save_every(self.servicer)
 
     async def _evict_idle(self, idle_timeout_s: float) -> None:
         # After load: an inline drafter's code must then never run on the worker (servicer.run).
@@ -118,6 +136,8 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics_port: int | None = None,
     max_connection_age_s: float | None = 300.0,
+    learned_state_file: str | os.PathLike[str] | None = None,
+    save_learned_every_s: float = 300.0,
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
@@ -136,7 +156,16 @@ async def start_server(
     `max_state_mib` (None or 0: no budget) bounds the state held for sequences
     (tokens plus what the drafter reports): past it, the least recently synced
     sequences of the namespace holding the most are evicted (sequence_store.py).
+
+    With `learned_state_file`, what the drafter learned across requests
+    (`Drafter.save_learned`) is restored from that file before the drafter serves,
+    saved every `save_learned_every_s` seconds and once more at shutdown
+    (learned_state.py); ValueError for a drafter that keeps nothing to save.
     """
+    if learned_state_file is not None and not keeps_learned_state(drafter):
+        raise ValueError(f"{drafter.name} keeps nothing across requests to save in a learned-state file")
+    if not save_learned_every_s > 0:
+        raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
     metrics = DrafterMetrics() if metrics_port is not None else None
     max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics,
@@ -150,7 +179,9 @@ async def start_server(
         max_message_bytes=max_message_bytes, max_concurrent_rpcs=max_concurrent_rpcs, options=connection_age,
         interceptors=interceptors, metrics_registry=metrics.registry if metrics else None, metrics_port=metrics_port)
     log.info("serving %s", drafter.name)
-    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s)
+    learned = (LearnedStateFile(Path(learned_state_file), save_learned_every_s, metrics)
+               if learned_state_file is not None else None)
+    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned)
 
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,

@@ -62,10 +62,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # --- synchronous core (also the in-process API) ---
 
-    def load(self) -> None:
-        """Run the drafter's `load()`; calls are refused with UNAVAILABLE until it returned."""
+    def load(self, then: Callable[[], None] | None = None) -> None:
+        """Run the drafter's `load()`, then `then` (a learned state's restore, learned_state.py); calls
+        are refused with UNAVAILABLE until both returned."""
         self.drafter.load()
+        if then is not None:
+            then()
         self.loaded = True
+
+    def restore_learned(self, data: bytes) -> None:
+        """Give the drafter back what it learned before (`Drafter.restore_learned`), then count it in the
+        state budget."""
+        self.drafter.restore_learned(data)
+        self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
 
     def info(self) -> drafter_pb2.GetDrafterInfoResponse:
         d = self.drafter

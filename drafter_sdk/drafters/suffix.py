@@ -75,6 +75,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafters import suffix_snapshot
 from drafter_sdk.drafters.suffix_choice import LONG_MATCH, RECHECK_EVERY, ChoiceTable, Trial, bucket, pending_trials
 from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
@@ -155,22 +156,8 @@ class SuffixDrafter(Drafter):
             return
         tokens = state.tree.tokens()
         learned = tokens if self.cache_prompts else tokens[state.prompt_len:]
-        if not learned:
-            return
-        tree = self._global.get(scope)
-        if tree is None:
-            tree = self._global[scope] = SuffixIndex(self.max_tree_depth)
-            self._choices[scope] = ChoiceTable()
-        tree.add(learned)
-        self._learned.append(scope)
-        # An output larger than the whole cap evicts everything, itself included.
-        while self._learned and (len(self._learned) > self.max_cached_requests
-                                 or self.shared_state_bytes() > self.max_cached_mib * (1 << 20)):
-            oldest = self._learned.popleft()
-            tree = self._global[oldest]
-            tree.evict_oldest()
-            if not len(tree):
-                del self._global[oldest], self._choices[oldest]
+        if learned:
+            self._learn(scope, learned)
 
     def state_bytes(self, key: Key) -> int:
         state = self._requests.get(key)
@@ -181,6 +168,32 @@ class SuffixDrafter(Drafter):
 
     def shared_state_bytes(self) -> int:
         return sum(tree.nbytes() for tree in self._global.values())
+
+    def save_learned(self) -> bytes:
+        """Every cached output and each scope's learned choice (suffix_snapshot.py)."""
+        taken = {scope: tree.sequences() for scope, tree in self._global.items()}
+        return suffix_snapshot.encode(suffix_snapshot.Snapshot(
+            self.cache_scope, [(scope, next(taken[scope])) for scope in self._learned],
+            {scope: dict(table.gains) for scope, table in self._choices.items()}))
+
+    def restore_learned(self, data: bytes) -> None:
+        """What `save_learned` gave, learned again in order under this drafter's caps (the oldest
+        evicted past them); ValueError for a snapshot of another cache scope, which would share
+        outputs where this drafter's scope keeps them apart, or leave them where none is looked up."""
+        snapshot = suffix_snapshot.decode(data)
+        if snapshot.cache_scope != self.cache_scope:
+            raise ValueError(f"the snapshot's outputs were learned with cache scope {snapshot.cache_scope!r}, "
+                             f"this drafter's is {self.cache_scope!r}")
+        self._global.clear()
+        self._choices.clear()
+        self._learned.clear()
+        if self.max_cached_requests == 0:
+            return
+        for scope, tokens in snapshot.outputs:
+            self._learn(scope, tokens)
+        for scope, gains in snapshot.gains.items():
+            if scope in self._choices:
+                self._choices[scope] = ChoiceTable(gains)
 
     # --- drafting ---
 
@@ -292,6 +305,23 @@ class SuffixDrafter(Drafter):
             else:  # its global tree has gone (all evicted) since they were drafted
                 state.trials.clear()
         return state
+
+    def _learn(self, scope: str, tokens: Sequence[int]) -> None:
+        """Add a finished output to the scope's global tree, then evict the oldest outputs past the caps
+        (one larger than the whole byte cap evicts everything, itself included)."""
+        tree = self._global.get(scope)
+        if tree is None:
+            tree = self._global[scope] = SuffixIndex(self.max_tree_depth)
+            self._choices[scope] = ChoiceTable()
+        tree.add(tokens)
+        self._learned.append(scope)
+        while self._learned and (len(self._learned) > self.max_cached_requests
+                                 or self.shared_state_bytes() > self.max_cached_mib * (1 << 20)):
+            oldest = self._learned.popleft()
+            tree = self._global[oldest]
+            tree.evict_oldest()
+            if not len(tree):
+                del self._global[oldest], self._choices[oldest]
 
     def _scope(self, key: Key) -> str | None:
         """Which global tree the request drafts from and feeds; None: none."""

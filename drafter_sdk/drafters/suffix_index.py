@@ -39,7 +39,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from heapq import heappop, heappush
@@ -181,6 +181,12 @@ class SuffixIndex:
         """The tokens of one sequence (default: the newest)."""
         start, end = self._spans[index]
         return self._buf[start - self._base:end - self._base].tolist()
+
+    def sequences(self) -> Iterator[array]:
+        """Every sequence's tokens, oldest first."""
+        buf, base = self._buf, self._base
+        for start, end in self._spans:
+            yield buf[start - base:end - base]
 
     def evict_oldest(self) -> None:
         """Forget the oldest sequence."""

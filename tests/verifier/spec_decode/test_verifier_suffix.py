@@ -230,16 +230,29 @@ def test_release_reasons_reach_the_drafter() -> None:
                                                 [drafter_pb2.RELEASE_REASON_CANCELLED]]
 
 
+async def run_exact(v, prompt: list[int], n: int) -> verifier_pb2.GenerateResponse:  # noqa: ANN001
+    response = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
+    assert list(response.output.token_ids) == list(cached_reference(tuple(prompt), n))
+    return response
+
+
+async def until_drafter_back(v, client, prompt: list[int]) -> None:  # noqa: ANN001
+    """Run short requests until one is drafted for by a restarted drafter with no call failing (the first
+    calls may find the old connection gone, and the breaker closes on the first call answered)."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while asyncio.get_running_loop().time() < deadline:
+        calls, failures = client.stats.calls, client.stats.failures
+        await run_exact(v, prompt, 8)
+        if client.healthy and client.stats.calls > calls and client.stats.failures == failures:
+            break
+    await wait_until(lambda: client.healthy and not client._background, "the drafter back")
+
+
 def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -> None:
     """`splitspec-drafter suffix` as a real process: it learns a finished request; SIGKILLed in the middle
     of another one and restarted on its port, it has forgotten what it learned, every output stays plain
     decoding's, and it learns again."""
     other = repetitive_prompt(303)
-
-    async def run(v, prompt: list[int], n: int) -> verifier_pb2.GenerateResponse:  # noqa: ANN001
-        response = await v.stub.Generate(token_request(prompt, n), timeout=WAIT_S)
-        assert list(response.output.token_ids) == list(cached_reference(tuple(prompt), n))
-        return response
 
     async def main() -> None:
         with LocalService([script("splitspec-drafter"), "suffix", "--log-level", "WARNING",
@@ -247,26 +260,54 @@ def test_a_restarted_suffix_drafter_process_loses_its_cache_and_nothing_else() -
             async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
                 client = engine_of(v).drafter
                 client.breaker.max_backoff_s = 0.5  # probe the restarted drafter soon (backoff is tested elsewhere)
-                await run(v, FRESH_PROMPT, 48)
+                await run_exact(v, FRESH_PROMPT, 48)
                 await wait_until(lambda: not client._background, "the release")
-                assert (await run(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length >= 4.0
-                middle = asyncio.ensure_future(run(v, other, 150))
+                assert (await run_exact(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length >= 4.0
+                middle = asyncio.ensure_future(run_exact(v, other, 150))
                 calls = client.stats.calls
                 await wait_until(lambda: client.stats.calls > calls + 2, "drafting for the long request", middle)
                 drafter.process.kill()  # SIGKILL: no goodbye
                 await asyncio.to_thread(drafter.process.wait)
                 await asyncio.to_thread(drafter.start)  # the same port, nothing learned
                 await middle
-                deadline = asyncio.get_running_loop().time() + WAIT_S
-                while not client.healthy and asyncio.get_running_loop().time() < deadline:
-                    await run(v, other, 8)  # the breaker closes on the first call the restarted drafter answers
-                await wait_until(lambda: client.healthy and not client._background, "the drafter back")
+                await until_drafter_back(v, client, other)
                 failures = client.stats.failures
-                after = await run(v, FRESH_PROMPT, 48)
+                after = await run_exact(v, FRESH_PROMPT, 48)
                 assert client.stats.failures == failures  # the drafter answered every call ...
                 assert after.output.stats.mean_acceptance_length < 2.0, after.output.stats  # ... from an empty cache
                 await wait_until(lambda: not client._background, "the release")
-                again = await run(v, FRESH_PROMPT, 48)
+                again = await run_exact(v, FRESH_PROMPT, 48)
                 assert again.output.stats.mean_acceptance_length >= 4.0, again.output.stats  # and it learns again
+
+    asyncio.run(main())
+
+
+def test_a_suffix_drafter_process_keeps_what_it_learned_in_its_state_file_across_a_restart(tmp_path) -> None:  # noqa: ANN001
+    """With `--learned-state-file`, a `splitspec-drafter suffix` stopped as Kubernetes stops a pod (SIGTERM)
+    and started again drafts a request that finished before the restart from that request's first step,
+    and every output stays plain decoding's."""
+    other = repetitive_prompt(303)
+
+    async def main() -> None:
+        with LocalService([script("splitspec-drafter"), "suffix", "--log-level", "WARNING", "--grace-period-s", "0",
+                           "--learned-state-file", str(tmp_path / "suffix.state")], name="suffix-drafter") as drafter:
+            async with run_verifier(remote_config(8, drafter.port), model=shared_model()) as v:
+                client = engine_of(v).drafter
+                client.breaker.max_backoff_s = 0.5  # probe the restarted drafter soon (backoff is tested elsewhere)
+                first = await run_exact(v, FRESH_PROMPT, 48)
+                assert first.output.stats.mean_acceptance_length < 2.0, first.output.stats  # nothing learned yet
+                await wait_until(lambda: not client._background, "the release")
+                # Sent, not yet answered: the drafter answers its stream in order, so once another request's
+                # calls on it are answered, it has learned the first one.
+                calls = client.stats.calls
+                await run_exact(v, other, 8)
+                assert client.stats.calls > calls
+                assert await asyncio.to_thread(drafter.stop) == 0  # SIGTERM: drains, saves, exits
+                await asyncio.to_thread(drafter.start)  # the same port
+                await until_drafter_back(v, client, other)
+                failures = client.stats.failures
+                after = await run_exact(v, FRESH_PROMPT, 48)
+                assert client.stats.failures == failures
+                assert after.output.stats.mean_acceptance_length >= 4.0, after.output.stats  # from the saved cache
 
     asyncio.run(main())

@@ -1,0 +1,126 @@
+"""Keeps what a drafter learned across requests in a file, so that a restarted drafter starts warm.
+
+A drafter that learns from the traffic (the suffix drafter's global tree, learned from every
+finished request) loses it all when its process ends: a rollout, an eviction, a crash. With a
+file, the server gives the drafter what the file holds after `load()` and before any call is let
+in, saves what it learned every `every_s` seconds, and once more after the last call at shutdown
+(`Drafter.save_learned` / `restore_learned`). A crash loses what was learned since the last save.
+
+A save goes to a temporary file beside the target, synced, then renamed over it, so a crash
+mid-write leaves the previous save whole. A file that cannot be read or that the drafter refuses
+(another format version, another configuration) is logged, moved aside to `<file>.rejected` so that
+the next save does not overwrite it, and the drafter starts empty: like every drafter fault, this
+costs speed, never an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drafter_sdk.metrics import DrafterMetrics
+from drafter_sdk.servicer import DrafterServicer
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclass
+class LearnedStateFile:
+    path: Path
+    every_s: float  # between periodic saves
+    metrics: DrafterMetrics | None = None
+    _saving: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+
+    def restore(self, servicer: DrafterServicer) -> None:
+        """Give the drafter what the file holds (on the drafter's worker thread, before calls are let in).
+        Never raises: a drafter that cannot take it starts empty."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            log.info("no learned state at %s yet: %s starts empty", self.path, servicer.drafter.name)
+            return
+        except OSError as exc:
+            log.warning("cannot read the learned state at %s (%s): %s starts empty", self.path, exc,
+                        servicer.drafter.name)
+            return
+        start = time.perf_counter()
+        try:
+            servicer.restore_learned(data)
+        except Exception as exc:
+            # ValueError is the drafter refusing it; anything else is a bug in its restore: log it whole.
+            log.log(logging.WARNING if isinstance(exc, ValueError) else logging.ERROR,
+                    "%s cannot restore the learned state at %s (%s): it starts empty, the file is kept as %s",
+                    servicer.drafter.name, self.path, exc, self._rejected(),
+                    exc_info=not isinstance(exc, ValueError))
+            self._move_aside()
+            return
+        log.info("%s restored its learned state from %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,
+                 len(data) / MIB, time.perf_counter() - start)
+
+    async def save(self, servicer: DrafterServicer) -> bool:
+        """Write what the drafter learned to the file; whether that worked (a failure is logged).
+
+        One save at a time, each to its end: a caller cancelled mid-save (the periodic saves, at
+        shutdown) leaves it writing, and the next save waits for it."""
+        return await asyncio.shield(self._save(servicer))
+
+    async def _save(self, servicer: DrafterServicer) -> bool:
+        async with self._saving:
+            start = time.perf_counter()
+            try:
+                data = await servicer.run(servicer.drafter.save_learned)
+                if data is None:
+                    return True
+                await asyncio.to_thread(_write_atomically, self.path, data)
+            except Exception:
+                log.exception("saving %s's learned state to %s failed", servicer.drafter.name, self.path)
+                if self.metrics is not None:
+                    self.metrics.record_learned_save(None)
+                return False
+        if self.metrics is not None:
+            self.metrics.record_learned_save(len(data))
+        log.info("saved %s's learned state to %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,
+                 len(data) / MIB, time.perf_counter() - start)
+        return True
+
+    async def save_every(self, servicer: DrafterServicer) -> None:
+        """Save every `every_s` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self.save(servicer)
+
+    def _rejected(self) -> Path:
+        return self.path.with_name(self.path.name + ".rejected")
+
+    def _move_aside(self) -> None:
+        try:
+            os.replace(self.path, self._rejected())
+        except OSError as exc:
+            log.warning("cannot move %s aside (%s): the next save will replace it", self.path, exc)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` whole or not at all, also across a crash of this machine."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    temporary = Path(name)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
