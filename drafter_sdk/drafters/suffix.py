@@ -70,6 +70,7 @@ request before releasing it to drafters that advertise `LEARNS_FROM_FINISHED`.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,10 +172,12 @@ class SuffixDrafter(Drafter):
 
     def save_learned(self) -> bytes:
         """Every cached output and each scope's learned choice (suffix_snapshot.py)."""
-        taken = {scope: tree.sequences() for scope, tree in self._global.items()}
+        names = list(self._global)
+        index = {name: i for i, name in enumerate(names)}
+        scopes = [suffix_snapshot.Scope(name, *self._global[name].packed(), dict(self._choices[name].gains))
+                  for name in names]
         return suffix_snapshot.encode(suffix_snapshot.Snapshot(
-            self.cache_scope, [(scope, next(taken[scope])) for scope in self._learned],
-            {scope: dict(table.gains) for scope, table in self._choices.items()}))
+            self.cache_scope, scopes, array("i", [index[name] for name in self._learned])))
 
     def restore_learned(self, data: bytes) -> None:
         """What `save_learned` gave, learned again in order under this drafter's caps (the oldest
@@ -189,11 +192,11 @@ class SuffixDrafter(Drafter):
         self._learned.clear()
         if self.max_cached_requests == 0:
             return
-        for scope, tokens in snapshot.outputs:
+        for scope, tokens in snapshot.outputs():
             self._learn(scope, tokens)
-        for scope, gains in snapshot.gains.items():
-            if scope in self._choices:
-                self._choices[scope] = ChoiceTable(gains)
+        for scope in snapshot.scopes:
+            if scope.name in self._choices:
+                self._choices[scope.name] = ChoiceTable(scope.gains)
 
     # --- drafting ---
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from heapq import heappop, heappush
@@ -182,11 +182,14 @@ class SuffixIndex:
         start, end = self._spans[index]
         return self._buf[start - self._base:end - self._base].tolist()
 
-    def sequences(self) -> Iterator[array]:
-        """Every sequence's tokens, oldest first."""
-        buf, base = self._buf, self._base
-        for start, end in self._spans:
-            yield buf[start - base:end - base]
+    def packed(self) -> tuple[array, array]:
+        """(every sequence's tokens, oldest first, a separator between each two; their lengths): a copy
+        of the live part of the buffer, taken whole."""
+        if not self._spans:
+            return array("i"), array("i")
+        base = self._base
+        return (self._buf[self._spans[0][0] - base:self._spans[-1][1] - base],
+                array("i", [end - start for start, end in self._spans]))
 
     def evict_oldest(self) -> None:
         """Forget the oldest sequence."""

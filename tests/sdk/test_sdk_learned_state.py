@@ -80,7 +80,10 @@ def test_an_empty_drafter_saves_a_snapshot_that_restores_empty() -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (lambda data: b"something else" + data, "not a suffix drafter snapshot"),
-    (lambda data: data[:-3], "its tokens do not match its header"),
+    (lambda data: data[:-3], "shorter than its header says"),
+    (lambda data: data + b"\0\0\0\0", "its outputs do not match its header"),
+    (lambda data: data[:-4] + b"\xff\xff\xff\xff", "the tokens of the global scope do not match"),
+    (lambda data: data[:-4] + b"\xfe\xff\xff\xff", "the tokens of the global scope do not match"),
     (lambda data: data[:len(suffix_snapshot.MAGIC) + 10], "damaged snapshot header"),
     (lambda data: data.replace(b'"version": 1', b'"version": 9'), "snapshot version 9, this drafter reads 1"),
 ])
