@@ -441,12 +441,18 @@ def test_cpu_overlay_specifics():
 
 
 def test_cpu_suffix_drafter_overlay_specifics():
-    """The suffix-drafter component changes the drafter's args, memory and HPA, nothing else: its global tree fits
-    in the state budget beside the sequences' state, and the HPA never outgrows the verifier's delta overlap."""
+    """The suffix-drafter component changes the drafter's args, memory, volumes and HPA, nothing else: its global
+    tree fits in the state budget beside the sequences' state, what it learned is saved where a restarted
+    container finds it (the root filesystem is read-only), and the HPA never outgrows the verifier's delta
+    overlap."""
     objs, cpu = render("overlays/cpu-suffix-drafter"), render("overlays/cpu")
     d = one(objs, "Deployment", DRAFTER)
     args = main_container(d)["args"]
     assert args[0] == "suffix" and flag_value(args, "--cache-scope") == "global"
+    state = flag_value(args, "--learned-state-file")
+    [mount] = [m for m in main_container(d)["volumeMounts"] if state.startswith(m["mountPath"].rstrip("/") + "/")]
+    [volume] = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume and not mount.get("readOnly")
     assert float(flag_value(args, "--max-state-mib")) >= float(flag_value(args, "--max-cached-mib")) + 128
     hpa = one(objs, "HorizontalPodAutoscaler")
     _, config, _ = speculative_config_of(objs)

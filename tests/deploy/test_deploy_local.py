@@ -354,3 +354,12 @@ def test_sigterm_ends_both_within_the_termination_grace_period(stack):
             pytest.fail(f"{name} still running {budget}s after SIGTERM:\n{p.log_tail()}")
         assert rc in (0, 128 + signal.SIGTERM), f"{name} exited {rc} after SIGTERM:\n{p.log_tail()}"
         assert time.monotonic() - t0 <= budget
+    if stack["overlay"] == "cpu-suffix-drafter":
+        # What the suffix drafter learned (the question asked twice, at least) waits for the next container
+        # in the pod's volume.
+        from drafter_sdk.drafters.suffix import SuffixDrafter
+
+        argv = stack["drafter"].argv
+        restored = SuffixDrafter()
+        restored.restore_learned(Path(argv[argv.index("--learned-state-file") + 1]).read_bytes())
+        assert restored.cached_requests >= 2
