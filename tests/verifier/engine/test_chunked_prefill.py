@@ -206,7 +206,9 @@ def test_with_cuda_graphs_the_default_budget_is_the_graphs_tokens_in_every_step(
         eager = calibrate(runner, settings, settings.max_model_len)[1]
         runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, settings.cuda_graph_max_tokens, capture=False)
         graphed = calibrate(runner, settings, settings.max_model_len)[1]
-        assert eager.tokens is not None and eager.tokens < MAX_DEFAULT_BATCHED_TOKENS
+        # Eagerly, a step where no sequence decodes prefills up to MAX_DEFAULT_BATCHED_TOKENS (its budget while
+        # sequences decode comes from the timings, which a busy machine can flatten to that too).
+        assert eager.idle == MAX_DEFAULT_BATCHED_TOKENS
         assert graphed == StepBudget(256)
     finally:
         runner.close()
