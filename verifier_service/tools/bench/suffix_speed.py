@@ -7,7 +7,9 @@ then (other sequences of the same kind) trees of up to 16 nodes. The text is the
 source, tokenized by the target's tokenizer; outputs are windows of it, so they overlap the way
 recurring answers do. A third set of sequences copies its own context, as an agent editing a file does:
 text the outputs never held, then a copy of it with a token changed every 100 (the global tree has only
-short matches there, the own tree long ones). Drafters with other flags (`--suffix-variant`) are built
+short matches there, the own tree long ones). Last, what `--learned-state-file` costs: taking a snapshot
+of what was learned (on the drafter's event loop) and restoring it in a fresh drafter (before it serves).
+Drafters with other flags (`--suffix-variant`) are built
 beside the default one and timed call by call in turn with it: timed one after another, the first
 measured in a process read 3.07 ms where the next read 2.51, and the other way round in another run.
 """
@@ -48,6 +50,9 @@ class SuffixSpeed:
     tree_prepare_ms_p90: float
     copy_prepare_ms_p50: float  # chains again, for sequences copying their own context
     copy_prepare_ms_p90: float
+    snapshot_mb: float  # what the learned-state file holds (save_learned)
+    save_ms_p50: float  # taking it, median of three
+    restore_s: float  # a fresh drafter with the same flags taking it back
 
 
 def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> list[int]:
@@ -130,10 +135,25 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
 
     chains, trees = prepare_times("chain", 0, contexts), prepare_times("tree", tree_nodes, contexts)
     copies = prepare_times("copy", 0, [copying() for _ in range(sequences)])
+    snapshots = [_snapshot(drafter, kwargs) for drafter, kwargs in zip(drafters, variants.values())]
     return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
                         *_p50_p90_ms(chain), drafter.shared_state_bytes() / 2**20, tree_nodes, *_p50_p90_ms(tree),
-                        *_p50_p90_ms(copy))
-            for flags, drafter, ingested, chain, tree, copy in zip(variants, drafters, ingest, chains, trees, copies)]
+                        *_p50_p90_ms(copy), *snapshot)
+            for flags, drafter, ingested, chain, tree, copy, snapshot in zip(variants, drafters, ingest, chains, trees,
+                                                                             copies, snapshots)]
+
+
+def _snapshot(drafter: SuffixDrafter, kwargs: dict) -> tuple[float, float, float]:
+    """(MiB of `drafter`'s learned state, ms to take it (median of three), s for a fresh drafter to restore it)."""
+    saves = []
+    for _ in range(3):
+        started = time.perf_counter()
+        data = drafter.save_learned()
+        saves.append(time.perf_counter() - started)
+    fresh = SuffixDrafter(**kwargs)
+    started = time.perf_counter()
+    fresh.restore_learned(data)
+    return len(data) / 2**20, statistics.median(saves) * 1000, time.perf_counter() - started
 
 
 def _p50_p90_ms(ascending: list[float]) -> tuple[float, float]:
