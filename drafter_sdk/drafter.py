@@ -6,9 +6,13 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.tree import DraftTree
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 TOKEN_TYPECODE = "i"  # the `array` type of DraftRequest.tokens: int32, as token ids travel on the wire
 
@@ -92,10 +96,10 @@ class DraftRequest:
 class Drafter(ABC):
     """Base class of every drafter served by the SDK.
 
-    All user code (`load`, `prepare_draft_tokens`, `on_release`, the `*state_bytes`
-    hooks) runs one call at a time, so drafter state needs no locks: in one dedicated
-    worker thread, or, for a `runs_inline` drafter once it has loaded, on the server's
-    event loop.
+    All user code (`load`, `prepare_draft_tokens`, `on_release`, the `*state_bytes` and
+    `*_learned` hooks) runs one call at a time, so drafter state needs no locks: in one
+    dedicated worker thread, or, for a `runs_inline` drafter once it has loaded, on the
+    server's event loop. (`register_metrics` runs once, before any of them.)
     """
 
     name: str  # defaults to the class name, see __init_subclass__
@@ -149,6 +153,12 @@ class Drafter(ABC):
         the drafter itself must keep it bounded.
         """
         return 0
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Where the server exports metrics (`--metrics-port`), called once before it serves: create the
+        drafter's own metrics in `registry` (prometheus_client's Counter, Gauge, ... with
+        `registry=registry`; the SDK's own are named `splitspec_drafter_*`) and update them from your calls.
+        Not called without metrics, nor in-process inside a verifier: leave them unset there."""
 
     def save_learned(self) -> bytes | None:
         """What this drafter learned across requests (a global index, a public pool) as bytes that

@@ -167,6 +167,8 @@ async def start_server(
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
     metrics = DrafterMetrics() if metrics_port is not None else None
+    if metrics is not None:
+        drafter.register_metrics(metrics.registry)
     max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics,
                                identify=CallerIdentity(auth_token))

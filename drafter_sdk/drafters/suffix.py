@@ -74,6 +74,9 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
 from drafter_sdk.drafters import suffix_snapshot
@@ -82,6 +85,19 @@ from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 CACHE_SCOPES = ("global", "verifier", "request")
+
+
+@dataclass
+class _Metrics:
+    drafts: dict[str, Any]  # by tree: own, global, none (prometheus_client Counter children)
+    tokens: dict[str, Any]  # by tree: own, global
+    evicted: Any
+
+    def count(self, own: bool, tokens: int) -> None:
+        tree = "none" if not tokens else "own" if own else "global"
+        self.drafts[tree].inc()
+        if tokens:
+            self.tokens[tree].inc(tokens)
 
 
 @dataclass
@@ -137,15 +153,37 @@ class SuffixDrafter(Drafter):
         self._choices: dict[str, ChoiceTable] = {}  # by scope, beside its global tree
         self._rule = ChoiceTable()  # never learns: the longer-match rule alone (learn_choice off)
         self._learned: deque[str] = deque()  # the scope of each cached output, oldest first
+        self._metrics: _Metrics | None = None  # where the server exports metrics (register_metrics)
 
     # --- the Drafter API ---
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Which tree drafts, and what the global trees hold: whether learning from other requests pays."""
+        drafts = Counter("splitspec_drafter_suffix_drafts", "Drafts asked for, by the tree that drafted: the "
+                         "request's own context (own), other requests' finished outputs (global), or none "
+                         "(no match)", ["tree"], registry=registry)
+        tokens = Counter("splitspec_drafter_suffix_draft_tokens", "Draft tokens proposed (token-tree nodes), by "
+                         "the tree they came from", ["tree"], registry=registry)
+        self._metrics = _Metrics({tree: drafts.labels(tree) for tree in ("own", "global", "none")},
+                                 {tree: tokens.labels(tree) for tree in ("own", "global")},
+                                 Counter("splitspec_drafter_suffix_evicted_outputs", "Finished outputs evicted "
+                                         "from the global trees past --max-cached-requests or --max-cached-mib",
+                                         registry=registry))
+        Gauge("splitspec_drafter_suffix_cached_outputs", "Finished outputs held in the global trees",
+              registry=registry).set_function(lambda: len(self._learned))
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
         drafts: list[list[int] | DraftTree] = []
         for r in requests:
             self._sync(r)
-            drafts.append([] if not r.draft_len else self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
-                          else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes))
+            if not r.draft_len:
+                drafts.append([])
+                continue
+            draft = (self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
+                     else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes))
+            drafts.append(draft)
+            if self._metrics is not None:
+                self._metrics.count(self._requests[r.key].own_won, len(draft))
         return drafts
 
     def on_release(self, key: Key, reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
@@ -323,6 +361,8 @@ class SuffixDrafter(Drafter):
             oldest = self._learned.popleft()
             tree = self._global[oldest]
             tree.evict_oldest()
+            if self._metrics is not None:
+                self._metrics.evicted.inc()
             if not len(tree):
                 del self._global[oldest], self._choices[oldest]
 

@@ -396,6 +396,30 @@ def test_the_global_tree_size_is_a_metric():
     asyncio.run(body())
 
 
+def test_which_tree_drafts_and_what_the_global_trees_hold_are_metrics():
+    """The drafter's own metrics (Drafter.register_metrics): drafts and draft tokens by the tree they came from,
+    the outputs cached, and those evicted."""
+    finished = pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a", "b"],
+                                         reasons=[pb.RELEASE_REASON_FINISHED, pb.RELEASE_REASON_FINISHED])
+
+    async def body():
+        async with serving(SuffixDrafter(max_cached_requests=1), metrics_port=0) as c:
+            nothing = await c.prepare("v", seq("n", 0, [7, 8, 9], prompt_len=3))
+            await c.prepare("v", seq("a", 0, [5, 1, 2, 3, 4, 5, 6], prompt_len=1, draft_len=0),
+                            seq("b", 0, [5, 11, 12, 13, 14, 15, 16], prompt_len=1, draft_len=0))
+            await c.stub.ReleaseRequests(finished)  # b's output evicts a's
+            theirs = await c.prepare("v", seq("g", 0, [11, 12, 13], prompt_len=3))
+            mine = await c.prepare("v", seq("o", 0, [20, 21, 22, 23, 20, 21], prompt_len=6))
+            assert [list(r.results[0].draft_tokens) for r in (nothing, theirs, mine)] == [
+                [], [14, 15, 16], [22, 23, 20, 21]]
+            m = await scrape(c.running.metrics_port)
+            assert [value(m, "suffix_drafts_total", tree=t) for t in ("none", "global", "own")] == [1, 1, 1]
+            assert [value(m, "suffix_draft_tokens_total", tree=t) for t in ("global", "own")] == [3, 4]
+            assert (value(m, "suffix_cached_outputs"), value(m, "suffix_evicted_outputs_total")) == (1, 1)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("cursor_max", [256, 2])
 def test_a_cursor_drafts_what_a_fresh_lookup_does(vectorized, cursor_max, monkeypatch) -> None:  # noqa: ANN001
     """A context growing by a few tokens a step, its matches carried by cursors in its own tree and in a
