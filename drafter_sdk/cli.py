@@ -14,6 +14,7 @@ from drafter_sdk.drafter import Drafter, keeps_learned_state
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.errors import ListenError
+from drafter_sdk.learned_state import check_writable
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import (
     add_server_flags,
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.learned_state_file and not keeps_learned_state(drafter):
             raise ValueError(f"--learned-state-file: the {drafter.name} drafter keeps nothing across requests "
                              f"to save")
+        if args.learned_state_file:
+            check_writable(Path(args.learned_state_file))
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         token = read_named_tokens(args.auth_tokens_file) if args.auth_tokens_file else read_token(
             args.auth_token_file)

@@ -7,10 +7,11 @@ in, saves what it learned every `every_s` seconds, and once more after the last 
 (`Drafter.save_learned` / `restore_learned`). A crash loses what was learned since the last save.
 
 A save goes to a temporary file beside the target, synced, then renamed over it, so a crash
-mid-write leaves the previous save whole. A file that cannot be read or that the drafter refuses
-(another format version, another configuration) is logged, moved aside to `<file>.rejected` so that
-the next save does not overwrite it, and the drafter starts empty: like every drafter fault, this
-costs speed, never an answer.
+mid-write leaves the previous save whole (and a temporary file, which the next start removes). A
+file that cannot be read or that the drafter refuses (another format version, another
+configuration) is logged, moved aside to `<file>.rejected` so that the next save does not
+overwrite it, and the drafter starts empty: like every drafter fault, this costs speed, never an
+answer. A file no save could be written to is refused at start (`check_writable`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,14 @@ class LearnedStateFile:
     metrics: DrafterMetrics | None = None
     _saving: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        check_writable(self.path)
+
     def restore(self, servicer: DrafterServicer) -> None:
         """Give the drafter what the file holds (on the drafter's worker thread, before calls are let in).
         Never raises: a drafter that cannot take it starts empty."""
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # saves a crash cut short
+            stale.unlink(missing_ok=True)
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -104,6 +110,17 @@ class LearnedStateFile:
             os.replace(self.path, self._rejected())
         except OSError as exc:
             log.warning("cannot move %s aside (%s): the next save will replace it", self.path, exc)
+
+
+def check_writable(path: Path) -> None:
+    """ValueError where no save could be written to `path`: better refused at start than every save failing."""
+    directory = path.parent
+    if not directory.is_dir():
+        raise ValueError(f"learned-state file {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"learned-state file {path}: cannot write in {directory}")
+    if path.is_dir():
+        raise ValueError(f"learned-state file {path} is a directory")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -160,13 +160,16 @@ async def start_server(
     With `learned_state_file`, what the drafter learned across requests
     (`Drafter.save_learned`) is restored from that file before the drafter serves,
     saved every `save_learned_every_s` seconds and once more at shutdown
-    (learned_state.py); ValueError for a drafter that keeps nothing to save.
+    (learned_state.py); ValueError for a drafter that keeps nothing to save, or a
+    file no save could be written to.
     """
     if learned_state_file is not None and not keeps_learned_state(drafter):
         raise ValueError(f"{drafter.name} keeps nothing across requests to save in a learned-state file")
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
     metrics = DrafterMetrics() if metrics_port is not None else None
+    learned = (LearnedStateFile(Path(learned_state_file), save_learned_every_s, metrics)
+               if learned_state_file is not None else None)
     if metrics is not None:
         drafter.register_metrics(metrics.registry)
     max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
@@ -181,8 +184,6 @@ async def start_server(
         max_message_bytes=max_message_bytes, max_concurrent_rpcs=max_concurrent_rpcs, options=connection_age,
         interceptors=interceptors, metrics_registry=metrics.registry if metrics else None, metrics_port=metrics_port)
     log.info("serving %s", drafter.name)
-    learned = (LearnedStateFile(Path(learned_state_file), save_learned_every_s, metrics)
-               if learned_state_file is not None else None)
     return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned)
 
 

@@ -187,3 +187,26 @@ def test_only_a_drafter_that_learns_across_requests_takes_a_state_file(tmp_path,
         cli.main(["ngram", "--learned-state-file", str(tmp_path / "x")])
     assert exited.value.code == 2
     assert "--learned-state-file: the ngram drafter keeps nothing across requests" in capsys.readouterr().err
+
+
+def test_a_state_file_no_save_could_be_written_to_is_refused_at_start(tmp_path, capsys) -> None:  # noqa: ANN001
+    for path, message in [(tmp_path / "missing" / "x", "no directory"), (tmp_path, "is a directory")]:
+        with pytest.raises(ValueError, match=message):
+            asyncio.run(start_server(SuffixDrafter(), port=0, learned_state_file=path))
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["suffix", "--learned-state-file", str(path)])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_save_a_crash_cut_short_is_cleaned_up_at_start(tmp_path) -> None:  # noqa: ANN001
+    state = tmp_path / "suffix.state"
+    state.write_bytes(learned(SuffixDrafter(), outputs(3)).save_learned())
+    stale = tmp_path / ".suffix.state.abc123.tmp"
+    stale.write_bytes(b"half a save")
+
+    async def body() -> None:
+        async with serving(SuffixDrafter(), learned_state_file=state) as c:
+            assert c.running.servicer.drafter.cached_requests == 3
+
+    asyncio.run(body())
+    assert not stale.exists()
