@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter_sdk.metrics import DrafterMetrics
+from drafter_sdk.service import MIB
 from drafter_sdk.servicer import DrafterServicer
 
 log = logging.getLogger(__name__)
-
-MIB = 1 << 20
 
 
 @dataclass
@@ -70,31 +69,30 @@ class LearnedStateFile:
         log.info("%s restored its learned state from %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,
                  len(data) / MIB, time.perf_counter() - start)
 
-    async def save(self, servicer: DrafterServicer) -> bool:
-        """Write what the drafter learned to the file; whether that worked (a failure is logged).
+    async def save(self, servicer: DrafterServicer) -> None:
+        """Write what the drafter learned to the file (a failure is logged and counted).
 
         One save at a time, each to its end: a caller cancelled mid-save (the periodic saves, at
         shutdown) leaves it writing, and the next save waits for it."""
-        return await asyncio.shield(self._save(servicer))
+        await asyncio.shield(self._save(servicer))
 
-    async def _save(self, servicer: DrafterServicer) -> bool:
+    async def _save(self, servicer: DrafterServicer) -> None:
         async with self._saving:
             start = time.perf_counter()
             try:
                 data = await servicer.run(servicer.drafter.save_learned)
                 if data is None:
-                    return True
+                    return
                 await asyncio.to_thread(_write_atomically, self.path, data)
             except Exception:
                 log.exception("saving %s's learned state to %s failed", servicer.drafter.name, self.path)
                 if self.metrics is not None:
                     self.metrics.record_learned_save(None)
-                return False
+                return
         if self.metrics is not None:
             self.metrics.record_learned_save(len(data))
         log.info("saved %s's learned state to %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,
                  len(data) / MIB, time.perf_counter() - start)
-        return True
 
     async def save_every(self, servicer: DrafterServicer) -> None:
         """Save every `every_s` seconds, until cancelled."""

@@ -84,9 +84,9 @@ class RunningDrafter:
         self._evict_task.cancel()
         if self._save_task is not None:
             self._save_task.cancel()
+        if self.learned is not None and self.servicer.loaded:
             # After the last call, with the releases of requests that finished while draining.
-            if self.servicer.loaded and self.learned is not None:
-                await self.learned.save(self.servicer)
+            await self.learned.save(self.servicer)
         self.servicer.close()
 
     async def _load(self) -> None:

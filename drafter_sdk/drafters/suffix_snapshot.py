@@ -8,9 +8,10 @@ between versions without making old snapshots unreadable, and the restoring draf
 
 Taking one runs on the drafter's event loop (it serves `runs_inline`), so it copies each scope's
 token buffer whole (its outputs as they lie there, separated by -1) instead of output by output:
-10,000 outputs of 500 tokens in about 10 ms. Layout, every integer little-endian: MAGIC, the header's
-length (4 bytes), the header (JSON: version, cache scope, scope names, outputs, choice gains), each
-output's scope index and length (int32 each), then each scope's buffer (int32), in the header's order.
+10,000 outputs of 500 tokens in about 35 ms, most of it allocating the result. Layout, every integer
+little-endian: MAGIC, the header's length (4 bytes), the header (JSON: version, cache scope, scope
+names, outputs, choice gains), each output's scope index and length (int32 each), then each scope's
+buffer (int32), in the header's order.
 """
 
 from __future__ import annotations
