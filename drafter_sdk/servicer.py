@@ -18,6 +18,7 @@ import itertools
 import logging
 import operator
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,6 +38,11 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 _INT32_LIMIT = 2**31  # draft ids travel as int32
 _OK = drafter_pb2.DRAFT_STATUS_OK
 _RESYNC = drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED
+# A verifier may tell every replica of a drafter that a request finished (PROTOCOL.md section 7), the
+# replica that served it too: keys released FINISHED lately are remembered, and a second FINISHED
+# release of one reaches the drafter as EVICTED, so no output is learned twice. Those announcements
+# follow the request's end within seconds; this many keys cover thousands of requests a second.
+RECENT_FINISHED_KEYS = 4096
 
 T = TypeVar("T")
 
@@ -57,6 +63,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.loaded = False
         self._shared_bytes = 0  # the drafter's shared_state_bytes() after the last call
         self._release_takes_reason = _takes_reason(drafter)
+        self._finished: OrderedDict[Key, None] = OrderedDict()  # RECENT_FINISHED_KEYS, oldest first
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._draining = asyncio.Event()  # the server stops: draft streams end (`drain`)
 
@@ -141,11 +148,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             key = (namespace(request.verifier_id, caller), request_id)
             if self.store.release(key):
                 released += 1
-                self._forget(key, _reason(request.reasons[i]) if i < len(request.reasons) else
-                             ReleaseReason.UNSPECIFIED)
+                reason = _reason(request.reasons[i]) if i < len(request.reasons) else ReleaseReason.UNSPECIFIED
+                self._forget(key, self._once(key, reason))
         if released:  # a drafter that learns from finished outputs grew its shared state
             self._enforce_budget([])
         return drafter_pb2.ReleaseRequestsResponse(released=released)
+
+    def _once(self, key: Key, reason: ReleaseReason) -> ReleaseReason:
+        """`reason`, except EVICTED for a key released FINISHED lately (RECENT_FINISHED_KEYS)."""
+        if reason != ReleaseReason.FINISHED:
+            return reason
+        if key in self._finished:
+            return ReleaseReason.EVICTED
+        self._finished[key] = None
+        if len(self._finished) > RECENT_FINISHED_KEYS:
+            self._finished.popitem(last=False)
+        return reason
 
     def evict_idle(self) -> int:
         """Forget the sequences idle for the store's timeout; how many there were."""

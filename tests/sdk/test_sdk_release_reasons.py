@@ -42,6 +42,32 @@ def test_reasons_reach_on_release_one_per_id():
     asyncio.run(body())
 
 
+def test_a_request_released_finished_twice_is_learned_once(monkeypatch):
+    """Announced to every replica (PROTOCOL.md section 7), a finished request may reach the replica that served
+    it again, whole: its second FINISHED release is EVICTED for the drafter. The memory of keys is bounded."""
+    from drafter_sdk import servicer as servicer_module
+
+    monkeypatch.setattr(servicer_module, "RECENT_FINISHED_KEYS", 2)
+    finished = [pb.RELEASE_REASON_FINISHED]
+
+    async def body():
+        drafter = ReasonDrafter()
+        async with serving(drafter) as c:
+            for rid in ("a", "a", "b", "c", "a"):  # "a" again after two others: forgotten, learned again
+                await c.prepare("v", seq(rid, 0, [1, 2]))
+                await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=[rid],
+                                                                       reasons=finished))
+            await c.prepare("w", seq("b", 0, [1, 2]))  # another verifier's "b" is another request
+            await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="w", request_ids=["b"],
+                                                                   reasons=finished))
+        return drafter.released
+
+    assert asyncio.run(body()) == [
+        (("v", "a"), ReleaseReason.FINISHED), (("v", "a"), ReleaseReason.EVICTED),
+        (("v", "b"), ReleaseReason.FINISHED), (("v", "c"), ReleaseReason.FINISHED),
+        (("v", "a"), ReleaseReason.FINISHED), (("w", "b"), ReleaseReason.FINISHED)]
+
+
 def test_more_reasons_than_ids_is_invalid_and_changes_nothing():
     async def body():
         drafter = ReasonDrafter()
