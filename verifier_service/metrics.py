@@ -81,6 +81,9 @@ class VerifierMetrics:
             "of the drafter's previous chain, and the call was answered during its forward", registry=r)
         self.drafter_resyncs = Counter(
             f"{p}drafter_resyncs", "Sequences the drafter answered RESYNC_REQUIRED (full context resent)", registry=r)
+        self.drafter_finished_announced = Counter(
+            f"{p}drafter_finished_announced", "Finished requests told to each replica of a drafter that learns "
+            "from them (user_provided.share_finished): one per request and replica", registry=r)
         self.drafter_up: Gauge | None = None  # registered by `track` when there is a drafter
         # --- requests (observed by the gRPC servicer)
         self.request_success = Counter(
@@ -126,7 +129,7 @@ class VerifierMetrics:
         self.responses_store_bytes = Gauge(f"{p}responses_store_bytes", "Bytes the stored responses are charged "
                                            "(at most --responses-store-mb)", registry=r)
         ProcessCollector(registry=r)
-        self._drafter_seen = (0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped at the last step
+        self._drafter_seen = (0, 0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped, announced
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
 
     # --- wiring -------------------------------------------------------------------------------------
@@ -154,11 +157,11 @@ class VerifierMetrics:
     # --- engine -------------------------------------------------------------------------------------
 
     def observe_decode(self, drafted: Seq[int], accepted: Seq[int], auto_disabled: Set[str],
-                       drafter_totals: tuple[int, int, int, int, int] | None = None,
+                       drafter_totals: tuple[int, int, int, int, int, int] | None = None,
                        call_latency_s: float | None = None, draft_nodes: Seq[int] | None = None) -> None:
         """One decode step: per sequence, the draft length verified (a token tree's depth) and how many
         were accepted; the ids of the step's sequences whose drafting is auto-disabled; the drafter
-        client's running totals (calls, failures, skipped, resyncs, overlapped) and the latency of this
+        client's running totals (calls, failures, skipped, resyncs, overlapped, announced) and the latency of this
         step's call, if it waited for one; per sequence, the draft tokens verified counting every tree
         node (None: as drafted)."""
         for n, a, nodes in zip(drafted, accepted, drafted if draft_nodes is None else draft_nodes):
@@ -173,7 +176,7 @@ class VerifierMetrics:
         self.auto_disabled.inc(len(auto_disabled - self._disabled))
         self._disabled = set(auto_disabled)  # a disabled sequence decodes every step until it ends
         if drafter_totals is not None:
-            calls, failures, skipped, resyncs, overlapped = (
+            calls, failures, skipped, resyncs, overlapped, announced = (
                 now - before for now, before in zip(drafter_totals, self._drafter_seen))
             self._drafter_seen = drafter_totals
             if calls and call_latency_s is not None:
@@ -182,6 +185,7 @@ class VerifierMetrics:
             self.drafter_calls_skipped.inc(skipped)
             self.drafter_resyncs.inc(resyncs)
             self.drafter_calls_overlapped.inc(overlapped)
+            self.drafter_finished_announced.inc(announced)
 
 
     def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:

@@ -57,7 +57,7 @@ class TlsConfig(_message.Message):
     def __init__(self, ca_cert_file: _Optional[str] = ..., cert_file: _Optional[str] = ..., key_file: _Optional[str] = ..., server_name_override: _Optional[str] = ...) -> None: ...
 
 class UserProvidedConfig(_message.Message):
-    __slots__ = ("drafter_target", "call_deadline", "tls", "load_balancing_policy", "auth_token_file", "delta_overlap_steps", "overlap_calls")
+    __slots__ = ("drafter_target", "call_deadline", "tls", "load_balancing_policy", "auth_token_file", "delta_overlap_steps", "overlap_calls", "share_finished")
     DRAFTER_TARGET_FIELD_NUMBER: _ClassVar[int]
     CALL_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class UserProvidedConfig(_message.Message):
     AUTH_TOKEN_FILE_FIELD_NUMBER: _ClassVar[int]
     DELTA_OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     drafter_target: str
     call_deadline: _duration_pb2.Duration
     tls: TlsConfig
@@ -72,7 +73,8 @@ class UserProvidedConfig(_message.Message):
     auth_token_file: str
     delta_overlap_steps: int
     overlap_calls: bool
-    def __init__(self, drafter_target: _Optional[str] = ..., call_deadline: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tls: _Optional[_Union[TlsConfig, _Mapping]] = ..., load_balancing_policy: _Optional[str] = ..., auth_token_file: _Optional[str] = ..., delta_overlap_steps: _Optional[int] = ..., overlap_calls: _Optional[bool] = ...) -> None: ...
+    share_finished: bool
+    def __init__(self, drafter_target: _Optional[str] = ..., call_deadline: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tls: _Optional[_Union[TlsConfig, _Mapping]] = ..., load_balancing_policy: _Optional[str] = ..., auth_token_file: _Optional[str] = ..., delta_overlap_steps: _Optional[int] = ..., overlap_calls: _Optional[bool] = ..., share_finished: _Optional[bool] = ...) -> None: ...
 
 class NgramConfig(_message.Message):
     __slots__ = ("max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool", "tree_min_prob")

@@ -226,7 +226,8 @@ class Engine:
                 [tree_verify.depth(d, p) for d, p in zip(plan.drafts, plan.tree_parents)],
                 [len(t) - 1 for t in new_tokens[len(plan.prefills):]],
                 {s.request_id for s in plan.decodes if s.spec.auto_disabled},
-                (stats.calls, stats.failures, stats.skipped, stats.resyncs, stats.overlapped) if stats is not None
+                (stats.calls, stats.failures, stats.skipped, stats.resyncs, stats.overlapped, stats.announced)
+                if stats is not None
                 else None,
                 reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
         self._release(finished)

@@ -88,6 +88,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-drafter-calls", action=argparse.BooleanOptionalAction, default=None,
                    help="USER_PROVIDED: where the drafter looks ahead, verify what is left of its last draft and "
                         "read the step's call after the forward instead of waiting for it (default on)")
+    g.add_argument("--share-finished-with-replicas", action=argparse.BooleanOptionalAction, default=None,
+                   help="USER_PROVIDED: where the drafter learns from finished requests, tell every replica behind "
+                        "--drafter-target of each one, not only the replica that served it (default on)")
     g.add_argument("--max-matching-ngram-size", type=int, help=f"NGRAM: longest suffix looked up (default {DEFAULT_NGRAM_SIZE})")
     g.add_argument("--draft-model", metavar="PATH",
                    help="DRAFT_TARGET: draft model folder or .gguf sharing the model's tokenizer "
@@ -123,6 +126,8 @@ def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
         config.user_provided.call_deadline.FromMilliseconds(int(args.drafter_deadline_ms))
     if args.overlap_drafter_calls is not None:
         config.user_provided.overlap_calls = args.overlap_drafter_calls
+    if args.share_finished_with_replicas is not None:
+        config.user_provided.share_finished = args.share_finished_with_replicas
     if args.max_matching_ngram_size is not None:
         config.ngram.max_matching_ngram_size = args.max_matching_ngram_size
     for flag, field_name in (("draft_model", "model"), ("draft_device", "device"), ("draft_dtype", "dtype"),
@@ -188,6 +193,8 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
             up.delta_overlap_steps = DEFAULT_DELTA_OVERLAP_STEPS if up.load_balancing_policy == "round_robin" else 1
         if not up.HasField("overlap_calls"):
             up.overlap_calls = True
+        if not up.HasField("share_finished"):
+            up.share_finished = True
         if up.delta_overlap_steps > MAX_DELTA_OVERLAP_STEPS:
             raise ConfigError(f"delta_overlap_steps {up.delta_overlap_steps} is above the limit "
                               f"{MAX_DELTA_OVERLAP_STEPS}")

@@ -111,6 +111,8 @@ class DrafterClientStats:
     resyncs: int = 0
     invalid_trees: int = 0  # token trees discarded (malformed, too deep or over the node budget)
     last_error: str = ""
+    # Finished requests told to every drafter replica (share_finished): one per request and replica.
+    announced: int = 0
     request_bytes: int = 0
     last_request_bytes: int = 0
 
@@ -137,6 +139,9 @@ class DrafterClient:
     # Send a step's call before its forward and read the answer after, where the drafter looks ahead
     # (`looks_ahead`); off: every call is waited for before the forward.
     overlap_calls: bool = True
+    # Where the drafter learns from finished requests, tell every replica behind its target of each one
+    # (`release`; replicas.py), not only the replica that served it.
+    share_finished: bool = True
     # Why speculation is off for this drafter: its tokenizer is not the model's. "" = it is on.
     disabled_reason: str = ""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -321,13 +326,31 @@ class DrafterClient:
 
         A drafter that learns from finished outputs (it advertises LEARNS_FROM_FINISHED) first
         gets the tokens of finished requests it has not seen yet, in a sync-only call (draft
-        length 0): the tokens of a request's last step are otherwise never sent."""
+        length 0): the tokens of a request's last step are otherwise never sent. With
+        `share_finished`, every replica behind its target is then told of the finished ones, each
+        whole (PROTOCOL.md section 7): the replica that served one takes it once (the SDK turns a
+        second FINISHED release of a key into EVICTED), and the others learn it too."""
         if not released or not self.breaker.allow():
             return
         request = drafter_pb2.ReleaseRequestsRequest(
             verifier_id=self.verifier_id, request_ids=[r.request_id for r in released],
             reasons=[r.reason for r in released])
-        self._in_background(self._release(request, self._final_sync(released)))
+        self._in_background(self._release(request, self._final_sync(released), self._announcement(released)))
+
+    def _announcement(self, released: list[ReleasedRequest]) -> tuple[drafter_pb2.PrepareDraftTokensRequest,
+                                                                      drafter_pb2.ReleaseRequestsRequest] | None:
+        """The finished requests, whole, and their release, for every replica; None where none learns them."""
+        if not self.share_finished or self.info is None or LEARNS_FROM_FINISHED not in self.info.capabilities:
+            return None
+        finished = [r for r in released if r.reason == drafter_pb2.RELEASE_REASON_FINISHED]
+        if not finished:
+            return None
+        # A fresh history: the whole context, to replicas that have never seen the request.
+        sync = self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, DeltaHistory())
+                                    for r in finished])
+        return sync, drafter_pb2.ReleaseRequestsRequest(
+            verifier_id=self.verifier_id, request_ids=[r.request_id for r in finished],
+            reasons=[drafter_pb2.RELEASE_REASON_FINISHED] * len(finished))
 
     def _final_sync(self, released: list[ReleasedRequest]) -> drafter_pb2.PrepareDraftTokensRequest | None:
         if self.info is None or LEARNS_FROM_FINISHED not in self.info.capabilities:
@@ -339,13 +362,18 @@ class DrafterClient:
         return self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, r.history) for r in unsent])
 
     async def _release(self, request: drafter_pb2.ReleaseRequestsRequest,
-                       sync: drafter_pb2.PrepareDraftTokensRequest | None) -> None:
+                       sync: drafter_pb2.PrepareDraftTokensRequest | None,
+                       announcement: tuple[drafter_pb2.PrepareDraftTokensRequest,
+                                           drafter_pb2.ReleaseRequestsRequest] | None = None) -> None:
         timeout_s = max(self.deadline_s, 1.0)
         try:
             if sync is not None:
                 await self.transport.sync(sync, timeout_s)
             await self.transport.release(request, timeout_s, self.info is not None and
                                          STREAM_RELEASES in self.info.capabilities)
+            if announcement is not None:  # after the release, which the serving replica then has first
+                told = await self.transport.tell_every_replica(*announcement, timeout_s)
+                self.stats.announced += told * len(announcement[1].request_ids)
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("release failed: %s", _describe(exc))
 

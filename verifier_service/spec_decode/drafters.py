@@ -54,7 +54,8 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
         block=True)  # called from the engine's own thread (engine/model_thread.py)
     return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9,
                          overlap_steps=up.delta_overlap_steps, tokenizer_fingerprint=tokenizer_fingerprint,
-                         tokenizer_name=tokenizer_name, overlap_calls=up.overlap_calls)
+                         tokenizer_name=tokenizer_name, overlap_calls=up.overlap_calls,
+                         share_finished=up.share_finished)
 
 
 def _in_process_drafter(config: speculative_pb2.SpeculativeConfig, target_device: str,

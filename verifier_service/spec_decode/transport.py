@@ -20,6 +20,7 @@ import grpc
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from verifier_service.spec_decode.draft_stream import DraftStream, Ticket
+from verifier_service.spec_decode.replicas import Replicas
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +54,11 @@ class Transport(Protocol):
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse: ...
 
+    # `sync` (a whole context) then `release` to every replica behind the target, where there are several;
+    # how many replicas were told.
+    async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
+                                 release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int: ...
+
     async def close(self) -> None: ...
 
 
@@ -84,10 +90,16 @@ class GrpcTransport:
         ]
         if server_name_override:
             options.append(("grpc.ssl_target_name_override", server_name_override))
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
+
+        def open_channel(address: str, extra: list[tuple[str, Any]]) -> grpc.Channel:
+            if credentials is None:
+                return grpc.insecure_channel(address, options=options + extra)
+            return grpc.secure_channel(address, credentials, options=options + extra)
+
+        self._channel = open_channel(target, [])
+        # A replica's channel is to its address, but its certificate names the Service's host.
+        self._replicas = Replicas(target, lambda address, host: open_channel(address, [
+            ("grpc.ssl_target_name_override", host)] if host and not server_name_override else []))
         self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
@@ -162,6 +174,22 @@ class GrpcTransport:
         return await _awaitable(self._stub.GetDrafterInfo.future(
             drafter_pb2.GetDrafterInfoRequest(), timeout=timeout_s, metadata=self._metadata))
 
+    async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
+                                 release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int:
+        """Unary calls to each replica's own channel (replicas.py), all at once; a replica that fails
+        misses it, nothing more."""
+        stubs = await self._replicas.stubs()
+
+        async def tell(stub: drafter_pb2_grpc.DrafterServiceStub) -> None:
+            try:
+                await _awaitable(stub.PrepareDraftTokens.future(sync, timeout=timeout_s, metadata=self._metadata))
+                await _awaitable(stub.ReleaseRequests.future(release, timeout=timeout_s, metadata=self._metadata))
+            except grpc.RpcError as exc:
+                log.debug("a drafter replica missed a finished request: %s", status_of(exc))
+
+        await asyncio.gather(*(tell(stub) for stub in stubs))
+        return len(stubs)
+
     async def ready(self, timeout_s: float) -> None:
         """Wait until the channel is connected (raises grpc.FutureTimeoutError)."""
         await asyncio.get_running_loop().run_in_executor(None, grpc.channel_ready_future(self._channel).result,
@@ -171,6 +199,7 @@ class GrpcTransport:
         if self._stream is not None:
             self._stream.close()
         self._channel.close()
+        self._replicas.close()
 
 
 def _awaitable(call: grpc.Future) -> asyncio.Future[Any]:
@@ -224,6 +253,10 @@ class InProcessTransport:
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
         return self._servicer.info()
+
+    async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
+                                 release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int:
+        return 0  # one drafter, which the release reached
 
     async def close(self) -> None:
         close = getattr(self._servicer.drafter, "close", None)  # e.g. the model drafter's own thread

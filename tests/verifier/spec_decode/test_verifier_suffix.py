@@ -188,6 +188,35 @@ def test_behind_two_replicas_the_drafting_replica_learns_every_finished_request(
     assert all(r.output.stats.mean_acceptance_length >= 4.0 for r in runs[1:]), [r.output.stats for r in runs]
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_every_replica_learns_each_finished_request_once(share: bool) -> None:
+    """Two suffix drafter replicas behind one target, as a headless Service's pods: a request finished
+    through one of them is learned by both, once each (the one that served it hears of it twice), so a
+    verifier that reaches either drafts it again at MAL >= 4; with share_finished off, only the replica
+    that served it learns."""
+    async def main() -> list[float]:
+        drafters = [SuffixDrafter(), SuffixDrafter()]
+        async with serve_drafter(drafters[0]) as a, serve_drafter(drafters[1]) as b:
+            config = spec_config("USER_PROVIDED", 8, drafter_target=f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
+                                 deadline_ms=30000)
+            config.user_provided.share_finished = share
+            async with run_verifier(config, model=shared_model()) as v:
+                client = engine_of(v).drafter
+                await run_exact(v, FRESH_PROMPT, 48)
+                await wait_until(lambda: not client._background, "the release and the announcement")
+                assert client.stats.announced == (2 if share else 0)
+            learned = [1, 1] if share else [0, 1]
+            await wait_until(lambda: sorted(d.cached_requests for d in drafters) == learned, f"learned {learned}")
+            again = []
+            for replica in (a, b):  # a verifier that reaches this replica alone
+                async with run_verifier(remote_config(8, replica.port), model=shared_model()) as alone:
+                    again.append((await run_exact(alone, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length)
+            return again
+
+    again = asyncio.run(main())
+    assert (min(again) >= 4.0) if share else (max(again) >= 4.0 > min(again)), again
+
+
 def test_cancelled_requests_are_not_learned() -> None:
     async def main() -> None:
         drafter = SuffixDrafter()
