@@ -167,12 +167,14 @@ def test_cache_scope_verifier_keeps_verifiers_apart() -> None:
 
 def test_behind_two_replicas_the_drafting_replica_learns_every_finished_request() -> None:
     """Issue 12's replicas: the verifier drafts over its stream on one replica, and its final syncs and
-    releases go there too, so that replica learns every output it drafted for and drafts it again."""
+    releases go there too, so that replica learns every output it drafted for and drafts it again (the
+    other replicas' share of it is off here: the next test has it)."""
     async def main() -> list[verifier_pb2.GenerateResponse]:
         drafters = [SuffixDrafter(), SuffixDrafter()]
         async with serve_drafter(drafters[0]) as a, serve_drafter(drafters[1]) as b:
             config = spec_config("USER_PROVIDED", 8, drafter_target=f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
                                  deadline_ms=30000)
+            config.user_provided.share_finished = False
             async with run_verifier(config, model=shared_model()) as v:
                 runs = []
                 for _ in range(3):
