@@ -55,7 +55,7 @@ class Transport(Protocol):
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse: ...
 
     # `sync` (a whole context) then `release` to every replica behind the target, where there are several;
-    # how many replicas were told.
+    # how many replicas took both.
     async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
                                  release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int: ...
 
@@ -178,17 +178,16 @@ class GrpcTransport:
                                  release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int:
         """Unary calls to each replica's own channel (replicas.py), all at once; a replica that fails
         misses it, nothing more."""
-        stubs = await self._replicas.stubs()
-
-        async def tell(stub: drafter_pb2_grpc.DrafterServiceStub) -> None:
+        async def tell(stub: drafter_pb2_grpc.DrafterServiceStub) -> bool:
             try:
                 await _awaitable(stub.PrepareDraftTokens.future(sync, timeout=timeout_s, metadata=self._metadata))
                 await _awaitable(stub.ReleaseRequests.future(release, timeout=timeout_s, metadata=self._metadata))
             except grpc.RpcError as exc:
                 log.debug("a drafter replica missed a finished request: %s", status_of(exc))
+                return False
+            return True
 
-        await asyncio.gather(*(tell(stub) for stub in stubs))
-        return len(stubs)
+        return sum(await asyncio.gather(*(tell(stub) for stub in await self._replicas.stubs())))
 
     async def ready(self, timeout_s: float) -> None:
         """Wait until the channel is connected (raises grpc.FutureTimeoutError)."""

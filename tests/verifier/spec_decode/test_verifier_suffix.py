@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 
 import pytest
 from verifier_harness import run_verifier, spec_config, token_request
@@ -217,6 +218,26 @@ def test_every_replica_learns_each_finished_request_once(share: bool) -> None:
 
     again = asyncio.run(main())
     assert (min(again) >= 4.0) if share else (max(again) >= 4.0 > min(again)), again
+
+
+def test_a_replica_that_is_down_misses_the_announcement_and_nothing_else() -> None:
+    """One of the two replicas behind the target never answers: the other serves, learns the request once
+    and drafts it again; the output stays plain decoding's."""
+    async def main() -> float:
+        drafter = SuffixDrafter()
+        with socket.socket() as gone:  # a port with nothing listening
+            gone.bind(("127.0.0.1", 0))
+            async with serve_drafter(drafter) as alive:
+                target = f"ipv4:127.0.0.1:{alive.port},127.0.0.1:{gone.getsockname()[1]}"
+                async with run_verifier(spec_config("USER_PROVIDED", 8, drafter_target=target, deadline_ms=30000),
+                                        model=shared_model()) as v:
+                    client = engine_of(v).drafter
+                    await run_exact(v, FRESH_PROMPT, 48)
+                    await wait_until(lambda: not client._background, "the release and the announcement")
+                    assert client.stats.announced == 1 and drafter.cached_requests == 1
+                    return (await run_exact(v, FRESH_PROMPT, 48)).output.stats.mean_acceptance_length
+
+    assert asyncio.run(main()) >= 4.0
 
 
 def test_cancelled_requests_are_not_learned() -> None:
