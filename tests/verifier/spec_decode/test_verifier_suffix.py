@@ -45,6 +45,14 @@ def remote_config(k: int, port: int) -> speculative_pb2.SpeculativeConfig:
     return spec_config("USER_PROVIDED", k, drafter_target=f"127.0.0.1:{port}", deadline_ms=30000)
 
 
+def replicas_config(ports: list[int], share: bool = True) -> speculative_pb2.SpeculativeConfig:
+    """One target for several replicas' addresses, as a headless Service's name resolves to its pods."""
+    config = spec_config("USER_PROVIDED", 8, drafter_target="ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports),
+                         deadline_ms=30000)
+    config.user_provided.share_finished = share
+    return config
+
+
 async def generate_all(v, prompts, lengths) -> list[verifier_pb2.GenerateResponse]:  # noqa: ANN001
     return await run_together(v, [functools.partial(v.stub.Generate, token_request(p, n), timeout=WAIT_S)
                                   for p, n in zip(prompts, lengths)])
@@ -173,10 +181,7 @@ def test_behind_two_replicas_the_drafting_replica_learns_every_finished_request(
     async def main() -> list[verifier_pb2.GenerateResponse]:
         drafters = [SuffixDrafter(), SuffixDrafter()]
         async with serve_drafter(drafters[0]) as a, serve_drafter(drafters[1]) as b:
-            config = spec_config("USER_PROVIDED", 8, drafter_target=f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
-                                 deadline_ms=30000)
-            config.user_provided.share_finished = False
-            async with run_verifier(config, model=shared_model()) as v:
+            async with run_verifier(replicas_config([a.port, b.port], share=False), model=shared_model()) as v:
                 runs = []
                 for _ in range(3):
                     runs.append(await v.stub.Generate(token_request(FRESH_PROMPT, 48), timeout=WAIT_S))
@@ -200,10 +205,7 @@ def test_every_replica_learns_each_finished_request_once(share: bool) -> None:
     async def main() -> list[float]:
         drafters = [SuffixDrafter(), SuffixDrafter()]
         async with serve_drafter(drafters[0]) as a, serve_drafter(drafters[1]) as b:
-            config = spec_config("USER_PROVIDED", 8, drafter_target=f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}",
-                                 deadline_ms=30000)
-            config.user_provided.share_finished = share
-            async with run_verifier(config, model=shared_model()) as v:
+            async with run_verifier(replicas_config([a.port, b.port], share), model=shared_model()) as v:
                 client = engine_of(v).drafter
                 await run_exact(v, FRESH_PROMPT, 48)
                 await wait_until(lambda: not client._background, "the release and the announcement")
@@ -228,9 +230,8 @@ def test_a_replica_that_is_down_misses_the_announcement_and_nothing_else() -> No
         with socket.socket() as gone:  # a port with nothing listening
             gone.bind(("127.0.0.1", 0))
             async with serve_drafter(drafter) as alive:
-                target = f"ipv4:127.0.0.1:{alive.port},127.0.0.1:{gone.getsockname()[1]}"
-                async with run_verifier(spec_config("USER_PROVIDED", 8, drafter_target=target, deadline_ms=30000),
-                                        model=shared_model()) as v:
+                ports = [alive.port, gone.getsockname()[1]]
+                async with run_verifier(replicas_config(ports), model=shared_model()) as v:
                     client = engine_of(v).drafter
                     await run_exact(v, FRESH_PROMPT, 48)
                     await wait_until(lambda: not client._background, "the release and the announcement")
