@@ -147,6 +147,24 @@ def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir:
     assert all(r["verified_per_step"] > 0 for r in rows if r["workload"] == "recurring"), rows
 
 
+def test_bench_replicas_with_and_without_telling_every_replica(tmp_path: Path, model_dir: Path) -> None:
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [script("splitspec"), "bench-replicas", "--model", str(model_dir), "--prompts", "2", "--max-new-tokens", "24",
+         "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the same questions asked again, each through one of two suffix drafter replicas" in done.stdout
+    rows = json.loads((out / "replicas.json").read_text())
+    assert [(r["setup"], r["replica"]) for r in rows] == [("shared", 1), ("shared", 2), ("not shared", 1),
+                                                          ("not shared", 2)]
+    assert all(r["identical"] == r["requests"] == 1 for r in rows), rows
+    # Told of every finished request, both replicas draft the question again; told only of what it served,
+    # the other replica drafts from the request's own text alone.
+    shared = [r["mean_acceptance_length"] for r in rows if r["setup"] == "shared"]
+    alone = sorted(r["mean_acceptance_length"] for r in rows if r["setup"] == "not shared")
+    assert min(shared) >= 4.0 and alone[0] < 2.0 <= 4.0 <= alone[1], rows
+
+
 def test_suffix_speed_measures_the_drafter_itself() -> None:
     sizes = dict(cached=5, output_len=40, sequences=2, context_len=100, steps=3, corpus_tokens=5000)
     [alone] = suffix_speed.measure(tiny_tokenizer(), **sizes)
