@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from drafter_sdk.drafter import Drafter, keeps_learned_state
@@ -15,9 +16,12 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.errors import ListenError
 from drafter_sdk.learned_state import check_writable
+from drafter_sdk.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.security import (
+    Tokens,
     add_server_flags,
+    channel_credentials,
     read_named_tokens,
     read_token,
     server_credentials,
@@ -64,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-learned-every-s", type=float, default=300.0,
                         help="with --learned-state-file: seconds between saves (a crash loses what was learned "
                              "since the last one)")
+    parser.add_argument("--peers",
+                        help="gRPC target of this drafter's replicas, e.g. dns:///splitspec-drafter:50052 (a headless "
+                             "Service): a starting replica takes what one of them learned across requests (else "
+                             "what --learned-state-file holds), and answers theirs")
     parser.add_argument("--log-level", default="INFO")
     add_server_flags(parser)
     parser.add_argument("--auth-tokens-file",
@@ -204,6 +212,19 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
     return load_drafter_class(args.drafter)()
 
 
+def make_peers(args: argparse.Namespace, token: Tokens | None) -> Peers:
+    """How this replica reaches its peers: as their clients reach it. Over TLS it trusts the CA of
+    --tls-client-ca (else the system's) and presents its own certificate; with named tokens it sends
+    the one named `peers`."""
+    if isinstance(token, Mapping):
+        if PEERS_TOKEN_NAME not in token:
+            raise ValueError(f"--peers with --auth-tokens-file: name a token {PEERS_TOKEN_NAME!r} there, for the "
+                             f"replicas' calls to each other")
+        token = token[PEERS_TOKEN_NAME]
+    credentials = channel_credentials(args.tls_client_ca, args.tls_cert, args.tls_key) if args.tls_cert else None
+    return Peers(args.peers, credentials, token)
+
+
 def main(argv: list[str] | None = None) -> None:
     skip_final_collection()
     parser = build_parser()
@@ -221,14 +242,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--save-learned-every-s must be positive")
     try:
         drafter = make_drafter(args)
-        if args.learned_state_file and not keeps_learned_state(drafter):
-            raise ValueError(f"--learned-state-file: the {drafter.name} drafter keeps nothing across requests "
-                             f"to save")
+        for flag, given in (("--learned-state-file", args.learned_state_file), ("--peers", args.peers)):
+            if given and not keeps_learned_state(drafter):
+                raise ValueError(f"{flag}: the {drafter.name} drafter keeps nothing across requests (it learns "
+                                 f"nothing from one request for the next)")
         if args.learned_state_file:
             check_writable(Path(args.learned_state_file))
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         token = read_named_tokens(args.auth_tokens_file) if args.auth_tokens_file else read_token(
             args.auth_token_file)
+        peers = make_peers(args, token) if args.peers else None
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     try:
@@ -237,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
               max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
               server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
               max_connection_age_s=args.max_connection_age_s, learned_state_file=args.learned_state_file,
-              save_learned_every_s=args.save_learned_every_s)
+              save_learned_every_s=args.save_learned_every_s, peers=peers)
     except ListenError as exc:
         parser.exit(2, f"splitspec-drafter: {exc}\n")
 

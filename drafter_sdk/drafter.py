@@ -166,13 +166,15 @@ class Drafter(ABC):
 
         With a learned-state file (`--learned-state-file`), the SDK calls it every
         `--save-learned-every-s` seconds and once more at shutdown, and writes what it returns to the
-        file; like every hook it runs one call at a time, so a `runs_inline` drafter holds the event
-        loop meanwhile: copy what you hold, don't compress it here.
+        file; with `--peers`, whenever a starting replica asks for it. Like every hook it runs one call
+        at a time, so a `runs_inline` drafter holds the event loop meanwhile: copy what you hold, don't
+        compress it here.
         """
         return None
 
     def restore_learned(self, data: bytes) -> None:
-        """Take back what `save_learned` returned, in a new process after `load()` and before any call.
+        """Take back what `save_learned` returned, in place of what the drafter holds: in a new process
+        after `load()` and before any call, from a file or a peer replica's answer (`--peers`).
 
         Raise ValueError for data this drafter cannot use (another format, a configuration it does not
         fit): the SDK logs why and the drafter starts empty, which costs speed only.

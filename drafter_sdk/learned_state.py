@@ -40,21 +40,21 @@ class LearnedStateFile:
 
     def __post_init__(self) -> None:
         check_writable(self.path)
-
-    def restore(self, servicer: DrafterServicer) -> None:
-        """Give the drafter what the file holds (on the drafter's worker thread, before calls are let in).
-        Never raises: a drafter that cannot take it starts empty."""
         for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # saves a crash cut short
             stale.unlink(missing_ok=True)
+
+    def restore(self, servicer: DrafterServicer) -> bool:
+        """Give the drafter what the file holds (on the drafter's worker thread, before calls are let in);
+        whether it took it. Never raises: a drafter that cannot take it starts empty."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             log.info("no learned state at %s yet: %s starts empty", self.path, servicer.drafter.name)
-            return
+            return False
         except OSError as exc:
             log.warning("cannot read the learned state at %s (%s): %s starts empty", self.path, exc,
                         servicer.drafter.name)
-            return
+            return False
         start = time.perf_counter()
         try:
             servicer.restore_learned(data)
@@ -65,9 +65,10 @@ class LearnedStateFile:
                     servicer.drafter.name, self.path, exc, self._rejected(),
                     exc_info=not isinstance(exc, ValueError))
             self._move_aside()
-            return
+            return False
         log.info("%s restored its learned state from %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,
                  len(data) / MIB, time.perf_counter() - start)
+        return True
 
     async def save(self, servicer: DrafterServicer) -> None:
         """Write what the drafter learned to the file (a failure is logged and counted).

@@ -64,7 +64,7 @@ class DrafterMetrics:
 
     def __post_init__(self) -> None:
         r, prefix = self.registry, "splitspec_drafter_"
-        self.calls = Counter(f"{prefix}calls", "PrepareDraftTokens and ReleaseRequests calls",
+        self.calls = Counter(f"{prefix}calls", "DrafterService calls but GetDrafterInfo",
                              ["method", "code"], registry=r)
         self.errors = Counter(f"{prefix}errors", "Calls answered with a non-OK status",
                               ["method", "code"], registry=r)
@@ -84,6 +84,9 @@ class DrafterMetrics:
                                    registry=r)
         self.learned_saved_at = Gauge(f"{prefix}learned_state_last_save_timestamp_seconds",
                                       "When the learned state was last saved (Unix time; 0: never)", registry=r)
+        self.learned_restores = Counter(f"{prefix}learned_state_restores",
+                                        "Where the drafter's learned state came from when it started: a peer "
+                                        "replica, --learned-state-file, or none", ["source"], registry=r)
         ProcessCollector(registry=r)
 
     def track_held(self, count: Callable[[], int]) -> None:
@@ -106,6 +109,10 @@ class DrafterMetrics:
         if size is not None:
             self.learned_bytes.set(size)
             self.learned_saved_at.set_to_current_time()
+
+    def record_learned_restore(self, source: str) -> None:
+        """Where the learned state came from at start: "peer", "file" or "none"."""
+        self.learned_restores.labels(source).inc()
 
     def record_drafts(self, response: drafter_pb2.PrepareDraftTokensResponse) -> None:
         results = response.results

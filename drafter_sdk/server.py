@@ -1,6 +1,6 @@
 """Run a Drafter as a gRPC DrafterService: the shared server lifecycle (service.py), plus the
-drafter's own `load()` in the background, the idle-state sweep, and what it learned kept in a file
-across restarts (learned_state.py)."""
+drafter's own `load()` in the background, the idle-state sweep, and what it learned taken from its
+peer replicas when it starts (peers.py) or kept in a file across restarts (learned_state.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ import grpc
 from drafter_sdk.drafter import Drafter, keeps_learned_state
 from drafter_sdk.learned_state import LearnedStateFile
 from drafter_sdk.metrics import DrafterMetrics
+from drafter_sdk.peers import Peers
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import CallerIdentity, Tokens
 from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
@@ -35,11 +35,12 @@ class RunningDrafter:
     bound port of /metrics, None without metrics."""
 
     def __init__(self, service: GrpcService, servicer: DrafterServicer, grace_period_s: float,
-                 idle_timeout_s: float, learned: LearnedStateFile | None = None) -> None:
+                 idle_timeout_s: float, learned: LearnedStateFile | None = None, peers: Peers | None = None) -> None:
         self.service = service
         self.servicer = servicer
         self.grace_period_s = grace_period_s
         self.learned = learned
+        self.peers = peers
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._load_task = asyncio.create_task(self._load())
@@ -91,7 +92,7 @@ class RunningDrafter:
 
     async def _load(self) -> None:
         name = self.servicer.drafter.name
-        restore = partial(self.learned.restore, self.servicer) if self.learned is not None else None
+        restore = self._restore if self.peers is not None or self.learned is not None else None
         try:
             await self.servicer.run_in_worker(self.servicer.load, restore)
         except Exception as exc:
@@ -102,6 +103,19 @@ class RunningDrafter:
             return
         await self.service.set_serving(True)
         log.info("%s loaded, SERVING", name)
+
+    def _restore(self) -> None:
+        # A peer holds everything this replica would have learned meanwhile; the file, what it knew at
+        # its last save: the file is for when no peer answers (a lone replica, every replica restarted).
+        servicer = self.servicer
+        if self.peers is not None and self.peers.restore(servicer.restore_learned, servicer.drafter.name):
+            source = "peer"
+        elif self.learned is not None and self.learned.restore(servicer):
+            source = "file"
+        else:
+            source = "none"
+        if servicer.metrics is not None:
+            servicer.metrics.record_learned_restore(source)
 
     async def _save_learned(self) -> None:
         # After load: what is saved before it would replace the file with an empty drafter's state.
@@ -138,6 +152,7 @@ async def start_server(
     max_connection_age_s: float | None = 300.0,
     learned_state_file: str | os.PathLike[str] | None = None,
     save_learned_every_s: float = 300.0,
+    peers: Peers | None = None,
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
@@ -162,9 +177,15 @@ async def start_server(
     saved every `save_learned_every_s` seconds and once more at shutdown
     (learned_state.py); ValueError for a drafter that keeps nothing to save, or a
     file no save could be written to.
+
+    With `peers` (the target of this drafter's replicas, peers.py), the drafter
+    starts from what a peer learned, where one answers (else from the file), and
+    answers the same question of theirs (GetLearnedState); ValueError for a
+    drafter that keeps nothing to share.
     """
-    if learned_state_file is not None and not keeps_learned_state(drafter):
-        raise ValueError(f"{drafter.name} keeps nothing across requests to save in a learned-state file")
+    for given, what in ((learned_state_file, "save in a learned-state file"), (peers, "share with its peers")):
+        if given is not None and not keeps_learned_state(drafter):
+            raise ValueError(f"{drafter.name} keeps nothing across requests to {what}")
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
     metrics = DrafterMetrics() if metrics_port is not None else None
@@ -174,7 +195,7 @@ async def start_server(
         drafter.register_metrics(metrics.registry)
     max_state_bytes = round(max_state_mib * MIB) if max_state_mib else None
     servicer = DrafterServicer(drafter, SequenceStore(idle_timeout_s, max_state_bytes), metrics,
-                               identify=CallerIdentity(auth_token))
+                               identify=CallerIdentity(auth_token), shares_learned=peers is not None)
     connection_age = [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
                       ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_S * 1000))
                       ] if max_connection_age_s else []
@@ -184,7 +205,7 @@ async def start_server(
         max_message_bytes=max_message_bytes, max_concurrent_rpcs=max_concurrent_rpcs, options=connection_age,
         interceptors=interceptors, metrics_registry=metrics.registry if metrics else None, metrics_port=metrics_port)
     log.info("serving %s", drafter.name)
-    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned)
+    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned, peers)
 
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,

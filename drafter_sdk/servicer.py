@@ -28,6 +28,7 @@ import grpc
 from drafter_sdk.drafter import STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.metrics import DrafterMetrics, StateStats
+from drafter_sdk.peers import pieces
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.tree import DraftTree, first_branch, is_chain, tree_problem, trim
@@ -50,8 +51,11 @@ T = TypeVar("T")
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, drafter: Drafter, store: SequenceStore | None = None,
                  metrics: DrafterMetrics | None = None,
-                 identify: Callable[[grpc.aio.ServicerContext], str] | None = None) -> None:
+                 identify: Callable[[grpc.aio.ServicerContext], str] | None = None,
+                 shares_learned: bool = False) -> None:
         self.drafter = drafter
+        # Whether GetLearnedState answers: replicas with peers (peers.py) give what they learned.
+        self.shares_learned = shares_learned
         # Who a gRPC call comes from ("" when nothing says): part of its namespace, see `namespace`.
         self._identify = identify
         self.store = store if store is not None else SequenceStore()
@@ -223,6 +227,29 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
         return await self._handle("ReleaseRequests", self.release, request, context)
+
+    async def GetLearnedState(self, request: drafter_pb2.GetLearnedStateRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.GetLearnedStateResponse]:
+        """What the drafter learned (`Drafter.save_learned`), in pieces, for a peer replica that starts."""
+        start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
+        try:
+            if not self.shares_learned:
+                code = grpc.StatusCode.FAILED_PRECONDITION
+                await context.abort(code, f"drafter {self.drafter.name} does not share what it learned "
+                                          f"(start it with --peers)")
+            if not self.loaded:  # a replica still loading, or asking its peers, the asker itself among them
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"drafter {self.drafter.name} is still loading")
+            data = await self.run(self.drafter.save_learned) or b""
+            for piece in pieces(data):
+                yield drafter_pb2.GetLearnedStateResponse(chunk=piece)
+            code = grpc.StatusCode.OK
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.record_call("GetLearnedState", code, time.perf_counter() - start)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run drafter code `fn` (not `load`): inline for a loaded drafter that `runs_inline`,

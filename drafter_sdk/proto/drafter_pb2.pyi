@@ -138,3 +138,13 @@ class ReleaseRequestsResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class GetLearnedStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLearnedStateResponse(_message.Message):
+    __slots__ = ("chunk",)
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    chunk: bytes
+    def __init__(self, chunk: _Optional[bytes] = ...) -> None: ...

@@ -56,6 +56,11 @@ class DrafterServiceStub:
                 request_serializer=splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsResponse.FromString,
                 _registered_method=True)
+        self.GetLearnedState = channel.unary_stream(
+                '/splitspec.v1.DrafterService/GetLearnedState',
+                request_serializer=splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -95,6 +100,17 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLearnedState(self, request, context):
+        """What this replica learned across requests, for a replica of the same
+        drafter that starts empty (PROTOCOL.md, "A starting replica learns from
+        its peers"). Called by drafters, never by verifiers. Optional:
+        UNIMPLEMENTED where not offered, FAILED_PRECONDITION where this replica
+        does not share it, UNAVAILABLE while it is still loading.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +133,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.ReleaseRequests,
                     request_deserializer=splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsResponse.SerializeToString,
+            ),
+            'GetLearnedState': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetLearnedState,
+                    request_deserializer=splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +250,33 @@ class DrafterService:
             '/splitspec.v1.DrafterService/ReleaseRequests',
             splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsRequest.SerializeToString,
             splitspec_dot_v1_dot_drafter__pb2.ReleaseRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLearnedState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitspec.v1.DrafterService/GetLearnedState',
+            splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateRequest.SerializeToString,
+            splitspec_dot_v1_dot_drafter__pb2.GetLearnedStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

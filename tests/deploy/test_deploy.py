@@ -317,8 +317,9 @@ def test_drafter_state_budget_is_below_its_memory_limit(objs):
     assert 0 < budget_mib <= limit_mib - 256
 
 
-def test_network_policy_admits_only_verifiers_to_drafter_grpc(objs):
+def test_network_policy_admits_only_verifiers_and_peer_drafters_to_drafter_grpc(objs):
     drafter, verifier = one(objs, "Deployment", DRAFTER), one(objs, "Deployment", VERIFIER)
+    has_peers = flag_value(main_container(drafter)["args"], "--peers") is not None
     policies = [p for p in find(objs, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(drafter))]
     assert len(policies) == 1
     pol = policies[0]
@@ -336,8 +337,11 @@ def test_network_policy_admits_only_verifiers_to_drafter_grpc(objs):
             assert sources, "a rule admitting every source to the gRPC port"
             for src in sources:
                 assert set(src) == {"podSelector"}, f"gRPC port open to {src} (only verifier pods allowed)"
-                assert selects(src["podSelector"], pod_labels(verifier))
-                assert not selects(src["podSelector"], pod_labels(drafter))
+                if selects(src["podSelector"], pod_labels(drafter)):  # a starting replica asks its peers
+                    assert has_peers, "drafters admitted to each other's gRPC port, but none asks (--peers)"
+                    assert not selects(src["podSelector"], pod_labels(verifier))
+                else:
+                    assert selects(src["podSelector"], pod_labels(verifier))
         elif any(p.get("port") in (9090, "metrics") for p in ports):
             metrics_from_monitoring |= any("namespaceSelector" in s for s in sources)
     assert grpc_rules >= 1, "verifier pods must be admitted to the drafter gRPC port"
@@ -441,8 +445,9 @@ def test_cpu_overlay_specifics():
 
 
 def test_cpu_suffix_drafter_overlay_specifics():
-    """The suffix-drafter component changes the drafter's args, memory, volumes and HPA, nothing else: its global
-    tree fits in the state budget beside the sequences' state, what it learned is saved where a restarted
+    """The suffix-drafter component changes the drafter's args, memory, volumes, HPA and NetworkPolicy, nothing
+    else: its global tree fits in the state budget beside the sequences' state, a new pod asks the replicas the
+    verifiers reach for what they learned (and may reach them), what it learned is saved where a restarted
     container finds it (the root filesystem is read-only), and the HPA never outgrows the verifier's delta
     overlap."""
     objs, cpu = render("overlays/cpu-suffix-drafter"), render("overlays/cpu")
@@ -456,10 +461,17 @@ def test_cpu_suffix_drafter_overlay_specifics():
     assert float(flag_value(args, "--max-state-mib")) >= float(flag_value(args, "--max-cached-mib")) + 128
     hpa = one(objs, "HorizontalPodAutoscaler")
     _, config, _ = speculative_config_of(objs)
+    assert flag_value(args, "--peers") == config["userProvided"]["drafterTarget"]
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    grpc_port = next(p["containerPort"] for p in main_container(d)["ports"] if p["name"] == "grpc")
+    policy = one(objs, "NetworkPolicy", DRAFTER)
+    assert any(rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": labels[
+        "app.kubernetes.io/name"]}}}] and {"protocol": "TCP", "port": grpc_port} in rule["ports"]
+        for rule in policy["spec"]["ingress"])
     assert hpa["spec"]["maxReplicas"] <= config["userProvided"]["deltaOverlapSteps"]
     assert hpa["spec"]["maxReplicas"] < one(cpu, "HorizontalPodAutoscaler")["spec"]["maxReplicas"]
     assert main_container(d)["image"] == main_container(one(cpu, "Deployment", DRAFTER))["image"]
-    changed = {("Deployment", DRAFTER), ("HorizontalPodAutoscaler", DRAFTER)}
+    changed = {("Deployment", DRAFTER), ("HorizontalPodAutoscaler", DRAFTER), ("NetworkPolicy", DRAFTER)}
 
     def key(obj: dict) -> tuple[str, str]:
         return obj["kind"], obj["metadata"]["name"]

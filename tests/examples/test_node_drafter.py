@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
 
+from drafter_sdk.peers import Peers
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
@@ -75,6 +76,16 @@ def test_health_serving_and_drafter_info(drafter, stub):
     assert "ngram" in info.capabilities
     assert "stream-releases" in info.capabilities  # releases on the stream reach the state's replica
     assert "lookahead" in info.capabilities  # its longer drafts cost a lookup nothing
+
+
+def test_it_does_not_offer_its_state_to_peers_and_a_replica_asking_it_starts_cold(drafter, stub):
+    """GetLearnedState is optional (PROTOCOL.md section 7): the Node.js drafter learns nothing across requests."""
+    with pytest.raises(grpc.RpcError) as unimplemented:
+        list(stub.GetLearnedState(pb.GetLearnedStateRequest(), timeout=5))
+    assert unimplemented.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    taken: list[bytes] = []
+    assert not Peers(f"ipv4:{drafter.address}").restore(taken.append, "suffix")
+    assert taken == []
 
 
 def test_worked_example_of_protocol_md(stub):

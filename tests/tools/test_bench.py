@@ -178,6 +178,7 @@ def test_suffix_speed_measures_the_drafter_itself() -> None:
     assert speed.tree_nodes == 16 and speed.tree_prepare_ms_p90 >= speed.tree_prepare_ms_p50 > 0
     assert speed.copy_prepare_ms_p90 >= speed.copy_prepare_ms_p50 > 0
     assert speed.snapshot_mb > variant.snapshot_mb > 0 and speed.save_ms_p50 > 0 and speed.restore_s > 0
+    assert speed.from_peer_s > 0 and variant.from_peer_s > 0
 
 
 def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Path, model_dir: Path) -> None:

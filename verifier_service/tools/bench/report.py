@@ -186,7 +186,8 @@ def print_suffix_speed(s: dict) -> None:
           f"{s['tree_nodes']} nodes {s['tree_prepare_ms_p50']:.2f} ms p50, {s['tree_prepare_ms_p90']:.2f} ms p90; "
           f"sequences copying their own context {s['copy_prepare_ms_p50']:.2f} ms p50, "
           f"{s['copy_prepare_ms_p90']:.2f} ms p90; what it learned saves in {s['snapshot_mb']:.1f} MiB "
-          f"({s['save_ms_p50']:.0f} ms p50 to take) and restores in {s['restore_s']:.2f} s")
+          f"({s['save_ms_p50']:.0f} ms p50 to take) and restores in {s['restore_s']:.2f} s "
+          f"({s['from_peer_s']:.2f} s asked of a peer over gRPC)")
 
 
 def save_chart(report: Report, path: Path) -> None:

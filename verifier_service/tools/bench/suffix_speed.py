@@ -7,8 +7,9 @@ then (other sequences of the same kind) trees of up to 16 nodes. The text is the
 source, tokenized by the target's tokenizer; outputs are windows of it, so they overlap the way
 recurring answers do. A third set of sequences copies its own context, as an agent editing a file does:
 text the outputs never held, then a copy of it with a token changed every 100 (the global tree has only
-short matches there, the own tree long ones). Last, what `--learned-state-file` costs: taking a snapshot
-of what was learned (on the drafter's event loop) and restoring it in a fresh drafter (before it serves).
+short matches there, the own tree long ones). Last, what `--learned-state-file` and `--peers` cost: taking a
+snapshot of what was learned (on the drafter's event loop), restoring it in a fresh drafter (before it
+serves), and a fresh drafter taking it from a real server of the drafter over gRPC on loopback.
 Drafters with other flags (`--suffix-variant`) are built
 beside the default one and timed call by call in turn with it: timed one after another, the first
 measured in a process read 3.07 ms where the next read 2.51, and the other way round in another run.
@@ -16,22 +17,28 @@ measured in a process read 3.07 ms where the next read 2.51, and the other way r
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import random
 import statistics
 import sysconfig
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.peers import Peers
 from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.server import start_server
 from drafter_sdk.servicer import DrafterServicer
 
 CORPUS_TOKENS = 300_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,6 +60,7 @@ class SuffixSpeed:
     snapshot_mb: float  # what the learned-state file holds (save_learned)
     save_ms_p50: float  # taking it, median of three
     restore_s: float  # a fresh drafter with the same flags taking it back
+    from_peer_s: float  # the same, asked of a server of the drafter (--peers): sent in pieces, then restored
 
 
 def corpus(tokenizer: PreTrainedTokenizerBase, size: int = CORPUS_TOKENS) -> list[int]:
@@ -135,7 +143,8 @@ def measure(tokenizer: PreTrainedTokenizerBase, variants: dict[str, dict] | None
 
     chains, trees = prepare_times("chain", 0, contexts), prepare_times("tree", tree_nodes, contexts)
     copies = prepare_times("copy", 0, [copying() for _ in range(sequences)])
-    snapshots = [_snapshot(drafter, kwargs) for drafter, kwargs in zip(drafters, variants.values())]
+    snapshots = [(*_snapshot(drafter, kwargs), _from_a_peer(drafter, kwargs))
+                 for drafter, kwargs in zip(drafters, variants.values())]
     return [SuffixSpeed(flags, cached, output_len, statistics.median(ingested) * 1000, sequences, context_len,
                         *_p50_p90_ms(chain), drafter.shared_state_bytes() / 2**20, tree_nodes, *_p50_p90_ms(tree),
                         *_p50_p90_ms(copy), *snapshot)
@@ -154,6 +163,32 @@ def _snapshot(drafter: SuffixDrafter, kwargs: dict) -> tuple[float, float, float
     started = time.perf_counter()
     fresh.restore_learned(data)
     return len(data) / 2**20, statistics.median(saves) * 1000, time.perf_counter() - started
+
+
+def _from_a_peer(drafter: SuffixDrafter, kwargs: dict) -> float:
+    """Seconds for a fresh drafter to take `drafter`'s state from a server of it on loopback, as a starting
+    replica does (peers.py): the server answers on its own event loop, in a thread."""
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+
+    def on_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+    # Its own peer is nobody (port 1): it keeps what it holds and shares it.
+    running = on_loop(start_server(drafter, host="127.0.0.1", port=0, peers=Peers("ipv4:127.0.0.1:1")))
+    try:
+        on_loop(running.wait_loaded())
+        fresh = SuffixDrafter(**kwargs)
+        started = time.perf_counter()
+        if not Peers(f"ipv4:127.0.0.1:{running.port}").restore(fresh.restore_learned, fresh.name):
+            raise RuntimeError("the fresh drafter took nothing from its peer")
+        return time.perf_counter() - started
+    finally:
+        on_loop(running.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join()
+        loop.close()
 
 
 def _p50_p90_ms(ascending: list[float]) -> tuple[float, float]:

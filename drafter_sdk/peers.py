@@ -1,0 +1,87 @@
+"""A starting replica takes what its peers learned (GetLearnedState), instead of relearning it from traffic.
+
+Every replica of a learning drafter hears of every finished request (PROTOCOL.md section 7), so
+the replicas of one Service hold about the same. One that starts empty, added by a scale-out or
+replacing a pod in a rollout (where an emptyDir state file died with the old pod), asks its peers
+before it serves: the addresses of `target` in random order, until one's answer restores. A peer
+that is down, still loading itself (as this replica is, should the target list it), refuses, or
+answers what the drafter cannot restore (another configuration) is skipped: like every drafter
+fault, a replica that finds no peer starts cold, which costs speed, never an answer.
+
+The questions run on the drafter's worker thread, with gRPC's blocking API, inside `load`: the
+event loop goes on answering health checks (NOT_SERVING until then).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from drafter_sdk.addresses import parse_target, resolve
+from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.security import auth_metadata
+from drafter_sdk.service import MIB
+
+log = logging.getLogger(__name__)
+
+# A piece of a GetLearnedState answer: well under gRPC's default 4 MiB receive limit.
+CHUNK_BYTES = 1 << 20
+# With named tokens (security.read_named_tokens), the token replicas send each other.
+PEERS_TOKEN_NAME = "peers"
+
+
+@dataclass(frozen=True)
+class Peers:
+    target: str  # the gRPC target of every replica (a headless Service's dns:/// name, an ipv4: list)
+    credentials: grpc.ChannelCredentials | None = None  # TLS to the peers; None: plaintext
+    token: str | None = None  # a bearer token the peers accept
+    timeout_s: float = 60.0  # for one peer's whole answer
+
+    def restore(self, restore_learned: Callable[[bytes], None], name: str) -> bool:
+        """Give `restore_learned` peers' states until one is taken; False where none was."""
+        host, port, given = parse_target(self.target)
+        addresses = given or (resolve(host, port) if host else [])
+        random.shuffle(addresses)
+        for address in addresses:
+            start = time.perf_counter()
+            try:
+                data = self._ask(address, host)
+            except grpc.RpcError as exc:
+                log.info("peer %s gave no learned state: %s %s", address, exc.code().name, exc.details())
+                continue
+            try:
+                restore_learned(data)  # it replaces what the drafter holds: the next peer may follow
+            except Exception as exc:
+                # ValueError is the drafter refusing it (another format version or configuration); anything
+                # else is a bug in its restore: log it whole.
+                log.log(logging.WARNING if isinstance(exc, ValueError) else logging.ERROR,
+                        "%s cannot restore the learned state of peer %s: %s", name, address, exc,
+                        exc_info=not isinstance(exc, ValueError))
+                continue
+            log.info("%s restored the learned state of peer %s (%.1f MiB) in %.2f s", name, address,
+                     len(data) / MIB, time.perf_counter() - start)
+            return True
+        log.info("no peer at %s gave %s a learned state (%d address%s)", self.target, name, len(addresses),
+                 "" if len(addresses) == 1 else "es")
+        return False
+
+    def _ask(self, address: str, host: str) -> bytes:
+        # A certificate names the Service, not the pod's address.
+        options = [("grpc.ssl_target_name_override", host)] if self.credentials is not None and host else []
+        channel = (grpc.secure_channel(address, self.credentials, options=options)
+                   if self.credentials is not None else grpc.insecure_channel(address))
+        with channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            answers = stub.GetLearnedState(drafter_pb2.GetLearnedStateRequest(), timeout=self.timeout_s,
+                                           metadata=auth_metadata(self.token) if self.token else None)
+            return b"".join(answer.chunk for answer in answers)
+
+
+def pieces(data: bytes) -> list[bytes]:
+    """`data` cut into GetLearnedState answers of at most CHUNK_BYTES each (one empty one for no data)."""
+    return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
