@@ -1,8 +1,8 @@
 """gRPC targets, and the addresses behind them: every replica of a Service, one by one.
 
 A channel to a target spreads calls over its addresses (round_robin) without saying which; what must
-reach each replica (PROTOCOL.md sections 7 and 11: a verifier's announcements, a starting replica's
-question to its peers) needs the addresses themselves. They are what gRPC's own resolver finds: a `dns:`
+reach each replica (PROTOCOL.md section 7: a verifier's announcements of finished requests, a starting
+replica's question to its peers) needs the addresses themselves. They are what gRPC's own resolver finds: a `dns:`
 name's records, an `ipv4:` or `ipv6:` list; a kind not resolved here (`unix:`, `xds:`) has none.
 """
 

@@ -3,9 +3,9 @@
 A verifier's calls reach one replica of a drafter Service at a time (its draft stream, or the pick
 of round_robin), so a replica learns only the requests it served. A finished request is worth
 learning on every replica (PROTOCOL.md section 7): the verifier resolves the drafter's target itself,
-to the addresses gRPC's own resolver finds (drafter_sdk/addresses.py), and
-keeps a channel to each, opened when an address appears and closed when it leaves; the addresses are
-looked up again every RESOLVE_EVERY_S, as replicas come and go. A target with one address has no
+to the addresses gRPC's own resolver finds (drafter_sdk/addresses.py), and keeps a channel to each,
+opened when an address appears and closed when it leaves; the addresses are looked up again every
+RESOLVE_EVERY_S, as replicas come and go. A target with one address has no
 other replica, and one of a kind not resolved here (`unix:`, `xds:`) is left to gRPC alone.
 """
 
