@@ -215,7 +215,10 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
 def make_peers(args: argparse.Namespace, token: Tokens | None) -> Peers:
     """How this replica reaches its peers: as their clients reach it. Over TLS it trusts the CA of
     --tls-client-ca (else the system's) and presents its own certificate; with named tokens it sends
-    the one named `peers`."""
+    the one named `peers`, which a drafter that tells its callers apart asks of them."""
+    if args.tls_client_ca and not isinstance(token, Mapping):
+        raise ValueError(f"--peers with --tls-client-ca: callers are told apart by their certificates, so only "
+                         f"a token named {PEERS_TOKEN_NAME!r} (--auth-tokens-file) reads what a replica learned")
     if isinstance(token, Mapping):
         if PEERS_TOKEN_NAME not in token:
             raise ValueError(f"--peers with --auth-tokens-file: name a token {PEERS_TOKEN_NAME!r} there, for the "

@@ -145,6 +145,11 @@ class CallerIdentity:
         return ",".join(parts)
 
 
+def carries_token(identity: str, name: str) -> bool:
+    """Whether a caller `CallerIdentity` named carries the token named `name`."""
+    return f"token:{name}" in identity.split(",")
+
+
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Per-call metadata carrying the token; works over plaintext and TLS channels alike."""
     return ((AUTH_METADATA_KEY, f"Bearer {token}"),)

@@ -28,8 +28,9 @@ import grpc
 from drafter_sdk.drafter import STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.metrics import DrafterMetrics, StateStats
-from drafter_sdk.peers import pieces
+from drafter_sdk.peers import PEERS_TOKEN_NAME, pieces
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.security import carries_token
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.tree import DraftTree, first_branch, is_chain, tree_problem, trim
 
@@ -237,6 +238,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 code = grpc.StatusCode.FAILED_PRECONDITION
                 await context.abort(code, f"drafter {self.drafter.name} does not share what it learned "
                                           f"(start it with --peers)")
+            # It is every caller's outputs: where callers are told apart (named tokens, client certificates),
+            # only the replicas' own token reads them, not a verifier's.
+            caller = self._identify(context) if self._identify is not None else ""
+            if caller and not carries_token(caller, PEERS_TOKEN_NAME):
+                code = grpc.StatusCode.PERMISSION_DENIED
+                await context.abort(code, f"what drafter {self.drafter.name} learned is for its replicas: "
+                                          f"call with the token named {PEERS_TOKEN_NAME!r}")
             if not self.loaded:  # a replica still loading, or asking its peers, the asker itself among them
                 code = grpc.StatusCode.UNAVAILABLE
                 await context.abort(code, f"drafter {self.drafter.name} is still loading")

@@ -22,10 +22,10 @@ from test_sdk_process import wait_serving
 
 from drafter_sdk import cli, peers
 from drafter_sdk.drafters.suffix import SuffixDrafter
-from drafter_sdk.peers import Peers
+from drafter_sdk.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.security import channel_credentials, server_credentials
+from drafter_sdk.security import auth_metadata, channel_credentials, server_credentials
 
 
 def free_port() -> int:
@@ -158,19 +158,31 @@ def test_a_peer_whose_state_does_not_fit_is_skipped_for_the_next(caplog) -> None
 
 
 def test_replicas_reach_each_other_with_their_token_and_over_tls(tmp_path) -> None:  # noqa: ANN001
+    """Where callers are told apart (named tokens, client certificates), only the replicas' token reads what
+    a replica learned: it is every verifier's outputs. Where they are not (one shared token), any caller may."""
     pki = make_pki(tmp_path)
     taught = learned(SuffixDrafter(), outputs(10))
     tls = server_credentials(pki.server_cert, pki.server_key, client_ca_file=pki.ca_cert)
     client_tls = channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
+    tokens = {"verifier-a": "aaaa", PEERS_TOKEN_NAME: "pppp"}
 
     async def body() -> None:
-        async with peer(taught, auth_token="s3cret", server_credentials=tls, channel_credentials=client_tls) as a:
-            port = a.running.port
-            for target, credentials, token, cached in [
-                (f"localhost:{port}", client_tls, "s3cret", 10),  # the certificate names localhost
-                (f"localhost:{port}", client_tls, "wrong", 0),  # UNAUTHENTICATED: starts cold
-                (f"localhost:{port}", channel_credentials(pki.ca_cert), "s3cret", 0),  # no client certificate
-                (f"localhost:{port}", None, "s3cret", 0),  # plaintext to a TLS peer
+        async with peer(taught, auth_token="s3cret") as shared:
+            for token, cached in [("s3cret", 10), ("wrong", 0), (None, 0)]:
+                async with serving(SuffixDrafter(), peers=Peers(at(shared), token=token)) as b:
+                    assert b.running.servicer.drafter.cached_requests == cached, token
+        async with peer(taught, auth_token=tokens, server_credentials=tls, channel_credentials=client_tls) as a:
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await learned_state(a, metadata=auth_metadata("aaaa"))
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert b"".join(await learned_state(a, metadata=auth_metadata("pppp"))) == taught.save_learned()
+            target = f"localhost:{a.running.port}"  # the certificate names localhost, not the address
+            for credentials, token, cached in [
+                (client_tls, "pppp", 10),
+                (client_tls, "aaaa", 0),  # a verifier's token: PERMISSION_DENIED, it starts cold
+                (client_tls, "wrong", 0),  # UNAUTHENTICATED
+                (channel_credentials(pki.ca_cert), "pppp", 0),  # no client certificate
+                (None, "pppp", 0),  # plaintext to a TLS peer
             ]:
                 async with serving(SuffixDrafter(), peers=Peers(target, credentials, token, timeout_s=5)) as b:
                     assert b.running.servicer.drafter.cached_requests == cached, (credentials, token)
@@ -189,9 +201,14 @@ def test_the_cli_builds_peers_as_their_clients_reach_them(tmp_path, capsys) -> N
     assert (built.target, built.token) == ("dns:///drafter:50052", "pppp") and built.credentials is not None
     assert cli.make_peers(cli.build_parser().parse_args(["suffix", "--peers", "x:1"]), "one").token == "one"
     tokens.write_text("verifier-a aaaa\n")
+    token = tmp_path / "token"
+    token.write_text("one\n")
+    mutual_tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca",
+                  str(pki.ca_cert)]
     for argv, message in [
         (["ngram", "--peers", "x:1"], "--peers: the ngram drafter keeps nothing across requests"),
         (["suffix", "--peers", "x:1", "--auth-tokens-file", str(tokens)], "name a token 'peers'"),
+        (["suffix", "--peers", "x:1", *mutual_tls, "--auth-token-file", str(token)], "told apart by their certif"),
     ]:
         with pytest.raises(SystemExit) as exited:
             cli.main(argv)
