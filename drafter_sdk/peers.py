@@ -3,10 +3,12 @@
 Every replica of a learning drafter hears of every finished request (PROTOCOL.md section 7), so
 the replicas of one Service hold about the same. One that starts empty, added by a scale-out or
 replacing a pod in a rollout (where an emptyDir state file died with the old pod), asks its peers
-before it serves: the addresses of `target` in random order, until one's answer restores. A peer
-that is down, still loading itself (as this replica is, should the target list it), refuses, or
-answers what the drafter cannot restore (another configuration) is skipped: like every drafter
-fault, a replica that finds no peer starts cold, which costs speed, never an answer.
+before it serves: up to `max_asked` of the addresses of `target`, in random order, until one's
+answer restores. A peer that is down, unreachable, still loading itself (as this replica is, should
+the target list it), refuses, or answers what the drafter cannot restore (another configuration) is
+skipped: like every drafter fault, a replica that finds no peer starts cold, which costs speed,
+never an answer. Asking is bounded (`max_asked` peers, each `connect_timeout_s` to connect and
+`timeout_s` to answer), so a network that drops the calls delays the start, never stops it.
 
 The questions run on the drafter's worker thread, with gRPC's blocking API, inside `load`: the
 event loop goes on answering health checks (NOT_SERVING until then).
@@ -40,14 +42,21 @@ class Peers:
     target: str  # the gRPC target of every replica (a headless Service's dns:/// name, an ipv4: list)
     credentials: grpc.ChannelCredentials | None = None  # TLS to the peers; None: plaintext
     token: str | None = None  # a bearer token the peers accept
-    timeout_s: float = 60.0  # for one peer's whole answer
+    timeout_s: float = 60.0  # for one peer's whole answer, once connected
+    connect_timeout_s: float = 5.0  # a peer not connected by then is skipped (a firewall that drops)
+    max_asked: int = 3  # any ready peer holds what another does: past a few, none is likely to answer
+
+    @property
+    def longest_s(self) -> float:
+        """The longest asking can take: every peer asked connecting and answering at its deadline."""
+        return self.max_asked * (self.connect_timeout_s + self.timeout_s)
 
     def restore(self, restore_learned: Callable[[bytes], None], name: str) -> bool:
         """Give `restore_learned` peers' states until one is taken; False where none was."""
         host, port, given = parse_target(self.target)
         addresses = given or (resolve(host, port) if host else [])
         random.shuffle(addresses)
-        for address in addresses:
+        for address in addresses[:self.max_asked]:
             start = time.perf_counter()
             try:
                 data = self._ask(address, host)
@@ -71,10 +80,12 @@ class Peers:
         return False
 
     def _ask(self, address: str, host: str) -> bytes:
-        # A certificate names the Service, not the pod's address.
-        options = [("grpc.ssl_target_name_override", host)] if self.credentials is not None and host else []
+        # gRPC gives a connection attempt this long (20 s by default), and fails the call past it.
+        options = [("grpc.min_reconnect_backoff_ms", round(self.connect_timeout_s * 1000))]
+        if self.credentials is not None and host:
+            options.append(("grpc.ssl_target_name_override", host))  # a certificate names the Service, not a pod
         channel = (grpc.secure_channel(address, self.credentials, options=options)
-                   if self.credentials is not None else grpc.insecure_channel(address))
+                   if self.credentials is not None else grpc.insecure_channel(address, options=options))
         with channel:
             stub = drafter_pb2_grpc.DrafterServiceStub(channel)
             answers = stub.GetLearnedState(drafter_pb2.GetLearnedStateRequest(), timeout=self.timeout_s,

@@ -40,6 +40,7 @@ from deploy_support import (
 )
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.peers import Peers
 
 # Kubernetes versions whose (strict) schemas the overlays must pass: a current
 # release and the oldest one we claim (native sleep-free preStop, gRPC probes
@@ -462,6 +463,9 @@ def test_cpu_suffix_drafter_overlay_specifics():
     hpa = one(objs, "HorizontalPodAutoscaler")
     _, config, _ = speculative_config_of(objs)
     assert flag_value(args, "--peers") == config["userProvided"]["drafterTarget"]
+    startup = main_container(d)["startupProbe"]  # liveness waits while it asks its peers and restores
+    assert startup["grpc"]["port"] == 50052 and startup["periodSeconds"] * startup["failureThreshold"] >= Peers(
+        "").longest_s + 60
     labels = d["spec"]["template"]["metadata"]["labels"]
     grpc_port = next(p["containerPort"] for p in main_container(d)["ports"] if p["name"] == "grpc")
     policy = one(objs, "NetworkPolicy", DRAFTER)

@@ -10,6 +10,7 @@ import random
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -155,6 +156,32 @@ def test_a_peer_whose_state_does_not_fit_is_skipped_for_the_next(caplog) -> None
 
     asyncio.run(body())
     assert "cannot restore the learned state of peer" in caplog.text and "cache scope" in caplog.text
+
+
+def test_asking_is_bounded_where_peers_never_answer(caplog) -> None:  # noqa: ANN001
+    """Peers that accept connections and never speak (as behind a firewall that drops, or a stuck process):
+    a few are asked, each given the connect timeout, and the replica starts cold, not stuck."""
+    silent = [socket.socket() for _ in range(4)]
+    for s in silent:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+    target = "ipv4:" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
+    caplog.set_level(logging.INFO, logger="drafter_sdk.peers")
+
+    async def body() -> None:
+        started = time.monotonic()
+        async with serving(SuffixDrafter(), peers=Peers(target, connect_timeout_s=0.5, max_asked=2)) as b:
+            assert b.running.servicer.drafter.cached_requests == 0
+            assert time.monotonic() - started < 10  # not gRPC's own 20 s a connection attempt
+            assert (await b.prepare("v", seq("r", 0, [1, 2, 3]))).results[0].status == pb.DRAFT_STATUS_OK
+
+    try:
+        asyncio.run(body())
+    finally:
+        for s in silent:
+            s.close()
+    assert caplog.text.count("gave no learned state: UNAVAILABLE") == 2
+    assert "no peer at" in caplog.text
 
 
 def test_replicas_reach_each_other_with_their_token_and_over_tls(tmp_path) -> None:  # noqa: ANN001
