@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from drafter_sdk.drafter import Drafter, keeps_learned_state
+from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.errors import ListenError
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         drafter = make_drafter(args)
         for flag, given in (("--learned-state-file", args.learned_state_file), ("--peers", args.peers)):
-            if given and not keeps_learned_state(drafter):
+            if given and not drafter.learns_across_requests:
                 raise ValueError(f"{flag}: the {drafter.name} drafter keeps nothing across requests (it learns "
                                  f"nothing from one request for the next)")
         if args.learned_state_file:

@@ -160,6 +160,13 @@ class Drafter(ABC):
         `registry=registry`; the SDK's own are named `splitspec_drafter_*`) and update them from your calls.
         Not called without metrics, nor in-process inside a verifier: leave them unset there."""
 
+    @property
+    def learns_across_requests(self) -> bool:
+        """Whether `save_learned` has anything to keep; the SDK refuses `--learned-state-file` and `--peers`
+        for a drafter that learns nothing from one request for the next. By default: whether the class
+        overrides `save_learned`; a drafter that learns only in some configurations says which."""
+        return type(self).save_learned is not Drafter.save_learned
+
     def save_learned(self) -> bytes | None:
         """What this drafter learned across requests (a global index, a public pool) as bytes that
         `restore_learned` takes back in a later process; None (the default): nothing worth keeping.
@@ -193,7 +200,3 @@ class Drafter(ABC):
         calls it with the key alone.
         """
 
-
-def keeps_learned_state(drafter: Drafter) -> bool:
-    """Whether the drafter has anything to save across restarts (it overrides `save_learned`)."""
-    return type(drafter).save_learned is not Drafter.save_learned

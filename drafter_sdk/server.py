@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from drafter_sdk.drafter import Drafter, keeps_learned_state
+from drafter_sdk.drafter import Drafter
 from drafter_sdk.learned_state import LearnedStateFile
 from drafter_sdk.metrics import DrafterMetrics
 from drafter_sdk.peers import Peers
@@ -184,7 +184,7 @@ async def start_server(
     drafter that keeps nothing to share.
     """
     for given, what in ((learned_state_file, "save in a learned-state file"), (peers, "share with its peers")):
-        if given is not None and not keeps_learned_state(drafter):
+        if given is not None and not drafter.learns_across_requests:
             raise ValueError(f"{drafter.name} keeps nothing across requests to {what}")
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")

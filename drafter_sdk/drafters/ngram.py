@@ -73,6 +73,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from drafter_sdk.drafter import LOOKAHEAD, TOKEN_TYPECODE, Drafter, DraftRequest, Key
+from drafter_sdk.drafters import ngram_snapshot
 from drafter_sdk.tree import ROOT, TREE_CAPABILITY, DraftTree
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,16 @@ class OffsetTable:
         self._slots[slot] = offset
         if self._count * 3 > len(self._slots) * 2:
             self._grow(source)
+
+    def offsets(self) -> array:
+        """Every entry's offset, in slot order."""
+        return array(TOKEN_TYPECODE, (offset for offset in self._slots if offset != _EMPTY))
+
+    def insert(self, source: array, offsets: array) -> None:
+        """Add the entries at `offsets` (distinct keys: a later one with a key already held replaces it)."""
+        for offset in offsets:
+            slot, _ = self.find(source, source[offset:offset + self.width])
+            self.store(source, slot, offset)
 
     def _grow(self, source: array) -> None:
         old, width = self._slots, self.width
@@ -263,6 +274,37 @@ class NgramDrafter(Drafter):
     def shared_state_bytes(self) -> int:
         return self._public_pool.nbytes if self._public_pool is not None else 0
 
+    @property
+    def learns_across_requests(self) -> bool:
+        return self.is_public_pool
+
+    def save_learned(self) -> bytes | None:
+        """The public pool (ngram_snapshot.py); None without one."""
+        pool = self._public_pool
+        if pool is None:
+            return None
+        assert pool.arena is not None
+        return ngram_snapshot.encode(ngram_snapshot.PoolSnapshot(
+            self._shape(), pool.arena, [t.offsets() for t in pool.patterns],
+            None if pool.windows is None else [t.offsets() for t in pool.windows]))
+
+    def restore_learned(self, data: bytes) -> None:
+        """A public pool `save_learned` gave, in place of this one; ValueError without a public pool, or for
+        one of another shape (pattern sizes, draft length, keep-all knobs), whose entries mean something else.
+        A pool past this drafter's `max_public_pool_mib` starts afresh at its next step, as it would have."""
+        if not self.is_public_pool:
+            raise ValueError("this n-gram drafter has no public pool (--is-public-pool) to restore")
+        snapshot = ngram_snapshot.decode(data)
+        if snapshot.shape != self._shape():
+            raise ValueError(f"the pool was learned as {snapshot.shape}, this drafter is {self._shape()}")
+        pool = self._new_pool(public=True)
+        pool.arena = snapshot.arena
+        for table, offsets in zip(pool.patterns, snapshot.patterns):
+            table.insert(pool.arena, offsets)
+        for table, offsets in zip(pool.windows or [], snapshot.windows or []):
+            table.insert(pool.arena, offsets)
+        self._public_pool = pool
+
     def draft(self, key: Key, tokens: Sequence[int], draft_len: int) -> list[int]:
         """Draft for `tokens`, the key's whole history; it must only grow between releases of the key.
 
@@ -299,6 +341,10 @@ class NgramDrafter(Drafter):
         state.occurrences.extend(tokens)
         return _TreeGrower(tokens, state.occurrences, self.max_matching_ngram_size).grow(
             min(max_depth, self.max_draft_len), max_nodes, self.tree_min_prob)
+
+    def _shape(self) -> ngram_snapshot.Shape:
+        return ngram_snapshot.Shape(self.max_matching_ngram_size, self.max_draft_len, self.is_keep_all,
+                                    self.is_use_oldest)
 
     def _new_pool(self, public: bool) -> _Pool:
         return _Pool.empty(self.max_matching_ngram_size, self.max_draft_len,

@@ -17,10 +17,11 @@ buffer (int32), in the header's order.
 from __future__ import annotations
 
 import json
-import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from drafter_sdk.drafters.int32_arrays import Reader, little
 
 MAGIC = b"splitspec suffix cache\n"
 VERSION = 1
@@ -61,7 +62,7 @@ def encode(snapshot: Snapshot) -> bytes:
                    for s in snapshot.scopes],
     }).encode()
     parts = [snapshot.order, *(s.lengths for s in snapshot.scopes), *(s.tokens for s in snapshot.scopes)]
-    return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *(_little(a) for a in parts)])
+    return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *(little(a) for a in parts)])
 
 
 def decode(data: bytes) -> Snapshot:
@@ -80,7 +81,7 @@ def decode(data: bytes) -> Snapshot:
                   for s in header["scopes"]]
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"a damaged snapshot header ({type(exc).__name__}: {exc})") from None
-    reader = _Reader(memoryview(data)[start + size:])
+    reader = Reader(memoryview(data)[start + size:])
     order = reader.take(count)
     lengths = [reader.take(outputs) for _, outputs, _, _ in shapes]
     scopes = [Scope(name, reader.take(tokens), n, gains) for (name, _, tokens, gains), n in zip(shapes, lengths)]
@@ -108,31 +109,3 @@ def _separated(scope: Scope) -> bool:
             return False
         offset += n + 1
     return True
-
-
-class _Reader:
-    def __init__(self, data: memoryview) -> None:
-        self.data, self.at = data, 0
-
-    def take(self, n: int) -> array:
-        values = array("i")
-        end = self.at + 4 * n
-        if n < 0 or end > len(self.data):
-            raise ValueError("a damaged snapshot: shorter than its header says")
-        values.frombytes(self.data[self.at:end])
-        self.at = end
-        if sys.byteorder != "little":
-            values.byteswap()
-        return values
-
-    @property
-    def left(self) -> int:
-        return len(self.data) - self.at
-
-
-def _little(values: array) -> bytes:
-    if sys.byteorder == "little":
-        return values.tobytes()
-    swapped = array(values.typecode, values)
-    swapped.byteswap()
-    return swapped.tobytes()
