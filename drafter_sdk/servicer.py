@@ -248,7 +248,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             if not self.loaded:  # a replica still loading, or asking its peers, the asker itself among them
                 code = grpc.StatusCode.UNAVAILABLE
                 await context.abort(code, f"drafter {self.drafter.name} is still loading")
-            data = await self.run(self.drafter.save_learned) or b""
+            try:
+                data = await self.run(self.drafter.save_learned) or b""
+            except Exception:
+                log.exception("%s.save_learned() failed", self.drafter.name)
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, f"drafter {self.drafter.name} failed to take what it learned")
             for piece in pieces(data):
                 yield drafter_pb2.GetLearnedStateResponse(chunk=piece)
             code = grpc.StatusCode.OK

@@ -117,6 +117,23 @@ def test_a_replica_without_peers_shares_nothing_and_one_still_loading_answers_un
     asyncio.run(body())
 
 
+def test_a_peer_whose_drafter_fails_to_save_answers_internal_and_keeps_serving() -> None:
+    class Broken(SuffixDrafter):
+        def save_learned(self) -> bytes:
+            raise RuntimeError("a bug")
+
+    async def body() -> None:
+        async with peer(Broken()) as broken:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await learned_state(broken)
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            async with serving(SuffixDrafter(), peers=Peers(at(broken))) as b:
+                assert b.running.servicer.drafter.cached_requests == 0
+            assert (await broken.prepare("v", seq("r", 0, [1, 2, 3]))).results[0].status == pb.DRAFT_STATUS_OK
+
+    asyncio.run(body())
+
+
 def test_a_peer_comes_before_the_file_which_serves_where_no_peer_answers(tmp_path) -> None:  # noqa: ANN001
     state = tmp_path / "suffix.state"
     state.write_bytes(learned(SuffixDrafter(), outputs(3, seed=7)).save_learned())
