@@ -153,16 +153,21 @@ def test_bench_replicas_with_and_without_telling_every_replica(tmp_path: Path, m
         [script("splitspec"), "bench-replicas", "--model", str(model_dir), "--prompts", "2", "--max-new-tokens", "24",
          "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "the same questions asked again, each through one of two suffix drafter replicas" in done.stdout
+    assert "the same questions asked again, each through one suffix drafter replica" in done.stdout
     rows = json.loads((out / "replicas.json").read_text())
-    assert [(r["setup"], r["replica"]) for r in rows] == [("shared", 1), ("shared", 2), ("not shared", 1),
-                                                          ("not shared", 2)]
-    assert all(r["identical"] == r["requests"] == 1 for r in rows), rows
+    assert [(r["setup"], r["replica"]) for r in rows] == [
+        ("shared", 1), ("shared", 2), ("added, --peers", 3), ("added, cold", 3), ("not shared", 1),
+        ("not shared", 2)]
+    assert all(r["identical"] == r["requests"] for r in rows), rows
+    assert [r["requests"] for r in rows] == [1, 1, 2, 2, 1, 1]
     # Told of every finished request, both replicas draft the question again; told only of what it served,
     # the other replica drafts from the request's own text alone.
     shared = [r["mean_acceptance_length"] for r in rows if r["setup"] == "shared"]
     alone = sorted(r["mean_acceptance_length"] for r in rows if r["setup"] == "not shared")
     assert min(shared) >= 4.0 and alone[0] < 2.0 <= 4.0 <= alone[1], rows
+    # A replica added later drafts them again from what its peers learned; one that started cold cannot.
+    added = {r["setup"]: r["mean_acceptance_length"] for r in rows if r["replica"] == 3}
+    assert added["added, --peers"] >= 4.0 > 2.0 > added["added, cold"], rows
 
 
 def test_suffix_speed_measures_the_drafter_itself() -> None:

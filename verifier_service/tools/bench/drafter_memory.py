@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import random
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,7 +44,7 @@ from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.servicer import DrafterServicer
-from verifier_service.tools.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, free_port, script
 
 MIB = 1 << 20
 # Built-in drafter settings whose accounting is reported (CLI flags of `splitspec-drafter ngram`).
@@ -266,12 +265,6 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
 import threading
 import time
@@ -48,7 +47,7 @@ from transformers import PreTrainedTokenizerBase
 from drafter_sdk.hf_loading import pick_device
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import logits_speed, workloads
-from verifier_service.tools.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, free_port, script
 
 SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "cuda-graphs", "logits")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
@@ -86,12 +85,6 @@ def document(tokenizer: PreTrainedTokenizerBase, tokens: int) -> list[int]:
 def _decode_tok_s(arrivals: list[float]) -> float:
     """Decoding's own rate: tokens after the first over the time after the first (prefill excluded)."""
     return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: list[str],
