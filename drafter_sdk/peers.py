@@ -11,16 +11,18 @@ never an answer. Asking is bounded (`max_asked` peers, each `connect_timeout_s` 
 `timeout_s` to answer), so a network that drops the calls delays the start, never stops it.
 
 The questions run on the drafter's worker thread, with gRPC's blocking API, inside `load`: the
-event loop goes on answering health checks (NOT_SERVING until then).
+event loop goes on answering health checks (NOT_SERVING until then), and a server that stops
+meanwhile ends them at once (`Asking.cancel`) instead of waiting for their deadlines.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -51,15 +53,20 @@ class Peers:
         """The longest asking can take: every peer asked connecting and answering at its deadline."""
         return self.max_asked * (self.connect_timeout_s + self.timeout_s)
 
-    def restore(self, restore_learned: Callable[[bytes], None], name: str) -> bool:
-        """Give `restore_learned` peers' states until one is taken; False where none was."""
+    def restore(self, restore_learned: Callable[[bytes], None], name: str, asking: Asking | None = None) -> bool:
+        """Give `restore_learned` peers' states until one is taken; False where none was, or once `asking`
+        was cancelled."""
+        asking = asking or Asking()
         host, port, given = parse_target(self.target)
         addresses = given or (resolve(host, port) if host else [])
         random.shuffle(addresses)
         for address in addresses[:self.max_asked]:
+            if asking.cancelled:
+                log.info("%s stops asking its peers: the server stops", name)
+                return False
             start = time.perf_counter()
             try:
-                data = self._ask(address, host)
+                data = self._ask(address, host, asking)
             except grpc.RpcError as exc:
                 log.info("peer %s gave no learned state: %s %s", address, exc.code().name, exc.details())
                 continue
@@ -79,7 +86,7 @@ class Peers:
                  "" if len(addresses) == 1 else "es")
         return False
 
-    def _ask(self, address: str, host: str) -> bytes:
+    def _ask(self, address: str, host: str, asking: Asking) -> bytes:
         # gRPC gives a connection attempt this long (20 s by default), and fails the call past it.
         options = [("grpc.min_reconnect_backoff_ms", round(self.connect_timeout_s * 1000))]
         if self.credentials is not None and host:
@@ -90,7 +97,30 @@ class Peers:
             stub = drafter_pb2_grpc.DrafterServiceStub(channel)
             answers = stub.GetLearnedState(drafter_pb2.GetLearnedStateRequest(), timeout=self.timeout_s,
                                            metadata=auth_metadata(self.token) if self.token else None)
+            asking.follow(answers)
             return b"".join(answer.chunk for answer in answers)
+
+
+@dataclass
+class Asking:
+    """One replica's questions to its peers, which `cancel` ends from any thread: the one in flight at
+    once (it fails CANCELLED), the next ones before they start."""
+
+    cancelled: bool = False
+    _call: grpc.Call | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def follow(self, call: grpc.Call) -> None:
+        with self._lock:
+            self._call = call
+            if self.cancelled:
+                call.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._call is not None:
+                self._call.cancel()
 
 
 def pieces(data: bytes) -> list[bytes]:

@@ -16,7 +16,7 @@ import grpc
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.learned_state import LearnedStateFile
 from drafter_sdk.metrics import DrafterMetrics
-from drafter_sdk.peers import Peers
+from drafter_sdk.peers import Asking, Peers
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import CallerIdentity, Tokens
 from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
@@ -41,6 +41,7 @@ class RunningDrafter:
         self.grace_period_s = grace_period_s
         self.learned = learned
         self.peers = peers
+        self._asking = Asking()  # the peers' questions, ended when the server stops
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._load_task = asyncio.create_task(self._load())
@@ -79,13 +80,16 @@ class RunningDrafter:
 
     async def _stop(self, grace: float) -> None:
         log.info("stopping (grace %.1fs)", grace)
+        # A drafter still starting holds less than its file: the file is saved only by one that served.
+        served = self._load_task.done() and self.load_error is None
+        self._asking.cancel()  # a start that still asks its peers ends now, not at their deadlines
         self.servicer.drain()  # draft streams last as long as their verifier: end them now
         await self.service.stop(grace)
         self._load_task.cancel()
         self._evict_task.cancel()
         if self._save_task is not None:
             self._save_task.cancel()
-        if self.learned is not None and self.servicer.loaded:
+        if self.learned is not None and served:
             # After the last call, with the releases of requests that finished while draining.
             await self.learned.save(self.servicer)
         self.servicer.close()
@@ -108,8 +112,11 @@ class RunningDrafter:
         # A peer holds everything this replica would have learned meanwhile; the file, what it knew at
         # its last save: the file is for when no peer answers (a lone replica, every replica restarted).
         servicer = self.servicer
-        if self.peers is not None and self.peers.restore(servicer.restore_learned, servicer.drafter.name):
+        if self.peers is not None and self.peers.restore(servicer.restore_learned, servicer.drafter.name,
+                                                         self._asking):
             source = "peer"
+        elif self._asking.cancelled:  # the server stops: it will never serve what the file holds
+            return
         elif self.learned is not None and self.learned.restore(servicer):
             source = "file"
         else:

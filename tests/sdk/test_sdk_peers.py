@@ -11,7 +11,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -27,6 +27,7 @@ from drafter_sdk.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import auth_metadata, channel_credentials, server_credentials
+from drafter_sdk.server import start_server
 
 
 def free_port() -> int:
@@ -199,6 +200,57 @@ def test_asking_is_bounded_where_peers_never_answer(caplog) -> None:  # noqa: AN
             s.close()
     assert caplog.text.count("gave no learned state: UNAVAILABLE") == 2
     assert "no peer at" in caplog.text
+
+
+@contextlib.contextmanager
+def silent_peers(n: int) -> Iterator[str]:
+    """A target of `n` peers that accept connections and never speak."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        yield "ipv4:" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in sockets)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_a_server_stopped_while_it_asks_ends_the_question_and_keeps_its_file(tmp_path) -> None:  # noqa: ANN001
+    state = tmp_path / "suffix.state"
+    saved = learned(SuffixDrafter(), outputs(3)).save_learned()
+    state.write_bytes(saved)
+
+    async def body(target: str) -> None:
+        running = await start_server(SuffixDrafter(), host="127.0.0.1", port=0, learned_state_file=state,
+                                     peers=Peers(target, connect_timeout_s=30))
+        await asyncio.sleep(0.5)  # it is connecting to the first peer
+        started = time.monotonic()
+        await running.stop(0)
+        await asyncio.to_thread(running.servicer._worker.shutdown, wait=True)  # the question ended too
+        assert time.monotonic() - started < 5  # not the 30 s the connection attempt had
+        assert not running.servicer.loaded or running.servicer.drafter.cached_requests == 0
+
+    with silent_peers(3) as target:
+        asyncio.run(body(target))
+    assert state.read_bytes() == saved  # a drafter that never served saves nothing over its file
+
+
+def test_a_replica_process_stopped_while_it_asks_exits_at_once(tmp_path) -> None:  # noqa: ANN001
+    with silent_peers(3) as target:  # 3 x 5 s to connect, were the questions left to their deadlines
+        proc = subprocess.Popen([str(DRAFTER_SCRIPT), "suffix", "--host", "127.0.0.1", "--port", "0", "--peers",
+                                 target, "--log-level", "INFO"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            time.sleep(1.5)  # started, and connecting to the first peer
+            started = time.monotonic()
+            proc.terminate()
+            out = proc.communicate(timeout=30)[0]
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert time.monotonic() - started < 4, out
+    assert "gave no learned state: CANCELLED" in out and "stops asking its peers: the server stops" in out, out
 
 
 def test_replicas_reach_each_other_with_their_token_and_over_tls(tmp_path) -> None:  # noqa: ANN001
