@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gRPC target of this drafter's replicas, e.g. dns:///splitspec-drafter:50052 (a headless "
                              "Service): a starting replica takes what one of them learned across requests (else "
                              "what --learned-state-file holds), and answers theirs")
+    parser.add_argument("--peers-ca-file",
+                        help="with --peers over TLS: PEM CA bundle the peers' certificates are checked against "
+                             "(default: --tls-client-ca, else the system's roots)")
     parser.add_argument("--log-level", default="INFO")
     add_server_flags(parser)
     parser.add_argument("--auth-tokens-file",
@@ -213,9 +216,12 @@ def make_drafter(args: argparse.Namespace) -> Drafter:
 
 
 def make_peers(args: argparse.Namespace, token: Tokens | None) -> Peers:
-    """How this replica reaches its peers: as their clients reach it. Over TLS it trusts the CA of
-    --tls-client-ca (else the system's) and presents its own certificate; with named tokens it sends
-    the one named `peers`, which a drafter that tells its callers apart asks of them."""
+    """How this replica reaches its peers: as their clients reach it. Over TLS it checks their certificates
+    against --peers-ca-file (else --tls-client-ca, else the system's roots) and presents its own; with named
+    tokens it sends the one named `peers`, which a drafter that tells its callers apart asks of them."""
+    if args.peers_ca_file and not args.tls_cert:
+        raise ValueError("--peers-ca-file: the replicas serve plaintext (no --tls-cert), so there is no certificate "
+                         "to check")
     if args.tls_client_ca and not isinstance(token, Mapping):
         raise ValueError(f"--peers with --tls-client-ca: callers are told apart by their certificates, so only "
                          f"a token named {PEERS_TOKEN_NAME!r} (--auth-tokens-file) reads what a replica learned")
@@ -224,7 +230,8 @@ def make_peers(args: argparse.Namespace, token: Tokens | None) -> Peers:
             raise ValueError(f"--peers with --auth-tokens-file: name a token {PEERS_TOKEN_NAME!r} there, for the "
                              f"replicas' calls to each other")
         token = token[PEERS_TOKEN_NAME]
-    credentials = channel_credentials(args.tls_client_ca, args.tls_cert, args.tls_key) if args.tls_cert else None
+    ca = args.peers_ca_file or args.tls_client_ca
+    credentials = channel_credentials(ca, args.tls_cert, args.tls_key) if args.tls_cert else None
     return Peers(args.peers, credentials, token)
 
 
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(problem)
     if args.auth_tokens_file and args.auth_token_file:
         parser.error("--auth-tokens-file and --auth-token-file exclude each other")
+    if args.peers_ca_file and not args.peers:
+        parser.error("--peers-ca-file needs --peers")
     if args.max_state_mib < 0:
         parser.error("--max-state-mib must be 0 (no limit) or positive")
     if args.max_connection_age_s < 0:

@@ -267,6 +267,13 @@ def test_replicas_reach_each_other_with_their_token_and_over_tls(tmp_path) -> No
             for token, cached in [("s3cret", 10), ("wrong", 0), (None, 0)]:
                 async with serving(SuffixDrafter(), peers=Peers(at(shared), token=token)) as b:
                     assert b.running.servicer.drafter.cached_requests == cached, token
+        server_only = server_credentials(pki.server_cert, pki.server_key)  # TLS, no client certificates
+        async with peer(taught, server_credentials=server_only,
+                        channel_credentials=channel_credentials(pki.ca_cert)) as a:
+            target = f"localhost:{a.running.port}"
+            for credentials, cached in [(channel_credentials(pki.ca_cert), 10), (channel_credentials(), 0)]:
+                async with serving(SuffixDrafter(), peers=Peers(target, credentials, timeout_s=5)) as b:
+                    assert b.running.servicer.drafter.cached_requests == cached  # the system's roots: unknown CA
         async with peer(taught, auth_token=tokens, server_credentials=tls, channel_credentials=client_tls) as a:
             with pytest.raises(grpc.aio.AioRpcError) as denied:
                 await learned_state(a, metadata=auth_metadata("aaaa"))
@@ -295,6 +302,9 @@ def test_the_cli_builds_peers_as_their_clients_reach_them(tmp_path, capsys) -> N
                                           str(pki.server_key), "--tls-client-ca", str(pki.ca_cert)])
     built = cli.make_peers(args, cli.read_named_tokens(tokens))
     assert (built.target, built.token) == ("dns:///drafter:50052", "pppp") and built.credentials is not None
+    tls_only = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+    args = cli.build_parser().parse_args(["suffix", "--peers", "x:1", *tls_only, "--peers-ca-file", str(pki.ca_cert)])
+    assert cli.make_peers(args, None).credentials is not None
     assert cli.make_peers(cli.build_parser().parse_args(["suffix", "--peers", "x:1"]), "one").token == "one"
     tokens.write_text("verifier-a aaaa\n")
     token = tmp_path / "token"
@@ -305,6 +315,9 @@ def test_the_cli_builds_peers_as_their_clients_reach_them(tmp_path, capsys) -> N
         (["ngram", "--peers", "x:1"], "--peers: the ngram drafter keeps nothing across requests"),
         (["suffix", "--peers", "x:1", "--auth-tokens-file", str(tokens)], "name a token 'peers'"),
         (["suffix", "--peers", "x:1", *mutual_tls, "--auth-token-file", str(token)], "told apart by their certif"),
+        (["suffix", "--peers-ca-file", str(pki.ca_cert)], "--peers-ca-file needs --peers"),
+        (["suffix", "--peers", "x:1", "--peers-ca-file", str(pki.ca_cert)], "serve plaintext (no --tls-cert)"),
+        (["suffix", "--peers", "x:1", *tls_only, "--peers-ca-file", str(tmp_path / "none.pem")], "none.pem"),
     ]:
         with pytest.raises(SystemExit) as exited:
             cli.main(argv)
