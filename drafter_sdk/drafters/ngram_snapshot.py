@@ -13,11 +13,10 @@ in the header's order.
 
 from __future__ import annotations
 
-import json
 from array import array
 from dataclasses import dataclass
 
-from drafter_sdk.drafters.int32_arrays import Reader, little
+from drafter_sdk.drafters import snapshot_format
 
 MAGIC = b"splitspec ngram pool\n"
 VERSION = 1
@@ -43,36 +42,29 @@ class PoolSnapshot:
 
 def encode(snapshot: PoolSnapshot) -> bytes:
     s = snapshot.shape
-    header = json.dumps({
-        "version": VERSION, "max_matching_ngram_size": s.max_matching_ngram_size,
-        "max_draft_len": s.max_draft_len, "is_keep_all": s.is_keep_all, "is_use_oldest": s.is_use_oldest,
+    header = {
+        "max_matching_ngram_size": s.max_matching_ngram_size, "max_draft_len": s.max_draft_len,
+        "is_keep_all": s.is_keep_all, "is_use_oldest": s.is_use_oldest,
         "arena": len(snapshot.arena), "patterns": [len(t) for t in snapshot.patterns],
         "windows": None if snapshot.windows is None else [len(t) for t in snapshot.windows],
-    }).encode()
+    }
     parts = [snapshot.arena, *snapshot.patterns, *(snapshot.windows or [])]
-    return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *(little(a) for a in parts)])
+    return snapshot_format.pack(MAGIC, VERSION, header, parts)
 
 
 def decode(data: bytes) -> PoolSnapshot:
     """ValueError for anything but a whole snapshot of this version whose offsets lie in its arena."""
-    if not data.startswith(MAGIC):
-        raise ValueError("not an n-gram pool snapshot")
-    start = len(MAGIC) + 4
-    size = int.from_bytes(data[len(MAGIC):start], "little")
-    try:
-        header = json.loads(data[start:start + size])
-        if header["version"] != VERSION:
-            raise ValueError(f"snapshot version {header['version']}, this drafter reads {VERSION}")
-        shape = Shape(int(header["max_matching_ngram_size"]), int(header["max_draft_len"]),
-                      bool(header["is_keep_all"]), bool(header["is_use_oldest"]))
-        arena_len, pattern_counts = int(header["arena"]), [int(n) for n in header["patterns"]]
-        window_counts = None if header["windows"] is None else [int(n) for n in header["windows"]]
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"a damaged snapshot header ({type(exc).__name__}: {exc})") from None
+    def parse(header: dict) -> tuple[Shape, int, list[int], list[int] | None]:
+        return (Shape(int(header["max_matching_ngram_size"]), int(header["max_draft_len"]),
+                      bool(header["is_keep_all"]), bool(header["is_use_oldest"])),
+                int(header["arena"]), [int(n) for n in header["patterns"]],
+                None if header["windows"] is None else [int(n) for n in header["windows"]])
+
+    (shape, arena_len, pattern_counts, window_counts), reader = snapshot_format.unpack(
+        data, MAGIC, VERSION, "an n-gram pool snapshot", parse)
     sizes = shape.max_matching_ngram_size
     if len(pattern_counts) != sizes or (window_counts is not None and len(window_counts) != sizes):
         raise ValueError("a damaged snapshot: a table per pattern size")
-    reader = Reader(memoryview(data)[start + size:])
     arena = reader.take(arena_len)
     patterns = [reader.take(n) for n in pattern_counts]
     windows = None if window_counts is None else [reader.take(n) for n in window_counts]

@@ -16,12 +16,11 @@ buffer (int32), in the header's order.
 
 from __future__ import annotations
 
-import json
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from drafter_sdk.drafters.int32_arrays import Reader, little
+from drafter_sdk.drafters import snapshot_format
 
 MAGIC = b"splitspec suffix cache\n"
 VERSION = 1
@@ -55,33 +54,26 @@ class Snapshot:
 
 
 def encode(snapshot: Snapshot) -> bytes:
-    header = json.dumps({
-        "version": VERSION, "cache_scope": snapshot.cache_scope, "outputs": len(snapshot.order),
+    header = {
+        "cache_scope": snapshot.cache_scope, "outputs": len(snapshot.order),
         "scopes": [{"name": s.name, "outputs": len(s.lengths), "tokens": len(s.tokens),
                     "gains": [[own, shared, gain] for (own, shared), gain in s.gains.items()]}
                    for s in snapshot.scopes],
-    }).encode()
+    }
     parts = [snapshot.order, *(s.lengths for s in snapshot.scopes), *(s.tokens for s in snapshot.scopes)]
-    return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *(little(a) for a in parts)])
+    return snapshot_format.pack(MAGIC, VERSION, header, parts)
 
 
 def decode(data: bytes) -> Snapshot:
     """ValueError for anything but a whole snapshot of this version."""
-    if not data.startswith(MAGIC):
-        raise ValueError("not a suffix drafter snapshot")
-    start = len(MAGIC) + 4
-    size = int.from_bytes(data[len(MAGIC):start], "little")
-    try:
-        header = json.loads(data[start:start + size])
-        if header["version"] != VERSION:
-            raise ValueError(f"snapshot version {header['version']}, this drafter reads {VERSION}")
-        cache_scope, count = str(header["cache_scope"]), int(header["outputs"])
-        shapes = [(str(s["name"]), int(s["outputs"]), int(s["tokens"]),
-                   {(int(own), int(shared)): float(gain) for own, shared, gain in s["gains"]})
-                  for s in header["scopes"]]
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"a damaged snapshot header ({type(exc).__name__}: {exc})") from None
-    reader = Reader(memoryview(data)[start + size:])
+    def parse(header: dict) -> tuple[str, int, list[tuple[str, int, int, dict[tuple[int, int], float]]]]:
+        return str(header["cache_scope"]), int(header["outputs"]), [
+            (str(s["name"]), int(s["outputs"]), int(s["tokens"]),
+             {(int(own), int(shared)): float(gain) for own, shared, gain in s["gains"]})
+            for s in header["scopes"]]
+
+    (cache_scope, count, shapes), reader = snapshot_format.unpack(data, MAGIC, VERSION,
+                                                                 "a suffix drafter snapshot", parse)
     order = reader.take(count)
     lengths = [reader.take(outputs) for _, outputs, _, _ in shapes]
     scopes = [Scope(name, reader.take(tokens), n, gains) for (name, _, tokens, gains), n in zip(shapes, lengths)]
