@@ -38,6 +38,11 @@ def parse_target(target: str) -> tuple[str, str, list[str]]:
     return host, port or DEFAULT_PORT, []
 
 
+def lookup(host: str, port: str, given: list[str]) -> list[str]:
+    """Every address of a target parsed by `parse_target`: those it gave, else what its host resolves to."""
+    return given or (resolve(host, port) if host else [])
+
+
 def resolve(host: str, port: str) -> list[str]:
     """host:port of every TCP address `host` resolves to, sorted; [] where it does not resolve. Loopback
     addresses count once: `localhost` names 127.0.0.1 and ::1, one server listening on both."""

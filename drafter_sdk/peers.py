@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from drafter_sdk.addresses import parse_target, resolve
+from drafter_sdk.addresses import lookup, parse_target
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.security import auth_metadata
 from drafter_sdk.service import MIB
@@ -58,7 +58,7 @@ class Peers:
         was cancelled."""
         asking = asking or Asking()
         host, port, given = parse_target(self.target)
-        addresses = given or (resolve(host, port) if host else [])
+        addresses = lookup(host, port, given)
         random.shuffle(addresses)
         for address in addresses[:self.max_asked]:
             if asking.cancelled:

@@ -176,32 +176,6 @@ def test_a_peer_whose_state_does_not_fit_is_skipped_for_the_next(caplog) -> None
     assert "cannot restore the learned state of peer" in caplog.text and "cache scope" in caplog.text
 
 
-def test_asking_is_bounded_where_peers_never_answer(caplog) -> None:  # noqa: ANN001
-    """Peers that accept connections and never speak (as behind a firewall that drops, or a stuck process):
-    a few are asked, each given the connect timeout, and the replica starts cold, not stuck."""
-    silent = [socket.socket() for _ in range(4)]
-    for s in silent:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-    target = "ipv4:" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
-    caplog.set_level(logging.INFO, logger="drafter_sdk.peers")
-
-    async def body() -> None:
-        started = time.monotonic()
-        async with serving(SuffixDrafter(), peers=Peers(target, connect_timeout_s=0.5, max_asked=2)) as b:
-            assert b.running.servicer.drafter.cached_requests == 0
-            assert time.monotonic() - started < 10  # not gRPC's own 20 s a connection attempt
-            assert (await b.prepare("v", seq("r", 0, [1, 2, 3]))).results[0].status == pb.DRAFT_STATUS_OK
-
-    try:
-        asyncio.run(body())
-    finally:
-        for s in silent:
-            s.close()
-    assert caplog.text.count("gave no learned state: UNAVAILABLE") == 2
-    assert "no peer at" in caplog.text
-
-
 @contextlib.contextmanager
 def silent_peers(n: int) -> Iterator[str]:
     """A target of `n` peers that accept connections and never speak."""
@@ -214,6 +188,24 @@ def silent_peers(n: int) -> Iterator[str]:
     finally:
         for s in sockets:
             s.close()
+
+
+def test_asking_is_bounded_where_peers_never_answer(caplog) -> None:  # noqa: ANN001
+    """Peers that accept connections and never speak (as behind a firewall that drops, or a stuck process):
+    a few are asked, each given the connect timeout, and the replica starts cold, not stuck."""
+    caplog.set_level(logging.INFO, logger="drafter_sdk.peers")
+
+    async def body(target: str) -> None:
+        started = time.monotonic()
+        async with serving(SuffixDrafter(), peers=Peers(target, connect_timeout_s=0.5, max_asked=2)) as b:
+            assert b.running.servicer.drafter.cached_requests == 0
+            assert time.monotonic() - started < 10  # not gRPC's own 20 s a connection attempt
+            assert (await b.prepare("v", seq("r", 0, [1, 2, 3]))).results[0].status == pb.DRAFT_STATUS_OK
+
+    with silent_peers(4) as target:
+        asyncio.run(body(target))
+    assert caplog.text.count("gave no learned state: UNAVAILABLE") == 2
+    assert "no peer at" in caplog.text
 
 
 def test_a_server_stopped_while_it_asks_ends_the_question_and_keeps_its_file(tmp_path) -> None:  # noqa: ANN001

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from drafter_sdk.addresses import parse_target, resolve
+from drafter_sdk.addresses import lookup, parse_target
 from drafter_sdk.proto import drafter_pb2_grpc
 
 RESOLVE_EVERY_S = 30.0
@@ -38,7 +38,7 @@ class Replicas:
         """One stub per replica, looked up again after RESOLVE_EVERY_S; [] with fewer than two."""
         if time.monotonic() - self._resolved_at >= RESOLVE_EVERY_S:
             self._resolved_at = time.monotonic()
-            found = self._given or (await asyncio.to_thread(resolve, self.host, self.port) if self.host else [])
+            found = await asyncio.to_thread(lookup, self.host, self.port, self._given)
             self._keep(found if len(found) > 1 else [])
         return [stub for _, stub in self._channels.values()]
 

@@ -34,7 +34,7 @@ def test_a_channel_per_replica_opened_and_closed_as_they_come_and_go(monkeypatch
         return Channel(address)
 
     found = [["10.0.0.1:5", "10.0.0.2:5"], ["10.0.0.2:5", "10.0.0.3:5"], ["10.0.0.3:5"]]
-    monkeypatch.setattr(replicas, "resolve", lambda host, port: found.pop(0))
+    monkeypatch.setattr(replicas, "lookup", lambda host, port, given: found.pop(0))
     monkeypatch.setattr(replicas, "RESOLVE_EVERY_S", 0.0)
     fleet = Replicas("dns:///drafter:5", open_channel)
 
