@@ -88,6 +88,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.drafter.restore_learned(data)
         self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
 
+    def learned_state(self, request: drafter_pb2.GetLearnedStateRequest, caller: str = "") -> bytes:
+        """What the drafter learned across requests (`Drafter.save_learned`), for a replica of it that starts.
+
+        Raises DrafterError: FAILED_PRECONDITION where this replica does not share it, PERMISSION_DENIED
+        for a caller other than its replicas where callers are told apart, INTERNAL when the drafter's
+        code fails, UNAVAILABLE before `load()` finished.
+        """
+        self._require_loaded()  # a replica still loading, or asking its peers, the asker itself among them
+        name = self.drafter.name
+        if not self.shares_learned:
+            raise DrafterError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"drafter {name} does not share what it learned (start it with --peers)")
+        # It is every caller's outputs: where callers are told apart (named tokens, client certificates),
+        # only the replicas' own token reads them, not a verifier's.
+        if caller and not carries_token(caller, PEERS_TOKEN_NAME):
+            raise DrafterError(grpc.StatusCode.PERMISSION_DENIED, f"what drafter {name} learned is for its "
+                                                                  f"replicas: call with the token named "
+                                                                  f"{PEERS_TOKEN_NAME!r}")
+        try:
+            return self.drafter.save_learned() or b""
+        except Exception as exc:
+            log.exception("%s.save_learned() failed", name)
+            raise DrafterError(grpc.StatusCode.INTERNAL, f"drafter {name} failed to take what it learned") from exc
+
     def info(self) -> drafter_pb2.GetDrafterInfoResponse:
         d = self.drafter
         return drafter_pb2.GetDrafterInfoResponse(
@@ -231,38 +255,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def GetLearnedState(self, request: drafter_pb2.GetLearnedStateRequest,
                               context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.GetLearnedStateResponse]:
-        """What the drafter learned (`Drafter.save_learned`), in pieces, for a peer replica that starts."""
-        start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
-        try:
-            if not self.shares_learned:
-                code = grpc.StatusCode.FAILED_PRECONDITION
-                await context.abort(code, f"drafter {self.drafter.name} does not share what it learned "
-                                          f"(start it with --peers)")
-            # It is every caller's outputs: where callers are told apart (named tokens, client certificates),
-            # only the replicas' own token reads them, not a verifier's.
-            caller = self._identify(context) if self._identify is not None else ""
-            if caller and not carries_token(caller, PEERS_TOKEN_NAME):
-                code = grpc.StatusCode.PERMISSION_DENIED
-                await context.abort(code, f"what drafter {self.drafter.name} learned is for its replicas: "
-                                          f"call with the token named {PEERS_TOKEN_NAME!r}")
-            if not self.loaded:  # a replica still loading, or asking its peers, the asker itself among them
-                code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, f"drafter {self.drafter.name} is still loading")
-            try:
-                data = await self.run(self.drafter.save_learned) or b""
-            except Exception:
-                log.exception("%s.save_learned() failed", self.drafter.name)
-                code = grpc.StatusCode.INTERNAL
-                await context.abort(code, f"drafter {self.drafter.name} failed to take what it learned")
-            for piece in pieces(data):
-                yield drafter_pb2.GetLearnedStateResponse(chunk=piece)
-            code = grpc.StatusCode.OK
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            if self.metrics is not None:
-                self.metrics.record_call("GetLearnedState", code, time.perf_counter() - start)
+        """What the drafter learned (`learned_state`), in pieces, for a peer replica that starts."""
+        data = await self._handle("GetLearnedState", self.learned_state, request, context)
+        for piece in pieces(data):
+            yield drafter_pb2.GetLearnedStateResponse(chunk=piece)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run drafter code `fn` (not `load`): inline for a loaded drafter that `runs_inline`,
