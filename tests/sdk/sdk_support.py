@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -83,6 +84,12 @@ async def serving(drafter: Drafter, *, wait_loaded: bool = True,
             yield Client(running, channel)
     finally:
         await running.stop(0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def seq(request_id: str, context_len: int, new_tokens: list[int], draft_len: int = 4,

@@ -16,7 +16,7 @@ from drafter_sdk import Drafter, DrafterError, DrafterServicer, NgramDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.sequence_store import ENTRY_OVERHEAD_BYTES, SequenceStore
-from sdk_support import DRAFTER_SCRIPT, seq
+from sdk_support import DRAFTER_SCRIPT, free_port, seq
 
 OK, RESYNC = pb.DRAFT_STATUS_OK, pb.DRAFT_STATUS_RESYNC_REQUIRED
 
@@ -290,14 +290,6 @@ def test_flooded_drafter_process_stays_within_its_budget_and_keeps_serving(tmp_p
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_port(proc: subprocess.Popen, port_file) -> int:  # noqa: ANN001

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 from certs import make_pki
-from sdk_support import DRAFTER_SCRIPT, Client, seq, serving
+from sdk_support import DRAFTER_SCRIPT, Client, free_port, seq, serving
 from test_sdk_learned_state import contexts, drafts, learned, outputs
 from test_sdk_metrics import scrape, value
 from test_sdk_process import wait_serving
@@ -28,12 +28,6 @@ from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.security import auth_metadata, channel_credentials, server_credentials
 from drafter_sdk.server import start_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nobody() -> str:
