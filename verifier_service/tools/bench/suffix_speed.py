@@ -17,16 +17,13 @@ measured in a process read 3.07 ms where the next read 2.51, and the other way r
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import random
 import statistics
 import sysconfig
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -36,9 +33,9 @@ from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.sequence_store import SequenceStore
 from drafter_sdk.server import start_server
 from drafter_sdk.servicer import DrafterServicer
+from verifier_service.engine.model_thread import ModelThread
 
 CORPUS_TOKENS = 300_000
-T = TypeVar("T")
 
 
 @dataclass
@@ -167,28 +164,21 @@ def _snapshot(drafter: SuffixDrafter, kwargs: dict) -> tuple[float, float, float
 
 def _from_a_peer(drafter: SuffixDrafter, kwargs: dict) -> float:
     """Seconds for a fresh drafter to take `drafter`'s state from a server of it on loopback, as a starting
-    replica does (peers.py): the server answers on its own event loop, in a thread."""
-    loop = asyncio.new_event_loop()
-    serving = threading.Thread(target=loop.run_forever, daemon=True)
-    serving.start()
-
-    def on_loop(coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
-
+    replica does (peers.py): the server answers on an event loop of its own thread."""
+    serving = ModelThread("peer")  # an event loop on a thread of its own; no model runs here
     # Its own peer is nobody (port 1): it keeps what it holds and shares it.
-    running = on_loop(start_server(drafter, host="127.0.0.1", port=0, peers=Peers("ipv4:127.0.0.1:1")))
+    running = serving.run_coroutine(start_server(drafter, host="127.0.0.1", port=0,
+                                                 peers=Peers("ipv4:127.0.0.1:1"))).result()
     try:
-        on_loop(running.wait_loaded())
+        serving.run_coroutine(running.wait_loaded()).result()
         fresh = SuffixDrafter(**kwargs)
         started = time.perf_counter()
         if not Peers(f"ipv4:127.0.0.1:{running.port}").restore(fresh.restore_learned, fresh.name):
             raise RuntimeError("the fresh drafter took nothing from its peer")
         return time.perf_counter() - started
     finally:
-        on_loop(running.stop(0))
-        loop.call_soon_threadsafe(loop.stop)
-        serving.join()
-        loop.close()
+        serving.run_coroutine(running.stop(0)).result()
+        serving.shutdown()
 
 
 def _p50_p90_ms(ascending: list[float]) -> tuple[float, float]:
