@@ -56,14 +56,8 @@ class LearnedStateFile:
                         servicer.drafter.name)
             return False
         start = time.perf_counter()
-        try:
-            servicer.restore_learned(data)
-        except Exception as exc:
-            # ValueError is the drafter refusing it; anything else is a bug in its restore: log it whole.
-            log.log(logging.WARNING if isinstance(exc, ValueError) else logging.ERROR,
-                    "%s cannot restore the learned state at %s (%s): it starts empty, the file is kept as %s",
-                    servicer.drafter.name, self.path, exc, self._rejected(),
-                    exc_info=not isinstance(exc, ValueError))
+        if not servicer.restore_learned(data, f"at {self.path}"):
+            log.warning("%s starts empty; the file is kept as %s", servicer.drafter.name, self._rejected())
             self._move_aside()
             return False
         log.info("%s restored its learned state from %s (%.1f MiB) in %.2f s", servicer.drafter.name, self.path,

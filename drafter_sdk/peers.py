@@ -53,9 +53,10 @@ class Peers:
         """The longest asking can take: every peer asked connecting and answering at its deadline."""
         return self.max_asked * (self.connect_timeout_s + self.timeout_s)
 
-    def restore(self, restore_learned: Callable[[bytes], None], name: str, asking: Asking | None = None) -> bool:
-        """Give `restore_learned` peers' states until one is taken; False where none was, or once `asking`
-        was cancelled."""
+    def restore(self, restore_learned: Callable[[bytes, str], bool], name: str, asking: Asking | None = None
+                ) -> bool:
+        """Give `restore_learned` (`DrafterServicer.restore_learned`: data, and where it came from for the
+        log) peers' states until one is taken; False where none was, or once `asking` was cancelled."""
         asking = asking or Asking()
         host, port, given = parse_target(self.target)
         addresses = lookup(host, port, given)
@@ -70,14 +71,7 @@ class Peers:
             except grpc.RpcError as exc:
                 log.info("peer %s gave no learned state: %s %s", address, exc.code().name, exc.details())
                 continue
-            try:
-                restore_learned(data)  # it replaces what the drafter holds: the next peer may follow
-            except Exception as exc:
-                # ValueError is the drafter refusing it (another format version or configuration); anything
-                # else is a bug in its restore: log it whole.
-                log.log(logging.WARNING if isinstance(exc, ValueError) else logging.ERROR,
-                        "%s cannot restore the learned state of peer %s: %s", name, address, exc,
-                        exc_info=not isinstance(exc, ValueError))
+            if not restore_learned(data, f"of peer {address}"):  # it replaces what the drafter holds
                 continue
             log.info("%s restored the learned state of peer %s (%.1f MiB) in %.2f s", name, address,
                      len(data) / MIB, time.perf_counter() - start)

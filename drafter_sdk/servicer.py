@@ -82,11 +82,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             then()
         self.loaded = True
 
-    def restore_learned(self, data: bytes) -> None:
+    def restore_learned(self, data: bytes, source: str) -> bool:
         """Give the drafter back what it learned before (`Drafter.restore_learned`), then count it in the
-        state budget."""
-        self.drafter.restore_learned(data)
+        state budget; False where the drafter refused it (ValueError) or failed (a bug in its restore,
+        logged whole), both logged with `source` ("at <file>", "of peer <address>")."""
+        try:
+            self.drafter.restore_learned(data)
+        except Exception as exc:
+            log.log(logging.WARNING if isinstance(exc, ValueError) else logging.ERROR,
+                    "%s cannot restore the learned state %s: %s", self.drafter.name, source, exc,
+                    exc_info=not isinstance(exc, ValueError))
+            return False
         self._shared_bytes = self._hook(self.drafter.shared_state_bytes)
+        return True
 
     def learned_state(self, request: drafter_pb2.GetLearnedStateRequest, caller: str = "") -> bytes:
         """What the drafter learned across requests (`Drafter.save_learned`), for a replica of it that starts.

@@ -84,7 +84,12 @@ def test_it_does_not_offer_its_state_to_peers_and_a_replica_asking_it_starts_col
         list(stub.GetLearnedState(pb.GetLearnedStateRequest(), timeout=5))
     assert unimplemented.value.code() == grpc.StatusCode.UNIMPLEMENTED
     taken: list[bytes] = []
-    assert not Peers(f"ipv4:{drafter.address}").restore(taken.append, "suffix")
+
+    def restore_learned(data: bytes, source: str) -> bool:
+        taken.append(data)
+        return True
+
+    assert not Peers(f"ipv4:{drafter.address}").restore(restore_learned, "suffix")
     assert taken == []
 
 

@@ -171,9 +171,9 @@ def _from_a_peer(drafter: SuffixDrafter, kwargs: dict) -> float:
                                                  peers=Peers("ipv4:127.0.0.1:1"))).result()
     try:
         serving.run_coroutine(running.wait_loaded()).result()
-        fresh = SuffixDrafter(**kwargs)
+        fresh = DrafterServicer(SuffixDrafter(**kwargs))
         started = time.perf_counter()
-        if not Peers(f"ipv4:127.0.0.1:{running.port}").restore(fresh.restore_learned, fresh.name):
+        if not Peers(f"ipv4:127.0.0.1:{running.port}").restore(fresh.restore_learned, fresh.drafter.name):
             raise RuntimeError("the fresh drafter took nothing from its peer")
         return time.perf_counter() - started
     finally:
