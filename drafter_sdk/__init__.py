@@ -17,9 +17,9 @@ from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftR
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.errors import DrafterError
-from drafter_sdk.peers import Peers
-from drafter_sdk.server import RunningDrafter, serve, start_server
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.peers import Peers
+from drafter_sdk.server.serve import RunningDrafter, serve, start_server
+from drafter_sdk.server.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 __all__ = [

@@ -107,7 +107,7 @@ class Drafter(ABC):
     max_draft_len: int = 0  # longest draft this drafter proposes; 0 = no limit
     vocab_size: int = 0  # vocabulary its token ids assume; 0 = any
     tokenizer: str = ""  # tokenizer identity it expects, e.g. a model name; "" = any
-    # drafter_sdk.tokenizer_fingerprint of the tokenizer its ids come from; "" = not reported.
+    # drafter_sdk.loading.tokenizer_fingerprint of the tokenizer its ids come from; "" = not reported.
     # A verifier with a different one turns speculation off for this drafter.
     tokenizer_fingerprint: str = ""
     capabilities: tuple[str, ...] = ()

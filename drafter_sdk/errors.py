@@ -23,5 +23,5 @@ class ListenError(OSError):
 
 class ModelLoadError(ValueError):
     """The model cannot be loaded as asked: a path that names no model, files missing or a hub name
-    that cannot be fetched, a device torch does not have here, an unknown dtype (drafter_sdk/hf_loading.py).
+    that cannot be fetched, a device torch does not have here, an unknown dtype (drafter_sdk/loading/causal_lm.py).
     It is the user's to fix, so the command-line entry points report it in one line and exit 2."""

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from drafter_sdk.gguf_conversion import CACHE_ENV
+from drafter_sdk.loading.gguf_conversion import CACHE_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)

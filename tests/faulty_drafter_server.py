@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_sdk.proto import drafter_pb2 as pb  # noqa: E402
 from drafter_sdk.proto import drafter_pb2_grpc  # noqa: E402
-from drafter_sdk.sequence_store import SequenceStore  # noqa: E402
+from drafter_sdk.server.sequence_store import SequenceStore  # noqa: E402
 from faulty_drafters import OracleTable, oracle_draft, oracle_table  # noqa: E402
 
 MIB = 1 << 20

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache

@@ -27,7 +27,7 @@ from collections.abc import Sequence as Seq
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from drafter_sdk.metrics import LATENCY_BUCKETS  # drafter calls, timed with the same buckets at either end
+from drafter_sdk.server.metrics import LATENCY_BUCKETS  # drafter calls, timed with the same buckets at either end
 
 PREFIX = "splitspec:"
 # vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.

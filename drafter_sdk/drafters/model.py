@@ -46,9 +46,9 @@ from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenize
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from drafter_sdk import hf_loading
 from drafter_sdk.drafter import Drafter, DraftRequest, Key
-from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+from drafter_sdk.loading import causal_lm
+from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,10 @@ class ModelDrafter(Drafter):
         if kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
         if loaded is None:
-            self._source = hf_loading.resolve_source(model)
-            self._device = hf_loading.pick_device(device)
-            self._dtype = hf_loading.pick_dtype(dtype, self._device)
-            hf_loading.load_config(self._source)  # a hub name that cannot be fetched fails here
+            self._source = causal_lm.resolve_source(model)
+            self._device = causal_lm.pick_device(device)
+            self._dtype = causal_lm.pick_dtype(dtype, self._device)
+            causal_lm.load_config(self._source)  # a hub name that cannot be fetched fails here
         self.max_draft_len = max_draft_len
         self.kv_budget_bytes = int(kv_cache_memory_gb * 2**30)
         self.draft_ahead = draft_ahead and model_thread is None
@@ -236,8 +236,8 @@ class ModelDrafter(Drafter):
             model, tokenizer = self._loaded
             self._loaded = None
         else:
-            tokenizer = hf_loading.load_tokenizer(self._source)
-            model = hf_loading.load_causal_lm(self._source, self._dtype, self._device)
+            tokenizer = causal_lm.load_tokenizer(self._source)
+            model = causal_lm.load_causal_lm(self._source, self._dtype, self._device)
         AttentionInterface.register(ATTENTION, _packed_attention)
         AttentionMaskInterface.register(ATTENTION, sdpa_mask)
         model.set_attn_implementation(ATTENTION)

@@ -40,7 +40,7 @@ from deploy_support import (
 )
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
-from drafter_sdk.peers import Peers
+from drafter_sdk.server.peers import Peers
 
 # Kubernetes versions whose (strict) schemas the overlays must pass: a current
 # release and the oldest one we claim (native sleep-free preStop, gRPC probes

@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
 
-from drafter_sdk.peers import Peers
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
+from drafter_sdk.server.peers import Peers
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
 from verifier_service.spec_decode.transport import GrpcTransport
 

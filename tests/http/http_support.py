@@ -14,7 +14,7 @@ from verifier_harness import VerifierHandle, run_verifier, spec_config
 from verifier_support import serve_drafter, shared_model
 
 from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.server import RunningDrafter
+from drafter_sdk.server.serve import RunningDrafter
 
 WAIT_S = 60.0
 # Text on which the tiny random model loops (verifier_support.repetitive_prompt(48), which it tokenizes

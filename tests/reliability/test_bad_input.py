@@ -23,8 +23,8 @@ from tiny_model import tiny_model, tiny_tokenizer
 from transformers import PreTrainedTokenizerFast
 from verifier_harness import spec_config, token_request
 
-from drafter_sdk import hf_loading
 from drafter_sdk.errors import ListenError
+from drafter_sdk.loading import causal_lm
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
 from verifier_service.api import cli
@@ -257,7 +257,7 @@ def test_a_hub_name_that_cannot_be_fetched_is_refused_before_serving(tmp_path, c
     def offline(*args: object, **kwargs: object) -> None:
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
-    monkeypatch.setattr(hf_loading.AutoConfig, "from_pretrained", offline)
+    monkeypatch.setattr(causal_lm.AutoConfig, "from_pretrained", offline)
     assert cli.main(["--model", "someorg/somemodel", "--port", "0", "--port-file", str(tmp_path / "port")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("splitspec-verifier: cannot load someorg/somemodel") and "couldn't connect" in err, err

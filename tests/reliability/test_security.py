@@ -15,7 +15,7 @@ from verifier_harness import run_verifier, spec_config, token_request
 
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
-from drafter_sdk.security import auth_metadata, channel_credentials
+from drafter_sdk.service.security import auth_metadata, channel_credentials
 from verifier_service.api import cli
 from verifier_service.spec_decode.config import ConfigError
 from verifier_service.tools import cli as cli_client

@@ -11,7 +11,7 @@ import torch
 from tiny_gguf import Q, write_tiny_gguf
 from tiny_model import tiny_model, tiny_tokenizer
 
-from drafter_sdk import gguf_conversion, hf_loading
+from drafter_sdk.loading import causal_lm, gguf_conversion
 
 CHAT = [{"role": "user", "content": "Résumé of café ünïcode 🙂, in one line."}]
 
@@ -19,15 +19,15 @@ CHAT = [{"role": "user", "content": "Résumé of café ünïcode 🙂, in one li
 def test_a_gguf_is_converted_once_and_checked_against_its_own_load(tmp_path: Path) -> None:
     gguf = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf, Q.Q4_1)
-    source = hf_loading.ModelSource("tiny", str(tmp_path), gguf.name)
-    folder = hf_loading.converted(source)
+    source = causal_lm.ModelSource("tiny", str(tmp_path), gguf.name)
+    folder = causal_lm.converted(source)
     assert folder.gguf_file is None and Path(folder.path).is_relative_to(os.environ[gguf_conversion.CACHE_ENV])
     done = Path(folder.path) / gguf_conversion.DONE
     converted_at = done.stat().st_mtime_ns
-    assert hf_loading.converted(source) == folder and done.stat().st_mtime_ns == converted_at, "converted once"
+    assert causal_lm.converted(source) == folder and done.stat().st_mtime_ns == converted_at, "converted once"
     # The conversion loaded the folder back and compared it with the GGUF's own load (check_loads_back).
     assert f"loads back equal: {len(tiny_model().state_dict())} tensors and the tokenizer" in done.read_text()
-    tokenizer = hf_loading.load_tokenizer(folder)
+    tokenizer = causal_lm.load_tokenizer(folder)
     assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False).endswith("<|assistant|>")
 
 
@@ -63,14 +63,14 @@ def test_cache_off_or_unwritable_loads_the_gguf_directly(tmp_path: Path, monkeyp
                                                          caplog: pytest.LogCaptureFixture) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"not converted")
-    source = hf_loading.ModelSource("model", str(tmp_path), gguf.name)
+    source = causal_lm.ModelSource("model", str(tmp_path), gguf.name)
     monkeypatch.setenv(gguf_conversion.CACHE_ENV, "off")
-    assert hf_loading.converted(source) == source
+    assert causal_lm.converted(source) == source
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(gguf_conversion.CACHE_ENV, str(blocker / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert hf_loading.converted(source) == source
+        assert causal_lm.converted(source) == source
     assert "loading the GGUF directly" in caplog.text
-    folder = hf_loading.ModelSource("model", str(tmp_path))
-    assert hf_loading.converted(folder) == folder
+    folder = causal_lm.ModelSource("model", str(tmp_path))
+    assert causal_lm.converted(folder) == folder

@@ -18,14 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sdk_support import DRAFTER_SCRIPT
 from tiny_model import tiny_draft_pair, tiny_tokenizer
 
-from drafter_sdk import cli
 from drafter_sdk.drafter import DraftRequest, SamplingHints
 from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
-from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+from drafter_sdk.server import cli
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 17, 230, 41], [99, 3, 3, 12, 7, 150, 61], [300]]
@@ -190,7 +190,7 @@ def test_splitspec_drafter_model_refuses_what_it_cannot_load_before_serving(tmp_
 
 
 def test_the_sdk_and_its_cli_import_without_torch():
-    code = ("import sys, drafter_sdk, drafter_sdk.cli, drafter_sdk.tokenizer_fingerprint; "
+    code = ("import sys, drafter_sdk, drafter_sdk.server.cli, drafter_sdk.loading.tokenizer_fingerprint; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

@@ -7,7 +7,7 @@ import sys
 
 PROGRAM = """
 import atexit, gc
-from drafter_sdk.process_exit import skip_final_collection
+from drafter_sdk.service.process_exit import skip_final_collection
 atexit.register(lambda: print("at exit, frozen:", gc.get_freeze_count() > 0))  # runs after what is registered next
 skip_final_collection()
 skip_final_collection()

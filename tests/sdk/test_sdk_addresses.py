@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from drafter_sdk.addresses import parse_target, resolve
+from drafter_sdk.service.addresses import parse_target, resolve
 
 
 @pytest.mark.parametrize("target, parsed", [

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from drafter_sdk import Drafter, DrafterError, DrafterServicer, NgramDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.sequence_store import ENTRY_OVERHEAD_BYTES, SequenceStore
+from drafter_sdk.server.sequence_store import ENTRY_OVERHEAD_BYTES, SequenceStore
 from sdk_support import DRAFTER_SCRIPT, free_port, seq
 
 OK, RESYNC = pb.DRAFT_STATUS_OK, pb.DRAFT_STATUS_RESYNC_REQUIRED

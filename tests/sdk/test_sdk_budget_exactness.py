@@ -9,7 +9,7 @@ from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import LOOPING_SEEDS, WAIT_S, cached_reference, repetitive_prompt, shared_model
 
 from drafter_sdk import NgramDrafter
-from drafter_sdk.server import start_server
+from drafter_sdk.server.serve import start_server
 
 # A few KiB: room for about one short sequence and its n-gram pool, so the three below keep
 # evicting each other.

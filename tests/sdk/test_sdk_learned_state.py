@@ -12,12 +12,12 @@ from sdk_support import seq, serving
 from test_sdk_metrics import scrape, value
 from test_sdk_suffix import finish, request
 
-from drafter_sdk import cli
 from drafter_sdk.drafters import suffix_snapshot
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
-from drafter_sdk.server import start_server
+from drafter_sdk.server import cli
+from drafter_sdk.server.serve import start_server
 
 
 def outputs(n: int, seed: int = 0, length: int = 60) -> list[list[int]]:

@@ -13,7 +13,7 @@ from test_sdk_peers import nobody
 
 from drafter_sdk.drafters import ngram_snapshot
 from drafter_sdk.drafters.ngram import NgramDrafter
-from drafter_sdk.peers import Peers
+from drafter_sdk.server.peers import Peers
 
 
 def texts(n: int, seed: int, vocab: int = 40, length: int = 200) -> list[list[int]]:

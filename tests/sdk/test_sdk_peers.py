@@ -1,4 +1,4 @@
-"""A starting replica takes what its peers learned (GetLearnedState, drafter_sdk/peers.py): whole, in
+"""A starting replica takes what its peers learned (GetLearnedState, drafter_sdk/server/peers.py): whole, in
 pieces, over TLS and tokens, ahead of its own file; and starts cold, never failing, where no peer answers."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from test_sdk_learned_state import contexts, drafts, learned, outputs
 from test_sdk_metrics import scrape, value
 from test_sdk_process import wait_serving
 
-from drafter_sdk import cli, peers
 from drafter_sdk.drafters.suffix import SuffixDrafter
-from drafter_sdk.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.security import auth_metadata, channel_credentials, server_credentials
-from drafter_sdk.server import start_server
+from drafter_sdk.server import cli, peers
+from drafter_sdk.server.peers import PEERS_TOKEN_NAME, Peers
+from drafter_sdk.server.serve import start_server
+from drafter_sdk.service.security import auth_metadata, channel_credentials, server_credentials
 
 
 def nobody() -> str:
@@ -152,7 +152,7 @@ def test_a_peer_comes_before_the_file_which_serves_where_no_peer_answers(tmp_pat
 def test_a_peer_whose_state_does_not_fit_is_skipped_for_the_next(caplog) -> None:  # noqa: ANN001
     other_scope = learned(SuffixDrafter(cache_scope="verifier"), outputs(5))
     taught = learned(SuffixDrafter(), outputs(40))
-    caplog.set_level(logging.INFO, logger="drafter_sdk.peers")
+    caplog.set_level(logging.INFO, logger="drafter_sdk.server.peers")
 
     async def body() -> None:
         async with peer(other_scope) as wrong, peer(taught) as right:
@@ -187,7 +187,7 @@ def silent_peers(n: int) -> Iterator[str]:
 def test_asking_is_bounded_where_peers_never_answer(caplog) -> None:  # noqa: ANN001
     """Peers that accept connections and never speak (as behind a firewall that drops, or a stuck process):
     a few are asked, each given the connect timeout, and the replica starts cold, not stuck."""
-    caplog.set_level(logging.INFO, logger="drafter_sdk.peers")
+    caplog.set_level(logging.INFO, logger="drafter_sdk.server.peers")
 
     async def body(target: str) -> None:
         started = time.monotonic()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drafter_sdk import cli
+from drafter_sdk.server import cli
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from sdk_support import DRAFTER_SCRIPT, seq
@@ -200,7 +200,7 @@ def test_the_sdk_imports_without_torch_or_numpy():
                     raise ImportError(f"{name} is blocked")
 
         sys.meta_path.insert(0, Block())
-        import drafter_sdk, drafter_sdk.cli
+        import drafter_sdk, drafter_sdk.server.cli
         print(drafter_sdk.NgramDrafter().name)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

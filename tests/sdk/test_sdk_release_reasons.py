@@ -8,8 +8,8 @@ import pytest
 
 from drafter_sdk import Drafter, DraftRequest, ReleaseReason
 from drafter_sdk.proto import drafter_pb2 as pb
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from sdk_support import RecordingDrafter, seq, serving
 
 
@@ -45,7 +45,7 @@ def test_reasons_reach_on_release_one_per_id():
 def test_a_request_released_finished_twice_is_learned_once(monkeypatch):
     """Announced to every replica (PROTOCOL.md section 7), a finished request may reach the replica that served
     it again, whole: its second FINISHED release is EVICTED for the drafter. The memory of keys is bounded."""
-    from drafter_sdk import servicer as servicer_module
+    from drafter_sdk.server import servicer as servicer_module
 
     monkeypatch.setattr(servicer_module, "RECENT_FINISHED_KEYS", 2)
     finished = [pb.RELEASE_REASON_FINISHED]

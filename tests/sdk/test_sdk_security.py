@@ -1,4 +1,4 @@
-"""TLS, mutual TLS and bearer-token auth of drafter servers (drafter_sdk.security)."""
+"""TLS, mutual TLS and bearer-token auth of drafter servers (drafter_sdk.service.security)."""
 
 import asyncio
 import os
@@ -7,16 +7,23 @@ import subprocess
 
 import grpc
 import pytest
+from certs import make_pki
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from sdk_support import DRAFTER_SCRIPT, RecordingDrafter, seq, serving
 
-from certs import make_pki
-from drafter_sdk import cli
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.security import (BearerTokenServerInterceptor, auth_metadata, call_credentials, channel_credentials,
-                                  read_named_tokens, read_token, server_credentials)
-from sdk_support import DRAFTER_SCRIPT, RecordingDrafter, seq, serving
+from drafter_sdk.server import cli
+from drafter_sdk.service.security import (
+    BearerTokenServerInterceptor,
+    auth_metadata,
+    call_credentials,
+    channel_credentials,
+    read_named_tokens,
+    read_token,
+    server_credentials,
+)
 
 TOKEN = "s3cret-token"
 

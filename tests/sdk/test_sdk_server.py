@@ -10,8 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sdk_support import RecordingDrafter, seq, serving, still_serving, until
 
-from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, cli, start_server
+from drafter_sdk import DrafterError, DrafterServicer, NgramDrafter, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.server import cli
 
 SERVICE = "splitspec.v1.DrafterService"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -242,7 +243,7 @@ def test_connections_close_after_max_connection_age_and_clients_reconnect():
 
 
 def test_max_connection_age_flag():
-    from drafter_sdk.cli import build_parser
+    from drafter_sdk.server.cli import build_parser
 
     assert build_parser().parse_args(["ngram"]).max_connection_age_s == 300
     assert build_parser().parse_args(["ngram", "--max-connection-age-s", "0"]).max_connection_age_s == 0

@@ -1,6 +1,6 @@
 """SequenceStore: the overlapping-delta/resync rules and idle eviction, with a fake clock."""
 
-from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.server.sequence_store import SequenceStore
 
 
 class FakeClock:

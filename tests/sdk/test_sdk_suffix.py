@@ -18,8 +18,8 @@ from drafter_sdk.drafters import suffix_index
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.drafters.suffix_index import SuffixIndex
 from drafter_sdk.proto import drafter_pb2 as pb
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree, depths, first_branch, tree_problem
 
 # --- a brute-force reference: occurrences counted by scanning every sequence -----------------------

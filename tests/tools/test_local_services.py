@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter_sdk.service import held_lifeline
+from drafter_sdk.service.lifecycle import held_lifeline
 from verifier_service.tools.local_services import LocalService, script, start_together
 
 

@@ -26,8 +26,8 @@ from verifier_support import (
 
 from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import verifier_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 from verifier_service.engine.logits_processors import process_logits
 from verifier_service.engine.logits_state import LogitsState

@@ -20,9 +20,9 @@ from verifier_harness import reference_greedy
 
 from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import verifier_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.server import RunningDrafter, start_server
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.serve import RunningDrafter, start_server
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.settings import DEFAULTS
 from verifier_service.spec_decode.drafter_client import DrafterClient

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_sdk.errors import ListenError
-from drafter_sdk.process_exit import skip_final_collection
-from drafter_sdk.security import add_server_flags, read_token, server_flags_problem
+from drafter_sdk.service.process_exit import skip_final_collection
+from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.model import host_memory
 from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, TOOL_CALL_PARSERS, ServerSettings
 from verifier_service.spec_decode import config

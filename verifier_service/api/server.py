@@ -2,7 +2,7 @@
 
 The servers start before the model loads, so Kubernetes probes see a live
 process during a long load. The gRPC server's lifecycle is the SDK's
-(drafter_sdk/service.py), shared with every drafter; the OpenAI-compatible HTTP
+(drafter_sdk/service/lifecycle.py), shared with every drafter; the OpenAI-compatible HTTP
 API (api/http_server.py) runs beside it on the same event loop, over the same
 Generations, and drains with it.
 
@@ -27,8 +27,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from drafter_sdk.security import server_credentials as tls_server_credentials
-from drafter_sdk.service import GrpcService, stop_on_signals, write_port_file
+from drafter_sdk.service.lifecycle import GrpcService, stop_on_signals, write_port_file
+from drafter_sdk.service.security import server_credentials as tls_server_credentials
 from verifier_service import builder
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_server import HttpServer

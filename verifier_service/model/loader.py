@@ -1,4 +1,4 @@
-"""Load the target model: drafter_sdk.hf_loading finds it (shared with the SDK's model drafter);
+"""Load the target model: drafter_sdk.loading.causal_lm finds it (shared with the SDK's model drafter);
 this adds the tensor-parallel shard load and a chat template given in place of the model's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jinja2
 import torch
 from transformers import DistributedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafter_sdk.hf_loading import (  # noqa: F401 - re-exported: the verifier's one loading module
+from drafter_sdk.loading.causal_lm import (  # noqa: F401 - re-exported: the verifier's one loading module
     DTYPES,
     EMBEDDED_NAME,
     EMBEDDED_PACKAGE,

@@ -35,7 +35,7 @@ from typing import IO
 
 import torch
 
-from drafter_sdk.gguf_conversion import cache_root
+from drafter_sdk.loading.gguf_conversion import cache_root
 from verifier_service.model.runner import ModelRunner
 from verifier_service.model.step_costs import Measurements, disturbance
 

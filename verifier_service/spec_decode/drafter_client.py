@@ -133,7 +133,7 @@ class DrafterClient:
     # Who the drafter says it is: asked when the client connects, when the drafter answers
     # again after failing, and after it lost a sequence's state (a restart). None until known.
     info: drafter_pb2.GetDrafterInfoResponse | None = None
-    # The model tokenizer's fingerprint (drafter_sdk.tokenizer_fingerprint); "" = do not check.
+    # The model tokenizer's fingerprint (drafter_sdk.loading.tokenizer_fingerprint); "" = do not check.
     tokenizer_fingerprint: str = ""
     tokenizer_name: str = ""  # for the log line when they differ
     # Send a step's call before its forward and read the answer after, where the drafter looks ahead

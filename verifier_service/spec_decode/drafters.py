@@ -17,9 +17,9 @@ from concurrent.futures import Executor
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import speculative_pb2
-from drafter_sdk.security import channel_credentials, read_token
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
+from drafter_sdk.service.security import channel_credentials, read_token
 from verifier_service.spec_decode.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
 from verifier_service.spec_decode.drafter_client import DrafterClient
 from verifier_service.spec_decode.transport import GrpcTransport, InProcessTransport

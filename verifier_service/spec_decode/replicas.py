@@ -3,7 +3,7 @@
 A verifier's calls reach one replica of a drafter Service at a time (its draft stream, or the pick
 of round_robin), so a replica learns only the requests it served. A finished request is worth
 learning on every replica (PROTOCOL.md section 7): the verifier resolves the drafter's target itself,
-to the addresses gRPC's own resolver finds (drafter_sdk/addresses.py), and keeps a channel to each,
+to the addresses gRPC's own resolver finds (drafter_sdk/service/addresses.py), and keeps a channel to each,
 opened when an address appears and closed when it leaves; the addresses are looked up again every
 RESOLVE_EVERY_S, as replicas come and go. A target with one address has no
 other replica, and one of a kind not resolved here (`unix:`, `xds:`) is left to gRPC alone.
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import grpc
 
-from drafter_sdk.addresses import lookup, parse_target
 from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.service.addresses import lookup, parse_target
 
 RESOLVE_EVERY_S = 30.0
 

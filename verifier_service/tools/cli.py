@@ -12,9 +12,9 @@ from collections.abc import Callable
 import grpc
 
 from drafter_sdk.errors import ModelLoadError
-from drafter_sdk.process_exit import skip_final_collection
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from drafter_sdk.security import (
+from drafter_sdk.service.process_exit import skip_final_collection
+from drafter_sdk.service.security import (
     TOKEN_ENV_VAR,
     auth_metadata,
     channel_credentials,

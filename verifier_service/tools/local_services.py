@@ -1,6 +1,6 @@
 """Start splitspec services as real local processes (demo, benchmark, tests).
 
-Each child gets a lifeline (drafter_sdk/service.py, `LIFELINE_FD_ENV`): it stops when this
+Each child gets a lifeline (drafter_sdk/service/lifecycle.py, `LIFELINE_FD_ENV`): it stops when this
 process exits, even when this process is killed too hard to stop it (SIGKILL, the OOM killer),
 so no verifier is left holding its KV cache behind a killed `splitspec bench`."""
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drafter_sdk.service import LIFELINE_FD_ENV
+from drafter_sdk.service.lifecycle import LIFELINE_FD_ENV
 
 
 def script(name: str) -> str:

@@ -44,8 +44,8 @@ from verifier_support import (
 
 from drafter_sdk import Drafter, DraftRequest
 from drafter_sdk.proto import drafter_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree, accepted_path
 from verifier_service.engine import tree_verify
 from verifier_service.engine.sampler import SamplingParams, VerifyRow, verify_batch, verify_tree

@@ -15,7 +15,7 @@ from tiny_gguf import Q, write_tiny_gguf
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import shared_model
 
-from drafter_sdk import gguf_conversion, hf_loading
+from drafter_sdk.loading import causal_lm, gguf_conversion
 from verifier_service import builder
 from verifier_service.api import server
 from verifier_service.model.runner import ModelRunner
@@ -68,7 +68,7 @@ def test_a_gguf_is_converted_on_the_model_thread(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(gguf_conversion, "convert", recorded("convert", gguf_conversion.convert))
     monkeypatch.setattr(builder, "make_runner", recorded("runner", builder.make_runner))
     # The config every start checks first (api/cli.check_start) is read from the header, converting nothing.
-    assert hf_loading.load_config(hf_loading.resolve_source(str(gguf))).num_hidden_layers == 2
+    assert causal_lm.load_config(causal_lm.resolve_source(str(gguf))).num_hidden_layers == 2
     assert "convert" not in threads
     settings = ServerSettings(model=str(gguf), host="127.0.0.1", port=0, http_port=0, max_model_len=256,
                               kv_cache_memory_gb=0.05, grace_period_s=0.5, max_num_batched_tokens=256)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny_model import tiny_model
 
-from drafter_sdk.gguf_conversion import CACHE_ENV
+from drafter_sdk.loading.gguf_conversion import CACHE_ENV
 from verifier_service import builder
 from verifier_service.api.cli import parser, settings_from_args
 from verifier_service.model import step_costs, timing_cache

@@ -23,9 +23,9 @@ from verifier_support import (
 )
 
 from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 from drafter_sdk.proto import verifier_pb2
-from drafter_sdk.server import start_server
-from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+from drafter_sdk.server.serve import start_server
 
 # Prompts of different lengths and generation lengths: a mixed batch.
 PROMPTS = [[5, 17, 230, 41], [99, 3, 3, 12, 7, 150, 61, 8, 8, 20], [300, 4], [44] * 6]

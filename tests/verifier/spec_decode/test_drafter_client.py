@@ -16,7 +16,7 @@ import pytest
 from drafter_sdk import Drafter, DraftRequest, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
 from verifier_service.spec_decode.transport import GrpcTransport
 

@@ -24,7 +24,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import drafter_pb2
-from drafter_sdk.server import start_server
+from drafter_sdk.server.serve import start_server
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[4:7]]
 N = 48

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from drafter_sdk.drafters.model import ModelDrafter
 from drafter_sdk.proto import drafter_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery, ReleasedRequest
 from verifier_service.spec_decode.transport import InProcessTransport
 from verifier_service.tools.bench.workloads import Prompt

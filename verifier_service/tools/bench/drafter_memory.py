@@ -42,8 +42,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.tools.local_services import LocalService, free_port, script
 
 MIB = 1 << 20

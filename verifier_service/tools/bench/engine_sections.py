@@ -44,7 +44,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerBase
 
-from drafter_sdk.hf_loading import pick_device
+from drafter_sdk.loading.causal_lm import pick_device
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import logits_speed, workloads
 from verifier_service.tools.local_services import LocalService, free_port, script

@@ -21,8 +21,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.tools.bench.workloads import Prompt
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from drafter_sdk import cli as drafter_cli
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
+from drafter_sdk.server import cli as drafter_cli
 from verifier_service.model import loader as model_loader
 from verifier_service.model import step_costs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape

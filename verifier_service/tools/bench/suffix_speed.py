@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.drafters.suffix import SuffixDrafter
-from drafter_sdk.peers import Peers
 from drafter_sdk.proto import drafter_pb2
-from drafter_sdk.sequence_store import SequenceStore
-from drafter_sdk.server import start_server
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.peers import Peers
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.server.serve import start_server
+from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.engine.model_thread import ModelThread
 
 CORPUS_TOKENS = 300_000
@@ -164,7 +164,7 @@ def _snapshot(drafter: SuffixDrafter, kwargs: dict) -> tuple[float, float, float
 
 def _from_a_peer(drafter: SuffixDrafter, kwargs: dict) -> float:
     """Seconds for a fresh drafter to take `drafter`'s state from a server of it on loopback, as a starting
-    replica does (peers.py): the server answers on an event loop of its own thread."""
+    replica does (drafter_sdk/server/peers.py): the server answers on an event loop of its own thread."""
     serving = ModelThread("peer")  # an event loop on a thread of its own; no model runs here
     # Its own peer is nobody (port 1): it keeps what it holds and shares it.
     running = serving.run_coroutine(start_server(drafter, host="127.0.0.1", port=0,

@@ -15,10 +15,13 @@ from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import CACHE_SCOPES, SuffixDrafter
 from drafter_sdk.errors import ListenError
-from drafter_sdk.learned_state import check_writable
-from drafter_sdk.peers import PEERS_TOKEN_NAME, Peers
-from drafter_sdk.process_exit import skip_final_collection
-from drafter_sdk.security import (
+from drafter_sdk.server.learned_state import check_writable
+from drafter_sdk.server.peers import PEERS_TOKEN_NAME, Peers
+from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB
+from drafter_sdk.server.serve import serve
+from drafter_sdk.service.lifecycle import MIB
+from drafter_sdk.service.process_exit import skip_final_collection
+from drafter_sdk.service.security import (
     Tokens,
     add_server_flags,
     channel_credentials,
@@ -27,9 +30,6 @@ from drafter_sdk.security import (
     server_credentials,
     server_flags_problem,
 )
-from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB
-from drafter_sdk.server import serve
-from drafter_sdk.service import MIB
 
 # A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
 # for 2k + 1 (verifier_service/spec_decode/lookahead.py), so 32 covers every k up to 15.

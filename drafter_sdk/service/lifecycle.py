@@ -27,8 +27,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from drafter_sdk.errors import ListenError
-from drafter_sdk.metrics import MetricsServer, start_metrics_server
-from drafter_sdk.security import BearerTokenServerInterceptor, Tokens
+from drafter_sdk.service.metrics_endpoint import MetricsServer, start_metrics_server
+from drafter_sdk.service.security import BearerTokenServerInterceptor, Tokens
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter_sdk.metrics import DrafterMetrics
-from drafter_sdk.service import MIB
-from drafter_sdk.servicer import DrafterServicer
+from drafter_sdk.server.metrics import DrafterMetrics
+from drafter_sdk.server.servicer import DrafterServicer
+from drafter_sdk.service.lifecycle import MIB
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ import grpc
 
 from drafter_sdk.drafter import STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
-from drafter_sdk.metrics import DrafterMetrics, StateStats
-from drafter_sdk.peers import PEERS_TOKEN_NAME, pieces
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
-from drafter_sdk.security import carries_token
-from drafter_sdk.sequence_store import SequenceStore
+from drafter_sdk.server.metrics import DrafterMetrics, StateStats
+from drafter_sdk.server.peers import PEERS_TOKEN_NAME, pieces
+from drafter_sdk.server.sequence_store import SequenceStore
+from drafter_sdk.service.security import carries_token
 from drafter_sdk.tree import DraftTree, first_branch, is_chain, tree_problem, trim
 
 log = logging.getLogger(__name__)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -120,25 +117,3 @@ class DrafterMetrics:
         self.sequences.inc(len(results))
         self.resyncs.inc(resyncs)
         self.draft_tokens.inc(sum(len(r.draft_tokens) for r in results))
-
-
-@dataclass
-class MetricsServer:
-    """The /metrics HTTP endpoint, served from a daemon thread."""
-
-    server: WSGIServer
-    thread: threading.Thread
-
-    @property
-    def port(self) -> int:
-        return self.server.server_port
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    # prometheus_client wants a bare IPv6 address ("::"), gRPC a bracketed one ("[::]").
-    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
-    return MetricsServer(server, thread)

@@ -28,8 +28,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from drafter_sdk import gguf_conversion, gguf_loading
 from drafter_sdk.errors import ModelLoadError
+from drafter_sdk.loading import gguf_conversion, gguf_reading
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     thread that will run the model, and a config needs none."""
     with _loading(source, ValueError, struct.error):
         if source.gguf_file is not None:
-            return gguf_loading.load_config(gguf_path(source))
+            return gguf_reading.load_config(gguf_path(source))
         return AutoConfig.from_pretrained(source.path)
 
 
@@ -148,7 +148,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     log.info("loading tokenizer of %s from %s", source.name, source.path)
     with _loading(source):
         if source.gguf_file is not None:
-            return gguf_loading.load_tokenizer(gguf_path(source))
+            return gguf_reading.load_tokenizer(gguf_path(source))
         return AutoTokenizer.from_pretrained(source.path)
 
 
@@ -160,7 +160,7 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
     log.info("loading model %s (%s, %s) from %s", source.name, dtype, device, source.path)
     with _loading(source):
         if source.gguf_file is not None:
-            model = gguf_loading.load_model(gguf_path(source), dtype, **from_pretrained)
+            model = gguf_reading.load_model(gguf_path(source), dtype, **from_pretrained)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 source.path, dtype=dtype, attn_implementation="sdpa", **from_pretrained)

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from drafter_sdk.addresses import lookup, parse_target
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
-from drafter_sdk.security import auth_metadata
-from drafter_sdk.service import MIB
+from drafter_sdk.service.addresses import lookup, parse_target
+from drafter_sdk.service.lifecycle import MIB
+from drafter_sdk.service.security import auth_metadata
 
 log = logging.getLogger(__name__)
 

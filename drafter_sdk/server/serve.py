@@ -1,4 +1,4 @@
-"""Run a Drafter as a gRPC DrafterService: the shared server lifecycle (service.py), plus the
+"""Run a Drafter as a gRPC DrafterService: the shared server lifecycle (service/lifecycle.py), plus the
 drafter's own `load()` in the background, the idle-state sweep, and what it learned taken from its
 peer replicas when it starts (peers.py) or kept in a file across restarts (learned_state.py)."""
 
@@ -14,14 +14,14 @@ from pathlib import Path
 import grpc
 
 from drafter_sdk.drafter import Drafter
-from drafter_sdk.learned_state import LearnedStateFile
-from drafter_sdk.metrics import DrafterMetrics
-from drafter_sdk.peers import Asking, Peers
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.security import CallerIdentity, Tokens
-from drafter_sdk.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
-from drafter_sdk.service import MIB, GrpcService, stop_on_signals
-from drafter_sdk.servicer import SERVICE_NAME, DrafterServicer
+from drafter_sdk.server.learned_state import LearnedStateFile
+from drafter_sdk.server.metrics import DrafterMetrics
+from drafter_sdk.server.peers import Asking, Peers
+from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
+from drafter_sdk.server.servicer import SERVICE_NAME, DrafterServicer
+from drafter_sdk.service.lifecycle import MIB, GrpcService, stop_on_signals
+from drafter_sdk.service.security import CallerIdentity, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ async def start_server(
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
-    `server_credentials` (see drafter_sdk.security) switches to TLS; with
+    `server_credentials` (see drafter_sdk.service.security) switches to TLS; with
     `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
     (health and reflection stay open for probes); with named tokens (a mapping
     name -> token) or client certificates, a call's namespace includes who sent it

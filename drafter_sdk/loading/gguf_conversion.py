@@ -1,6 +1,6 @@
 """Convert a GGUF file to a Hugging Face folder once, and load that folder from then on.
 
-Even read in one pass (gguf_loading), a GGUF takes seconds to load: every tensor is dequantised
+Even read in one pass (gguf_reading.py), a GGUF takes seconds to load: every tensor is dequantised
 (2 s for the embedded 135M SmolLM2 on a 2-core CPU; an architecture left to transformers' own
 GGUF load takes 35 s). The saved folder loads in under a second, and each tensor-parallel rank
 reads its shard from it. The first load saves what the GGUF loads to (config, tokenizer, float32
@@ -32,8 +32,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafter_sdk import gguf_loading
-from drafter_sdk.tokenizer_fingerprint import tokenizer_fingerprint
+from drafter_sdk.loading import gguf_reading
+from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ def _write(folder: str, gguf_file: str, target: Path) -> None:
     started = time.monotonic()
     log.info("converting %s once (tokenizer and float32 weights) into %s", gguf_file, target)
     path = str(Path(folder) / gguf_file)
-    tokenizer = gguf_loading.load_tokenizer(path)
-    model = gguf_loading.load_model(path, torch.float32)
+    tokenizer = gguf_reading.load_tokenizer(path)
+    model = gguf_reading.load_model(path, torch.float32)
     # The "quantizer" transformers' GGUF load attaches only dequantised; what it left is plain float32.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
