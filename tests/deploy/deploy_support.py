@@ -13,10 +13,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
+import promql_parser
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -370,3 +371,93 @@ def speculative_config_of(objs: list[dict]) -> tuple[str, dict, str]:
     assert key in cm["data"], f"ConfigMap {cm['metadata']['name']} has no key {key!r}"
     raw = cm["data"][key]
     return key, yaml.safe_load(raw), raw
+
+
+# --------------------------------------------------------------------------
+# monitoring: what the dashboard and the alert rules query
+
+DASHBOARD_KEY = "splitspec-dashboard.json"
+# What Grafana puts in place of the dashboard's variables, as a query runs: the rate window, and the
+# namespace the tests' Prometheus gives its targets.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": "splitspec"}
+# The samples a histogram family writes beside its name (Prometheus text format).
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def dashboard() -> dict:
+    """The Grafana dashboard, as the rendered ConfigMap carries it."""
+    return json.loads(one(render("monitoring"), "ConfigMap", "splitspec-dashboard")["data"][DASHBOARD_KEY])
+
+
+def monitoring_queries() -> dict[str, str]:
+    """Every PromQL expression deploy/k8s/monitoring ships, by where it stands: the dashboard's
+    panel targets and the alert rules."""
+    queries = {}
+    board = dashboard()
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query":  # label_values(SERIES, LABEL): the label's values in SERIES
+            series = re.fullmatch(r"label_values\((.+), *\w+\)", variable["query"]["query"])
+            assert series, f"variable {variable['name']}: {variable['query']['query']}"
+            queries[f"variable {variable['name']}"] = series.group(1)
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for variable, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            queries[f"panel {panel['title']!r} {target['refId']}"] = expr
+    for group in alert_rules()["groups"]:
+        for rule in group["rules"]:
+            queries[f"alert {rule['alert']}"] = rule["expr"]
+    return queries
+
+
+def alert_rules() -> dict:
+    """The PrometheusRule's spec: a Prometheus rule file."""
+    return one(render("monitoring"), "PrometheusRule")["spec"]
+
+
+def prometheus_tool(name: str) -> str | None:
+    """Debian's `prometheus` or `promtool`, which .ci/setup unpacks into .venv/bin, else one on PATH."""
+    local = VENV_BIN / name
+    return str(local) if local.is_file() else shutil.which(name)
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects; ValueError where it does not parse."""
+    names: set[str] = set()
+    _selected(promql_parser.parse(expr), names)
+    return names
+
+
+def _selected(node: object, names: set[str]) -> None:
+    if isinstance(node, promql_parser.VectorSelector):
+        names.add(node.name)
+    elif isinstance(node, promql_parser.MatrixSelector):
+        _selected(node.vector_selector, names)
+    elif isinstance(node, promql_parser.Call):
+        for arg in node.args:
+            _selected(arg, names)
+    elif isinstance(node, promql_parser.BinaryExpr):
+        _selected(node.lhs, names)
+        _selected(node.rhs, names)
+    elif isinstance(node, (promql_parser.AggregateExpr, promql_parser.ParenExpr, promql_parser.UnaryExpr,
+                           promql_parser.SubqueryExpr)):
+        _selected(node.expr, names)
+
+
+def exported_series(exposition: str) -> set[str]:
+    """The sample names a /metrics page holds, and those its `# TYPE` lines announce: a labelled
+    family shows no sample until a label value is used, but always its type. prometheus_client
+    names a counter's family with its `_total` (0.26) or without it (older)."""
+    names = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            names.add(family)
+            if kind == "histogram":
+                names |= {family + suffix for suffix in _HISTOGRAM_SUFFIXES}
+            elif kind == "counter" and not family.endswith("_total"):
+                names.add(family + "_total")
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names

@@ -553,24 +553,6 @@ def test_gpu_model_drafter_overlay_specifics():
     assert model != flag_value(main_container(one(gpu, "Deployment", VERIFIER))["args"], "--model")
 
 
-def test_servicemonitor_kept_out_of_overlays_and_matches_services():
-    for overlay in OVERLAYS:
-        assert not find(render(f"overlays/{overlay}"), "ServiceMonitor")
-    (sm,) = render("monitoring")
-    assert sm["kind"] == "ServiceMonitor" and sm["apiVersion"] == "monitoring.coreos.com/v1"
-    objs = render("overlays/cpu")
-    assert sm["metadata"]["namespace"] == "splitspec"
-    assert sm["spec"]["namespaceSelector"]["matchNames"] == ["splitspec"]
-    port_names = {e["port"] for e in sm["spec"]["endpoints"]}
-    matched = [s for s in find(objs, "Service") if selects(sm["spec"]["selector"], s["metadata"]["labels"])]
-    assert {s["metadata"]["name"] for s in matched} == {VERIFIER, DRAFTER}
-    for s in matched:
-        assert port_names <= {p["name"] for p in s["spec"]["ports"]}
-    paths = {e.get("path", "/metrics") for e in sm["spec"]["endpoints"]}
-    for d in deployments(objs):
-        assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in paths
-
-
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last)."""
 

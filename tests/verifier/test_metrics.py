@@ -320,6 +320,44 @@ def test_metrics_endpoint_up_while_the_model_loads():
     asyncio.run(main())
 
 
+# The Accept headers of Prometheus 2 (OpenMetrics first) and Prometheus 3 (with UTF-8 names allowed).
+SCRAPER_ACCEPTS = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,text/plain;version=1.0.0;escaping=allow-utf-8;"
+    "q=0.9,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    None,
+)
+
+
+def test_metric_names_are_the_same_whatever_format_the_scraper_prefers():
+    """Asked for OpenMetrics, as Prometheus 2 asks, prometheus_client would write `splitspec_...` samples
+    under `splitspec:...` types (prometheus/client_python#1177): /metrics answers the text format to
+    every scraper, each name as registered."""
+    from verifier_service.api.server import start_server
+    from verifier_service.settings import ServerSettings
+
+    def get(port: int, accept: str | None) -> tuple[str, str]:
+        headers = {"Accept": accept} if accept else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.headers["Content-Type"], response.read().decode()
+
+    async def main() -> None:
+        running = await start_server(ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=None))
+        try:
+            for accept in SCRAPER_ACCEPTS:
+                content_type, body = await asyncio.to_thread(get, running.metrics_port, accept)
+                assert content_type == "text/plain; version=0.0.4; charset=utf-8", accept
+                samples = [line.split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")]
+                assert "splitspec:spec_decode_num_drafts_total" in samples, accept
+                assert not [n for n in samples if n.startswith("splitspec_")], accept
+        finally:
+            await running.stop(0)
+
+    asyncio.run(main())
+
+
 def test_busy_metrics_port_fails_start_up():
     """A metrics port already taken fails start-up, naming it, before gRPC listens."""
     from verifier_service.api.server import start_server

@@ -24,9 +24,10 @@ from importlib import resources
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
 from verifier_service.api import messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
@@ -104,7 +105,7 @@ def build_app(state: HttpState) -> FastAPI:
     async def metrics() -> Response:
         if state.generations.metrics is None:
             raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
-        return Response(generate_latest(state.generations.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.generations.metrics.registry), media_type=TEXT_FORMAT)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:
