@@ -390,8 +390,8 @@ def dashboard() -> dict:
 
 
 def monitoring_queries() -> dict[str, str]:
-    """Every PromQL expression deploy/k8s/monitoring ships, by where it stands: the dashboard's
-    panel targets and the alert rules."""
+    """Every PromQL expression deploy/k8s/monitoring ships, by where it stands: the series of the
+    dashboard's variables, its panels' targets, and the alert rules."""
     queries = {}
     board = dashboard()
     for variable in board["templating"]["list"]:

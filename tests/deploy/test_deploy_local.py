@@ -251,6 +251,11 @@ def test_probes_report_serving(stack):
 
 
 def test_generate_through_the_remote_drafter(stack):
+    generate_with_drafts(stack)
+
+
+def generate_with_drafts(stack) -> None:
+    """A Generate call whose answer has text and tokens the remote drafter drafted."""
     import grpc
 
     from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
@@ -414,7 +419,7 @@ def test_prometheus_scraping_the_stack_fills_the_dashboard_and_fires_no_alert(st
         while not (_ready(port) and _scraped_twice(api)):
             assert prometheus.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        test_generate_through_the_remote_drafter(stack)
+        generate_with_drafts(stack)
         time.sleep(3)  # scraped after the request, and the rules evaluated again
         empty, failed = [], {}
         for where, expr in monitoring_queries().items():
