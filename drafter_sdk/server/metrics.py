@@ -34,8 +34,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, prefix = self._stats(), "splitspec_drafter_"
+        # Not `namespace`: under a ServiceMonitor, the pod's Kubernetes namespace takes that label.
         held = GaugeMetricFamily(f"{prefix}state_bytes", "Bytes of sequence state held, by verifier namespace",
-                                 labels=["namespace"])
+                                 labels=["verifier_namespace"])
         for namespace, size in sorted(s.bytes_by_namespace.items()):
             held.add_metric([namespace], size)
         yield held

@@ -286,7 +286,7 @@ def test_flooded_drafter_process_stays_within_its_budget_and_keeps_serving(tmp_p
         assert samples[("splitspec_drafter_state_budget_bytes", ())] == budget_mib * (1 << 20)
         assert samples[("splitspec_drafter_state_evictions_total", (("cause", "budget"),))] > 0
         assert samples[("splitspec_drafter_state_evictions_total", (("cause", "oversize"),))] == 1
-        assert samples.get(("splitspec_drafter_state_bytes", (("namespace", "good"),)), 0) > 0
+        assert samples.get(("splitspec_drafter_state_bytes", (("verifier_namespace", "good"),)), 0) > 0
     finally:
         proc.terminate()
         proc.wait(30)
