@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from drafter_sdk.server.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB
 from drafter_sdk.server.serve import serve
 from drafter_sdk.service.lifecycle import MIB
+from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import (
     Tokens,
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers-ca-file",
                         help="with --peers over TLS: PEM CA bundle the peers' certificates are checked against "
                              "(default: --tls-client-ca, else the system's roots)")
-    parser.add_argument("--log-level", default="INFO")
+    add_logging_flags(parser)
     add_server_flags(parser)
     parser.add_argument("--auth-tokens-file",
                         help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     skip_final_collection()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     if problem := server_flags_problem(args) or drafter_flags_problem(args):
         parser.error(problem)
     if args.auth_tokens_file and args.auth_token_file:

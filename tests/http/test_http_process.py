@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -52,14 +53,19 @@ def test_http_port_flag() -> None:
 
 
 def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
+    """Also logs in JSON (--log-format json): every line the process writes, uvicorn's included."""
     http_port_file = tmp_path / "http.port"
     verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "512",
                              "--kv-cache-memory-gb", "0.25", "--host", "127.0.0.1", "--http-port", "0",
                              "--http-port-file", str(http_port_file), "--served-model-name", "tiny", "small",
-                             "--grace-period-s", "60", "--responses-store-mb", "1"], name="verifier", env=ENV,
-                            startup_timeout_s=WAIT_S)
+                             "--grace-period-s", "60", "--responses-store-mb", "1", "--log-format", "json"],
+                            name="verifier", env=ENV, startup_timeout_s=WAIT_S)
     with verifier:
-        base = f"http://127.0.0.1:{int(http_port_file.read_text())}"
+        http_port = int(http_port_file.read_text())
+        base = f"http://127.0.0.1:{http_port}"
+        with socket.create_connection(("127.0.0.1", http_port), timeout=WAIT_S) as raw:
+            raw.sendall(b"NOT HTTP\r\n\r\n")  # uvicorn logs a warning of its own
+            raw.recv(1024)
         with httpx.Client(base_url=base, timeout=WAIT_S) as http:
             assert http.get("/health").status_code == 200
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "small"]
@@ -85,6 +91,10 @@ def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
             assert sum(len(e["choices"][0]["splitspec"]["token_ids"]) for e in events) == 300
             assert events[-1]["choices"][0]["finish_reason"] == "length" and "data: [DONE]" in rest
         assert verifier.process.wait(WAIT_S) == 0
+        records = [json.loads(line) for line in verifier.current_log.read_text().splitlines()]
+    messages = [(r["level"], r["logger"], r["message"]) for r in records]
+    assert any(level == "WARNING" and logger == "uvicorn.error" for level, logger, _ in messages), messages
+    assert any(message.startswith("serving tiny-model") for _, _, message in messages), messages
 
 
 def test_http_off_serves_grpc_only(model_dir: Path, tmp_path: Path) -> None:

@@ -1,22 +1,24 @@
 """The `splitspec-drafter` console script as a real process: loading user drafters, signals, exit codes."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sdk_support import DRAFTER_SCRIPT, seq
 
-from drafter_sdk.server import cli
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from sdk_support import DRAFTER_SCRIPT, seq
+from drafter_sdk.server import cli
 
 # What a drafter author writes (the __main__ part is the ten-line promise; the tests use the CLI).
 USER_FILE = textwrap.dedent("""
@@ -42,14 +44,15 @@ USER_FILE = textwrap.dedent("""
 
 
 class DrafterProcess:
-    def __init__(self, tmp_path: Path, drafter: str, *, cwd: Path | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, tmp_path: Path, drafter: str, *, cwd: Path | None = None, delay_s: float = 0.0,
+                 log_flags: tuple[str, ...] = ("--log-level", "WARNING")) -> None:
         (tmp_path / "user_drafters.py").write_text(USER_FILE)
         self.port_file = tmp_path / "port"
         self.mark = tmp_path / "in-flight"
         env = dict(os.environ, MARK_FILE=str(self.mark), DRAFT_DELAY_S=str(delay_s))
         self.proc = subprocess.Popen(
             [str(DRAFTER_SCRIPT), drafter, "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file),
-             "--grace-period-s", "5", "--log-level", "WARNING"],
+             "--grace-period-s", "5", *log_flags],
             cwd=cwd or tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait_port(self, timeout_s: float = 30.0) -> int:
@@ -124,6 +127,43 @@ def test_cli_loads_module_colon_class_from_the_working_directory_and_stops_on_si
         assert drafter.proc.wait(timeout=10) == 0
     finally:
         drafter.kill()
+
+
+def test_json_logs_are_one_object_a_line_tracebacks_included(tmp_path):
+    """--log-format json, for a log pipeline: every line a process writes is a JSON object with the
+    record's time, level, logger and message; a failure's traceback rides in its record."""
+    def records(drafter: DrafterProcess) -> list[dict]:
+        out = drafter.proc.communicate(timeout=30)[0]
+        lines = out.splitlines()
+        assert lines, "nothing logged"
+        parsed = [json.loads(line) for line in lines]  # fails on any line that is not one object
+        for record in parsed:
+            assert {"time", "level", "logger", "message"} <= record.keys(), record
+            datetime.fromisoformat(record["time"])
+        return parsed
+
+    json_flags = ("--log-level", "INFO", "--log-format", "json")
+    serving = DrafterProcess(tmp_path, "user_drafters.py:SlowEcho", log_flags=json_flags)
+    try:
+        port = serving.wait_port()
+
+        async def body() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await wait_serving(channel)
+
+        asyncio.run(body())
+        serving.proc.send_signal(signal.SIGTERM)
+        messages = [r["message"] for r in records(serving)]
+        assert any("SERVING" in m for m in messages) and messages[-1] == "stopped", messages
+    finally:
+        serving.kill()
+    failing = DrafterProcess(tmp_path, "user_drafters.py:Unloadable", log_flags=json_flags)
+    try:
+        errors = [r for r in records(failing) if r["level"] == "ERROR"]
+        assert failing.proc.returncode == 1
+        assert any("no weights" in r.get("exception", "") for r in errors), errors
+    finally:
+        failing.kill()
 
 
 def test_a_drafter_whose_load_fails_exits_non_zero(tmp_path):

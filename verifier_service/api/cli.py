@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_sdk.errors import ListenError
+from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.model import host_memory
@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
                         "unset: no metrics endpoint")
     _setting(o, "rank_timeout_s", "tensor parallelism: a rank silent this long in a step is taken as hung, and "
                                   "the verifier fails its requests (UNAVAILABLE) and exits non-zero", type=float)
-    o.add_argument("--log-level", default="INFO", help="(default: INFO)")
+    add_logging_flags(p)
     return p
 
 
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ranks.ShardingError, ModelLoadError, config.ConfigError) as exc:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
-    shown = f"rank {rank.rank} " if rank.size > 1 else ""
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {shown}%(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, **({"rank": rank.rank} if rank.size > 1 else {}))
     host_memory.keep_freed_memory()  # before the model's first forward
     if not rank.leader:
         return run_follower(settings, rank)

@@ -73,7 +73,9 @@ class HttpServer:
         state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
                           allowed_origins)
         config = uvicorn.Config(
-            build_app(state), lifespan="off", access_log=False, log_level="warning", timeout_graceful_shutdown=CLOSE_S,
+            # log_config None: uvicorn's loggers go through the process's own handler and format (--log-format).
+            build_app(state), lifespan="off", access_log=False, log_config=None, log_level="warning",
+            timeout_graceful_shutdown=CLOSE_S,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE)
         server = _Server(config)
