@@ -18,11 +18,20 @@ from verifier_service.tools.bench import report as bench_report
 from verifier_service.tools.bench import run, suffix_speed
 from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.bench.systems import Run
-from verifier_service.tools.local_services import script
+from verifier_service.tools.local_services import LocalService, script
 
 SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
            "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
 VARIANT = "splitspec suffix remote --max-spec-factor 2"
+# A drafter a user wrote, as the SDK's docstring shows one: it proposes the context's last token again.
+YOUR_DRAFTER = """
+from drafter_sdk import Drafter
+
+
+class Repeat(Drafter):
+    def prepare_draft_tokens(self, requests):
+        return [r.tokens[-1:] * r.draft_len for r in requests]
+"""
 
 
 @pytest.fixture
@@ -34,18 +43,29 @@ def model_dir(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(600)  # eight systems, eight services
+@pytest.mark.timeout(600)  # ten systems, eleven services
 def test_bench_runs_every_system_and_reports(tmp_path: Path, model_dir: Path) -> None:
+    """Every built-in system, a suffix variant, a drafter of the user's own (--drafter FILE:Class) and one
+    already serving (--drafter-target)."""
     out = tmp_path / "results"
-    done = subprocess.run(
-        [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "8",
-         "--workloads", "agentic", "--concurrency", "2", "--suffix-speed-outputs", "0", "--device", "cpu",
-         "--suffix-variant=--max-spec-factor 2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+    (tmp_path / "my_drafter.py").write_text(YOUR_DRAFTER)
+    yours = f"{tmp_path / 'my_drafter.py'}:Repeat"
+    with LocalService([script("splitspec-drafter"), "ngram"], name="serving-drafter") as serving:
+        done = subprocess.run(
+            [script("splitspec"), "bench", "--model", str(model_dir), "--prompts", "1", "--max-new-tokens", "8",
+             "--workloads", "agentic", "--concurrency", "2", "--suffix-speed-outputs", "0", "--device", "cpu",
+             "--suffix-variant=--max-spec-factor 2", "--drafter", yours, "--drafter-target", serving.address,
+             "--out", str(out)],
+            capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== agentic (3 prompts) ==" in done.stdout and "== serving" in done.stdout
     report = json.loads((out / "results.json").read_text())
-    assert {s["system"] for s in report["summaries"]} == SYSTEMS | {VARIANT}
+    your_systems = {f"drafter {yours}", f"drafter at {serving.address}"}
+    assert {s["system"] for s in report["summaries"]} == SYSTEMS | {VARIANT} | your_systems
+    assert all(s["mean_acceptance_length"] for s in report["summaries"] if s["system"] in your_systems), (
+        "drafts went through both")
+    assert {(c["system"], c["baseline"]) for c in report["comparisons"] if c["system"] in your_systems} == {
+        (name, "splitspec ngram remote") for name in your_systems}
     # Agentic: a docstring turn, then two edits, each sending back the answer of the same system.
     assert {s["workload"]: s["prompts"] for s in report["summaries"]} == {"agentic": 3}
     assert {c["workload"] for c in report["comparisons"]} == {"agentic"}
@@ -130,6 +150,19 @@ def test_bench_refuses_a_suffix_variant_where_no_suffix_system_runs(mode: list[s
     assert run.main(args) == 2  # before anything loads: the model path is never read
     name = "--trees" if mode[0] == "--trees" else mode[-1]
     assert f"--suffix-variant does not apply to {name}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [["--replay"], ["--suffix-speed-only"], ["--trees", "4"], ["--engine-only"],
+                                  ["--draft-model", "embedded", "--draft-model-only"]])
+@pytest.mark.parametrize("yours", [["--drafter", "my_drafter.py:Repeat"], ["--drafter-target", "localhost:50052"]])
+def test_bench_refuses_your_drafter_where_no_verifier_drafts_through_a_remote_drafter(
+        mode: list[str], yours: list[str], tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    args = parser.parse_args([*mode, *yours, "--model", "/nonexistent", "--out", str(tmp_path)])
+    assert run.main(args) == 2  # before anything loads or starts
+    name = "--trees" if mode[0] == "--trees" else mode[-1]
+    assert f"--drafter and --drafter-target do not apply to {name}" in capsys.readouterr().err
 
 
 def test_bench_trees_compares_suffix_chains_and_trees(tmp_path: Path, model_dir: Path) -> None:

@@ -160,7 +160,7 @@ def start_together(stack: contextlib.ExitStack, services: list[LocalService]) ->
     `stack` closes. The first start that fails is raised once every start has ended."""
     for service in services:
         stack.callback(service.stop)
-    with ThreadPoolExecutor(max_workers=len(services)) as pool:
+    with ThreadPoolExecutor(max_workers=max(len(services), 1)) as pool:
         starts = [pool.submit(service.start) for service in services]
     for started in starts:
         started.result()

@@ -134,18 +134,19 @@ def print_tables(report: Report) -> None:
     for workload in dict.fromkeys(s.workload for s in report.summaries):
         rows = [s for s in report.summaries if s.workload == workload]
         print(f"\n== {workload} ({rows[0].prompts} prompts) ==")
-        header = (f"{'system':<28} {'tok/s':>7} {'vs plain':>8} {'mean acc len':>12} {'acc rate':>8} "
+        width = max(28, *(len(s.system) for s in rows))  # a drafter's spec (--drafter) can be long
+        header = (f"{'system':<{width}} {'tok/s':>7} {'vs plain':>8} {'mean acc len':>12} {'acc rate':>8} "
                   f"{'ideal':>6} {'effic.':>6} {'identical':>9}  acceptance by position")
         print(header)
         print("-" * len(header))
         for s in rows:
             per_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_position[:10])
-            print(f"{s.system:<28} {s.tokens_per_s:>7.1f} {s.ratio_to_plain:>7.2f}x "
+            print(f"{s.system:<{width}} {s.tokens_per_s:>7.1f} {s.ratio_to_plain:>7.2f}x "
                   f"{_fmt(s.mean_acceptance_length, '.2f'):>12} {_fmt(s.acceptance_rate, '.2f'):>8} "
                   f"{_fmt(s.ideal_speedup, '.2f'):>6} {_fmt(s.efficiency, '.2f'):>6} "
                   f"{s.identical:>4}/{s.prompts:<4}  {per_pos}")
     if report.comparisons:
-        print("\n== suffix drafter against the remote n-gram drafter (time per token, median over prompts "
+        print("\n== against the remote n-gram drafter (time per token, median over prompts "
               "[95% bootstrap interval over prompts]; decode: after the first token) ==")
         header_baseline = report.comparisons[0]["baseline"]
         for workload in dict.fromkeys(c["workload"] for c in report.comparisons):

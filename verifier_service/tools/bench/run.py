@@ -75,6 +75,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "FLAGS' beside the default one in the same run, compared with both, its own speed timed "
                         "too (--replay: replayed beside it; refused with --trees, --engine-only and "
                         "--draft-model-only, which run no suffix remote system)")
+    p.add_argument("--drafter", action="append", default=[], metavar="SPEC",
+                   help="also bench your drafter, served by `splitspec-drafter SPEC` (my_drafter.py:MyDrafter, "
+                        "a module:Class, or a built-in with its flags, e.g. 'suffix --cache-scope request'; "
+                        "repeatable): the system 'drafter SPEC', a verifier drafting through it, beside plain "
+                        "decoding and the built-in drafters, every output checked against plain decoding's and "
+                        "its time per token compared with the remote n-gram drafter's")
+    p.add_argument("--drafter-target", action="append", default=[], metavar="HOST:PORT",
+                   help="the same for a drafter already serving at HOST:PORT, in any language (repeatable); "
+                        "--drafter and --drafter-target are refused with --replay, --suffix-speed-only, --trees, "
+                        "--engine-only and --draft-model-only, which run no verifier through a remote drafter")
     p.add_argument("--suffix-speed-outputs", type=int, default=10_000,
                    help="finished outputs in the global tree when timing the suffix drafter itself (0: skip)")
     p.add_argument("--suffix-speed-only", action="store_true",
@@ -153,11 +163,14 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         variants = suffix_variants(args.suffix_variant)
-        if variants and not (args.suffix_speed_only or args.replay):
-            ignoring = ("--trees" if args.trees else "--engine-only" if args.engine_only else
-                        "--draft-model-only" if args.draft_model and args.draft_model_only else None)
-            if ignoring:
-                raise ValueError(f"--suffix-variant does not apply to {ignoring}: it runs no suffix remote system")
+        ignoring = ("--trees" if args.trees else "--engine-only" if args.engine_only else
+                    "--draft-model-only" if args.draft_model and args.draft_model_only else None)
+        if variants and not (args.suffix_speed_only or args.replay) and ignoring:
+            raise ValueError(f"--suffix-variant does not apply to {ignoring}: it runs no suffix remote system")
+        ignoring = "--replay" if args.replay else "--suffix-speed-only" if args.suffix_speed_only else ignoring
+        if (args.drafter or args.drafter_target) and ignoring:
+            raise ValueError(f"--drafter and --drafter-target do not apply to {ignoring}: it runs no verifier "
+                             "through a remote drafter")
     except ValueError as exc:
         print(f"splitspec bench: error: {exc}", file=sys.stderr)
         return 2
@@ -227,8 +240,8 @@ def main(args: argparse.Namespace) -> int:
                 [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
                  model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
-        _run_systems(args, common, local, model, tokenizer, prompts, curve, seconds, report, model_system,
-                     draft_path, out, list(variants))
+        _run_systems(args, common, local, model, tokenizer, prompts, curve, seconds, report,
+                     model_system + _your_drafters(stack, args, common), draft_path, out, list(variants))
     if args.suffix_speed_outputs:
         report.suffix_speed, *report.suffix_speed_variants = _suffix_speeds(tokenizer, args, variants)
     rep.print_tables(report)
@@ -236,6 +249,19 @@ def main(args: argparse.Namespace) -> int:
     rep.save_chart(report, out / "chart.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'chart.png'}")
     return 0
+
+
+def _your_drafters(stack: contextlib.ExitStack, args: argparse.Namespace, common: list[str]) -> list[VerifierSystem]:
+    """A verifier drafting through each --drafter (served here by `splitspec-drafter SPEC`) and each
+    --drafter-target (serving already)."""
+    served = start_together(stack, [_service([script("splitspec-drafter"), *shlex.split(spec)], name=f"drafter-{i + 1}")
+                                    for i, spec in enumerate(args.drafter)])
+    targets = [(f"drafter {spec}", drafter.address) for spec, drafter in zip(args.drafter, served)]
+    targets += [(f"drafter at {target}", target) for target in args.drafter_target]
+    verifiers = start_together(stack, [
+        _service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target", address,
+                  *common], name=f"verifier-drafter-{i + 1}") for i, (_, address) in enumerate(targets)])
+    return [VerifierSystem(name, verifier.address, speculate=True) for (name, _), verifier in zip(targets, verifiers)]
 
 
 def _run_systems(args: argparse.Namespace, common: list[str], local: LocalService, model: torch.nn.Module,
@@ -289,8 +315,10 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
             for system in systems:
                 report.summaries.append(rep.summarise(system.name, workload, [runs[system.name][i] for i in idx],
                                                       plain, curve))
-            # Each suffix system against the n-gram remote; each variant against the default suffix remote too.
-            pairs = [(system, NGRAM_REMOTE) for system in (SUFFIX_REMOTE, SUFFIX_LOCAL, *variant_names)]
+            # Each suffix system and each of `extra_systems` against the n-gram remote; each variant against the
+            # default suffix remote too.
+            pairs = [(system, NGRAM_REMOTE) for system in (SUFFIX_REMOTE, SUFFIX_LOCAL, *variant_names,
+                                                           *(s.name for s in extra_systems))]
             for system, baseline_name in pairs + [(name, SUFFIX_REMOTE) for name in variant_names]:
                 ours, baseline = [runs[system][i] for i in idx], [runs[baseline_name][i] for i in idx]
                 ratios = rep.speed_ratios(ours, baseline)
