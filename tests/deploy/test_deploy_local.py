@@ -392,10 +392,9 @@ def test_prometheus_scraping_the_stack_fills_the_dashboard_and_fires_no_alert(st
     EMPTY_WITH_NGRAM); every rule evaluates without error, and none is pending or firing on this
     healthy stack."""
     port = free_port()
-    targets = [{"targets": [f"127.0.0.1:{metrics_endpoint(stack[name])[0]}"],
-                "labels": {"namespace": "splitspec", "pod": f"{stack[name].name}-0",
-                           "__metrics_path__": metrics_endpoint(stack[name])[1]}}
-               for name in ("verifier", "drafter")]
+    targets = [{"targets": [f"127.0.0.1:{metrics_port}"],
+                "labels": {"namespace": "splitspec", "pod": f"{stack[name].name}-0", "__metrics_path__": path}}
+               for name in ("verifier", "drafter") for metrics_port, path in [metrics_endpoint(stack[name])]]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(alert_rules()))
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

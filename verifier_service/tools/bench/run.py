@@ -163,14 +163,15 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         variants = suffix_variants(args.suffix_variant)
-        ignoring = ("--trees" if args.trees else "--engine-only" if args.engine_only else
-                    "--draft-model-only" if args.draft_model and args.draft_model_only else None)
-        if variants and not (args.suffix_speed_only or args.replay) and ignoring:
-            raise ValueError(f"--suffix-variant does not apply to {ignoring}: it runs no suffix remote system")
-        ignoring = "--replay" if args.replay else "--suffix-speed-only" if args.suffix_speed_only else ignoring
-        if (args.drafter or args.drafter_target) and ignoring:
-            raise ValueError(f"--drafter and --drafter-target do not apply to {ignoring}: it runs no verifier "
-                             "through a remote drafter")
+        no_suffix_system = ("--trees" if args.trees else "--engine-only" if args.engine_only else
+                            "--draft-model-only" if args.draft_model and args.draft_model_only else None)
+        if variants and not (args.suffix_speed_only or args.replay) and no_suffix_system:
+            raise ValueError(f"--suffix-variant does not apply to {no_suffix_system}: it runs no suffix remote system")
+        no_remote_verifier = ("--replay" if args.replay else "--suffix-speed-only" if args.suffix_speed_only
+                              else no_suffix_system)
+        if (args.drafter or args.drafter_target) and no_remote_verifier:
+            raise ValueError(f"--drafter and --drafter-target do not apply to {no_remote_verifier}: it runs no "
+                             "verifier through a remote drafter")
     except ValueError as exc:
         print(f"splitspec bench: error: {exc}", file=sys.stderr)
         return 2
