@@ -176,7 +176,7 @@ def calibrate(runner: ModelRunner, settings: ServerSettings,
         log.warning("on these forward costs no draft pays, even if every token were accepted (%d tokens cost "
                     "%.2fx one): the planner will not draft. Timed on a busy machine? Restart the verifier alone "
                     "with --timing-cache refresh", 2, costs(2))
-    planner = DraftPlanner(costs) if adaptive else None
+    planner = DraftPlanner(costs, seconds[min(seconds)]) if adaptive else None
     if budget is not None:
         return planner, StepBudget(budget)
     budget = batched_tokens(costs, idle)

@@ -76,6 +76,9 @@ class VerifierMetrics:
         self.drafter_calls_skipped = Counter(
             f"{p}drafter_calls_skipped", "Decode steps without a drafter call because the circuit breaker was open",
             registry=r)
+        self.drafter_calls_saved = Counter(
+            f"{p}drafter_calls_saved", "Decode steps without a drafter call because, at its measured cost, no "
+            "draft would pay and no shadow draft was due (adaptive draft lengths)", registry=r)
         self.drafter_calls_overlapped = Counter(
             f"{p}drafter_calls_overlapped", "Drafter calls a decode step did not wait for: it verified what was left "
             "of the drafter's previous chain, and the call was answered during its forward", registry=r)

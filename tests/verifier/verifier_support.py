@@ -246,8 +246,8 @@ class EngineSpy:
             await step()
             self.steps.append(self.current)
 
-        def spy_schedule():  # noqa: ANN202
-            plan = schedule()
+        def spy_schedule(*price):  # noqa: ANN002, ANN202
+            plan = schedule(*price)
             if self.current is not None:
                 # Admitted this step: a first chunk (a later chunk of a long prompt starts past its cached part).
                 self.current.prefills += len(plan.prefills)

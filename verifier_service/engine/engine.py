@@ -29,6 +29,7 @@ from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.sampler import TokenLogprob, prompt_token_logprobs, token_logprobs, verify_batch
 from verifier_service.engine.scheduler import Scheduler, StepPlan
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.engine.step_clock import StepClock
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.spec_decode import lookahead
@@ -39,6 +40,7 @@ from verifier_service.spec_decode.drafter_client import (
     DraftReply,
     ReleasedRequest,
 )
+from verifier_service.spec_decode.planner import FREE_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,12 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._forward_s = 0.0  # the last step's runner.forward
+        self._drafter_s = 0.0  # the last step's time on drafter calls (reading one, sending or waiting for one)
+        self._called = False  # whether the last step called the drafter (or read a call's answer)
+        # What a step costs beside its forward, for the planner to price drafter calls against drafts.
+        planner = scheduler.policy.planner
+        self._clock = (StepClock(planner.costs, planner.one_token_s) if planner is not None and drafter is not None
+                       else None)
         self._in_flight: InFlight | None = None  # the last step's drafter call, answered during its forward
 
     def start(self) -> None:
@@ -111,11 +119,15 @@ class Engine:
                 await self._wake.wait()
                 continue
             started = time.perf_counter()
-            if previous is not None and self.metrics is not None:
+            if previous is not None:
                 # Per-step overhead: everything of a step period but the forward itself.
-                self.metrics.step_overhead.observe(started - previous - self._forward_s)
+                outside = started - previous - self._forward_s
+                if self.metrics is not None:
+                    self.metrics.step_overhead.observe(outside)
+                if self._clock is not None:
+                    self._clock.step(outside, self._drafter_s, self._called)
             previous = started
-            self._forward_s = 0.0
+            self._forward_s, self._drafter_s, self._called = 0.0, 0.0, False
             try:
                 await self.step()
             except asyncio.CancelledError:
@@ -133,15 +145,18 @@ class Engine:
         """Plan, draft and verify in ONE forward (new prompts, and every running sequence's last
         token plus its draft), commit."""
         with self._lock:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self._clock.price() if self._clock is not None else FREE_CALLS)
         self._release(plan.released)
         if self.metrics is not None:
             cache = self.scheduler.prefix_cache
             self.metrics.observe_prefix_cache(cache.queries, cache.hits)
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
+        started = time.perf_counter()
+        self._called = self._in_flight is not None or (self.drafter is not None and any(plan.draft_asks))
         self._receive_in_flight()
         reply = await self._draft(plan)
+        self._drafter_s = time.perf_counter() - started
         new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
 
@@ -214,6 +229,8 @@ class Engine:
         started = time.perf_counter()
         logits = self.runner.forward(batch)
         self._forward_s = time.perf_counter() - started
+        if self._clock is not None:
+            self._clock.forward(self._forward_s, len(batch.input_ids))
         return logits
 
     def _commit(self, plan: StepPlan, new_tokens: list[list[int]], reply: DraftReply | None) -> None:
@@ -230,6 +247,8 @@ class Engine:
                 if stats is not None
                 else None,
                 reply.latency_s if reply is not None else None, [len(d) for d in plan.drafts])
+            if plan.call_saved:
+                self.metrics.drafter_calls_saved.inc()
         self._release(finished)
         self._post(plan.outputs)  # last: a request sees its end once the engine is done with it
 

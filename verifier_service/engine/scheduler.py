@@ -37,6 +37,7 @@ from verifier_service.engine.sampler import TokenLogprob, VerifyRow
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.runner import ForwardBatch
+from verifier_service.spec_decode.planner import FREE_CALLS, StepPrice
 from verifier_service.spec_decode.policy import SpeculationPolicy
 
 PROMPT_LOGPROBS_CHUNK = 512
@@ -76,6 +77,7 @@ class StepPlan:
     # draft, scored against what the target produces but never verified).
     draft_asks: list[int]
     released: list[Sequence]  # cancelled since the last step: their slots are free already
+    call_saved: bool = False  # no drafter call: the planner found it would cost more than drafts gain
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     # Per decode, filled in by the engine: its draft's token-tree parents ([] = a chain).
@@ -186,16 +188,17 @@ class Scheduler:
                 f"(--max-queue-len {self.max_queue_len}); retry later")
         self.waiting.append(seq)
 
-    def schedule(self) -> StepPlan:
-        """At a step boundary: drop the cancelled, admit into free slots, size every draft."""
+    def schedule(self, price: StepPrice = FREE_CALLS) -> StepPlan:
+        """At a step boundary: drop the cancelled, admit into free slots, size every draft (weighing
+        the step's costs beside its forward, `price`, as the engine measured them)."""
         released = [s for s in self.running if s.cancelled]
         for seq in released:
             self._finish(seq)
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
         decodes = [s for s in self.running if not s.prefilling]
-        lengths, asks = self.policy.plan([s.spec for s in decodes],
-                                         [s.draft_room(self.max_model_len) for s in decodes])
-        budget: float = self._prefill_budget(sum(lengths) + len(decodes))
+        sizes = self.policy.plan([s.spec for s in decodes], [s.draft_room(self.max_model_len) for s in decodes],
+                                 price)
+        budget: float = self._prefill_budget(sum(sizes.lengths) + len(decodes))
         # Where nothing decodes, no stream waits on the step: prompt tokens count as themselves.
         cost = self.prompt_token_cost if decodes else FLAT
         prefills, chunks, copies = [], [], []
@@ -204,7 +207,8 @@ class Scheduler:
             prefills.append(seq)
             chunks.append(_chunk(seq, budget, cost))
             budget -= chunks[-1] * cost(seq.num_prefilled)
-        return StepPlan(prefills, decodes, lengths, asks, released, chunks=chunks, copies=copies)
+        return StepPlan(prefills, decodes, sizes.lengths, sizes.asks, released, sizes.call_saved, chunks=chunks,
+                        copies=copies)
 
     def _admit(self, copies: list[tuple[int, int, int]]) -> Sequence | None:
         """The next waiting sequence, in a free slot with its prompt's cached prefix (a copy to make

@@ -11,8 +11,21 @@ the same rule drafts long on a GPU, where verifying 9 tokens costs about as
 much as 1, and short or not at all on a busy CPU. A request that is not
 drafting still asks the drafter for a "shadow" draft that is never verified:
 whether its first token equals the token the target then produced keeps the
-first-position estimate honest for free, so drafting resumes as soon as the
-text becomes predictable.
+first-position estimate honest, so drafting resumes as soon as the text
+becomes predictable.
+
+A step that drafts also calls the drafter, and a remote call's wait is not
+free: 1.5-4 ms of round trip and drafting, against a 2.5-3 ms forward on a GPU
+or 25-30 ms on this project's 2-core CPU. The engine measures it (and the
+step's own work around the forward) and hands the planner a `StepPrice` in
+the cost curve's unit, so that drafting must beat plain decoding with both
+counted: where the call costs more than what the drafts are expected to
+gain, no sequence drafts and the drafter is not called. Shadow drafts ride
+along free where a step calls anyway; where none drafts, they are asked for
+only every `shadow_interval` steps, so that scoring them costs at most
+SHADOW_SHARE of the time. A request with no evidence yet is planned as if
+the call were free: it is made for that request anyway (its first draft, or
+first shadow), and without it a slow drafter's prior would never be tested.
 
 Token trees are sized on top of the chosen chain lengths (`plan_nodes`). A
 tree drafter orders its nodes best first, so the first j nodes of a verified
@@ -43,6 +56,7 @@ this CPU), and grow where a node is nearly free.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from verifier_service.model.step_costs import CostCurve
@@ -64,6 +78,21 @@ PROBE_COST = 1.1
 # A tree must beat the chain's expected tokens per forward cost by this factor: its curve rests on
 # fewer, noisier steps than the chain's estimate, and a lucky step must not buy many costly ones.
 TREE_MARGIN = 1.1
+# Where no sequence drafts, shadow drafts (scored, never verified) may cost at most this share of the
+# decoding time in drafter calls: they are asked for every `DraftPlanner.shadow_interval` steps.
+SHADOW_SHARE = 0.02
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """What a step costs beside its forward, in the cost curve's unit (one one-token forward), as the
+    engine measured it (engine/step_clock.py)."""
+
+    fixed: float = 0.0  # every step: scheduling, sampling, handing outputs over
+    call: float = 0.0  # a step that calls the drafter: the wait for its answer
+
+
+FREE_CALLS = StepPrice()  # nothing measured (tests, a server's first steps): calls cost nothing
 
 
 @dataclass
@@ -96,6 +125,7 @@ class AcceptanceEstimate:
     # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
     tree: list[Rate] = field(default_factory=list)
     chains_in_a_row: int = 0  # verified chains since the last verified tree
+    fresh: bool = True  # no draft of this request verified or scored yet
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""
@@ -110,6 +140,7 @@ class AcceptanceEstimate:
         trials: decaying per position let one missed token outweigh a whole accepted copy)."""
         if drafted == 0:
             return
+        self.fresh = False
         self.chains_in_a_row += 1
         self.first.add(accepted >= 1)
         trials = min(drafted - 1, accepted)  # positions 2.. reached after an acceptance; all but a miss kept
@@ -118,12 +149,14 @@ class AcceptanceEstimate:
 
     def observe_shadow(self, first_token_matched: bool) -> None:
         """An unverified draft's first token against the token the target produced."""
+        self.fresh = False
         self.first.add(first_token_matched)
 
     def observe_tree(self, extra_by_nodes: list[int]) -> None:
         """A verified tree: `extra_by_nodes[j - 1]`, the tokens its first j nodes had accepted minus
         those its first branch had, for every j up to the node budget it was drafted under."""
         self.chains_in_a_row = 0
+        self.fresh = False
         self.tree.extend(Rate(0.0, 0.0) for _ in range(len(extra_by_nodes) - len(self.tree)))
         for rate, extra in zip(self.tree, extra_by_nodes):
             rate.add_many(extra, 1)
@@ -150,29 +183,39 @@ class AcceptanceEstimate:
 @dataclass(frozen=True)
 class DraftPlanner:
     costs: CostCurve  # forward cost by tokens in one forward, measured at start-up
+    one_token_s: float = 0.0  # the curve's unit: a one-token forward's seconds then (0: unknown)
 
-    def plan(self, estimates: list[AcceptanceEstimate], caps: list[int]) -> list[int]:
-        """Draft lengths (each <= its cap) maximising expected tokens per forward cost."""
+    def plan(self, estimates: list[AcceptanceEstimate], caps: list[int], price: StepPrice = FREE_CALLS) -> list[int]:
+        """Draft lengths (each <= its cap) maximising expected tokens per step cost: the forward's, the
+        step's own work, and the drafter call where any sequence drafts (free where a fresh request
+        has the call made anyway)."""
         if not caps:
             return []
+        call = 0.0 if any(e.fresh and cap for e, cap in zip(estimates, caps)) else price.call
         gains = [e.gains(cap) for e, cap in zip(estimates, caps)]
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
         heapq.heapify(heap)
         lengths = [0] * len(caps)
         tokens = len(caps)
         expected = float(len(caps))
-        best_rate, best = expected / self.costs(tokens), list(lengths)
+        best_rate, best = expected / (self.costs(tokens) + price.fixed), list(lengths)
         while heap:
             gain, i = heapq.heappop(heap)
             lengths[i] += 1
             tokens += 1
             expected -= gain
-            rate = expected / self.costs(tokens)
+            rate = expected / (self.costs(tokens) + price.fixed + call)
             if rate > best_rate:
                 best_rate, best = rate, list(lengths)
             if lengths[i] < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][lengths[i]], i))
         return best
+
+    def shadow_interval(self, batch: int, price: StepPrice) -> int:
+        """Steps between the calls made only to score shadow drafts, where no sequence of a batch of
+        `batch` drafts: often enough to notice predictable text soon, rarely enough that those calls
+        cost at most SHADOW_SHARE of the steps' time (every step where calls cost nothing)."""
+        return max(1, math.ceil(price.call / (SHADOW_SHARE * (self.costs(batch) + price.fixed))))
 
     def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
         """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree

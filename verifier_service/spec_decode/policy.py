@@ -4,7 +4,7 @@ The knobs TensorRT-LLM and vLLM users know: a global max_draft_len, a
 per-request cap, a draft-length schedule by batch size, acceptance-based
 auto-disable per request (with periodic probes), and an adaptive length that
 weighs each request's acceptance against the measured cost of verifying more
-tokens (planner.py).
+tokens and of calling the drafter (planner.py).
 
 The policy holds configuration only; what it learns about a request lives in
 that request's `SpecState`, on its Sequence, and goes with it.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.tree import accepted_path, first_branch
-from verifier_service.spec_decode.planner import AcceptanceEstimate, DraftPlanner
+from verifier_service.spec_decode.planner import FREE_CALLS, AcceptanceEstimate, DraftPlanner, StepPrice
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class SpecState:
     last_num_drafted: int = 0
     last_num_accepted: int = 0
     node_budget: int = 0  # of the draft asked for this step: its tree's nodes, 0 for a chain
+    steps_unasked: int = 0  # steps in a row the planner asked the drafter nothing for it (calls not paying)
+
+
+@dataclass(frozen=True)
+class DraftSizes:
+    """A step's drafts, per decoding sequence (SpeculationPolicy.plan)."""
+
+    lengths: list[int]  # draft tokens to verify
+    asks: list[int]  # draft tokens to ask the drafter for (>= lengths; the rest is a shadow draft)
+    call_saved: bool = False  # no call: it would cost more than the drafts gain, and no shadow is due
 
 
 @dataclass(frozen=True)
@@ -69,19 +79,28 @@ class SpeculationPolicy:
             max_draft_nodes=max_draft_nodes,
         )
 
-    def plan(self, states: list[SpecState], rooms: list[int]) -> tuple[list[int], list[int]]:
-        """(tokens to verify, tokens to ask the drafter for) per sequence of a step.
+    def plan(self, states: list[SpecState], rooms: list[int], price: StepPrice = FREE_CALLS) -> DraftSizes:
+        """The step's draft sizes, given what a step costs beside its forward (`price`).
 
         `rooms[i]`: draft tokens sequence i can still use (drafts beyond the tokens it
         still wants, or past the context, are wasted work). With the planner, a sequence
         it keeps from drafting still asks for a shadow draft up to its cap, scored but
-        never verified (observe_shadow).
+        never verified (observe_shadow), free where the step calls the drafter anyway;
+        where no sequence drafts, only every `shadow_interval` steps.
         """
         caps = [self._cap(state, len(states), room) for state, room in zip(states, rooms)]
         if self.planner is None:
-            return caps, caps
-        lengths = self.planner.plan([s.acceptance for s in states], caps)
-        return lengths, [k or cap for k, cap in zip(lengths, caps)]
+            return DraftSizes(caps, caps)
+        lengths = self.planner.plan([s.acceptance for s in states], caps, price)
+        asks = [k or cap for k, cap in zip(lengths, caps)]
+        interval = self.planner.shadow_interval(len(states), price)
+        due = any(s.steps_unasked + 1 >= interval or s.acceptance.fresh for s, a in zip(states, asks) if a)
+        saved = not any(lengths) and any(asks) and not due
+        if saved:
+            asks = [0] * len(asks)
+        for state, cap, ask in zip(states, caps, asks):
+            state.steps_unasked = state.steps_unasked + 1 if cap and not ask else 0
+        return DraftSizes(lengths, asks, saved)
 
     def plan_nodes(self, states: list[SpecState], lengths: list[int]) -> list[int]:
         """Token-tree budgets (nodes; 0 = a chain) for a step whose drafter drafts trees, given the
@@ -117,7 +136,8 @@ class SpeculationPolicy:
 
     def observe(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `drafted` tokens were kept."""
-        state.last_num_drafted, state.last_num_accepted = drafted, accepted
+        if not state.steps_unasked:  # feedback on the answer to the last call asked for this sequence
+            state.last_num_drafted, state.last_num_accepted = drafted, accepted
         if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
         if drafted == 0 or not self.window_tokens:

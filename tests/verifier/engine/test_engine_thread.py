@@ -72,9 +72,9 @@ def test_a_step_runs_on_the_model_thread_with_a_remote_drafter() -> None:
                 transport = engine.drafter.transport
                 prepare = transport.prepare
 
-                def on_schedule():  # noqa: ANN202
+                def on_schedule(*price):  # noqa: ANN002, ANN202
                     threads.append(threading.current_thread().name)
-                    return schedule()
+                    return schedule(*price)
 
                 def on_update(plan, tokens):  # noqa: ANN001, ANN202
                     threads.append(threading.current_thread().name)

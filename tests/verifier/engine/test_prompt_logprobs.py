@@ -62,8 +62,8 @@ def test_prompt_logprobs_equal_one_forward_beside_speculating_streams(monkeypatc
             chunks: list[int] = []
             schedule = engine_of(v).scheduler.schedule
 
-            def spy():  # noqa: ANN202
-                plan = schedule()
+            def spy(*price):  # noqa: ANN002, ANN202
+                plan = schedule(*price)
                 chunks.extend(n for s, n in zip(plan.prefills, plan.chunks) if s.prompt_logprobs is not None)
                 return plan
 

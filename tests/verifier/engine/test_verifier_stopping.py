@@ -242,8 +242,8 @@ def test_cancelled_stream_frees_its_kv_at_the_next_step() -> None:
                 cancelled_at.append(len(spy.steps))
                 cancel(seq)
 
-            def spy_schedule():  # noqa: ANN202
-                plan = schedule()
+            def spy_schedule(*price):  # noqa: ANN002, ANN202
+                plan = schedule(*price)
                 if plan.released:
                     dropped_at.append(len(spy.steps))
                 return plan

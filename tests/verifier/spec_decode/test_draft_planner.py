@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
-from verifier_support import shared_model
+from verifier_support import OracleDrafter, serve_drafter, shared_model
 
+from drafter_sdk import DraftRequest
+from verifier_service.engine.step_clock import StepClock
 from verifier_service.model.step_costs import CostCurve
-from verifier_service.spec_decode.planner import PROBE_STEPS, AcceptanceEstimate, DraftPlanner
-from verifier_service.spec_decode.policy import SpecState, SpeculationPolicy
+from verifier_service.spec_decode.planner import FREE_CALLS, PROBE_STEPS, AcceptanceEstimate, DraftPlanner, StepPrice
+from verifier_service.spec_decode.policy import DraftSizes, SpecState, SpeculationPolicy
 
 FLAT = [0.0] + [1.0 + 0.01 * t for t in range(16)]  # GPU-like: verifying more tokens is almost free
 LINEAR = [float(t) for t in range(17)]  # every verified token costs a full step
@@ -66,7 +69,8 @@ def test_without_the_planner_every_sequence_drafts_its_cap() -> None:
     policy = SpeculationPolicy(max_draft_len=8)
     states = [SpecState(), SpecState(), SpecState()]
     states[2].params = type(states[2].params)(disable=True)
-    assert policy.plan(states, [3, 20, 8]) == ([3, 8, 0], [3, 8, 0])
+    sizes = policy.plan(states, [3, 20, 8])
+    assert (sizes.lengths, sizes.asks, sizes.call_saved) == ([3, 8, 0], [3, 8, 0], False)
 
 
 def test_cost_curve_interpolates_and_extends() -> None:
@@ -214,3 +218,134 @@ def test_policy_tree_budgets_and_what_it_learns_from_a_tree() -> None:
     adaptive.observe_tree(state, [1, 2], [], [1, 2, 9])
     assert state.acceptance.first.value > first and state.acceptance.chains_in_a_row == 1
     assert [round(r.hits, 2) for r in state.acceptance.tree][:4] == [-1, 0, 0.85, 1.7]
+
+
+# --- the drafter call, priced ---------------------------------------------------------------------------------
+
+
+def test_a_call_that_costs_more_than_its_drafts_gain_is_not_made() -> None:
+    """Priced in one-token forwards: a draft that pays for its verify tokens but not for the drafter call
+    beside them is not drafted; drafts that are nearly always accepted still pay for a costly call."""
+    p = planner(SMOLLM2_CPU)
+    middling = trained(4, 1, 10)  # its first token accepted, never a second
+    assert p.plan([middling], [4]) == [1], "free calls: one token pays for its 14% of a step"
+    assert p.plan([middling], [4], StepPrice(call=1.0)) == [0]
+    assert p.plan([trained(8, 8, 10)], [8], StepPrice(call=2.0)) == [8]
+    assert p.plan([trained(8, 8, 10)], [8], StepPrice(call=10.0)) == [0], "no draft pays 10 forwards"
+    # A batch pays one call: two requests that each could not pay for it alone can together.
+    assert p.plan([trained(4, 2, 10)], [4], StepPrice(call=1.4)) == [0]
+    assert p.plan([trained(4, 2, 10)] * 2, [4] * 2, StepPrice(call=1.4)) == [4, 4]
+
+
+def test_the_steps_own_work_counts_for_plain_decoding_too() -> None:
+    """Where every verified token costs a whole forward, drafting never pays, unless each step also
+    costs the same fixed work however many tokens it verifies, which a longer draft shares out."""
+    assert planner(LINEAR).plan([trained(8, 8, 10)], [8]) == [0]
+    assert planner(LINEAR).plan([trained(8, 8, 10)], [8], StepPrice(fixed=3.0)) == [8]
+
+
+def test_a_fresh_request_is_planned_as_if_the_call_were_free() -> None:
+    """Its first call is made anyway (its first draft or shadow): a slow drafter is tried before it is
+    priced out, and the other requests of the batch plan with the call already paid."""
+    p = planner(SMOLLM2_CPU)
+    assert p.plan([AcceptanceEstimate()], [8], StepPrice(call=3.0)) != [0]
+    assert p.plan([trained(8, 8, 10), AcceptanceEstimate()], [8, 8], StepPrice(call=10.0))[0] == 8
+    assert p.plan([AcceptanceEstimate()], [0], StepPrice(call=3.0)) == [0]
+
+
+def test_where_none_drafts_shadow_drafts_are_asked_for_only_every_interval() -> None:
+    policy = SpeculationPolicy(8, planner=planner(SMOLLM2_CPU))
+    states = [SpecState(), SpecState()]
+    for state in states:
+        state.acceptance = trained(8, 0, 10)
+    # Free calls: a shadow every step, as before calls were priced.
+    assert policy.plan(states, [8, 8]) == DraftSizes([0, 0], [8, 8], False)
+    price = StepPrice(fixed=0.06, call=0.6)
+    interval = policy.planner.shadow_interval(2, price)
+    assert interval == 25, "0.6 forwards a call; shadows may cost 2% of 1.2 forwards a step"
+    sizes = [policy.plan(states, [8, 8], price) for _ in range(3 * interval)]
+    asked = [i for i, step in enumerate(sizes) if any(step.asks)]
+    assert asked == [interval - 1, 2 * interval - 1, 3 * interval - 1]
+    assert all(sizes[i].asks == [8, 8] for i in asked), "both score theirs in the same call"
+    assert all(step.lengths == [0, 0] and step.call_saved != (i in asked) for i, step in enumerate(sizes))
+    # A request that drafts has the call made: every other request's shadow rides along.
+    states[0].acceptance = trained(8, 8, 10)
+    step = policy.plan(states, [8, 8], price)
+    assert step.lengths == [8, 0] and step.asks == [8, 8] and not step.call_saved
+    assert states[1].steps_unasked == 0
+    # A fresh request is asked for a draft at once, however costly the call; the other's shadow rides along.
+    first = policy.plan([states[1], SpecState()], [8, 8], StepPrice(fixed=0.06, call=30.0))
+    assert first.lengths[0] == 0 and first.asks[0] == 8 and first.asks[1] > 0 and not first.call_saved
+
+
+def test_the_step_clock_prices_a_step_in_one_token_forwards() -> None:
+    clock = StepClock(planner(SMOLLM2_CPU).costs, one_token_s=0.020)
+    assert clock.price() == FREE_CALLS, "nothing measured yet"
+    clock.step(outside_forward_s=0.012, drafter_s=0.010, called=True)  # 2 ms of the step's own work
+    assert clock.price().fixed == pytest.approx(0.1) and clock.price().call == pytest.approx(0.5)
+    clock.step(outside_forward_s=0.002, drafter_s=0.0, called=False)  # no call: the call's price stays
+    assert clock.price().fixed == pytest.approx(0.1) and clock.price().call == pytest.approx(0.5)
+    for _ in range(60):  # the drafter got faster: its price follows within a few dozen steps
+        clock.step(outside_forward_s=0.003, drafter_s=0.001, called=True)
+    assert clock.price().call == pytest.approx(0.05, rel=0.05)
+    # Forwards slower than at start-up (a busier machine) price the same seconds as fewer forwards; faster
+    # ones (a GPU's, returning before the device is done) do not make them more.
+    clock.forward(0.040 * SMOLLM2_CPU[4], 4)
+    assert clock.price().call == pytest.approx(0.05 / 2, rel=0.05)
+    fast = StepClock(planner(SMOLLM2_CPU).costs, one_token_s=0.020, call_s=0.010)
+    fast.forward(0.001, 1)
+    assert fast.price().call == pytest.approx(0.5)
+    assert StepClock(planner(SMOLLM2_CPU).costs, one_token_s=0.0).price() == FREE_CALLS
+
+
+class SlowOracle(OracleDrafter):
+    """An OracleDrafter (drafts right, or wrong with probability `corrupt`) whose every call takes
+    `delay_s` more: a drafter far away, or doing costly work."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], corrupt: float, delay_s: float) -> None:
+        super().__init__(references, corrupt=corrupt)
+        self.delay_s = delay_s
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        time.sleep(self.delay_s)
+        return super().prepare_draft_tokens(requests)
+
+
+PRICING_PROMPTS = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+
+
+async def _generate_through(drafter: SlowOracle, new_tokens: int) -> tuple[list[list[int]], int, float]:
+    """The prompts' outputs through a verifier with the adaptive planner calling `drafter` remotely, its
+    decode steps, and the steps it counted as calls saved."""
+    async with serve_drafter(drafter) as running:
+        config = spec_config("USER_PROVIDED", 8, f"127.0.0.1:{running.port}", 2000, adaptiveDraftLen=True)
+        async with run_verifier(config, model=shared_model(), metrics_port=0) as v:
+            replies = await asyncio.gather(*(v.stub.Generate(token_request(p, new_tokens)) for p in PRICING_PROMPTS))
+            engine = v.running.runtime.engine
+            saved = v.running.metrics.registry.get_sample_value("splitspec:drafter_calls_saved_total")
+            return [list(r.output.token_ids) for r in replies], engine.decode_steps, saved
+
+
+def test_a_slow_drafter_that_is_never_right_is_priced_out() -> None:
+    """Each call takes 50 ms, many one-token forwards of the test model, and no draft is ever accepted: after
+    each request's first draft the verifier stops calling (a shadow probe costs at most 2% of the steps'
+    time: none in 48 tokens here), and decodes plainly, with the same output."""
+    references = {tuple(p): reference_greedy(shared_model(), p, 48) for p in PRICING_PROMPTS}
+    drafter = SlowOracle(references, corrupt=1.0, delay_s=0.05)
+    outputs, steps, saved = asyncio.run(_generate_through(drafter, 48))
+    assert outputs == [references[tuple(p)] for p in PRICING_PROMPTS]
+    assert not drafter.feedback_errors
+    assert steps >= 47 and len(drafter.calls) <= 4, f"{len(drafter.calls)} calls in {steps} steps"
+    assert saved >= steps - len(drafter.calls) - 2
+
+
+def test_a_slow_drafter_whose_drafts_are_accepted_is_still_called() -> None:
+    """The same call cost, 2 ms, with drafts always right: they pay for it, so the verifier drafts on."""
+    references = {tuple(p): reference_greedy(shared_model(), p, 48) for p in PRICING_PROMPTS}
+    drafter = SlowOracle(references, corrupt=0.0, delay_s=0.002)
+    outputs, steps, saved = asyncio.run(_generate_through(drafter, 48))
+    assert outputs == [references[tuple(p)] for p in PRICING_PROMPTS]
+    assert not drafter.feedback_errors
+    assert len(drafter.accepted_at) >= 60 and steps <= 30, f"{len(drafter.accepted_at)} accepted in {steps} steps"
+    # Saved calls: only at a request's end, where the token or two it still wants do not pay for a call.
+    assert saved <= 2 * len(PRICING_PROMPTS)

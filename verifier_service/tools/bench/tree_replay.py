@@ -83,7 +83,8 @@ def replay(records: list[dict], drafter: Callable[[], Drafter], depth: int, node
         while pos < len(out):
             k, ask, m = depth, depth, nodes
             if policy is not None:
-                (k,), (ask,) = policy.plan([state], [len(out) - pos])
+                sizes = policy.plan([state], [len(out) - pos])
+                (k,), (ask,) = sizes.lengths, sizes.asks
                 (m,) = policy.plan_nodes([state], [k]) if nodes else (0,)
             rest: list[int] | None = None  # what is left of the last answer, where it covers this step
             if lookahead and ask and not m:
