@@ -251,6 +251,7 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
     assert all(r["steps"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in report["overhead"]["rows"])
     for remote in report["overhead"]["rows"][1:]:  # a request's first call is always waited for
         assert remote["call_ms"] > 0 and remote["drafter_server_ms"] > 0  # the call, split: round trip and drafter
+        assert 0 <= remote["no_call"] < 1  # steps the planner made no call in
     assert report["overhead"]["rows"][2]["overlapped"] == 0  # --no-overlap-drafter-calls
     assert report["overhead"]["contexts"] == sorted(report["overhead"]["contexts"])  # the decode's contexts
     assert [r["config"] for r in report["prefill_gap"]] == ["chunked (default)", "unchunked"]

@@ -21,11 +21,14 @@ step's own work around the forward) and hands the planner a `StepPrice` in
 the cost curve's unit, so that drafting must beat plain decoding with both
 counted: where the call costs more than what the drafts are expected to
 gain, no sequence drafts and the drafter is not called. Shadow drafts ride
-along free where a step calls anyway; where none drafts, they are asked for
-only every `shadow_interval` steps, so that scoring them costs at most
-SHADOW_SHARE of the time. A request with no evidence yet is planned as if
-the call were free: it is made for that request anyway (its first draft, or
-first shadow), and without it a slow drafter's prior would never be tested.
+along free where a step calls anyway; where none drafts, a request asks for
+one after waiting a number of steps that doubles with each shadow that
+missed and halves with each that hit (policy.py), so that text turning
+predictable is noticed within a few steps, and never longer than
+`shadow_interval` steps, so that on text that stays unpredictable scoring
+them costs at most SHADOW_SHARE of the time. A request with no evidence yet
+is planned as if the call were free: it is made for that request anyway (its
+first draft), and without it a slow drafter's prior would never be tested.
 
 Token trees are sized on top of the chosen chain lengths (`plan_nodes`). A
 tree drafter orders its nodes best first, so the first j nodes of a verified
@@ -78,8 +81,9 @@ PROBE_COST = 1.1
 # A tree must beat the chain's expected tokens per forward cost by this factor: its curve rests on
 # fewer, noisier steps than the chain's estimate, and a lucky step must not buy many costly ones.
 TREE_MARGIN = 1.1
-# Where no sequence drafts, shadow drafts (scored, never verified) may cost at most this share of the
-# decoding time in drafter calls: they are asked for every `DraftPlanner.shadow_interval` steps.
+# Where no sequence drafts, shadow drafts (scored, never verified) that keep missing may cost at most this
+# share of the decoding time in drafter calls: they are asked for at least every
+# `DraftPlanner.shadow_interval` steps.
 SHADOW_SHARE = 0.02
 
 
@@ -212,9 +216,9 @@ class DraftPlanner:
         return best
 
     def shadow_interval(self, batch: int, price: StepPrice) -> int:
-        """Steps between the calls made only to score shadow drafts, where no sequence of a batch of
-        `batch` drafts: often enough to notice predictable text soon, rarely enough that those calls
-        cost at most SHADOW_SHARE of the steps' time (every step where calls cost nothing)."""
+        """The longest wait, in steps, between the calls made only to score shadow drafts where no
+        sequence of a batch of `batch` drafts: long enough that those calls cost at most SHADOW_SHARE
+        of the steps' time (1, every step, where calls cost nothing)."""
         return max(1, math.ceil(price.call / (SHADOW_SHARE * (self.costs(batch) + price.fixed))))
 
     def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:

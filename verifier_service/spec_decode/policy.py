@@ -20,6 +20,10 @@ from drafter_sdk.tree import accepted_path, first_branch
 from verifier_service.spec_decode.planner import FREE_CALLS, AcceptanceEstimate, DraftPlanner, StepPrice
 
 
+# Bound of SpecState.shadow_wait (the planner's shadow_interval bounds it further).
+MAX_SHADOW_WAIT = 1 << 12
+
+
 @dataclass(frozen=True)
 class SpeculationParams:
     """A request's own speculation overrides."""
@@ -43,6 +47,7 @@ class SpecState:
     last_num_accepted: int = 0
     node_budget: int = 0  # of the draft asked for this step: its tree's nodes, 0 for a chain
     steps_unasked: int = 0  # steps in a row the planner asked the drafter nothing for it (calls not paying)
+    shadow_wait: int = 1  # steps between its shadow drafts while calls do not pay: doubled by a miss, halved by a hit
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class SpeculationPolicy:
         lengths = self.planner.plan([s.acceptance for s in states], caps, price)
         asks = [k or cap for k, cap in zip(lengths, caps)]
         interval = self.planner.shadow_interval(len(states), price)
-        due = any(s.steps_unasked + 1 >= interval or s.acceptance.fresh for s, a in zip(states, asks) if a)
+        due = any(s.steps_unasked + 1 >= min(s.shadow_wait, interval) for s, a in zip(states, asks) if a)
         saved = not any(lengths) and any(asks) and not due
         if saved:
             asks = [0] * len(asks)
@@ -140,6 +145,8 @@ class SpeculationPolicy:
             state.last_num_drafted, state.last_num_accepted = drafted, accepted
         if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
+        if drafted:
+            state.shadow_wait = 1
         if drafted == 0 or not self.window_tokens:
             return
         if state.disabled:  # this was a probe: resume only if it paid
@@ -178,6 +185,9 @@ class SpeculationPolicy:
         state.acceptance.observe_tree([sum(1 for i in path if i < j) - on_branch for j in range(1, budget + 1)])
 
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
-        """A draft asked for but not verified: its first token against the token the target produced."""
+        """A draft asked for but not verified: its first token against the token the target produced. Where
+        calls do not pay, shadows come sooner after a hit and later after a miss (SpecState.shadow_wait)."""
         if self.planner is not None and shadow:
-            state.acceptance.observe_shadow(shadow[0] == produced)
+            hit = shadow[0] == produced
+            state.acceptance.observe_shadow(hit)
+            state.shadow_wait = max(1, state.shadow_wait // 2) if hit else min(2 * state.shadow_wait, MAX_SHADOW_WAIT)

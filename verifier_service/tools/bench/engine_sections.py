@@ -10,7 +10,9 @@
   With the remote drafter, the share of calls that overlapped the forward, the round trip of
   those waited for as the verifier sees it and the drafter's own handling time (its
   splitspec_drafter_call_latency_seconds) are read beside it, so the overhead splits into the
-  network and the drafter's server, and the rest (ours);
+  network and the drafter's server, and the rest (ours); and the share of steps that made no call
+  (splitspec:drafter_calls_saved_total: the planner found it would not pay), whose overhead is
+  plain decoding's;
 - prefill-gap: three plain streams' inter-token gaps while a long prompt is admitted, with the
   default chunked prefill and with the whole prompt in one step;
 - multi-turn: time to first token of each turn of a chat over a long document, with prefix
@@ -173,6 +175,7 @@ def _overhead(verifiers: list[tuple[LocalService, int]], drafter_port: int, toke
             overlapped = _delta(after[0], before[0], OVERLAPPED)[0][1]
             waited = _delta(after[0], before[0], ROUND_TRIP + "_count")[0][1]  # a step's call, when waited for
             row["overlapped"] = overlapped / max(overlapped + waited, 1)
+            row["no_call"] = _delta(after[0], before[0], SAVED)[0][1] / max(row["steps"], 1)
             row["call_ms"] = 1000 * _mean(after[0], before[0], ROUND_TRIP)
             row["drafter_server_ms"] = 1000 * _mean(after[1], before[1], DRAFTER_HANDLING)
         rows.append(row)
@@ -182,6 +185,7 @@ def _overhead(verifiers: list[tuple[LocalService, int]], drafter_port: int, toke
 OVERHEAD = "splitspec:engine_step_overhead_seconds"
 ROUND_TRIP = "splitspec:drafter_call_latency_seconds"
 OVERLAPPED = "splitspec:drafter_calls_overlapped_total"
+SAVED = "splitspec:drafter_calls_saved_total"
 DRAFTER_HANDLING = 'splitspec_drafter_call_latency_seconds{method="PrepareDraftTokens"}'
 
 
@@ -434,15 +438,16 @@ def _print(results: dict) -> None:
               f"{o['one_token_forward_ms']:.1f} ms after {o['contexts'][0]}-{o['contexts'][-1]} cached tokens, "
               f"as the decode's steps)")
         print(f"{'system':<22}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'tok/s':>8}{'x 1/forward':>13}"
-              f"{'overlapped':>12}{'call ms':>9}{'drafter ms':>12}")
+              f"{'overlapped':>12}{'call ms':>9}{'drafter ms':>12}{'no call':>9}")
         for r in o["rows"]:
-            call = (f"{r['overlapped']:>12.0%}{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}"
+            call = (f"{r['overlapped']:>12.0%}{r['call_ms']:>9.2f}{r['drafter_server_ms']:>12.2f}{r['no_call']:>9.0%}"
                     if "call_ms" in r else "")
             print(f"{r['system']:<22}{r['steps']:>7.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['tok_s']:>8.1f}"
                   f"{r['x_ideal']:>13.2f}{call}")
         print("overlapped: drafter calls the step did not wait for (it verified what was left of the last "
               "answer; the call was answered during the forward); call ms: the mean round trip of the calls "
-              "waited for; drafter ms: the mean of the drafter's own handling of a call")
+              "waited for; drafter ms: the mean of the drafter's own handling of a call; no call: steps the "
+              "planner made no call in, as it would not pay")
     if "prefill_gap" in results:
         print("\nThree plain streams while a long prompt is prefilled")
         print(f"{'config':<20}{'prompt':>7}{'median gap ms':>15}{'max gap ms':>12}{'max/median':>12}"
