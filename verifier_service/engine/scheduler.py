@@ -241,14 +241,16 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        for seq, draft, parents, shadow, tokens in zip(plan.decodes, plan.drafts, plan.tree_parents, plan.shadows,
-                                                       new_tokens[len(plan.prefills):]):
+        for seq, draft, parents, shadow, ask, tokens in zip(plan.decodes, plan.drafts, plan.tree_parents,
+                                                            plan.shadows, plan.draft_asks,
+                                                            new_tokens[len(plan.prefills):]):
             accepted = len(tokens) - 1
             depth = tree_verify.depth(draft, parents)
             seq.stats.record(depth, accepted, len(draft))
             self.policy.observe(seq.spec, depth, accepted)
             self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
+            self.policy.observe_answer(seq.spec, ask, draft or shadow)
             seq.kv_moves = tree_verify.accepted_moves(seq.num_cached_tokens, draft, parents, tokens)
         for seq, n, logprobs in zip(plan.prefills, plan.chunks, plan.prompt_logprobs or [None] * len(plan.prefills)):
             seq.num_prefilled += n  # its KV is written, cancelled or not

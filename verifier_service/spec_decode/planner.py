@@ -70,6 +70,7 @@ DECAY = 0.85
 # Priors as (hits, trials): a fresh request is assumed to draft usefully, so it tries.
 FIRST_PRIOR = (1.0, 2.0)
 LATER_PRIOR = (1.6, 2.0)
+ANSWERED_PRIOR = (1.0, 1.0)
 # Accepted tokens per tree node beyond the chain's length (or beyond the largest tree measured) before
 # the evidence says otherwise, and the weight of this guess against the evidence (in verified trees).
 BRANCH_PRIOR = 0.05
@@ -126,6 +127,9 @@ class AcceptanceEstimate:
 
     first: Rate = field(default_factory=lambda: Rate(*FIRST_PRIOR))
     later: Rate = field(default_factory=lambda: Rate(*LATER_PRIOR))
+    # Of the calls that asked for a draft (verified or shadow), the share the drafter answered with one:
+    # `first` and `later` are rates of drafts that came; a call that brings none costs the call alone.
+    answered: Rate = field(default_factory=lambda: Rate(*ANSWERED_PRIOR))
     # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
     tree: list[Rate] = field(default_factory=list)
     chains_in_a_row: int = 0  # verified chains since the last verified tree
@@ -150,6 +154,11 @@ class AcceptanceEstimate:
         trials = min(drafted - 1, accepted)  # positions 2.. reached after an acceptance; all but a miss kept
         if trials:
             self.later.add_many(accepted - 1, trials)
+
+    def observe_answer(self, answered: bool) -> None:
+        """A call asked for a draft: did the drafter answer one (a draft, or a shadow draft)?"""
+        self.fresh = False
+        self.answered.add(answered)
 
     def observe_shadow(self, first_token_matched: bool) -> None:
         """An unverified draft's first token against the token the target produced."""
@@ -192,11 +201,14 @@ class DraftPlanner:
     def plan(self, estimates: list[AcceptanceEstimate], caps: list[int], price: StepPrice = FREE_CALLS) -> list[int]:
         """Draft lengths (each <= its cap) maximising expected tokens per step cost: the forward's, the
         step's own work, and the drafter call where any sequence drafts (free where a fresh request
-        has the call made anyway)."""
+        has the call made anyway). A draft is expected to come as often as the drafter answered one,
+        and its tokens are verified only then (where calls are free, that share changes nothing for
+        a request alone: gains and verify tokens scale alike)."""
         if not caps:
             return []
         call = 0.0 if any(e.fresh and cap for e, cap in zip(estimates, caps)) else price.call
         gains = [e.gains(cap) for e, cap in zip(estimates, caps)]
+        answered = [e.answered.value for e in estimates]
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
         heapq.heapify(heap)
         lengths = [0] * len(caps)
@@ -206,8 +218,8 @@ class DraftPlanner:
         while heap:
             gain, i = heapq.heappop(heap)
             lengths[i] += 1
-            tokens += 1
-            expected -= gain
+            tokens += answered[i]
+            expected -= answered[i] * gain
             rate = expected / (self.costs(tokens) + price.fixed + call)
             if rate > best_rate:
                 best_rate, best = rate, list(lengths)

@@ -184,6 +184,16 @@ class SpeculationPolicy:
         # Path nodes come in index order (parents first): the first j nodes hold those below j.
         state.acceptance.observe_tree([sum(1 for i in path if i < j) - on_branch for j in range(1, budget + 1)])
 
+    def observe_answer(self, state: SpecState, asked: int, answer: list[int]) -> None:
+        """A step's call asked for `asked` draft tokens (0: it asked for none) and the drafter answered
+        `answer` (the draft verified, else the shadow draft). An empty answer also waits longer for the
+        next shadow, as a miss does."""
+        if self.planner is None or not asked:
+            return
+        state.acceptance.observe_answer(bool(answer))
+        if not answer:
+            state.shadow_wait = min(2 * state.shadow_wait, MAX_SHADOW_WAIT)
+
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
         """A draft asked for but not verified: its first token against the token the target produced. Where
         calls do not pay, shadows come sooner after a hit and later after a miss (SpecState.shadow_wait)."""
