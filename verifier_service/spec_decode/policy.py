@@ -19,7 +19,6 @@ from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.tree import accepted_path, first_branch
 from verifier_service.spec_decode.planner import FREE_CALLS, AcceptanceEstimate, DraftPlanner, StepPrice
 
-
 # Bound of SpecState.shadow_wait (the planner's shadow_interval bounds it further).
 MAX_SHADOW_WAIT = 1 << 12
 

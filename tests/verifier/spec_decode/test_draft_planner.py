@@ -237,6 +237,25 @@ def test_a_call_that_costs_more_than_its_drafts_gain_is_not_made() -> None:
     assert p.plan([trained(4, 2, 10)] * 2, [4] * 2, StepPrice(call=1.4)) == [4, 4]
 
 
+def test_a_drafter_that_mostly_answers_nothing_is_priced_by_what_it_brings() -> None:
+    """Where calls are free, how often the drafter answers with a draft changes nothing for a request alone
+    (its tokens are verified only when one comes); where a call costs, the calls that bring nothing count."""
+    p = planner(SMOLLM2_CPU)
+    good, rarely = trained(8, 8, 10), trained(8, 8, 10)
+    for _ in range(6):
+        rarely.observe_answer(False)
+    assert rarely.answered.value < 0.1
+    assert p.plan([good], [8]) == p.plan([rarely], [8]) == [8]
+    assert p.plan([good], [8], StepPrice(call=2.0)) == [8]
+    assert p.plan([rarely], [8], StepPrice(call=2.0)) == [0]
+    policy, state = SpeculationPolicy(8, planner=p), SpecState()
+    policy.observe_answer(state, 8, [])
+    assert state.shadow_wait == 2 and not state.acceptance.fresh, "no draft: the next shadow waits, as after a miss"
+    before = state.acceptance.answered.value
+    policy.observe_answer(state, 0, [])
+    assert state.shadow_wait == 2 and state.acceptance.answered.value == before, "not asked: nothing learnt"
+
+
 def test_the_steps_own_work_counts_for_plain_decoding_too() -> None:
     """Where every verified token costs a whole forward, drafting never pays, unless each step also
     costs the same fixed work however many tokens it verifies, which a longer draft shares out."""
