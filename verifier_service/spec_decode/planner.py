@@ -17,10 +17,10 @@ becomes predictable.
 A step that drafts also calls the drafter, and a remote call's wait is not
 free: the n-gram drafter's round trip took 1.2-1.5 ms on an H200 host against
 a 3-ms forward (1.3 ms against 25-35 ms on this project's 2-core CPU), and a
-drafter that queries a store or runs a model takes longer. The engine measures it (and the
-step's own work around the forward) and hands the planner a `StepPrice` in
-the cost curve's unit, so that drafting must beat plain decoding with both
-counted: where the call costs more than what the drafts are expected to
+drafter that queries a store or runs a model takes longer. The engine
+measures it (and the step's own work around the forward) and hands the
+planner a `StepPrice` in the cost curve's unit, so that drafting must beat
+plain decoding with both counted: where the call costs more than what the drafts are expected to
 gain, no sequence drafts and the drafter is not called. Shadow drafts ride
 along free where a step calls anyway; where none drafts, a request asks for
 one after waiting a number of steps that doubles with each shadow that
@@ -137,7 +137,7 @@ class AcceptanceEstimate:
     # tree[j - 1]: tokens the first j nodes of the verified trees had accepted beyond their first branch.
     tree: list[Rate] = field(default_factory=list)
     chains_in_a_row: int = 0  # verified chains since the last verified tree
-    fresh: bool = True  # no draft of this request verified or scored yet
+    fresh: bool = True  # nothing learnt of this request's drafts yet (none asked for, verified or scored)
 
     def gains(self, cap: int) -> list[float]:
         """Probability that draft position 1..cap is accepted."""

@@ -90,7 +90,8 @@ class SpeculationPolicy:
         still wants, or past the context, are wasted work). With the planner, a sequence
         it keeps from drafting still asks for a shadow draft up to its cap, scored but
         never verified (observe_shadow), free where the step calls the drafter anyway;
-        where no sequence drafts, only every `shadow_interval` steps.
+        where no sequence drafts, only once it waited its `shadow_wait` steps (at most the
+        planner's `shadow_interval`).
         """
         caps = [self._cap(state, len(states), room) for state, room in zip(states, rooms)]
         if self.planner is None:
