@@ -13,6 +13,7 @@ Or without a script: `splitspec-drafter my_module:Repeat --port 50052`, or the
 built-in `splitspec-drafter ngram` / `splitspec-drafter suffix`.
 """
 
+from drafter_sdk.service import grpc_core_logs  # noqa: F401, I001 - first: before anything imports grpc
 from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, ReleaseReason, SamplingHints
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter

@@ -1,7 +1,7 @@
 """How both services log: `--log-level`, and `--log-format` text (a line a record, for a terminal and
 `kubectl logs`) or json (an object a line, for a log pipeline: Loki, Elasticsearch, Cloud Logging),
 set up once per process on the root logger, which the libraries' loggers (uvicorn's included) and
-their warnings propagate to."""
+their warnings propagate to. (gRPC's C core logs apart from them: grpc_core_logs.py.)"""
 
 from __future__ import annotations
 

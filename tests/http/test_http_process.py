@@ -5,8 +5,11 @@ stream in flight finishes whole, and the process exits 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -105,3 +108,48 @@ def test_http_off_serves_grpc_only(model_dir: Path, tmp_path: Path) -> None:
     with verifier:
         assert not (tmp_path / "http.port").exists()
     assert verifier.process.returncode == 0
+
+
+@pytest.mark.parametrize("command", ["verifier_service.api.cli", "drafter_sdk.server.cli"])
+def test_grpc_core_is_held_to_its_errors_before_grpc_is_imported(command: str) -> None:
+    """The core reads GRPC_VERBOSITY on a thread of its own right after grpc's import: both commands set its
+    default before anything imports grpc (-X importtime lists imports in the order they finish)."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                           f"import os, {command}; print(os.environ['GRPC_VERBOSITY'])"],
+                          env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.stdout.strip() == "ERROR", done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
+    assert imported.index("drafter_sdk.service.grpc_core_logs") < imported.index("grpc")
+
+
+def test_json_logs_stay_json_when_the_drafter_restarts(model_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter that stops while the verifier's draft stream is open ends it with a GOAWAY, which gRPC's C
+    core logs on its own, as a text line: with --log-format json, every line stays one JSON object. The
+    processes start without GRPC_VERBOSITY (this one has it from importing drafter_sdk): they set it."""
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    drafter = LocalService([script("splitspec-drafter"), "ngram", "--grace-period-s", "0"], name="drafter",
+                           env=ENV)
+    http_port_file = tmp_path / "http.port"
+    with drafter:
+        verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--max-model-len", "256",
+                                 "--kv-cache-memory-gb", "0.25", "--host", "127.0.0.1", "--http-port", "0",
+                                 "--http-port-file", str(http_port_file), "--speculative-mode", "user_provided",
+                                 "--drafter-target", drafter.address, "--log-format", "json"],
+                                name="verifier", env=ENV, startup_timeout_s=WAIT_S)
+        with verifier:
+            base = f"http://127.0.0.1:{int(http_port_file.read_text())}"
+            with httpx.Client(base_url=base, timeout=WAIT_S) as http:
+                # Three restarts: whether the core sees the GOAWAY before the connection closes is a race.
+                for restart in (True, True, True, False):
+                    r = http.post("/v1/completions", json={"prompt": "def add(a, b): return a + b\n" * 3,
+                                                           "max_tokens": 8})
+                    assert r.status_code == 200
+                    if restart:  # the draft stream is open: the drafter's stop cancels it
+                        drafter.stop()
+                        drafter.start()
+        lines = verifier.current_log.read_text().splitlines()
+    assert lines and all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")]
+    records = [json.loads(line) for line in lines]
+    assert any(r["message"].startswith("serving tiny-model") for r in records), records
