@@ -341,7 +341,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     engine = Engine(runner, scheduler, drafter, model_thread, metrics)
     if metrics is not None:
         metrics.track(lambda: scheduler.num_running, lambda: scheduler.num_waiting, scheduler.kv_usage,
-                      (lambda: drafter.healthy) if drafter is not None else None, spec.max_draft_len)
+                      (lambda: drafter.healthy) if drafter is not None else None, spec.max_draft_len,
+                      (lambda: engine.step_price.call) if drafter is not None and planner is not None else None)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])

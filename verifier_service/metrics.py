@@ -88,6 +88,7 @@ class VerifierMetrics:
             f"{p}drafter_finished_announced", "Finished requests told to each replica of a drafter that learns "
             "from them (user_provided.share_finished): one per request and replica", registry=r)
         self.drafter_up: Gauge | None = None  # registered by `track` when there is a drafter
+        self.drafter_call_cost: Gauge | None = None  # registered by `track` when calls are priced
         # --- requests (observed by the gRPC servicer)
         self.request_success = Counter(
             f"{p}request_success", "Finished requests by reason: stop, length, abort (client cancelled or "
@@ -138,9 +139,10 @@ class VerifierMetrics:
     # --- wiring -------------------------------------------------------------------------------------
 
     def track(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
-              drafter_healthy: Callable[[], bool] | None = None, max_draft_len: int = 0) -> None:
-        """Read queue, running and KV usage (and drafter health) at scrape time; show every draft
-        position up to max_draft_len from the start (0 until accepted), as vLLM does."""
+              drafter_healthy: Callable[[], bool] | None = None, max_draft_len: int = 0,
+              call_cost: Callable[[], float] | None = None) -> None:
+        """Read queue, running and KV usage (and drafter health, and the drafter call's price) at scrape
+        time; show every draft position up to max_draft_len from the start (0 until accepted), as vLLM does."""
         for pos in range(max_draft_len):
             self.num_accepted_tokens_per_pos.labels(str(pos))
         # Read on the scrape thread: what the event loop changes meanwhile is read, at worst, a step stale.
@@ -151,6 +153,12 @@ class VerifierMetrics:
             self.drafter_up = Gauge(f"{PREFIX}drafter_up", "1 while the drafter circuit breaker is closed, "
                                     "0 while open (absent without a drafter)", registry=self.registry)
             self.drafter_up.set_function(lambda: 1.0 if drafter_healthy() else 0.0)
+        if call_cost is not None and self.drafter_call_cost is None:
+            self.drafter_call_cost = Gauge(
+                f"{PREFIX}drafter_call_cost_forwards", "What a step waits for a drafter call, in one-token "
+                "forwards, as the draft planner prices it (a decayed average; 0 until measured; absent without "
+                "adaptive draft lengths)", registry=self.registry)
+            self.drafter_call_cost.set_function(call_cost)
 
     def track_responses(self, stored: Callable[[], float], charged_bytes: Callable[[], float]) -> None:
         """Read the response store's size at scrape time."""

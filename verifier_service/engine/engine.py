@@ -40,7 +40,7 @@ from verifier_service.spec_decode.drafter_client import (
     DraftReply,
     ReleasedRequest,
 )
-from verifier_service.spec_decode.planner import FREE_CALLS
+from verifier_service.spec_decode.planner import FREE_CALLS, StepPrice
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,11 @@ class Engine:
         self._clock = (StepClock(planner.costs, planner.one_token_s) if planner is not None and drafter is not None
                        else None)
         self._in_flight: InFlight | None = None  # the last step's drafter call, answered during its forward
+
+    @property
+    def step_price(self) -> StepPrice:
+        """What a step costs beside its forward, as the planner prices it (FREE_CALLS without one)."""
+        return self._clock.price() if self._clock is not None else FREE_CALLS
 
     def start(self) -> None:
         """Run the decoding loop on the model thread; outputs are delivered to the calling loop."""
@@ -145,7 +150,7 @@ class Engine:
         """Plan, draft and verify in ONE forward (new prompts, and every running sequence's last
         token plus its draft), commit."""
         with self._lock:
-            plan = self.scheduler.schedule(self._clock.price() if self._clock is not None else FREE_CALLS)
+            plan = self.scheduler.schedule(self.step_price)
         self._release(plan.released)
         if self.metrics is not None:
             cache = self.scheduler.prefix_cache

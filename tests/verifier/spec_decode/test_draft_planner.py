@@ -368,7 +368,10 @@ async def _generate_through(drafter: SlowOracle, new_tokens: int) -> tuple[list[
         async with run_verifier(config, model=shared_model(), metrics_port=0) as v:
             replies = await asyncio.gather(*(v.stub.Generate(token_request(p, new_tokens)) for p in PRICING_PROMPTS))
             engine = v.running.runtime.engine
-            saved = v.running.metrics.registry.get_sample_value("splitspec:drafter_calls_saved_total")
+            registry = v.running.metrics.registry
+            saved = registry.get_sample_value("splitspec:drafter_calls_saved_total")
+            # The call's price the planner used, in one-token forwards: exported as measured.
+            assert registry.get_sample_value("splitspec:drafter_call_cost_forwards") == engine.step_price.call > 0
             accepted = sum(r.output.stats.num_accepted_tokens for r in replies)
             return [list(r.output.token_ids) for r in replies], engine.decode_steps, saved, accepted
 
