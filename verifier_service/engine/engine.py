@@ -180,7 +180,7 @@ class Engine:
         if self.drafter is None or not any(plan.draft_asks):
             return None
         # Token trees where the drafter drafts them: a tree's depth is its draft length.
-        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens)
+        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens, self.step_price)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
         ahead = self.drafter.looks_ahead and not any(nodes)
         asks = plan.draft_asks

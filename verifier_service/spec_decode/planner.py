@@ -44,8 +44,9 @@ steady even where acceptance itself swings from step to step. Per request the
 planner keeps this curve (decayed like the rates above); the chain estimate
 learns from verified chains only. Request by request,
 most rewarding first, it replaces a chain by the tree size whose expected
-tokens per unit of forward time beat it, if any; so a node is verified only
-where the curve says it pays at the measured cost of one more token: on a GPU
+tokens per unit of step time (the forward's, and the `StepPrice` beside it)
+beat it, if any; so a node is verified only where the curve says it pays at
+the measured cost of one more token: on a GPU
 trees grow to the budget, on a busy CPU they stay small or become chains. A
 request starts on chains; after PROBE_STEPS chains in a row it verifies one
 tree as large as costs little more than its chain (PROBE_COST), so the curve
@@ -237,20 +238,23 @@ class DraftPlanner:
         of the steps' time (1, every step, where calls cost nothing)."""
         return max(1, math.ceil(price.call / (SHADOW_SHARE * (self.costs(batch) + price.fixed))))
 
-    def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int) -> list[int]:
+    def plan_nodes(self, estimates: list[AcceptanceEstimate], lengths: list[int], max_nodes: int,
+                   price: StepPrice = FREE_CALLS) -> list[int]:
         """Token-tree sizes (nodes, at most max_nodes; 0 = keep the chain) for the chain lengths (tree
         depths) `plan` chose: a request's chain becomes the tree (of as many nodes or more) that most
-        raises the batch's expected tokens per forward cost, if one does; a request long on chains
-        verifies a cheap tree (PROBE_COST)."""
+        raises the batch's expected tokens per step cost, if one does (the step's own work and the call,
+        which a drafting step makes either way, count as in `plan`); a request long on chains verifies a
+        cheap tree (PROBE_COST)."""
         chains = [sum(e.gains(k)) for e, k in zip(estimates, lengths)]
         tokens = len(lengths) + sum(lengths)
         expected = len(lengths) + sum(chains)
         curves = {i: estimates[i].tree_gains(k, max_nodes) for i, k in enumerate(lengths) if k}
+        beside = price.fixed + price.call  # what the step costs beside its forward
         nodes = [0] * len(lengths)
         for i in sorted(curves, key=lambda i: chains[i] - curves[i][-1]):  # most to gain from a tree first
-            best_rate, best = TREE_MARGIN * expected / self.costs(tokens), 0
+            best_rate, best = TREE_MARGIN * expected / (self.costs(tokens) + beside), 0
             for j, gain in enumerate(curves[i][lengths[i]:], lengths[i] + 1):  # never fewer nodes than the chain
-                rate = (expected + gain - chains[i]) / self.costs(tokens + j - lengths[i])
+                rate = (expected + gain - chains[i]) / (self.costs(tokens + j - lengths[i]) + beside)
                 if rate > best_rate:
                     best_rate, best = rate, j
             if estimates[i].chains_in_a_row >= PROBE_STEPS:  # the largest tree that costs little more

@@ -107,7 +107,7 @@ class SpeculationPolicy:
             state.steps_unasked = state.steps_unasked + 1 if cap and not ask else 0
         return DraftSizes(lengths, asks, saved)
 
-    def plan_nodes(self, states: list[SpecState], lengths: list[int]) -> list[int]:
+    def plan_nodes(self, states: list[SpecState], lengths: list[int], price: StepPrice = FREE_CALLS) -> list[int]:
         """Token-tree budgets (nodes; 0 = a chain) for a step whose drafter drafts trees, given the
         draft lengths (now maximum depths) `plan` chose: with the planner, only where they pay."""
         if not self.max_draft_nodes:
@@ -115,7 +115,7 @@ class SpeculationPolicy:
         elif self.planner is None:
             nodes = [self.max_draft_nodes if k else 0 for k in lengths]
         else:
-            nodes = self.planner.plan_nodes([s.acceptance for s in states], lengths, self.max_draft_nodes)
+            nodes = self.planner.plan_nodes([s.acceptance for s in states], lengths, self.max_draft_nodes, price)
         for state, m in zip(states, nodes):
             state.node_budget = m
         return nodes

@@ -152,6 +152,9 @@ def test_trees_where_their_nodes_pay_at_the_measured_cost() -> None:
     # TREE_MARGIN, not with it.
     assert planner(CPU).plan_nodes([tree_curve(0.25)], [4], 16) == [16]
     assert planner(CPU).plan_nodes([tree_curve(0.2)], [4], 16) == [0]
+    # Where each step also waits two forwards for the drafter's call (made with a chain or a tree alike),
+    # 12 more nodes are a smaller share of the step: 0.2 tokens a node pay.
+    assert planner(CPU).plan_nodes([tree_curve(0.2)], [4], 16, StepPrice(call=2.0)) == [16]
     # A batch: the request whose trees pay gets the nodes, as many as still pay where a batch's
     # tokens beyond 16 cost 20% of a step each.
     mid = [0.0] + [1.0 + 0.05 * t for t in range(16)] + [1.8 + 0.2 * t for t in range(48)]
