@@ -46,7 +46,12 @@ class SpecState:
     last_num_accepted: int = 0
     node_budget: int = 0  # of the draft asked for this step: its tree's nodes, 0 for a chain
     steps_unasked: int = 0  # steps in a row the planner asked the drafter nothing for it (calls not paying)
-    shadow_wait: int = 1  # steps between its shadow drafts while calls do not pay: doubled by a miss, halved by a hit
+    shadow_wait: int = 1  # steps between its shadow drafts while calls do not pay (shadow_came_back)
+
+    def shadow_came_back(self, hit: bool) -> None:
+        """Where calls do not pay, the next shadow comes sooner after a hit, later after a miss or an empty
+        answer."""
+        self.shadow_wait = max(1, self.shadow_wait // 2) if hit else min(2 * self.shadow_wait, MAX_SHADOW_WAIT)
 
 
 @dataclass(frozen=True)
@@ -192,12 +197,11 @@ class SpeculationPolicy:
             return
         state.acceptance.observe_answer(bool(answer))
         if not answer:
-            state.shadow_wait = min(2 * state.shadow_wait, MAX_SHADOW_WAIT)
+            state.shadow_came_back(hit=False)
 
     def observe_shadow(self, state: SpecState, shadow: list[int], produced: int) -> None:
-        """A draft asked for but not verified: its first token against the token the target produced. Where
-        calls do not pay, shadows come sooner after a hit and later after a miss (SpecState.shadow_wait)."""
+        """A draft asked for but not verified: its first token against the token the target produced."""
         if self.planner is not None and shadow:
             hit = shadow[0] == produced
             state.acceptance.observe_shadow(hit)
-            state.shadow_wait = max(1, state.shadow_wait // 2) if hit else min(2 * state.shadow_wait, MAX_SHADOW_WAIT)
+            state.shadow_came_back(hit)

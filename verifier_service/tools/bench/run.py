@@ -51,6 +51,12 @@ def _service(argv: list[str], name: str) -> LocalService:
     return LocalService(argv, name=name, startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
+def _verifier_through(address: str, flags: list[str], name: str) -> LocalService:
+    """A verifier drafting through the drafter serving at `address`, started with `flags`."""
+    return _service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target", address,
+                     *flags], name=name)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
@@ -237,9 +243,8 @@ def main(args: argparse.Namespace) -> int:
                             args.draft_dtype, "--max-draft-len", str(args.max_draft_len), "--log-level", "WARNING",
                             *(["--model", draft_path] if draft_path else [])]
             model_drafter = stack.enter_context(_service(drafter_argv, name="model-drafter"))
-            model_remote = stack.enter_context(_service(
-                [script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
-                 model_drafter.address, "--drafter-deadline-ms", "1000", *common], name="verifier-model"))
+            model_remote = stack.enter_context(_verifier_through(
+                model_drafter.address, ["--drafter-deadline-ms", "1000", *common], name="verifier-model"))
             model_system = [VerifierSystem("splitspec model remote", model_remote.address, speculate=True)]
         _run_systems(args, common, local, model, tokenizer, prompts, curve, seconds, report,
                      model_system + _your_drafters(stack, args, common), draft_path, out, list(variants))
@@ -259,9 +264,8 @@ def _your_drafters(stack: contextlib.ExitStack, args: argparse.Namespace, common
                                     for i, spec in enumerate(args.drafter)])
     targets = [(f"drafter {spec}", drafter.address) for spec, drafter in zip(args.drafter, served)]
     targets += [(f"drafter at {target}", target) for target in args.drafter_target]
-    verifiers = start_together(stack, [
-        _service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target", address,
-                  *common], name=f"verifier-drafter-{i + 1}") for i, (_, address) in enumerate(targets)])
+    verifiers = start_together(stack, [_verifier_through(address, common, name=f"verifier-drafter-{i + 1}")
+                                       for i, (_, address) in enumerate(targets)])
     return [VerifierSystem(name, verifier.address, speculate=True) for (name, _), verifier in zip(targets, verifiers)]
 
 
@@ -273,11 +277,6 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
     drafter and verifier for each of `variants`, flags of `splitspec-drafter suffix`), run every system (plus
     `extra_systems`) on every prompt, summarise into `report`; with a draft model, its own figures too; then the
     engine sections asked for."""
-    def verifier_through(drafter: LocalService, name: str) -> LocalService:
-        """A verifier drafting through `drafter`."""
-        return _service([script("splitspec-verifier"), "--speculative-mode", "user_provided", "--drafter-target",
-                         drafter.address, *common], name=name)
-
     with contextlib.ExitStack() as stack:
         drafter, suffix_drafter, *variant_drafters = start_together(stack, [
             _service([script("splitspec-drafter"), "ngram", "--max-matching-ngram-size", str(args.ngram_size)],
@@ -287,11 +286,12 @@ def _run_systems(args: argparse.Namespace, common: list[str], local: LocalServic
               for i, flags in enumerate(variants))])
         plain_verifier, remote, sremote, slocal, *variant_verifiers = start_together(stack, [
             _service([script("splitspec-verifier"), *common], name="verifier-plain"),
-            verifier_through(drafter, "verifier-remote"),
-            verifier_through(suffix_drafter, "verifier-suffix-remote"),
+            _verifier_through(drafter.address, common, "verifier-remote"),
+            _verifier_through(suffix_drafter.address, common, "verifier-suffix-remote"),
             _service([script("splitspec-verifier"), "--speculative-mode", "suffix", *common],
                      name="verifier-suffix-inprocess"),
-            *(verifier_through(d, f"verifier-suffix-remote-{i + 1}") for i, d in enumerate(variant_drafters))])
+            *(_verifier_through(d.address, common, f"verifier-suffix-remote-{i + 1}")
+              for i, d in enumerate(variant_drafters))])
         variant_names = [f"{SUFFIX_REMOTE} {flags}" for flags in variants]
         # Each suffix system learns from its own requests only: every system sees the same ones, in order.
         # Each system has a verifier of its own: sharing one, the second system to run a prompt would
