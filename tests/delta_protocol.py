@@ -80,7 +80,7 @@ class DeltaProtocol(RuleBasedStateMachine):
         self.held: dict[Key, int] = {}  # what the drafter should hold, by the protocol
 
     @rule(key=st.sampled_from(KEYS), prompt=tokens)
-    def new_context(self, key: tuple[str, str], prompt: list[int]) -> None:
+    def new_context(self, key: Key, prompt: list[int]) -> None:
         """A new request under this id, or a request's context replaced: only the whole context may follow."""
         self.truth[key] = prompt
         self.sent.pop(key, None)
@@ -139,7 +139,7 @@ class DeltaProtocol(RuleBasedStateMachine):
                 assert not result.draft_tokens
         self._note_evictions()
 
-    def _expect(self, key: tuple[str, str], seq: pb.DraftSequence, kind: str) -> int:
+    def _expect(self, key: Key, seq: pb.DraftSequence, kind: str) -> int:
         """The status the protocol gives this delta (PROTOCOL.md §4); what the drafter holds after it."""
         held, start = self.held.get(key), seq.context_len
         if kind != "contradict":
@@ -149,7 +149,7 @@ class DeltaProtocol(RuleBasedStateMachine):
             return OK
         if held is None or held < start:  # never seen, released or evicted; or a gap: what is held stays
             return RESYNC
-        if kind == "contradict" and start < held:  # committed tokens never change: the state is dropped
+        if kind == "contradict":  # a held token changed, but committed tokens never change: the state is dropped
             del self.held[key]
             self.sent.pop(key, None)
             return RESYNC
