@@ -43,9 +43,9 @@ REQUESTS = ("a", "b", "c", "d")
 KEYS = [(v, r) for v in VERIFIERS for r in REQUESTS]
 tokens = st.lists(st.integers(0, 5), min_size=1, max_size=12)  # a small alphabet: n-gram drafters match
 DELTAS = ("full", "since", "overlap", "gap", "contradict")
-# Contexts stay short enough that no one sequence outgrows a budget of BUDGET_BYTES (it would then be
-# followed by length alone, undrafted), while several together do (the least recently synced are evicted).
-MAX_CONTEXT, BUDGET_BYTES = 60, 6000
+# Contexts stay short, so that a state budget can be set that no one sequence outgrows (it would then be
+# followed by length alone, undrafted) while several together do (the least recently synced are evicted).
+MAX_CONTEXT = 60
 Key = tuple[str, str]
 
 

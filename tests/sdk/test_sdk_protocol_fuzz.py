@@ -1,12 +1,22 @@
 """The SDK's servicer held to the delta protocol's model under any interleaving of calls (tests/delta_protocol.py),
-with the n-gram drafter (chains and trees), without a state budget and with one that evicts."""
+with the n-gram and the suffix drafters (chains and trees), without a state budget and with one that evicts.
+
+Both keep state per sequence that each call extends (the n-gram tables, the suffix drafter's own tree and
+its match cursors), so a draft equal to a fresh drafter's says that state followed the context exactly. No
+request finishes here (releases give no reason), so the suffix drafter learns nothing across requests and
+drafts from each sequence's own context alone, as a fresh one does.
+"""
 
 from __future__ import annotations
 
-import pytest
-from delta_protocol import BUDGET_BYTES, Key, run
+from collections.abc import Callable
 
+import pytest
+from delta_protocol import Key, run
+
+from drafter_sdk.drafter import Drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.server.sequence_store import SequenceStore
 from drafter_sdk.server.servicer import DrafterServicer
@@ -14,9 +24,17 @@ from drafter_sdk.server.servicer import DrafterServicer
 pytestmark = pytest.mark.timeout(240)
 
 
-def ngram_servicer(max_state_bytes: int | None) -> DrafterServicer:
-    servicer = DrafterServicer(NgramDrafter(max_draft_len=6, max_matching_ngram_size=3),
-                               SequenceStore(max_state_bytes=max_state_bytes))
+DRAFTERS: dict[str, Callable[[], Drafter]] = {
+    "ngram": lambda: NgramDrafter(max_draft_len=6, max_matching_ngram_size=3),
+    "suffix": SuffixDrafter,
+}
+# About 1.5x what one sequence of MAX_CONTEXT tokens comes to at most (4.0 KB with the n-gram drafter's
+# tables, 10.9 KB with the suffix drafter's trees, trees drafted), so that only several together outgrow it.
+BUDGET_BYTES = {"ngram": 6000, "suffix": 16000}
+
+
+def serving(drafter: str, max_state_bytes: int | None) -> DrafterServicer:
+    servicer = DrafterServicer(DRAFTERS[drafter](), SequenceStore(max_state_bytes=max_state_bytes))
     servicer.load()
     return servicer
 
@@ -24,8 +42,9 @@ def ngram_servicer(max_state_bytes: int | None) -> DrafterServicer:
 class ServicerTarget:
     """An in-process servicer of its own per run: its store can be looked into."""
 
-    def __init__(self, max_state_bytes: int | None) -> None:
-        self.servicer = ngram_servicer(max_state_bytes)
+    def __init__(self, drafter: str, max_state_bytes: int | None) -> None:
+        self.drafter = drafter
+        self.servicer = serving(drafter, max_state_bytes)
         self.evicts = max_state_bytes is not None
 
     def prepare(self, verifier: str, sequences: list[pb.DraftSequence]) -> list[pb.DraftResult]:
@@ -36,7 +55,7 @@ class ServicerTarget:
         return self.servicer.release(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=request_ids)).released
 
     def fresh(self, seq: pb.DraftSequence) -> pb.DraftResult:
-        fresh = ngram_servicer(None)
+        fresh = serving(self.drafter, None)
         try:
             return fresh.prepare(pb.PrepareDraftTokensRequest(verifier_id="fresh", sequences=[seq])).results[0]
         finally:
@@ -50,6 +69,7 @@ class ServicerTarget:
         self.servicer.close()
 
 
-@pytest.mark.parametrize("max_state_bytes", [None, BUDGET_BYTES])
-def test_the_servicer_follows_the_delta_protocol(max_state_bytes: int | None) -> None:
-    run(lambda: ServicerTarget(max_state_bytes), examples=150)
+@pytest.mark.parametrize("budget", [False, True])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_the_servicer_follows_the_delta_protocol(drafter: str, budget: bool) -> None:
+    run(lambda: ServicerTarget(drafter, BUDGET_BYTES[drafter] if budget else None), examples=150)
