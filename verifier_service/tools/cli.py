@@ -217,6 +217,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "(no model needed)"),
     "bench-http": ("verifier_service.tools.bench.http",
                    "the HTTP API's cost over gRPC: batch-1 latency, streaming throughput"),
+    "bench-serve": ("verifier_service.tools.bench.endpoint",
+                    "a running verifier's HTTP API under load (request rate, concurrency): TTFT, TPOT, "
+                    "throughput, with speculation and without"),
     "bench-replicas": ("verifier_service.tools.bench.replicas",
                        "two suffix drafter replicas: each told of every finished request, or only the one "
                        "that served it"),

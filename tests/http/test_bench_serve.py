@@ -1,0 +1,90 @@
+"""`splitspec bench-serve`, a real process, against a running verifier's HTTP API (tiny model, remote n-gram
+drafter): both passes served, speculation seen only where it is on, greedy outputs identical; a bad dataset
+or a refused token fails in one line before anything is measured."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from http_support import PROMPT, WAIT_S, http_verifier
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from verifier_service.tools.bench.endpoint import arrivals, pass_order, percentile
+
+SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
+
+
+async def bench_serve(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(SPLITSPEC, "bench-serve", *args, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 3 * WAIT_S)
+    return process.returncode, out.decode(), err.decode()
+
+
+def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tmp_path: Path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": PROMPT, "raw": True}, {"prompt": PROMPT[6:], "raw": True, "max_tokens": 12},
+             {"messages": [{"role": "user", "content": PROMPT}]}, {"prompt": "d10 add"}]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+
+    async def main() -> None:
+        async with http_verifier(auth_token="s3cret") as h:
+            code, out, err = await bench_serve(
+                "--base-url", h.base_url + "/v1", "--auth-token-file", str(token), "--dataset", str(dataset),
+                "--max-tokens", "20", "--request-rate", "40", "--max-concurrency", "2", "--rounds", "2",
+                "--out", str(tmp_path / "out"))
+            assert code == 0, out + err
+            assert "greedy outputs identical: 8 of 8" in out, out
+            result = json.loads((tmp_path / "out" / "bench-serve.json").read_text())
+            assert result["model"] == "tiny"
+            spec, plain = result["summary"]["modes"]["spec"], result["summary"]["modes"]["plain"]
+            assert (spec["done"], spec["failed"], plain["done"], plain["failed"]) == (8, 0, 8, 0)
+            assert spec["mean_acceptance_length"] > 1.5 and plain["mean_acceptance_length"] == 1.0
+            assert spec["output_tokens"] == plain["output_tokens"]
+            records = result["requests"]
+            assert [(r["mode"], r["round"]) for r in records[::4]] == [
+                ("spec", 0), ("plain", 0), ("plain", 1), ("spec", 1)]
+            for r in records:
+                assert r["output_tokens"] == len(r["token_ids"]) and 1 <= r["output_tokens"] <= 20
+                assert r["ttft_s"] <= r["e2e_s"] and len(r["chunk_gaps_s"]) < r["output_tokens"]
+            assert max(r["output_tokens"] for r in records if r["prompt"] == 1) <= 12  # its line's max_tokens
+
+            # The token refused: told in one line, nothing measured.
+            code, out, err = await bench_serve("--base-url", h.base_url, "--dataset", str(dataset),
+                                               "--out", str(tmp_path / "refused"))
+            assert code == 1 and "GET /v1/models answered 401" in err, err
+            assert not (tmp_path / "refused").exists()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("not json", "line 2: Expecting value"),
+    ('{"prompt": ""}', 'line 2: a line needs "messages" (a chat) or "prompt" (a non-empty string)'),
+    ('{"messages": []}', "line 2: messages must be a non-empty list"),
+    ('{"prompt": "x", "max_tokens": 0}', "line 2: max_tokens must be a positive integer, not 0"),
+    ("[1]", "line 2: a line must be a JSON object"),
+])
+def test_a_bad_dataset_line_is_named_before_anything_is_sent(tmp_path: Path, line: str, problem: str) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "fine"}\n' + line + "\n")
+    code, _, err = asyncio.run(bench_serve("--base-url", "http://127.0.0.1:9", "--dataset", str(dataset)))
+    assert code == 2 and problem in err, err
+
+
+def test_poisson_arrivals_alternating_passes_and_percentiles() -> None:
+    times = arrivals(4000, 20.0, seed=1)
+    assert times == arrivals(4000, 20.0, seed=1) and times != arrivals(4000, 20.0, seed=2)
+    assert times[0] == 0 and times == sorted(times)
+    assert 0.045 < times[-1] / 3999 < 0.055  # a mean gap of 1/20 s
+    assert arrivals(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+    assert pass_order(3, plain=True) == ["spec", "plain", "plain", "spec", "spec", "plain"]
+    assert pass_order(2, plain=False) == ["spec", "spec"]
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == pytest.approx(1.99)

@@ -1,0 +1,437 @@
+"""`splitspec bench-serve`: a running verifier's HTTP API under load, with speculation and without, side by side.
+
+The other benches start their own services on this machine. This one measures a deployment as its clients see
+it (a Kubernetes Service behind `kubectl port-forward`, a verifier on a GPU host): the same prompts, sent over
+the OpenAI-compatible API as streams, at a request rate (Poisson arrivals, as `vllm bench serve` sends them)
+and at most a number at a time, in passes that alternate between speculation on (the server's configuration)
+and off for each request (`"speculation": {"disable": true}`, which only this server understands). Only the
+requests' own setting differs between the passes, so the ratio is what speculation gives on that hardware,
+model, drafter and traffic.
+
+Per pass: requests done and failed (with the first error), request and output-token throughput, time to
+first token, time per output token after the first (TPOT) and the gap between streamed chunks (ITL, per chunk
+as vLLM counts it: a speculative step may bring several tokens at once), at the median and the 99th
+percentile, and the mean acceptance length the server reports per request. With greedy sampling
+(temperature 0, the default) each prompt's tokens are compared between the passes: speculation is lossless,
+so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels).
+
+Prompts come from a JSONL file (`--dataset`: per line `{"messages": [...]}` for a chat or `{"prompt": "..."}`,
+sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"`), else from the
+built-in workloads (bench/workloads.py). Results go to `--out`/bench-serve.json, every request included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
+
+MODES = ("spec", "plain")
+# The built-in workloads this bench can send: those given as whole texts (agentic turns need the last answer).
+WORKLOADS = ("grounded", "code", "open", "recurring", "templated")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt as it goes out: a chat's messages, or a raw completion's text."""
+
+    name: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+
+    def body(self, model: str, args: argparse.Namespace, mode: str) -> tuple[str, dict]:
+        body: dict = {"model": model, "max_tokens": self.max_tokens or args.max_tokens,
+                      "temperature": args.temperature, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if args.ignore_eos:
+            body["ignore_eos"] = True
+        if mode == "plain":
+            body["speculation"] = {"disable": True}
+        if self.messages is not None:
+            return "/v1/chat/completions", body | {"messages": self.messages}
+        return "/v1/completions", body | {"prompt": self.prompt}
+
+
+@dataclass
+class Record:
+    """What one request's stream showed."""
+
+    mode: str
+    round: int
+    prompt: int
+    sent_at: float = 0.0  # seconds from the pass's start
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks that carried tokens
+    token_ids: list[int] | None = None  # None where the server does not send them (not a splitspec verifier)
+    mean_acceptance_length: float | None = None
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="the verifier's HTTP API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="the served model name to ask for (default: the first of /v1/models)")
+    p.add_argument("--auth-token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
+    p.add_argument("--dataset", type=Path, metavar="FILE.jsonl",
+                   help='prompts, one JSON object a line: {"messages": [...]} or {"prompt": "...", "raw": false}')
+    p.add_argument("--workloads", default="grounded,code,open",
+                   help=f"without --dataset, built-in prompts: comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--prompts", type=int, default=4, help="built-in prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=128, help="per request, unless its dataset line says")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) also compares the passes' tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes per mode, alternating spec, plain, plain, spec, ... (default 1)")
+    p.add_argument("--no-plain", action="store_true",
+                   help="only the server's own configuration (any OpenAI-compatible server then)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip sending each prompt once (one token) before the passes: the first pass then "
+                        "prefills prompts the later ones find in the prefix cache")
+    p.add_argument("--seed", type=int, default=0, help="for the arrival times")
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--out", default="bench-results", help="folder for bench-serve.json")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
+        token = read_token(args.auth_token_file)
+        check_args(args)
+    except (OSError, ValueError) as exc:
+        print(f"splitspec bench-serve: {exc}", file=sys.stderr)
+        return 2
+    base = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        passes, model = asyncio.run(_bench(base, headers, requests, args))
+    except ServerProblem as exc:
+        print(f"splitspec bench-serve: {exc}", file=sys.stderr)
+        return 1
+    summary = summarise(passes, args)
+    _print(summary, base, model, len(requests), args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-serve.json").write_text(json.dumps(
+        {"base_url": base, "model": model, "args": {k: v for k, v in vars(args).items() if k != "func"},
+         "prompts": [r.name for r in requests], "summary": summary,
+         "requests": [asdict(r) for p in passes for r in p.records]}, indent=2, default=str))
+    print(f"\nwrote {out / 'bench-serve.json'}")
+    return 0 if all(s["failed"] == 0 for s in summary["modes"].values()) else 1
+
+
+class ServerProblem(Exception):
+    """The server cannot be benchmarked: unreachable, the token refused, or no model served."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "prompts", "rounds", "max_concurrency"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be positive (inf: all at once), not {args.request_rate}")
+
+
+def load_dataset(path: Path) -> list[Request]:
+    """The prompts of a JSONL file; ValueError naming the line of the first one that is not a prompt."""
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            requests.append(_request(item, f"{path.name}:{number}"))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}, line {number}: {exc}") from None
+    if not requests:
+        raise ValueError(f"{path} holds no prompts")
+    return requests
+
+
+def _request(item: object, name: str) -> Request:
+    if not isinstance(item, dict):
+        raise ValueError("a line must be a JSON object")
+    max_tokens = item.get("max_tokens")
+    if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
+        raise ValueError(f"max_tokens must be a positive integer, not {max_tokens!r}")
+    if "messages" in item:
+        messages = item["messages"]
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+            raise ValueError("messages must be a non-empty list of message objects")
+        return Request(name, messages=messages, max_tokens=max_tokens)
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError('a line needs "messages" (a chat) or "prompt" (a non-empty string)')
+    if item.get("raw", False):
+        return Request(name, prompt=prompt, max_tokens=max_tokens)
+    return Request(name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+
+
+def builtin(names: str, count: int) -> list[Request]:
+    from verifier_service.tools.bench import workloads  # reads the standard library's sources: only when asked
+
+    requests = []
+    for workload in names.split(","):
+        if workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+        for name, text in workloads.WORKLOADS[workload](count):
+            # Code is completed as it stands, as the other benches send it; the rest are chat questions.
+            requests.append(Request(f"{workload}: {name}", prompt=text) if workload == "code" else
+                            Request(f"{workload}: {name}", messages=[{"role": "user", "content": text}]))
+    return requests
+
+
+def arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """When each of `count` requests is sent, in seconds from the start: a Poisson process of `rate` per
+    second (exponential gaps, the first at 0), all at 0 for an infinite rate."""
+    if rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def pass_order(rounds: int, plain: bool) -> list[str]:
+    """spec, plain, plain, spec, spec, plain, ...: each mode first as often as the other, so a drift of the
+    server's speed during the run (another tenant, clocks) favours neither."""
+    if not plain:
+        return ["spec"] * rounds
+    order: list[str] = []
+    for r in range(rounds):
+        order += ["spec", "plain"] if r % 2 == 0 else ["plain", "spec"]
+    return order
+
+
+@dataclass
+class Pass:
+    mode: str
+    round: int
+    wall_s: float
+    records: list[Record]
+
+
+async def _bench(base: str, headers: dict[str, str], requests: list[Request],
+                 args: argparse.Namespace) -> tuple[list[Pass], str]:
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(requests))
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout, limits=limits) as http:
+        model = args.model or await _served_model(http)
+        if not args.no_warmup:
+            print(f"warm-up: {len(requests)} requests of one token, not measured ...", flush=True)
+            warm = argparse.Namespace(**{**vars(args), "max_tokens": 1, "ignore_eos": False})
+            gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+
+            async def warm_up(request: Request) -> Record:
+                async with gate:
+                    record = Record("warm-up", 0, 0)
+                    path, body = request.body(model, warm, "plain")
+                    await _stream(http, path, body | {"max_tokens": 1}, record)
+                    return record
+
+            failed = [r.error for r in await asyncio.gather(*(warm_up(r) for r in requests)) if r.error]
+            if failed:
+                raise ServerProblem(f"{len(failed)} of {len(requests)} warm-up requests failed, the first with "
+                                    f"{failed[0]}")
+        passes: list[Pass] = []
+        for mode in pass_order(args.rounds, not args.no_plain):
+            round_ = sum(p.mode == mode for p in passes)
+            print(f"{mode} pass {round_ + 1}: {len(requests)} requests ...", flush=True)
+            passes.append(await _pass(http, model, requests, mode, round_, args))
+    return passes, model
+
+
+async def _served_model(http: httpx.AsyncClient) -> str:
+    try:
+        response = await http.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise ServerProblem(f"no answer from {http.base_url}: {exc}") from None
+    if response.status_code != 200:
+        raise ServerProblem(f"GET /v1/models answered {response.status_code}: {response.text[:300]}")
+    served = [m.get("id") for m in response.json().get("data", [])]
+    if not served:
+        raise ServerProblem("the server lists no model")
+    return served[0]
+
+
+async def _pass(http: httpx.AsyncClient, model: str, requests: list[Request], mode: str, round_: int,
+                args: argparse.Namespace) -> Pass:
+    gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+    start = time.perf_counter()
+
+    async def one(i: int, at: float) -> Record:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with gate:
+            record = Record(mode, round_, i, sent_at=round(time.perf_counter() - start, 6))
+            await _stream(http, *requests[i].body(model, args, mode), record)
+            return record
+
+    # The same arrival times for both modes' passes of a round: only the requests' setting differs.
+    times = arrivals(len(requests), args.request_rate, args.seed + round_)
+    records = await asyncio.gather(*(one(i, at) for i, at in enumerate(times)))
+    return Pass(mode, round_, time.perf_counter() - start, list(records))
+
+
+async def _stream(http: httpx.AsyncClient, path: str, body: dict, record: Record) -> None:
+    """Send one request as a stream and note when its tokens came; a failure is noted, never raised."""
+    sent = time.perf_counter()
+    last = sent
+    exact = False  # whether the chunks name their tokens (a splitspec verifier's `splitspec.token_ids`)
+    try:
+        async with http.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"{response.status_code}: {_message((await response.aread()).decode(errors='replace'))}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if event.get("error"):
+                    record.error = f"in the stream: {_message(json.dumps(event))}"
+                    return
+                now = time.perf_counter()
+                for choice in event.get("choices") or []:
+                    ext = choice.get("splitspec")
+                    if ext is not None:
+                        exact = True
+                        record.token_ids = (record.token_ids or []) + list(ext.get("token_ids", []))
+                        tokens = len(ext.get("token_ids", []))
+                        if "speculation" in ext:
+                            record.mean_acceptance_length = ext["speculation"].get("mean_acceptance_length")
+                    else:  # another server: a chunk with text counts as a token, the usage corrects the total
+                        tokens = int(bool((choice.get("delta") or {}).get("content") or choice.get("text")))
+                    if tokens:
+                        if record.ttft_s is None:
+                            record.ttft_s = now - sent
+                        else:
+                            record.chunk_gaps_s.append(now - last)
+                        last = now
+                        record.output_tokens += tokens
+                usage = event.get("usage")
+                if usage and not exact:
+                    record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+        record.e2e_s = time.perf_counter() - sent
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+def _message(text: str) -> str:
+    """An error body's message (OpenAI's error object), else the text itself, short."""
+    try:
+        return str(json.loads(text)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation between the nearest ranks; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def summarise(passes: list[Pass], args: argparse.Namespace) -> dict:
+    modes = {}
+    for mode in MODES:
+        mine = [p for p in passes if p.mode == mode]
+        if not mine:
+            continue
+        records = [r for p in mine for r in p.records]
+        done = [r for r in records if not r.error]
+        wall = sum(p.wall_s for p in mine)
+        lengths = [r.mean_acceptance_length for r in done if r.mean_acceptance_length is not None]
+        modes[mode] = {
+            "done": len(done), "failed": len(records) - len(done),
+            "first_error": next((r.error for r in records if r.error), ""),
+            "wall_s": wall, "requests_per_s": len(done) / wall,
+            "output_tokens": sum(r.output_tokens for r in done),
+            "output_tokens_per_s": sum(r.output_tokens for r in done) / wall,
+            **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
+                ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+                ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
+                ("itl", [g for r in done for g in r.chunk_gaps_s])) for q in (50, 99)},
+            "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
+        }
+    summary: dict = {"modes": modes}
+    if len(modes) == 2 and modes["plain"]["output_tokens_per_s"]:
+        spec, plain = modes["spec"], modes["plain"]
+        summary["output_tokens_per_s_ratio"] = spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        if spec["tpot_50_ms"] and plain["tpot_50_ms"]:
+            summary["tpot_50_ratio"] = spec["tpot_50_ms"] / plain["tpot_50_ms"]
+        if args.temperature == 0:
+            summary["identical"] = _identical(passes)
+    return summary
+
+
+def _identical(passes: list[Pass]) -> dict[str, int]:
+    """Greedy outputs compared prompt by prompt, each spec pass against the plain pass of its round."""
+    plain = {p.round: p for p in passes if p.mode == "plain"}
+    same = compared = 0
+    for p in passes:
+        if p.mode != "spec" or p.round not in plain:
+            continue
+        for a, b in zip(p.records, plain[p.round].records):
+            if a.error or b.error or a.token_ids is None or b.token_ids is None:
+                continue
+            compared += 1
+            same += a.token_ids == b.token_ids
+    return {"same": same, "compared": compared}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _print(summary: dict, base: str, model: str, prompts: int, args: argparse.Namespace) -> None:
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g}/s (Poisson)"
+    print(f"\nbench-serve {base}, model {model}: {prompts} prompts a pass, {args.rounds} pass(es) a mode, "
+          f"sent {rate}, at most {args.max_concurrency or prompts} at a time")
+    header = (f"{'mode':<6}{'done':>6}{'failed':>7}{'req/s':>8}{'out tok/s':>11}{'TTFT p50/p99 ms':>20}"
+              f"{'TPOT p50/p99 ms':>20}{'ITL p50/p99 ms':>20}{'MAL':>6}")
+    print(header)
+    print("-" * len(header))
+    for mode, m in summary["modes"].items():
+        ttft, tpot, itl = (f"{_f(m[f'{name}_50_ms'])} / {_f(m[f'{name}_99_ms'])}" for name in ("ttft", "tpot", "itl"))
+        print(f"{mode:<6}{m['done']:>6}{m['failed']:>7}{m['requests_per_s']:>8.2f}{m['output_tokens_per_s']:>11.1f}"
+              f"{ttft:>20}{tpot:>20}{itl:>20}{_f(m['mean_acceptance_length'], '.2f'):>6}")
+        if m["first_error"]:
+            print(f"  {mode}: {m['failed']} failed, the first with {m['first_error']}")
+    if "output_tokens_per_s_ratio" in summary:
+        line = f"speculation: {summary['output_tokens_per_s_ratio']:.2f}x the output tokens/s"
+        if "tpot_50_ratio" in summary:
+            line += f", {summary['tpot_50_ratio']:.2f}x the median TPOT"
+        if "identical" in summary:
+            same = summary["identical"]
+            line += f"; greedy outputs identical: {same['same']} of {same['compared']}"
+        print(line)
+
+
+def _f(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
