@@ -25,6 +25,8 @@ print(code, ",".join(heavy) or "-")
     ("verifier_service.tools.cli", ["generate", "--help"], 0),
     ("verifier_service.tools.cli", ["demo", "--help"], 0),
     ("verifier_service.tools.cli", ["bench-drafter-memory", "--help"], 0),
+    ("verifier_service.tools.cli", ["bench-serve", "--help"], 0),
+    ("verifier_service.tools.cli", ["bench-serve", "--base-url", "http://127.0.0.1:9", "--max-tokens", "0"], 2),
     ("verifier_service.api.cli", ["--help"], 0),
     ("verifier_service.api.cli", ["--max-draft-len", "x"], 2),  # argparse's error
     ("verifier_service.api.cli", ["--speculative-mode", "ngram", "--drafter-target", "h:1"], 2),  # settings' error

@@ -6,7 +6,10 @@ the OpenAI-compatible API as streams, at a request rate (Poisson arrivals, as `v
 and at most a number at a time, in passes that alternate between speculation on (the server's configuration)
 and off for each request (`"speculation": {"disable": true}`, which only this server understands). Only the
 requests' own setting differs between the passes, so the ratio is what speculation gives on that hardware,
-model, drafter and traffic.
+model, drafter and traffic. Before the passes each prompt is sent once for one token (not measured), so that
+every pass finds the prompts in the prefix cache alike. A later round asks the same prompts again: a drafter
+that learns from finished requests (the suffix drafter) has seen their answers by then, which is why each
+round is reported apart.
 
 Per pass: requests done and failed (with the first error), request and output-token throughput, time to
 first token, time per output token after the first (TPOT) and the gap between streamed chunks (ITL, per chunk
@@ -116,9 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
-        token = read_token(args.auth_token_file)
         check_args(args)
+        token = read_token(args.auth_token_file)
+        requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
     except (OSError, ValueError) as exc:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
          "prompts": [r.name for r in requests], "summary": summary,
          "requests": [asdict(r) for p in passes for r in p.records]}, indent=2, default=str))
     print(f"\nwrote {out / 'bench-serve.json'}")
-    return 0 if all(s["failed"] == 0 for s in summary["modes"].values()) else 1
+    return 0 if all(row["failed"] == 0 for row in summary["passes"]) else 1
 
 
 class ServerProblem(Exception):
@@ -358,51 +361,47 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(passes: list[Pass], args: argparse.Namespace) -> dict:
-    modes = {}
-    for mode in MODES:
-        mine = [p for p in passes if p.mode == mode]
-        if not mine:
+    """A row per pass, and per round the spec pass against the plain pass (ratios; greedy: same tokens?)."""
+    rows = [_row(p) for p in passes]
+    rounds = []
+    for round_ in sorted({p.round for p in passes}):
+        spec = next((r for r in rows if r["mode"] == "spec" and r["round"] == round_), None)
+        plain = next((r for r in rows if r["mode"] == "plain" and r["round"] == round_), None)
+        if spec is None or plain is None or not plain["output_tokens_per_s"]:
             continue
-        records = [r for p in mine for r in p.records]
-        done = [r for r in records if not r.error]
-        wall = sum(p.wall_s for p in mine)
-        lengths = [r.mean_acceptance_length for r in done if r.mean_acceptance_length is not None]
-        modes[mode] = {
-            "done": len(done), "failed": len(records) - len(done),
-            "first_error": next((r.error for r in records if r.error), ""),
-            "wall_s": wall, "requests_per_s": len(done) / wall,
-            "output_tokens": sum(r.output_tokens for r in done),
-            "output_tokens_per_s": sum(r.output_tokens for r in done) / wall,
-            **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
-                ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
-                ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
-                ("itl", [g for r in done for g in r.chunk_gaps_s])) for q in (50, 99)},
-            "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
-        }
-    summary: dict = {"modes": modes}
-    if len(modes) == 2 and modes["plain"]["output_tokens_per_s"]:
-        spec, plain = modes["spec"], modes["plain"]
-        summary["output_tokens_per_s_ratio"] = spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        compared: dict = {"round": round_,
+                          "output_tokens_per_s_ratio": spec["output_tokens_per_s"] / plain["output_tokens_per_s"]}
         if spec["tpot_50_ms"] and plain["tpot_50_ms"]:
-            summary["tpot_50_ratio"] = spec["tpot_50_ms"] / plain["tpot_50_ms"]
+            compared["tpot_50_ratio"] = spec["tpot_50_ms"] / plain["tpot_50_ms"]
         if args.temperature == 0:
-            summary["identical"] = _identical(passes)
-    return summary
+            compared["identical"] = _identical(*(p for p in passes if p.round == round_))
+        rounds.append(compared)
+    return {"passes": rows, "rounds": rounds}
 
 
-def _identical(passes: list[Pass]) -> dict[str, int]:
-    """Greedy outputs compared prompt by prompt, each spec pass against the plain pass of its round."""
-    plain = {p.round: p for p in passes if p.mode == "plain"}
-    same = compared = 0
-    for p in passes:
-        if p.mode != "spec" or p.round not in plain:
-            continue
-        for a, b in zip(p.records, plain[p.round].records):
-            if a.error or b.error or a.token_ids is None or b.token_ids is None:
-                continue
-            compared += 1
-            same += a.token_ids == b.token_ids
-    return {"same": same, "compared": compared}
+def _row(p: Pass) -> dict:
+    done = [r for r in p.records if not r.error]
+    lengths = [r.mean_acceptance_length for r in done if r.mean_acceptance_length is not None]
+    tokens = sum(r.output_tokens for r in done)
+    return {
+        "mode": p.mode, "round": p.round, "done": len(done), "failed": len(p.records) - len(done),
+        "first_error": next((r.error for r in p.records if r.error), ""), "wall_s": p.wall_s,
+        "requests_per_s": len(done) / p.wall_s, "output_tokens": tokens, "output_tokens_per_s": tokens / p.wall_s,
+        **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
+            ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+            ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
+            ("itl", [g for r in done for g in r.chunk_gaps_s])) for q in (50, 99)},
+        "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
+    }
+
+
+def _identical(*passes: Pass) -> dict[str, int]:
+    """A round's greedy outputs compared prompt by prompt between its spec and plain passes."""
+    spec = next(p for p in passes if p.mode == "spec")
+    plain = next(p for p in passes if p.mode == "plain")
+    pairs = [(a.token_ids, b.token_ids) for a, b in zip(spec.records, plain.records)
+             if not (a.error or b.error) and a.token_ids is not None and b.token_ids is not None]
+    return {"same": sum(a == b for a, b in pairs), "compared": len(pairs)}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -411,26 +410,31 @@ def _ms(seconds: float | None) -> float | None:
 
 def _print(summary: dict, base: str, model: str, prompts: int, args: argparse.Namespace) -> None:
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g}/s (Poisson)"
-    print(f"\nbench-serve {base}, model {model}: {prompts} prompts a pass, {args.rounds} pass(es) a mode, "
-          f"sent {rate}, at most {args.max_concurrency or prompts} at a time")
-    header = (f"{'mode':<6}{'done':>6}{'failed':>7}{'req/s':>8}{'out tok/s':>11}{'TTFT p50/p99 ms':>20}"
+    print(f"\nbench-serve {base}, model {model}: {prompts} prompts a pass, sent {rate}, "
+          f"at most {args.max_concurrency or prompts} at a time")
+    header = (f"{'pass':<8}{'done':>6}{'failed':>7}{'req/s':>8}{'out tok/s':>11}{'TTFT p50/p99 ms':>20}"
               f"{'TPOT p50/p99 ms':>20}{'ITL p50/p99 ms':>20}{'MAL':>6}")
     print(header)
     print("-" * len(header))
-    for mode, m in summary["modes"].items():
+    for m in summary["passes"]:
         ttft, tpot, itl = (f"{_f(m[f'{name}_50_ms'])} / {_f(m[f'{name}_99_ms'])}" for name in ("ttft", "tpot", "itl"))
-        print(f"{mode:<6}{m['done']:>6}{m['failed']:>7}{m['requests_per_s']:>8.2f}{m['output_tokens_per_s']:>11.1f}"
-              f"{ttft:>20}{tpot:>20}{itl:>20}{_f(m['mean_acceptance_length'], '.2f'):>6}")
+        print(f"{m['mode'] + ' ' + str(m['round'] + 1):<8}{m['done']:>6}{m['failed']:>7}{m['requests_per_s']:>8.2f}"
+              f"{m['output_tokens_per_s']:>11.1f}{ttft:>20}{tpot:>20}{itl:>20}"
+              f"{_f(m['mean_acceptance_length'], '.2f'):>6}")
         if m["first_error"]:
-            print(f"  {mode}: {m['failed']} failed, the first with {m['first_error']}")
-    if "output_tokens_per_s_ratio" in summary:
-        line = f"speculation: {summary['output_tokens_per_s_ratio']:.2f}x the output tokens/s"
-        if "tpot_50_ratio" in summary:
-            line += f", {summary['tpot_50_ratio']:.2f}x the median TPOT"
-        if "identical" in summary:
-            same = summary["identical"]
+            print(f"  {m['failed']} failed, the first with {m['first_error']}")
+    for compared in summary["rounds"]:
+        line = (f"round {compared['round'] + 1}, speculation: {compared['output_tokens_per_s_ratio']:.2f}x the "
+                f"output tokens/s")
+        if "tpot_50_ratio" in compared:
+            line += f", {compared['tpot_50_ratio']:.2f}x the median TPOT"
+        if "identical" in compared:
+            same = compared["identical"]
             line += f"; greedy outputs identical: {same['same']} of {same['compared']}"
         print(line)
+    if len(summary["rounds"]) > 1:
+        print("(a later round asks the same prompts again: a drafter that learns from finished requests, as the "
+              "suffix drafter does, has seen their answers)")
 
 
 def _f(value: float | None, spec: str = ".1f") -> str:
