@@ -244,27 +244,30 @@ async def _bench(base: str, headers: dict[str, str], requests: list[Request],
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout, limits=limits) as http:
         model = args.model or await _served_model(http)
         if not args.no_warmup:
-            print(f"warm-up: {len(requests)} requests of one token, not measured ...", flush=True)
-            warm = argparse.Namespace(**{**vars(args), "max_tokens": 1, "ignore_eos": False})
-            gate = asyncio.Semaphore(args.max_concurrency or len(requests))
-
-            async def warm_up(request: Request) -> Record:
-                async with gate:
-                    record = Record("warm-up", 0, 0)
-                    path, body = request.body(model, warm, "plain")
-                    await _stream(http, path, body | {"max_tokens": 1}, record)
-                    return record
-
-            failed = [r.error for r in await asyncio.gather(*(warm_up(r) for r in requests)) if r.error]
-            if failed:
-                raise ServerProblem(f"{len(failed)} of {len(requests)} warm-up requests failed, the first with "
-                                    f"{failed[0]}")
+            await _warm_up(http, model, requests, args)
         passes: list[Pass] = []
         for mode in pass_order(args.rounds, not args.no_plain):
             round_ = sum(p.mode == mode for p in passes)
             print(f"{mode} pass {round_ + 1}: {len(requests)} requests ...", flush=True)
             passes.append(await _pass(http, model, requests, mode, round_, args))
     return passes, model
+
+
+async def _warm_up(http: httpx.AsyncClient, model: str, requests: list[Request], args: argparse.Namespace) -> None:
+    """Each prompt once for one token, so that every pass finds the prompts in the prefix cache alike."""
+    print(f"warm-up: {len(requests)} requests of one token, not measured ...", flush=True)
+    gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+
+    async def one(request: Request) -> str:
+        async with gate:
+            record = Record("warm-up", 0, 0)
+            path, body = request.body(model, args, "plain")
+            await _stream(http, path, body | {"max_tokens": 1, "ignore_eos": False}, record)
+            return record.error
+
+    failed = [error for error in await asyncio.gather(*(one(r) for r in requests)) if error]
+    if failed:
+        raise ServerProblem(f"{len(failed)} of {len(requests)} warm-up requests failed, the first with {failed[0]}")
 
 
 async def _served_model(http: httpx.AsyncClient) -> str:
