@@ -58,6 +58,14 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
                 assert r["ttft_s"] <= r["e2e_s"] and len(r["chunk_gaps_s"]) < r["output_tokens"]
             assert max(r["output_tokens"] for r in records if r["prompt"] == 1) <= 12  # its line's max_tokens
 
+            # The server's configuration alone (as against another OpenAI-compatible server), unwarmed.
+            code, out, err = await bench_serve(
+                "--base-url", h.base_url, "--auth-token-file", str(token), "--dataset", str(dataset), "--no-plain",
+                "--no-warmup", "--max-tokens", "8", "--out", str(tmp_path / "alone"))
+            assert code == 0, out + err
+            alone = json.loads((tmp_path / "alone" / "bench-serve.json").read_text())["summary"]
+            assert [(p["mode"], p["done"]) for p in alone["passes"]] == [("spec", 4)] and alone["rounds"] == []
+
             # The token refused: told in one line, nothing measured.
             code, out, err = await bench_serve("--base-url", h.base_url, "--dataset", str(dataset),
                                                "--out", str(tmp_path / "refused"))
