@@ -13,7 +13,7 @@ import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
-from verifier_service.tools.bench.endpoint import arrivals, pass_order, percentile
+from verifier_service.tools.bench.endpoint import arrivals, load_dataset, pass_order, percentile
 
 SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
 
@@ -58,13 +58,15 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
                 assert r["ttft_s"] <= r["e2e_s"] and len(r["chunk_gaps_s"]) < r["output_tokens"]
             assert max(r["output_tokens"] for r in records if r["prompt"] == 1) <= 12  # its line's max_tokens
 
-            # The server's configuration alone (as against another OpenAI-compatible server), unwarmed.
+            # The server's configuration alone (as against another OpenAI-compatible server), unwarmed, on 3
+            # of the 4 prompts.
             code, out, err = await bench_serve(
                 "--base-url", h.base_url, "--auth-token-file", str(token), "--dataset", str(dataset), "--no-plain",
-                "--no-warmup", "--max-tokens", "8", "--out", str(tmp_path / "alone"))
+                "--no-warmup", "--num-prompts", "3", "--max-tokens", "8", "--out", str(tmp_path / "alone"))
             assert code == 0, out + err
-            alone = json.loads((tmp_path / "alone" / "bench-serve.json").read_text())["summary"]
-            assert [(p["mode"], p["done"]) for p in alone["passes"]] == [("spec", 4)] and alone["rounds"] == []
+            alone = json.loads((tmp_path / "alone" / "bench-serve.json").read_text())
+            assert [(p["mode"], p["done"]) for p in alone["summary"]["passes"]] == [("spec", 3)]
+            assert alone["summary"]["rounds"] == [] and len(set(alone["prompts"])) == 3
 
             # The token refused: told in one line, nothing measured.
             code, out, err = await bench_serve("--base-url", h.base_url, "--dataset", str(dataset),
@@ -87,6 +89,33 @@ def test_a_bad_dataset_line_is_named_before_anything_is_sent(tmp_path: Path, lin
     dataset.write_text('{"prompt": "fine"}\n' + line + "\n")
     code, _, err = asyncio.run(bench_serve("--base-url", "http://127.0.0.1:9", "--dataset", str(dataset)))
     assert code == 2 and problem in err, err
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('[{"conversations": "hi"}]', 'item 0: a ShareGPT item holds a list of turns under "conversations"'),
+    ('[{"conversations": [{"from": "robot", "value": "hi"}]}]', 'item 0: a turn is {"from": human, gpt or system'),
+    ('[{"conversations": [{"from": "gpt", "value": "hi"}]}]', "holds no conversation with a human turn"),
+    ("[1, ", "not JSON"),
+])
+def test_a_bad_sharegpt_file_is_named_before_anything_is_sent(tmp_path: Path, text: str, problem: str) -> None:
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(text)
+    code, _, err = asyncio.run(bench_serve("--base-url", "http://127.0.0.1:9", "--dataset", str(dataset)))
+    assert code == 2 and problem in err, err
+
+
+def test_sharegpt_conversations_become_their_first_question(tmp_path: Path) -> None:
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
+                                      {"from": "human", "value": "Q2"}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}]},
+        {"id": "c", "conversations": [{"from": "gpt", "value": "only an answer"}]},
+        {"conversations": []}]))
+    requests = load_dataset(dataset)
+    assert [(r.name, r.messages) for r in requests] == [
+        ("sharegpt.json:a", [{"role": "user", "content": "Q1"}]),
+        ("sharegpt.json:b", [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])]
 
 
 def test_poisson_arrivals_alternating_passes_and_percentiles() -> None:

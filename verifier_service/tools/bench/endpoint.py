@@ -19,7 +19,8 @@ percentile, and the mean acceptance length the server reports per request. With 
 so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels).
 
 Prompts come from a JSONL file (`--dataset`: per line `{"messages": [...]}` for a chat or `{"prompt": "..."}`,
-sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"`), else from the
+sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"`) or a ShareGPT
+JSON file (each conversation's first question), `--num-prompts` of them drawn at random, else from the
 built-in workloads (bench/workloads.py). Results go to `--out`/bench-serve.json, every request included.
 """
 
@@ -93,8 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="the verifier's HTTP API, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="the served model name to ask for (default: the first of /v1/models)")
     p.add_argument("--auth-token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
-    p.add_argument("--dataset", type=Path, metavar="FILE.jsonl",
-                   help='prompts, one JSON object a line: {"messages": [...]} or {"prompt": "...", "raw": false}')
+    p.add_argument("--dataset", type=Path, metavar="FILE",
+                   help='prompts, one JSON object a line ({"messages": [...]} or {"prompt": "...", "raw": false}), '
+                        "or a ShareGPT JSON file (each conversation's first question)")
+    p.add_argument("--num-prompts", type=int,
+                   help="send this many of the dataset's prompts, drawn at random with --seed (default: all)")
     p.add_argument("--workloads", default="grounded,code,open",
                    help=f"without --dataset, built-in prompts: comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--prompts", type=int, default=4, help="built-in prompts per workload")
@@ -122,6 +126,8 @@ def main(args: argparse.Namespace) -> int:
         check_args(args)
         token = read_token(args.auth_token_file)
         requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
+        if args.num_prompts is not None and args.num_prompts < len(requests):
+            requests = random.Random(args.seed).sample(requests, args.num_prompts)
     except (OSError, ValueError) as exc:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 2
@@ -149,7 +155,7 @@ class ServerProblem(Exception):
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "prompts", "rounds", "max_concurrency"):
+    for name in ("max_tokens", "prompts", "rounds", "max_concurrency", "num_prompts"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
@@ -158,9 +164,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def load_dataset(path: Path) -> list[Request]:
-    """The prompts of a JSONL file; ValueError naming the line of the first one that is not a prompt."""
+    """The prompts of a JSONL file, or of a ShareGPT JSON file (a list of {"conversations": [...]}, as vLLM's
+    benchmarks read it); ValueError naming the line or the item of the first one that is not a prompt."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        return _sharegpt(path, text)
     requests = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -170,6 +180,36 @@ def load_dataset(path: Path) -> list[Request]:
             raise ValueError(f"{path}, line {number}: {exc}") from None
     if not requests:
         raise ValueError(f"{path} holds no prompts")
+    return requests
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _sharegpt(path: Path, text: str) -> list[Request]:
+    """Each conversation up to and including its first human turn, as a chat (the first question, after any
+    system or gpt turn before it); a conversation without a human turn is passed over."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    requests = []
+    for index, item in enumerate(items):
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise ValueError(f"{path}, item {index}: a ShareGPT item holds a list of turns under \"conversations\"")
+        messages = []
+        for turn in turns:
+            role = SHAREGPT_ROLES.get(turn.get("from"))
+            if role is None or not isinstance(turn.get("value"), str):
+                raise ValueError(f"{path}, item {index}: a turn is {{\"from\": human, gpt or system, \"value\": "
+                                 f"text}}, not {json.dumps(turn)[:100]}")
+            messages.append({"role": role, "content": turn["value"]})
+            if role == "user":
+                requests.append(Request(f"{path.name}:{item.get('id', index)}", messages=messages))
+                break
+    if not requests:
+        raise ValueError(f"{path} holds no conversation with a human turn")
     return requests
 
 
