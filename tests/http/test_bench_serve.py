@@ -4,6 +4,7 @@ or a refused token fails in one line before anything is measured."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -13,7 +14,17 @@ import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
-from verifier_service.tools.bench.endpoint import arrivals, load_dataset, pass_order, percentile
+from verifier_service.tools.bench.endpoint import (
+    Pass,
+    Record,
+    Request,
+    arrivals,
+    load_dataset,
+    pass_order,
+    percentile,
+    print_summary,
+    summarise,
+)
 
 SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
 
@@ -116,6 +127,21 @@ def test_sharegpt_conversations_become_their_first_question(tmp_path: Path) -> N
     assert [(r.name, r.messages) for r in requests] == [
         ("sharegpt.json:a", [{"role": "user", "content": "Q1"}]),
         ("sharegpt.json:b", [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])]
+
+
+def test_a_greedy_output_that_differs_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    def record(mode: str, prompt: int, tokens: list[int]) -> Record:
+        return Record(mode, 0, prompt, ttft_s=0.1, e2e_s=0.5, output_tokens=len(tokens), token_ids=tokens)
+
+    requests = [Request("same", prompt="a"), Request("changed", prompt="b")]
+    passes = [Pass("spec", 0, 1.0, [record("spec", 0, [1, 2, 3]), record("spec", 1, [4, 5, 6])]),
+              Pass("plain", 0, 2.0, [record("plain", 0, [1, 2, 3]), record("plain", 1, [4, 5, 7])])]
+    args = argparse.Namespace(temperature=0.0, request_rate=float("inf"), max_concurrency=None)
+    summary = summarise(passes, args)
+    assert summary["rounds"][0]["identical"] == {"same": 1, "compared": 2, "differ": [1]}
+    assert summary["rounds"][0]["output_tokens_per_s_ratio"] == 2.0
+    print_summary(summary, "http://x", "m", requests, args)
+    assert "greedy outputs identical: 1 of 2 (not: changed)" in capsys.readouterr().out
 
 
 def test_poisson_arrivals_alternating_passes_and_percentiles() -> None:

@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 1
     summary = summarise(passes, args)
-    _print(summary, base, model, len(requests), args)
+    print_summary(summary, base, model, requests, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-serve.json").write_text(json.dumps(
@@ -438,20 +438,23 @@ def _row(p: Pass) -> dict:
     }
 
 
-def _identical(*passes: Pass) -> dict[str, int]:
-    """A round's greedy outputs compared prompt by prompt between its spec and plain passes."""
+def _identical(*passes: Pass) -> dict:
+    """A round's greedy outputs compared prompt by prompt between its spec and plain passes: how many were
+    compared, how many were the same, and the prompts (indices) that were not."""
     spec = next(p for p in passes if p.mode == "spec")
     plain = next(p for p in passes if p.mode == "plain")
-    pairs = [(a.token_ids, b.token_ids) for a, b in zip(spec.records, plain.records)
+    pairs = [(a.prompt, a.token_ids, b.token_ids) for a, b in zip(spec.records, plain.records)
              if not (a.error or b.error) and a.token_ids is not None and b.token_ids is not None]
-    return {"same": sum(a == b for a, b in pairs), "compared": len(pairs)}
+    differ = [prompt for prompt, a, b in pairs if a != b]
+    return {"same": len(pairs) - len(differ), "compared": len(pairs), "differ": differ}
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def _print(summary: dict, base: str, model: str, prompts: int, args: argparse.Namespace) -> None:
+def print_summary(summary: dict, base: str, model: str, requests: list[Request], args: argparse.Namespace) -> None:
+    prompts = len(requests)
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g}/s (Poisson)"
     print(f"\nbench-serve {base}, model {model}: {prompts} prompts a pass, sent {rate}, "
           f"at most {args.max_concurrency or prompts} at a time")
@@ -474,6 +477,9 @@ def _print(summary: dict, base: str, model: str, prompts: int, args: argparse.Na
         if "identical" in compared:
             same = compared["identical"]
             line += f"; greedy outputs identical: {same['same']} of {same['compared']}"
+            if same["differ"]:
+                line += f" (not: {', '.join(requests[i].name for i in same['differ'][:3])}"
+                line += f" and {len(same['differ']) - 3} more)" if len(same["differ"]) > 3 else ")"
         print(line)
     if len(summary["rounds"]) > 1:
         print("(a later round asks the same prompts again: a drafter that learns from finished requests, as the "
