@@ -17,14 +17,13 @@ from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 from verifier_service.tools.bench.endpoint import (
     Pass,
     Record,
-    Request,
     arrivals,
-    load_dataset,
     pass_order,
     percentile,
     print_summary,
     summarise,
 )
+from verifier_service.tools.bench.serve_prompts import Request, load_dataset
 
 SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
 

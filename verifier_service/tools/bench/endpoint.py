@@ -21,7 +21,7 @@ so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kerne
 Prompts come from a JSONL file (`--dataset`: per line `{"messages": [...]}` for a chat or `{"prompt": "..."}`,
 sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"`) or a ShareGPT
 JSON file (each conversation's first question), `--num-prompts` of them drawn at random, else from the
-built-in workloads (bench/workloads.py). Results go to `--out`/bench-serve.json, every request included.
+built-in workloads (serve_prompts.py). Results go to `--out`/bench-serve.json, every request included.
 """
 
 from __future__ import annotations
@@ -39,32 +39,9 @@ from pathlib import Path
 import httpx
 
 from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
+from verifier_service.tools.bench.serve_prompts import WORKLOADS, Request, builtin, load_dataset
 
 MODES = ("spec", "plain")
-# The built-in workloads this bench can send: those given as whole texts (agentic turns need the last answer).
-WORKLOADS = ("grounded", "code", "open", "recurring", "templated")
-
-
-@dataclass(frozen=True)
-class Request:
-    """One prompt as it goes out: a chat's messages, or a raw completion's text."""
-
-    name: str
-    messages: list[dict] | None = None
-    prompt: str | None = None
-    max_tokens: int | None = None
-
-    def body(self, model: str, args: argparse.Namespace, mode: str) -> tuple[str, dict]:
-        body: dict = {"model": model, "max_tokens": self.max_tokens or args.max_tokens,
-                      "temperature": args.temperature, "stream": True,
-                      "stream_options": {"include_usage": True}}
-        if args.ignore_eos:
-            body["ignore_eos"] = True
-        if mode == "plain":
-            body["speculation"] = {"disable": True}
-        if self.messages is not None:
-            return "/v1/chat/completions", body | {"messages": self.messages}
-        return "/v1/completions", body | {"prompt": self.prompt}
 
 
 @dataclass
@@ -161,89 +138,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be positive (inf: all at once), not {args.request_rate}")
-
-
-def load_dataset(path: Path) -> list[Request]:
-    """The prompts of a JSONL file, or of a ShareGPT JSON file (a list of {"conversations": [...]}, as vLLM's
-    benchmarks read it); ValueError naming the line or the item of the first one that is not a prompt."""
-    text = path.read_text()
-    if text.lstrip().startswith("["):
-        return _sharegpt(path, text)
-    requests = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            requests.append(_request(item, f"{path.name}:{number}"))
-        except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}, line {number}: {exc}") from None
-    if not requests:
-        raise ValueError(f"{path} holds no prompts")
-    return requests
-
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
-def _sharegpt(path: Path, text: str) -> list[Request]:
-    """Each conversation up to and including its first human turn, as a chat (the first question, after any
-    system or gpt turn before it); a conversation without a human turn is passed over."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    requests = []
-    for index, item in enumerate(items):
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-            raise ValueError(f"{path}, item {index}: a ShareGPT item holds a list of turns under \"conversations\"")
-        messages = []
-        for turn in turns:
-            role = SHAREGPT_ROLES.get(turn.get("from"))
-            if role is None or not isinstance(turn.get("value"), str):
-                raise ValueError(f"{path}, item {index}: a turn is {{\"from\": human, gpt or system, \"value\": "
-                                 f"text}}, not {json.dumps(turn)[:100]}")
-            messages.append({"role": role, "content": turn["value"]})
-            if role == "user":
-                requests.append(Request(f"{path.name}:{item.get('id', index)}", messages=messages))
-                break
-    if not requests:
-        raise ValueError(f"{path} holds no conversation with a human turn")
-    return requests
-
-
-def _request(item: object, name: str) -> Request:
-    if not isinstance(item, dict):
-        raise ValueError("a line must be a JSON object")
-    max_tokens = item.get("max_tokens")
-    if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
-        raise ValueError(f"max_tokens must be a positive integer, not {max_tokens!r}")
-    if "messages" in item:
-        messages = item["messages"]
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-            raise ValueError("messages must be a non-empty list of message objects")
-        return Request(name, messages=messages, max_tokens=max_tokens)
-    prompt = item.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError('a line needs "messages" (a chat) or "prompt" (a non-empty string)')
-    if item.get("raw", False):
-        return Request(name, prompt=prompt, max_tokens=max_tokens)
-    return Request(name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
-
-
-def builtin(names: str, count: int) -> list[Request]:
-    from verifier_service.tools.bench import workloads  # reads the standard library's sources: only when asked
-
-    requests = []
-    for workload in names.split(","):
-        if workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
-        for name, text in workloads.WORKLOADS[workload](count):
-            # Code is completed as it stands, as the other benches send it; the rest are chat questions.
-            requests.append(Request(f"{workload}: {name}", prompt=text) if workload == "code" else
-                            Request(f"{workload}: {name}", messages=[{"role": "user", "content": text}]))
-    return requests
 
 
 def arrivals(count: int, rate: float, seed: int) -> list[float]:
