@@ -56,10 +56,11 @@ class Target(Protocol):
 
     def prepare(self, verifier: str, sequences: list[pb.DraftSequence]) -> list[pb.DraftResult]: ...
 
-    def release(self, verifier: str, request_ids: list[str]) -> int: ...
+    def release(self, verifier: str, request_ids: list[str], finished: bool = False) -> int:
+        """Release the requests, as finished (ReleaseReason FINISHED: a learning drafter learns them) or not."""
 
-    def fresh(self, seq: pb.DraftSequence) -> pb.DraftResult:
-        """The answer to `seq` (a whole context) from the same kind of drafter holding nothing."""
+    def fresh_target(self) -> Target:
+        """The same kind of drafter, holding nothing and having learned nothing."""
 
     def holds(self, key: Key) -> bool | None:
         """Whether its store holds `key`; None where it does not show its store."""
@@ -77,12 +78,20 @@ class DeltaProtocol(RuleBasedStateMachine):
         self.target = self.make_target()
         self.truth: dict[Key, list[int]] = {}  # the verifier's committed context
         self.sent: dict[Key, int] = {}  # where the verifier's last sent delta ended
-        self.held: dict[Key, int] = {}  # what the drafter should hold, by the protocol
+        # What the drafter should hold, by the protocol: the tokens, and the prompt length they came with (a
+        # drafter keeps the one of the call that started holding them; a full context extending them is an append).
+        self.held: dict[Key, tuple[list[int], int]] = {}
+        self.prompt_len: dict[Key, int] = {}  # fixed for a context, as a verifier sends it
+        self.finished: set[Key] = set()  # request ids are not used again once finished
+        self.learned: list[tuple[list[int], int]] = []  # the finished sequences (tokens, prompt_len), in order
 
-    @rule(key=st.sampled_from(KEYS), prompt=tokens)
-    def new_context(self, key: Key, prompt: list[int]) -> None:
+    @rule(key=st.sampled_from(KEYS), prompt=tokens, data=st.data())
+    def new_context(self, key: Key, prompt: list[int], data: st.DataObject) -> None:
         """A new request under this id, or a request's context replaced: only the whole context may follow."""
+        if key in self.finished:
+            return
         self.truth[key] = prompt
+        self.prompt_len[key] = data.draw(st.integers(0, min(len(prompt), 3)))
         self.sent.pop(key, None)
 
     @precondition(lambda self: self.truth)
@@ -97,7 +106,7 @@ class DeltaProtocol(RuleBasedStateMachine):
     @rule(data=st.data())
     def call(self, data: st.DataObject) -> None:
         verifier = data.draw(st.sampled_from(VERIFIERS))
-        mine = sorted(k for k in self.truth if k[0] == verifier)
+        mine = sorted(k for k in self.truth if k[0] == verifier and k not in self.finished)
         if not mine:
             return
         keys = data.draw(st.lists(st.sampled_from(mine), min_size=1, unique=True))
@@ -111,41 +120,55 @@ class DeltaProtocol(RuleBasedStateMachine):
                 start = data.draw(st.integers(1, max(sent, 1)))
             else:
                 start = {"full": 0, "since": sent, "gap": (sent or 0) + 1}[kind]
-            held = self.held.get(key)
+            held = len(self.held[key][0]) if key in self.held else None
             if start > len(truth) or (kind == "contradict" and (held is None or start >= held)):
                 kind, start = "full", 0  # nothing to skip, or no held token to contradict: the whole context
             new = list(truth[start:])
             if kind == "contradict":
                 new[0] = (new[0] + 1) % 6  # a token the drafter already holds, changed
             seq = pb.DraftSequence(request_id=key[1], context_len=start, new_tokens=new,
-                                   prompt_len=data.draw(st.integers(0, min(len(truth), 3))),
-                                   draft_len=data.draw(st.integers(0, 8)),
+                                   prompt_len=self.prompt_len[key], draft_len=data.draw(st.integers(0, 8)),
                                    max_draft_nodes=data.draw(st.sampled_from([0, 0, 3, 10])))
             sequences.append(seq)
             expected.append(self._expect(key, seq, kind))
         results = self.target.prepare(verifier, sequences)
         assert [r.request_id for r in results] == [k[1] for k in keys]
         for key, seq, result, status in zip(keys, sequences, results, expected):
-            assert result.status == status, (key, seq, self.held.get(key))
+            assert result.status == status, (key, seq)
             if status == OK:
-                whole = pb.DraftSequence(request_id=seq.request_id, new_tokens=self.truth[key],
-                                         prompt_len=seq.prompt_len, draft_len=seq.draft_len,
-                                         max_draft_nodes=seq.max_draft_nodes)
-                fresh = self.target.fresh(whole)
-                assert fresh.status == OK
+                tokens, prompt_len = self.held[key]  # the whole context, now held
+                fresh = self._fresh(pb.DraftSequence(request_id=seq.request_id, new_tokens=tokens,
+                                                     prompt_len=prompt_len, draft_len=seq.draft_len,
+                                                     max_draft_nodes=seq.max_draft_nodes))
                 assert (list(result.draft_tokens), list(result.draft_parents)) == (
                     list(fresh.draft_tokens), list(fresh.draft_parents)), (key, seq)
             else:
                 assert not result.draft_tokens
         self._note_evictions()
 
+    def _fresh(self, whole: pb.DraftSequence) -> pb.DraftResult:
+        """What the same kind of drafter answers to one call carrying the whole context, having learned the
+        finished sequences first, in the same order."""
+        fresh = self.target.fresh_target()
+        try:
+            for i, (learned, prompt_len) in enumerate(self.learned):
+                fresh.prepare("learn", [pb.DraftSequence(request_id=str(i), new_tokens=learned, prompt_len=prompt_len)])
+                assert fresh.release("learn", [str(i)], finished=True) == 1
+            [result] = fresh.prepare("fresh", [whole])
+            assert result.status == OK
+            return result
+        finally:
+            fresh.release("fresh", [whole.request_id])
+            fresh.close()
+
     def _expect(self, key: Key, seq: pb.DraftSequence, kind: str) -> int:
         """The status the protocol gives this delta (PROTOCOL.md §4); what the drafter holds after it."""
-        held, start = self.held.get(key), seq.context_len
+        held, start = len(self.held[key][0]) if key in self.held else None, seq.context_len
         if kind != "contradict":
             self.sent[key] = len(self.truth[key])
         if start == 0:
-            self.held[key] = len(seq.new_tokens)
+            extends = key in self.held and list(seq.new_tokens[:held]) == self.held[key][0]
+            self.held[key] = (list(seq.new_tokens), self.held[key][1] if extends else seq.prompt_len)
             return OK
         if held is None or held < start:  # never seen, released or evicted; or a gap: what is held stays
             return RESYNC
@@ -153,7 +176,7 @@ class DeltaProtocol(RuleBasedStateMachine):
             del self.held[key]
             self.sent.pop(key, None)
             return RESYNC
-        self.held[key] = start + len(seq.new_tokens)
+        self.held[key] = (self.truth[key][:start + len(seq.new_tokens)], self.held[key][1])
         return OK
 
     @precondition(lambda self: self.truth)
@@ -168,6 +191,19 @@ class DeltaProtocol(RuleBasedStateMachine):
         for r in ids:
             self.held.pop((verifier, r), None)
             self.sent.pop((verifier, r), None)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """A request finishes: released FINISHED, what the drafter holds of it is a finished output."""
+        self._note_evictions()
+        if not self.held:
+            return
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        assert self.target.release(key[0], [key[1]], finished=True) == 1
+        self.learned.append(self.held.pop(key))
+        self.finished.add(key)
+        self.sent.pop(key, None)
 
     def _note_evictions(self) -> None:
         """A state budget may evict any sequence after a call (none is evicted without one)."""

@@ -23,24 +23,19 @@ class NodeTarget:
     def __init__(self, stub: pb_grpc.DrafterServiceStub, run_id: str) -> None:
         self.stub = stub
         self.run_id = run_id
-        self.fresh_id = fresh_ids(f"{run_id}-fresh-")
+        self.fresh_ids = fresh_ids(f"{run_id}-fresh-")
 
     def prepare(self, verifier: str, sequences: list[pb.DraftSequence]) -> list[pb.DraftResult]:
         return list(self.stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(
             verifier_id=f"{self.run_id}-{verifier}", sequences=sequences), timeout=10).results)
 
-    def release(self, verifier: str, request_ids: list[str]) -> int:
+    def release(self, verifier: str, request_ids: list[str], finished: bool = False) -> int:
+        reasons = [pb.RELEASE_REASON_FINISHED] * len(request_ids) if finished else []
         return self.stub.ReleaseRequests(pb.ReleaseRequestsRequest(
-            verifier_id=f"{self.run_id}-{verifier}", request_ids=request_ids), timeout=10).released
+            verifier_id=f"{self.run_id}-{verifier}", request_ids=request_ids, reasons=reasons), timeout=10).released
 
-    def fresh(self, seq: pb.DraftSequence) -> pb.DraftResult:
-        verifier = self.fresh_id()  # a namespace nothing was held in
-        try:
-            return self.stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(verifier_id=verifier, sequences=[seq]),
-                                                timeout=10).results[0]
-        finally:
-            self.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=[seq.request_id]),
-                                      timeout=10)
+    def fresh_target(self) -> NodeTarget:
+        return NodeTarget(self.stub, self.fresh_ids())  # namespaces nothing was held in (it learns nothing)
 
     def holds(self, key: Key) -> None:
         return None  # its store is not visible; releases count what it holds

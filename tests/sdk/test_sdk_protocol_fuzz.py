@@ -51,15 +51,13 @@ class ServicerTarget:
         return list(self.servicer.prepare(pb.PrepareDraftTokensRequest(verifier_id=verifier,
                                                                        sequences=sequences)).results)
 
-    def release(self, verifier: str, request_ids: list[str]) -> int:
-        return self.servicer.release(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=request_ids)).released
+    def release(self, verifier: str, request_ids: list[str], finished: bool = False) -> int:
+        reasons = [pb.RELEASE_REASON_FINISHED] * len(request_ids) if finished else []
+        return self.servicer.release(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=request_ids,
+                                                               reasons=reasons)).released
 
-    def fresh(self, seq: pb.DraftSequence) -> pb.DraftResult:
-        fresh = serving(self.drafter, None)
-        try:
-            return fresh.prepare(pb.PrepareDraftTokensRequest(verifier_id="fresh", sequences=[seq])).results[0]
-        finally:
-            fresh.close()
+    def fresh_target(self) -> ServicerTarget:
+        return ServicerTarget(self.drafter, None)
 
     def holds(self, key: Key) -> bool:
         return key in self.servicer.store
