@@ -2,12 +2,14 @@
 
 A verifier keeps each request's committed context and, per call, sends a delta from a point of its
 choosing: the whole context, the tokens since its last call, or an overlap of the last few. Now and
-then it replaces a request's context, releases it, skips tokens (a gap, as after a lost call) or sends
-an overlap that contradicts what it sent before (a corrupted message). Whatever the interleaving, over
+then it replaces a request's context, releases it, finishes it (released FINISHED: a drafter that
+learns from finished requests learns it), skips tokens (a gap, as after a lost call) or sends an
+overlap that contradicts what it sent before (a corrupted message). Whatever the interleaving, over
 several requests of two verifiers (and, where the target has one, under a state budget that evicts):
 
 - a sequence in sync is drafted from exactly its committed context: the draft, chain or tree, equals
-  what the same kind of drafter answers, fresh, to one call carrying that whole context;
+  what the same kind of drafter answers, fresh, to one call carrying that whole context after learning
+  the same finished sequences in the same order;
 - one out of sync (never seen, released, a gap, a contradiction, evicted) is answered RESYNC_REQUIRED,
   never drafted from the wrong context, and the whole context brings it back;
 - a release counts exactly the sequences the protocol says are held (and, where the target shows its

@@ -2,9 +2,9 @@
 with the n-gram and the suffix drafters (chains and trees), without a state budget and with one that evicts.
 
 Both keep state per sequence that each call extends (the n-gram tables, the suffix drafter's own tree and
-its match cursors), so a draft equal to a fresh drafter's says that state followed the context exactly. No
-request finishes here (releases give no reason), so the suffix drafter learns nothing across requests and
-drafts from each sequence's own context alone, as a fresh one does.
+its match cursors into the global tree of finished outputs, extended as outputs are added), so a draft
+equal to a fresh drafter's, given the same finished outputs, says that state followed the context and the
+cache exactly.
 """
 
 from __future__ import annotations
