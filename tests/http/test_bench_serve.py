@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
@@ -21,6 +22,7 @@ from verifier_service.tools.bench.endpoint import (
     pass_order,
     percentile,
     print_summary,
+    stream_request,
     summarise,
 )
 from verifier_service.tools.bench.serve_prompts import Request, load_dataset
@@ -141,6 +143,21 @@ def test_a_greedy_output_that_differs_is_named(capsys: pytest.CaptureFixture[str
     assert summary["rounds"][0]["output_tokens_per_s_ratio"] == 2.0
     print_summary(summary, "http://x", "m", requests, args)
     assert "greedy outputs identical: 1 of 2 (not: changed)" in capsys.readouterr().out
+
+
+def test_a_stream_cut_short_is_a_failure() -> None:
+    cut = 'data: {"choices": [{"index": 0, "text": "a", "splitspec": {"token_ids": [5]}}]}\n\n'
+
+    async def main() -> Record:
+        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=cut,
+                                                                 headers={"content-type": "text/event-stream"}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            record = Record("spec", 0, 0)
+            await stream_request(http, "/v1/completions", {}, record)
+            return record
+
+    record = asyncio.run(main())
+    assert record.error == "the stream ended before its [DONE]" and record.token_ids == [5]
 
 
 def test_poisson_arrivals_alternating_passes_and_percentiles() -> None:

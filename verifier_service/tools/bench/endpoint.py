@@ -196,7 +196,7 @@ async def _warm_up(http: httpx.AsyncClient, model: str, requests: list[Request],
         async with gate:
             record = Record("warm-up", 0, 0)
             path, body = request.body(model, args, "plain")
-            await _stream(http, path, body | {"max_tokens": 1, "ignore_eos": False}, record)
+            await stream_request(http, path, body | {"max_tokens": 1, "ignore_eos": False}, record)
             return record.error
 
     failed = [error for error in await asyncio.gather(*(one(r) for r in requests)) if error]
@@ -226,7 +226,7 @@ async def _pass(http: httpx.AsyncClient, model: str, requests: list[Request], mo
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with gate:
             record = Record(mode, round_, i, sent_at=round(time.perf_counter() - start, 6))
-            await _stream(http, *requests[i].body(model, args, mode), record)
+            await stream_request(http, *requests[i].body(model, args, mode), record)
             return record
 
     # The same arrival times for both modes' passes of a round: only the requests' setting differs.
@@ -235,17 +235,19 @@ async def _pass(http: httpx.AsyncClient, model: str, requests: list[Request], mo
     return Pass(mode, round_, time.perf_counter() - start, list(records))
 
 
-async def _stream(http: httpx.AsyncClient, path: str, body: dict, record: Record) -> None:
+async def stream_request(http: httpx.AsyncClient, path: str, body: dict, record: Record) -> None:
     """Send one request as a stream and note when its tokens came; a failure is noted, never raised."""
     sent = time.perf_counter()
     last = sent
     exact = False  # whether the chunks name their tokens (a splitspec verifier's `splitspec.token_ids`)
+    ended = False  # whether the stream said it was complete ([DONE])
     try:
         async with http.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 record.error = f"{response.status_code}: {_message((await response.aread()).decode(errors='replace'))}"
                 return
             async for line in response.aiter_lines():
+                ended = ended or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: "):])
@@ -273,6 +275,9 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict, record: Record
                 usage = event.get("usage")
                 if usage and not exact:
                     record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+        if not ended:
+            record.error = "the stream ended before its [DONE]"
+            return
         record.e2e_s = time.perf_counter() - sent
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
