@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='prompts, one JSON object a line ({"messages": [...]} or {"prompt": "...", "raw": false}), '
                         "or a ShareGPT JSON file (each conversation's first question)")
     p.add_argument("--num-prompts", type=int,
-                   help="send this many of the dataset's prompts, drawn at random with --seed (default: all)")
+                   help="send this many of the prompts, drawn at random with --seed (default: all)")
     p.add_argument("--workloads", default="grounded,code,open",
                    help=f"without --dataset, built-in prompts: comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--prompts", type=int, default=4, help="built-in prompts per workload")
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip sending each prompt once (one token) before the passes: the first pass then "
                         "prefills prompts the later ones find in the prefix cache")
-    p.add_argument("--seed", type=int, default=0, help="for the arrival times")
+    p.add_argument("--seed", type=int, default=0, help="for the arrival times and --num-prompts' draw")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--out", default="bench-results", help="folder for bench-serve.json")
     p.set_defaults(func=main)
