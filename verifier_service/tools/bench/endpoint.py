@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip sending each prompt once (one token) before the passes: the first pass then "
                         "prefills prompts the later ones find in the prefix cache")
     p.add_argument("--seed", type=int, default=0, help="for the arrival times and --num-prompts' draw")
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request may wait to connect, or for its next bytes")
     p.add_argument("--out", default="bench-results", help="folder for bench-serve.json")
     p.set_defaults(func=main)
 
