@@ -12,6 +12,7 @@ import random
 
 import grpc
 import pytest
+from round_robin import ANSWER_LOST, RoundRobin
 
 from drafter_sdk import Drafter, DraftRequest, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
@@ -44,46 +45,6 @@ def replica() -> DrafterServicer:
     servicer = DrafterServicer(Echo())
     servicer.load()
     return servicer
-
-
-class RoundRobin:
-    """What gRPC round_robin does with N ready replicas: call i goes to replica i mod N."""
-
-    target = "round-robin"
-    one_replica = False
-    splits_calls = False
-
-    def __init__(self, *servicers: DrafterServicer) -> None:
-        self.replicas = list(servicers)
-        self.sent: list[pb.PrepareDraftTokensRequest] = []
-        self.fail_next = False
-        self._next = 0
-
-    async def prepare(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> pb.PrepareDraftTokensResponse:
-        self.sent.append(request)
-        servicer = self.replicas[self._next % len(self.replicas)]
-        self._next += 1
-        response = servicer.prepare(request)  # applied, even when the caller then sees a failure
-        if self.fail_next:
-            self.fail_next = False
-            raise TimeoutError("deadline exceeded")
-        return response
-
-    def start(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        return None  # prepare makes every call
-
-    async def sync(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        await self.prepare(request, timeout_s)
-
-    async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float, on_stream: bool) -> None:
-        for servicer in self.replicas:
-            servicer.release(request)
-
-    async def info(self, timeout_s: float) -> pb.GetDrafterInfoResponse:
-        return self.replicas[0].info()
-
-    async def close(self) -> None:
-        return None
 
 
 def query(tokens: list[int], history: DeltaHistory, request_id: str = "r", draft_len: int = 3) -> DraftQuery:
@@ -160,7 +121,7 @@ def test_resync_forgets_the_history_and_a_failed_call_keeps_it():
             tokens = tokens + [len(tokens)]
             await client.propose([query(tokens, h)])
         assert client.context_len(h) == 5
-        transport.fail_next = True
+        transport.fate = ANSWER_LOST
         tokens = tokens + [9]
         reply = await client.propose([query(tokens, h)])
         assert reply.failed == [True] and client.context_len(h) == 5  # unchanged

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from round_robin import ANSWER_LOST, ANSWERED, LOST_ON_THE_WAY, RoundRobin
 
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import drafter_pb2 as pb
@@ -41,62 +42,13 @@ OVERLAP_STEPS = 3
 REQUESTS = ("a", "b", "c")
 VOCAB = 6
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
-FATES = ("answered", "answered", "lost on the way", "answer lost")
+FATES = (ANSWERED, ANSWERED, LOST_ON_THE_WAY, ANSWER_LOST)
 
 
 def ngram_servicer() -> DrafterServicer:
     servicer = DrafterServicer(NgramDrafter(max_draft_len=6, max_matching_ngram_size=3))
     servicer.load()
     return servicer
-
-
-class LossyReplicas:
-    """Replicas in turn; `fate` decides what happens to the next call."""
-
-    target = "lossy replicas"
-    splits_calls = False
-
-    def __init__(self, replicas: int) -> None:
-        self.servicers = [ngram_servicer() for _ in range(replicas)]
-        self.one_replica = replicas == 1
-        self.turn = 0
-        self.fate = "answered"
-        self.sent: list[pb.PrepareDraftTokensRequest] = []
-        self.answered: list[pb.PrepareDraftTokensResponse | None] = []  # per sent call; None: lost
-
-    async def prepare(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> pb.PrepareDraftTokensResponse:
-        servicer = self.servicers[self.turn % len(self.servicers)]
-        self.turn += 1
-        self.sent.append(request)
-        self.answered.append(None)
-        if self.fate == "lost on the way":
-            raise ConnectionError("the call was lost on its way")
-        response = servicer.prepare(request)
-        if self.fate == "answer lost":
-            raise ConnectionError("the answer was lost on its way back")
-        self.answered[-1] = response
-        return response
-
-    def start(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        return None
-
-    async def sync(self, request: pb.PrepareDraftTokensRequest, timeout_s: float) -> None:
-        await self.prepare(request, timeout_s)
-
-    async def release(self, request: pb.ReleaseRequestsRequest, timeout_s: float, on_stream: bool) -> None:
-        for servicer in self.servicers:
-            servicer.release(request)
-
-    async def info(self, timeout_s: float) -> pb.GetDrafterInfoResponse:
-        return self.servicers[0].info()
-
-    async def tell_every_replica(self, sync: pb.PrepareDraftTokensRequest, release: pb.ReleaseRequestsRequest,
-                                 timeout_s: float) -> int:
-        return 0
-
-    async def close(self) -> None:
-        for servicer in self.servicers:
-            servicer.close()
 
 
 def fresh_draft(request_id: str, context: list[int], draft_len: int, nodes: int) -> tuple[list[int], list[int]]:
@@ -116,7 +68,7 @@ class VerifierSide(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.transport = LossyReplicas(self.replicas)
+        self.transport = RoundRobin(*(ngram_servicer() for _ in range(self.replicas)), one_replica=self.replicas == 1)
         self.client = DrafterClient(self.transport, verifier_id="v", vocab_size=VOCAB, deadline_s=5.0,
                                     overlap_steps=OVERLAP_STEPS, breaker=CircuitBreaker(failure_threshold=10**9),
                                     share_finished=False)
@@ -191,6 +143,8 @@ class VerifierSide(RuleBasedStateMachine):
         if hasattr(self, "loop"):
             self.loop.run_until_complete(self.client.close())
             self.loop.close()
+            for servicer in self.transport.replicas:
+                servicer.close()
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
