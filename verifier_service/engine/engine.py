@@ -149,8 +149,9 @@ class Engine:
     async def step(self) -> None:
         """Plan, draft and verify in ONE forward (new prompts, and every running sequence's last
         token plus its draft), commit."""
+        price = self.step_price  # as the steps before this one measured it: the same for its plan and its trees
         with self._lock:
-            plan = self.scheduler.schedule(self.step_price)
+            plan = self.scheduler.schedule(price)
         self._release(plan.released)
         if self.metrics is not None:
             cache = self.scheduler.prefix_cache
@@ -160,12 +161,12 @@ class Engine:
         started = time.perf_counter()
         self._called = self._in_flight is not None or (self.drafter is not None and any(plan.draft_asks))
         self._receive_in_flight()
-        reply = await self._draft(plan)
+        reply = await self._draft(plan, price)
         self._drafter_s = time.perf_counter() - started
         new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
 
-    async def _draft(self, plan: StepPlan) -> DraftReply | None:
+    async def _draft(self, plan: StepPlan, price: StepPrice) -> DraftReply | None:
         """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
         fills in the plan's drafts to verify and its shadow drafts (asked for, not verified). Draft
         tokens a request's structured-output constraint refuses could never be accepted: they are
@@ -180,7 +181,7 @@ class Engine:
         if self.drafter is None or not any(plan.draft_asks):
             return None
         # Token trees where the drafter drafts them: a tree's depth is its draft length.
-        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens, self.step_price)
+        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens, price)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
         ahead = self.drafter.looks_ahead and not any(nodes)
         asks = plan.draft_asks
