@@ -112,6 +112,9 @@ class VerifierMetrics:
             f"{p}request_generation_tokens", "Generated tokens per finished request", buckets=TOKEN_BUCKETS,
             registry=r)
         # --- scheduler and KV cache (read at scrape time once `track` is called)
+        self.num_preemptions = Counter(
+            f"{p}num_preemptions", "Running sequences sent back to wait for one of higher priority "
+            "(--scheduling-policy priority); each recomputes its KV when readmitted", registry=r)
         self.num_requests_running = Gauge(f"{p}num_requests_running", "Sequences holding a KV slot", registry=r)
         self.num_requests_waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot", registry=r)
         self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc",

@@ -17,6 +17,8 @@ from verifier_service.spec_decode.config import ConfigError, validate
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 # The tool-call formats api/tool_calls.py reads from a model's text (vLLM's --tool-call-parser names).
 TOOL_CALL_PARSERS = ("hermes",)
+# vLLM's --scheduling-policy: first come first served, or by each request's priority (with preemption).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ServerSettings:
     # a late prompt token counting for more by its measured attention (builder.calibrate).
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES (engine/scheduler.py)
     max_message_bytes: int = 16 * 1024 * 1024
     max_concurrent_rpcs: int = 1024
     # --- speculation (filled in by validation: mode NONE when unset)
@@ -106,6 +109,9 @@ class ServerSettings:
             raise ConfigError(f"rank_timeout_s must be positive, not {self.rank_timeout_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"not {self.scheduling_policy!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -130,7 +130,7 @@ class SpeculationOverrides(_message.Message):
     def __init__(self, max_draft_len: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens")
+    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class GenerationParams(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -155,7 +156,8 @@ class GenerationParams(_message.Message):
     structured_output: StructuredOutput
     skip_special_tokens: bool
     truncate_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -298,7 +300,7 @@ class DrafterHealth(_message.Message):
     def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., disabled_reason: _Optional[str] = ..., draft_stream: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint")
+    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint", "scheduling_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +316,7 @@ class GetServerInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -329,7 +332,8 @@ class GetServerInfoResponse(_message.Message):
     dtype: str
     tensor_parallel_size: int
     tokenizer_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    scheduling_policy: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "chat", "return_token_strs")

@@ -17,7 +17,13 @@ from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.model import host_memory
-from verifier_service.settings import DEFAULTS, EMBEDDED_MODEL, TOOL_CALL_PARSERS, ServerSettings
+from verifier_service.settings import (
+    DEFAULTS,
+    EMBEDDED_MODEL,
+    SCHEDULING_POLICIES,
+    TOOL_CALL_PARSERS,
+    ServerSettings,
+)
 from verifier_service.spec_decode import config
 
 if TYPE_CHECKING:
@@ -33,7 +39,7 @@ def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **opt
 
 SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", "timing_cache",
                  "tensor_parallel_size", "cuda_graph_max_tokens", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_prefix_caching",
+                 "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy",
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
@@ -115,6 +121,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=argparse.SUPPRESS,
                    help="do not reuse the KV cache of shared prompt prefixes (on by default)")
+    _setting(c, "scheduling_policy", "fcfs: requests run in order of arrival; priority: by each request's "
+                                     "priority (lower first, vLLM's), a running request preempted for one that "
+                                     "comes before it and resumed exactly where it stopped",
+             choices=SCHEDULING_POLICIES)
     _setting(c, "max_queue_len", "waiting requests before RESOURCE_EXHAUSTED", type=int)
     _setting(c, "kv_cache_memory_gb", "KV cache budget per rank; bounds running sequences", type=float)
     _setting(c, "default_max_new_tokens", "when a request sets none", type=int)

@@ -57,7 +57,7 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = N
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens,
                                 parsed.stopping.include_stop_str, parsed.skip_special_tokens),
-        generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar)
+        generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority)
 
 
 async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Grammar | None:

@@ -156,6 +156,8 @@ class GenerationBody(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: only the prompt's last N tokens (after the chat template); -1, as many as leave room for the answer
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
+    # vLLM's: with --scheduling-policy priority, lower runs first (else anything but 0 is a 400)
+    priority: int = Field(0, ge=-INT32 - 1, le=INT32)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     functions: Any = None
@@ -263,6 +265,7 @@ class GenerationBody(_Body):
             p.prompt_logprobs = self.prompt_logprobs
         if self.truncate_prompt_tokens is not None:
             p.truncate_prompt_tokens = self.truncate_prompt_tokens
+        p.priority = self.priority
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)

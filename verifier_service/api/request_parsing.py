@@ -61,12 +61,14 @@ class Limits:
     # Longer prompt text cannot fit the context whatever it tokenizes to (0: no check);
     # refusing it before tokenizing keeps a huge prompt from stalling the server.
     max_prompt_chars: int = 0
+    by_priority: bool = False  # --scheduling-policy priority: GenerationParams.priority is served
 
     @classmethod
     def of(cls, rt: Runtime) -> "Limits":
         return cls(vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
                    default_max_new_tokens=rt.settings.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
-                   max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len))
+                   max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len),
+                   by_priority=rt.settings.scheduling_policy == "priority")
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,22 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # alternatives at each prompt position (None: no prompt log-probabilities)
     constraint: Constraint | None = None  # structured output, compiled when the sequence is made
     skip_special_tokens: bool = True  # special tokens' text left out of the answer's
+    priority: int = 0  # lower runs first (priority scheduling)
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
           limits: Limits) -> ParsedRequest:
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    if request.priority and not limits.by_priority:
+        raise _invalid(f"priority {request.priority} needs a verifier started with --scheduling-policy priority; "
+                       "this one serves requests in order of arrival (send 0, or leave it out)")
     prompt_ids = input_ids(request, tokenizer, limits, keep_last=_kept_prompt_tokens(request, limits))
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
                          prompt_logprobs, _constraint(request),
-                         not request.HasField("skip_special_tokens") or request.skip_special_tokens)
+                         not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority)
 
 
 def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:

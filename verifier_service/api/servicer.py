@@ -115,7 +115,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             default_max_new_tokens=rt.settings.default_max_new_tokens, speculative_config=rt.settings.speculative,
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint)
+            tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint,
+            scheduling_policy=rt.settings.scheduling_policy)
 
 
 @contextlib.asynccontextmanager

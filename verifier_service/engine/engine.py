@@ -153,9 +153,12 @@ class Engine:
         with self._lock:
             plan = self.scheduler.schedule(price)
         self._release(plan.released)
+        if plan.preempted:
+            log.debug("preempted for higher priority: %s", ", ".join(s.request_id for s in plan.preempted))
         if self.metrics is not None:
             cache = self.scheduler.prefix_cache
             self.metrics.observe_prefix_cache(cache.queries, cache.hits)
+            self.metrics.num_preemptions.inc(len(plan.preempted))
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         started = time.perf_counter()

@@ -69,13 +69,21 @@ class PrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
-    def acquire(self, prompt: Seq[int], reuse: bool = True) -> tuple[int, int, tuple[int, int, int] | None]:
+    def acquire(self, prompt: Seq[int], reuse: bool = True,
+                counted: bool = True) -> tuple[int, int, tuple[int, int, int] | None]:
         """A slot for `prompt`: (slot, positions already valid in it, copy (src, dst, n) to run
         before they are) . At least the prompt's last token is always left to compute. Without
-        `reuse` (a prompt whose every position must be computed), a slot without a match."""
+        `reuse` (a prompt whose every position must be computed), a slot without a match. Not
+        `counted` (a preempted sequence's own tokens), it is left out of queries and hits."""
         if not self.enabled or not reuse:
             return self._allocate(), 0, None
-        self.queries += len(prompt)
+        slot, reused, copy = self._acquire(prompt)
+        if counted:
+            self.queries += len(prompt)
+            self.hits += reused
+        return slot, reused, copy
+
+    def _acquire(self, prompt: Seq[int]) -> tuple[int, int, tuple[int, int, int] | None]:
         hashes = chain_hashes(prompt, 0, (len(prompt) - 1) // BLOCK_SIZE, b"")
         source, blocks = None, 0
         for i, h in enumerate(hashes):
@@ -92,7 +100,6 @@ class PrefixCache:
                                      or self.num_available == 1):
             del self._idle[source]  # by reference: its blocks past the match are dropped
             self._truncate(source, blocks)
-            self.hits += reused
             return source, reused, None
         if not self.allow_copy:
             return self._allocate(), 0, None
@@ -101,7 +108,6 @@ class PrefixCache:
         slot = self._allocate(avoid=source)
         self._chains[slot] = []
         self._register(slot, hashes[:blocks])
-        self.hits += reused
         return slot, reused, (source, slot, reused)
 
     def extend(self, slot: int, prompt: list[int], output: list[int], valid: int) -> None:

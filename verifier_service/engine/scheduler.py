@@ -23,10 +23,19 @@ late chunk is smaller and a step costs about the same all through a long prompt.
 
 Prefix caching (engine/prefix_cache.py) gives an admitted prompt the slot and the
 positions it can reuse; its prefill starts after them.
+
+Priority scheduling (`by_priority`, vLLM's `--scheduling-policy priority`): the waiting
+sequence with the smallest (priority, arrival) is admitted first, and where it finds no
+room, the running sequence with the largest is preempted for it: its slot is released
+with its blocks kept in the prefix cache, it waits again in its old place, and when
+readmitted recomputes its committed tokens' KV as a prefill (by reference from its own
+kept slot where nothing evicted it, so it costs one token's forward). A sequence is
+preempted only for one strictly before it in that order, so preemptions cannot cycle.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -77,6 +86,7 @@ class StepPlan:
     # draft, scored against what the target produces but never verified).
     draft_asks: list[int]
     released: list[Sequence]  # cancelled since the last step: their slots are free already
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to wait for a higher priority
     call_saved: bool = False  # no drafter call: the planner found it would cost more than drafts gain
     drafts: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
@@ -94,12 +104,14 @@ class StepPlan:
     outputs: list[tuple[Sequence, Output]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.chunks = self.chunks or [len(s.prompt_ids) - s.num_prefilled for s in self.prefills]
+        self.chunks = self.chunks or [len(s.prefill_ids) - s.num_prefilled for s in self.prefills]
 
     @property
     def finishing(self) -> list[bool]:
-        """Per prefill: does its chunk end the prompt (so it yields the first token)?"""
-        return [s.num_prefilled + n == len(s.prompt_ids) for s, n in zip(self.prefills, self.chunks)]
+        """Per prefill: does its chunk end the prompt (so it yields the first token)? A recompute's
+        last chunk yields none: its next token comes from its next decode row."""
+        return [not s.recompute and s.num_prefilled + n == len(s.prompt_ids)
+                for s, n in zip(self.prefills, self.chunks)]
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -108,7 +120,8 @@ class StepPlan:
     def prompt_logprob_targets(self) -> list[list[int] | None]:
         """Per prefill: the prompt tokens its chunk's positions predict, where the request asked for their
         log-probabilities (else None). A prompt's last position predicts the first new token instead."""
-        return [s.prompt_ids[s.num_prefilled + 1:s.num_prefilled + n + 1] if s.prompt_logprobs is not None else None
+        return [s.prompt_ids[s.num_prefilled + 1:s.num_prefilled + n + 1]
+                if s.prompt_logprobs is not None and not s.recompute else None
                 for s, n in zip(self.prefills, self.chunks)]
 
     def forward_batch(self) -> ForwardBatch:
@@ -119,7 +132,7 @@ class StepPlan:
         prompt_index: list[int] = []
         for seq, n, last, targets in zip(self.prefills, self.chunks, self.finishing, self.prompt_logprob_targets()):
             first = len(ids)
-            ids += seq.prompt_ids[seq.num_prefilled:seq.num_prefilled + n]
+            ids += seq.prefill_ids[seq.num_prefilled:seq.num_prefilled + n]
             if last:  # a prompt needs logits at its last token only ...
                 logit_index.append(len(ids) - 1)
             if targets is not None:  # ... unless its own tokens' log-probabilities were asked for
@@ -173,6 +186,8 @@ class Scheduler:
     prefix_cache: PrefixCache | None = None  # None: no reuse (a plain slot allocator)
     # What a prompt token counts against max_num_batched_tokens (FLAT: 1, a budget given in tokens).
     prompt_token_cost: PromptTokenCost = FLAT
+    by_priority: bool = False  # priority scheduling with preemption; False: first come, first served
+    _arrivals: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         if self.prefix_cache is None:
@@ -186,6 +201,7 @@ class Scheduler:
             raise QueueFullError(
                 f"server busy: {len(self.running)} running and {len(self.waiting)} queued "
                 f"(--max-queue-len {self.max_queue_len}); retry later")
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
     def schedule(self, price: StepPrice = FREE_CALLS) -> StepPlan:
@@ -194,7 +210,12 @@ class Scheduler:
         released = [s for s in self.running if s.cancelled]
         for seq in released:
             self._finish(seq)
+        for seq in self.waiting:
+            if seq.cancelled and seq.num_preemptions:  # it ran: its drafter holds its context
+                seq.finish_reason = FinishReason.CANCELLED
+                released.append(seq)
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        preempted = self._preempt() if self.by_priority else []
         decodes = [s for s in self.running if not s.prefilling]
         sizes = self.policy.plan([s.spec for s in decodes], [s.draft_room(self.max_model_len) for s in decodes],
                                  price)
@@ -207,18 +228,46 @@ class Scheduler:
             prefills.append(seq)
             chunks.append(_chunk(seq, budget, cost))
             budget -= chunks[-1] * cost(seq.num_prefilled)
-        return StepPlan(prefills, decodes, sizes.lengths, sizes.asks, released, sizes.call_saved, chunks=chunks,
-                        copies=copies)
+        return StepPlan(prefills, decodes, sizes.lengths, sizes.asks, released, preempted, sizes.call_saved,
+                        chunks=chunks, copies=copies)
+
+    def _has_room(self) -> bool:
+        return bool(self.prefix_cache.num_available and len(self.running) < self.max_num_seqs)
+
+    def _next_waiting(self) -> Sequence:
+        if not self.by_priority:
+            return self.waiting[0]
+        return min(self.waiting, key=lambda s: s.scheduling_key)
+
+    def _preempt(self) -> list[Sequence]:
+        """Free room for waiting sequences that come before running ones: the last running in
+        (priority, arrival) order goes back to wait, its slot's blocks kept in the prefix cache."""
+        preempted = []
+        while self.waiting and self.running and not self._has_room():
+            victim = max(self.running, key=lambda s: s.scheduling_key)
+            if victim.scheduling_key < self._next_waiting().scheduling_key:
+                break
+            self.running.remove(victim)
+            # Pending tree moves leave the positions from the first one unregistered: only valid blocks are kept.
+            self.prefix_cache.release(victim.slot, keep=True)
+            victim.preempt()
+            self.waiting.append(victim)
+            preempted.append(victim)
+        return preempted
 
     def _admit(self, copies: list[tuple[int, int, int]]) -> Sequence | None:
         """The next waiting sequence, in a free slot with its prompt's cached prefix (a copy to make
         goes to `copies`); None while none waits or no slot is free."""
-        if not (self.waiting and self.prefix_cache.num_available and len(self.running) < self.max_num_seqs):
+        if not (self.waiting and self._has_room()):
             return None
-        seq = self.waiting.popleft()
-        # Every prompt position of a request for prompt log-probabilities is computed: nothing reused.
-        seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(seq.prompt_ids, reuse=seq.prompt_logprobs is None)
-        seq.cached_prompt_tokens = seq.num_prefilled
+        seq = self._next_waiting()
+        self.waiting.remove(seq)
+        # Every prompt position of a request for prompt log-probabilities is computed: nothing reused
+        # (a recompute's are computed already).
+        seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(
+            seq.prefill_ids, reuse=seq.prompt_logprobs is None or seq.recompute, counted=not seq.num_preemptions)
+        if not seq.recompute:
+            seq.cached_prompt_tokens = seq.num_prefilled
         if copy is not None:
             copies.append(copy)
         self.running.append(seq)
@@ -253,7 +302,7 @@ class Scheduler:
             self.policy.observe_answer(seq.spec, ask, draft or shadow)
             seq.kv_moves = tree_verify.accepted_moves(seq.num_cached_tokens, draft, parents, tokens)
         for seq, n, logprobs in zip(plan.prefills, plan.chunks, plan.prompt_logprobs or [None] * len(plan.prefills)):
-            seq.num_prefilled += n  # its KV is written, cancelled or not
+            seq.add_prefilled(n)  # its KV is written, cancelled or not
             seq.prompt_token_logprobs += logprobs or []
         finished = []
         logprobs = plan.logprobs or [None] * len(new_tokens)
@@ -308,6 +357,6 @@ class Scheduler:
 def _chunk(seq: Sequence, budget: float, cost: PromptTokenCost) -> int:
     """Prompt tokens `seq` prefills this step, within the step's `budget` (at least one: every
     prompt given a turn moves on)."""
-    left = len(seq.prompt_ids) - seq.num_prefilled
+    left = len(seq.prefill_ids) - seq.num_prefilled
     fits = max(1, math.floor(budget / cost(seq.num_prefilled)))
-    return min(left, fits, PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs is not None else left)
+    return min(left, fits, PROMPT_LOGPROBS_CHUNK if seq.prompt_logprobs is not None and not seq.recompute else left)

@@ -108,8 +108,14 @@ class Sequence:
     stop_reason: str = ""
     cancelled: bool = False
     _pieces: list[str] = field(default_factory=list)  # text released per token since the last emit
-    num_prefilled: int = 0  # prompt positions whose KV its slot holds (chunked prefill, cached prefix)
-    cached_prompt_tokens: int = 0  # of those, reused from the prefix cache
+    num_prefilled: int = 0  # positions of prefill_ids whose KV its slot holds (chunked prefill, cached prefix)
+    cached_prompt_tokens: int = 0  # of the prompt's, reused from the prefix cache when it was first admitted
+    priority: int = 0  # with priority scheduling, lower runs first (vLLM's); ties go to the earlier arrival
+    arrival: int = 0  # its place in the order of arrival, given by the scheduler
+    num_preemptions: int = 0
+    # Preempted after its first token: until its slot holds the KV of every committed token but the
+    # last again (recomputed as a prefill, mostly taken back from the prefix cache), it decodes nothing.
+    recompute: bool = False
     # (from, to) K/V positions of its slot to copy at the next forward: its last accepted tree path.
     kv_moves: list[tuple[int, int]] = field(default_factory=list)
     # Alternatives asked for at each prompt position (None: no prompt log-probabilities); those
@@ -153,13 +159,43 @@ class Sequence:
         return self.num_tokens - 1
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill computes: the prompt, or after a preemption every committed token but the
+        last (which its next decode row carries, as it would have)."""
+        return self.all_ids[:-1] if self.recompute else self.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt_ids)
+        return self.num_prefilled < len(self.prefill_ids)
+
+    @property
+    def scheduling_key(self) -> tuple[int, int]:
+        """Smaller runs first under priority scheduling."""
+        return self.priority, self.arrival
 
     @property
     def kv_len(self) -> int:
         """Valid positions of its KV slot, in prefill or after."""
-        return self.num_cached_tokens if self.output_ids else self.num_prefilled
+        return self.num_cached_tokens if self.output_ids and not self.prefilling else self.num_prefilled
+
+    def add_prefilled(self, n: int) -> None:
+        """`n` more positions of prefill_ids are in its slot; a recompute ends once they all are."""
+        self.num_prefilled += n
+        if self.recompute and not self.prefilling:
+            self.recompute, self.num_prefilled = False, len(self.prompt_ids)
+
+    def preempt(self) -> None:
+        """Its slot was taken for a sequence of higher priority (scheduler): it waits again, and its
+        committed tokens' KV is recomputed when it is readmitted. Everything else it keeps (its
+        generator, constraint, stop state, speculation state and what its drafter holds), so it goes on
+        exactly where it stopped."""
+        self.slot = None
+        self.num_prefilled = 0
+        self.kv_moves = []  # of the slot it left
+        self.num_preemptions += 1
+        self.recompute = bool(self.output_ids)
+        if not self.output_ids:
+            self.prompt_token_logprobs = []  # computed anew with its prompt
 
     def draft_room(self, max_model_len: int) -> int:
         """Draft tokens it can still use: more than it still wants, or past the context, are waste."""

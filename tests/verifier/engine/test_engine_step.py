@@ -99,10 +99,11 @@ def wrong_after(n: int):  # noqa: ANN201
     return lambda q: counting(q)[:n] + [(q.tokens[-1] + 40) % VOCAB] * q.draft_len
 
 
-def make_engine(runner: CountingRunner, drafter: FakeDrafter | None, max_draft_len: int = 4) -> Engine:
+def make_engine(runner: CountingRunner, drafter: FakeDrafter | None, max_draft_len: int = 4,
+                **scheduler_options: object) -> Engine:
     policy = SpeculationPolicy(max_draft_len=max_draft_len if drafter else 0)
-    scheduler = Scheduler(runner.kv_cache, policy, max_num_seqs=runner.kv_cache.num_slots, max_queue_len=8,
-                          max_model_len=MAX_MODEL_LEN)
+    options = {"max_num_seqs": runner.kv_cache.num_slots, **scheduler_options}
+    scheduler = Scheduler(runner.kv_cache, policy, max_queue_len=8, max_model_len=MAX_MODEL_LEN, **options)
     return Engine(runner, scheduler, drafter, ModelThread())
 
 
