@@ -238,8 +238,8 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
     assert "== draft model" in done.stdout
 
 
-@pytest.mark.timeout(600)  # five verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_output_graphs_logits(
+@pytest.mark.timeout(600)  # seven verifiers start one after another
+def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_priority_graphs_logits(
         tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
@@ -267,6 +267,11 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
         ("free", "plain"), ("free", "remote n-gram"), ("JSON schema", "plain"), ("JSON schema", "remote n-gram")]
     assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in structured)
     assert [r["valid_json"] is None for r in structured] == [True, True, False, False]
+    priority = report["priority"]  # greedy: the preempted background streams' outputs are fcfs's
+    assert [r["policy"] for r in priority["rows"]] == ["fcfs", "priority"] and priority["identical"]
+    assert priority["preemptions"] >= 1  # the interactive request took a background stream's slot
+    assert all(0 < r["ttft_s"] <= r["latency_s"] and r["background_s"] > 0 for r in priority["rows"])
+    assert "while two 192-token streams (priority 1) hold both sequence slots" in done.stdout
     graphs = report["cuda_graphs"]  # on a CPU both verifiers run eagerly
     assert [r["system"] for r in graphs] == ["plain", "remote n-gram"]
     assert all(r["identical"] and r["graphs_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in graphs)

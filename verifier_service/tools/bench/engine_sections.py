@@ -20,14 +20,19 @@
 - structured: the templated workload's JSON descriptions asked for free and held to a JSON schema
   (structured output), plain and with the remote n-gram drafter: decoding speed, tokens per step,
   whether each held answer is valid JSON of the schema, and whether speculation changed a token;
+- priority: a short interactive request arriving while two long background streams hold every
+  sequence slot, on a verifier serving in order of arrival and on one serving by priority (which
+  preempts a background stream for it): its time to first token and to its end, the background
+  streams' own time, and whether every output is the same on both;
 - cuda-graphs (CUDA): decoding's speed at batch 1 with CUDA graphs (the default) and with
   --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns;
 - logits: the logits processors alone, in this process (logits_speed.py): no verifier is started
   for it.
 
 Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
-prefix caching and eager; one n-gram drafter (with /metrics). Each section uses prompts of its own, so no cached
-prefix crosses from one section to another.
+prefix caching, eager, and two sequence slots in order of arrival and by priority; one n-gram drafter
+(with /metrics). Each section uses prompts of its own, so no cached prefix crosses from one section to
+another.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import logits_speed, workloads
 from verifier_service.tools.local_services import LocalService, free_port, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "cuda-graphs", "logits")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "priority", "cuda-graphs", "logits")
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -139,6 +144,12 @@ def _with_services(chosen: list[str], args: argparse.Namespace, tokenizer: PreTr
             results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
         if "structured" in chosen:
             results["structured"] = _structured(default, tokenizer, args)
+        if "priority" in chosen:
+            slots, priority_port = ("--max-num-seqs", "2"), free_port()
+            results["priority"] = _priority(
+                verifier("fcfs", *slots),
+                verifier("priority", *slots, "--scheduling-policy", "priority", "--metrics-port", str(priority_port)),
+                priority_port, tokenizer, args)
         if "cuda-graphs" in chosen:
             results["cuda_graphs"] = _cuda_graphs(default, verifier("eager", "--enforce-eager"), tokenizer, args)
     return results
@@ -186,6 +197,7 @@ OVERHEAD = "splitspec:engine_step_overhead_seconds"
 ROUND_TRIP = "splitspec:drafter_call_latency_seconds"
 OVERLAPPED = "splitspec:drafter_calls_overlapped_total"
 SAVED = "splitspec:drafter_calls_saved_total"
+PREEMPTIONS = "splitspec:num_preemptions_total"
 DRAFTER_HANDLING = 'splitspec_drafter_call_latency_seconds{method="PrepareDraftTokens"}'
 
 
@@ -362,6 +374,54 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
+# --- priority -------------------------------------------------------------------------------------
+
+def _priority(fcfs: LocalService, by_priority: LocalService, metrics_port: int,
+              tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
+    """Two long background streams (priority 1) fill both sequence slots; once they decode, a short
+    interactive request (priority 0) arrives. Its time to first token and to its end, and the
+    background streams' own time, on a verifier serving in order of arrival and on one serving by
+    priority (each --max-num-seqs 2), the two taking turns `args.repeats` times; medians. `metrics_port`:
+    the priority verifier's /metrics, whose preemptions are counted."""
+    background = [p.token_ids for p in workloads.build(["grounded"], 2, tokenizer)]
+    interactive = workloads.build(["open"], 1, tokenizer)[0].token_ids
+    length = max(args.max_new_tokens, 192)  # long enough to be running when the interactive one comes
+    configs = (("fcfs", fcfs, 0), ("priority", by_priority, 1))
+    clients = {label: Client(v.address) for label, v, _ in configs}
+    for client in clients.values():
+        client.stream(interactive[:32][::-1], 8, speculate=False)  # warm-up
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+    before = _metrics(metrics_port)[PREEMPTIONS][0][1]
+    for _ in range(args.repeats):
+        for label, _, low in configs:
+            client = clients[label]
+            arrivals: list[list[float]] = [[] for _ in background]
+            finals: list[verifier_pb2.GenerationOutput] = [verifier_pb2.GenerationOutput() for _ in background]
+
+            def run_background(i: int) -> None:
+                _, finals[i] = client.stream(background[i], length, True, arrivals[i], priority=low)
+            threads = [threading.Thread(target=run_background, args=(i,)) for i in range(len(background))]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            while min(len(a) for a in arrivals) < 8 and all(t.is_alive() for t in threads):
+                time.sleep(0.01)
+            sent = time.perf_counter()
+            first, final = client.stream(interactive, 32, speculate=True)
+            for t in threads:
+                t.join()
+            runs[label].append({"ttft_s": first[0] - sent, "latency_s": first[-1] - sent,
+                                "background_s": max(a[-1] for a in arrivals) - started,
+                                "tokens": [list(final.token_ids), *(list(f.token_ids) for f in finals)]})
+    for client in clients.values():
+        client.close()
+    rows = [{"policy": label, **{key: statistics.median(r[key] for r in runs[label])
+                                 for key in ("ttft_s", "latency_s", "background_s")}} for label, _, _ in configs]
+    identical = all(a["tokens"] == b["tokens"] for a, b in zip(runs["fcfs"], runs["priority"]))
+    return {"background_tokens": length, "rows": rows, "identical": identical,
+            "preemptions": _metrics(metrics_port)[PREEMPTIONS][0][1] - before, "rounds": args.repeats}
+
+
 # --- CUDA graphs ----------------------------------------------------------------------------------
 
 def _cuda_graphs(graphed: LocalService, eager: LocalService, tokenizer: PreTrainedTokenizerBase,
@@ -406,7 +466,7 @@ class Client:
         self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
 
     def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None,
-               structured: verifier_pb2.StructuredOutput | None = None
+               structured: verifier_pb2.StructuredOutput | None = None, priority: int = 0
                ) -> tuple[list[float], verifier_pb2.GenerationOutput]:
         """Arrival times (appended to `arrivals` as tokens come, if given) and the final output. The
         end-of-sequence token is ignored (every request runs its length) unless a structured output,
@@ -414,7 +474,8 @@ class Client:
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=ids),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=structured is None),
-            speculation=verifier_pb2.SpeculationOverrides(disable=not speculate), structured_output=structured))
+            speculation=verifier_pb2.SpeculationOverrides(disable=not speculate), structured_output=structured,
+            priority=priority))
         arrivals = [] if arrivals is None else arrivals
         tokens: list[int] = []
         final = verifier_pb2.GenerationOutput()
@@ -466,6 +527,15 @@ def _print(results: dict) -> None:
             print(f"{r['output']:<13}{r['speculation']:<15}{r['tok_s']:>7.1f}{r['tokens_per_step']:>13.2f}"
                   f"{r['mean_tokens']:>8.0f}{valid:>12}{r['finished']:>7}{r['identical_to_plain']:>8}/{r['prompts']}")
         print("identical: equal to the same output plain; ended: stopped by itself, not by max_new_tokens")
+    if "priority" in results:
+        pr = results["priority"]
+        print(f"\nA 32-token request (priority 0) while two {pr['background_tokens']}-token streams (priority 1) "
+              "hold both sequence slots (medians)")
+        print(f"{'policy':<10}{'TTFT s':>8}{'latency s':>11}{'background s':>14}")
+        for r in pr["rows"]:
+            print(f"{r['policy']:<10}{r['ttft_s']:>8.2f}{r['latency_s']:>11.2f}{r['background_s']:>14.2f}")
+        print(f"preemptions: {pr['preemptions']:.0f} in {pr['rounds']} rounds; every output identical on both: "
+              f"{pr['identical']}")
     if "cuda_graphs" in results:
         print("\nCUDA graphs at batch 1: decode tok/s with graphs (the default) and --enforce-eager")
         print(f"{'system':<16}{'graphs':>9}{'eager':>9}{'ratio':>8}{'identical':>11}")
