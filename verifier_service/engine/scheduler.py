@@ -28,9 +28,10 @@ Priority scheduling (`by_priority`, vLLM's `--scheduling-policy priority`): the 
 sequence with the smallest (priority, arrival) is admitted first, and where it finds no
 room, the running sequence with the largest is preempted for it: its slot is released
 with its blocks kept in the prefix cache, it waits again in its old place, and when
-readmitted recomputes its committed tokens' KV as a prefill (by reference from its own
-kept slot where nothing evicted it, so it costs one token's forward). A sequence is
-preempted only for one strictly before it in that order, so preemptions cannot cycle.
+readmitted recomputes its committed tokens' KV as a prefill (where nothing took its kept
+slot meanwhile, it takes it back by reference and recomputes only what follows its last
+full block). A sequence is preempted only for one strictly before it in that order, so
+preemptions cannot cycle.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Scheduler:
     # What a prompt token counts against max_num_batched_tokens (FLAT: 1, a budget given in tokens).
     prompt_token_cost: PromptTokenCost = FLAT
     by_priority: bool = False  # priority scheduling with preemption; False: first come, first served
-    _arrivals: itertools.count = field(default_factory=itertools.count)
+    _arrivals: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.prefix_cache is None:
@@ -263,10 +264,12 @@ class Scheduler:
         seq = self._next_waiting()
         self.waiting.remove(seq)
         # Every prompt position of a request for prompt log-probabilities is computed: nothing reused
-        # (a recompute's are computed already).
+        # (a recompute's are computed already). A preempted sequence taking back its own tokens is not
+        # a prefix-cache query, nor a hit.
+        first = not seq.num_preemptions
         seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(
-            seq.prefill_ids, reuse=seq.prompt_logprobs is None or seq.recompute, counted=not seq.num_preemptions)
-        if not seq.recompute:
+            seq.prefill_ids, reuse=seq.prompt_logprobs is None or seq.recompute, counted=first)
+        if first:
             seq.cached_prompt_tokens = seq.num_prefilled
         if copy is not None:
             copies.append(copy)
