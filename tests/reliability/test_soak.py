@@ -2,7 +2,8 @@
 
 Each seeded round starts a verifier with a random configuration (draft length, token trees, a
 chunked-prefill budget, the adaptive planner, calls overlapped with the forward or not, a KV cache
-of a few slots or many) behind a drafter that misbehaves at random (raises, answers past its
+of a few slots or many, priority scheduling, under which requests of random priorities preempt
+each other) behind a drafter that misbehaves at random (raises, answers past its
 deadline, sends out-of-vocabulary tokens, over-long drafts, invalid trees, too few drafts), and
 sends it a random mix of concurrent requests: shared prefixes, greedy and seeded sampling,
 penalties, stop tokens, min_new_tokens, logprobs, speculation disabled, streams cancelled midway.
@@ -141,6 +142,12 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
                 "max_num_seqs": rng.choice([2, 4, 16])}
     if budget := rng.choice([None, 8, 24]):
         settings["max_num_batched_tokens"] = budget
+    sent = requests  # to the verifier under test; the plain one is sent them without priorities
+    if rng.random() < 0.5:
+        settings["scheduling_policy"] = "priority"
+        sent = [pb.GenerateRequest(params=r.params) for r in requests]
+        for request in sent:
+            request.params.priority = rng.randint(-2, 2)
 
     async def main() -> tuple[dict, int, int]:
         async with run_verifier(spec_config(), model=shared_model()) as plain:
@@ -155,8 +162,8 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
                 async def one(i: int) -> tuple[list[int] | str | None, int]:
                     await asyncio.sleep(rng.random() * 0.05)  # arrivals spread over the first steps
                     if cancelled[i]:
-                        return await cancel_midway(v, requests[i]), 0
-                    return await outcome(v, requests[i])
+                        return await cancel_midway(v, sent[i]), 0
+                    return await outcome(v, sent[i])
 
                 got = await asyncio.gather(*(one(i) for i in range(len(requests))))
                 for i, request in enumerate(requests):
@@ -170,4 +177,5 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
     left, faults, accepted = asyncio.run(main())
     assert not any(left.values()), left
     FIGURES.append({"soak": seed, "requests": len(requests), "cancelled": sum(cancelled), "drafter_faults": faults,
-                    "accepted": accepted, "k": k, "tree_nodes": nodes, "kv_cache_gb": settings["kv_cache_memory_gb"]})
+                    "accepted": accepted, "k": k, "tree_nodes": nodes, "kv_cache_gb": settings["kv_cache_memory_gb"],
+                    "scheduling": settings.get("scheduling_policy", "fcfs")})

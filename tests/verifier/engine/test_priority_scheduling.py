@@ -208,11 +208,18 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_preempted_requests_resume_exactly_with_speculation(scenario: str) -> None:
     """Every request, preempted or not, gets what it gets served alone: greedy and seeded sampling, with
-    log-probabilities, whether its KV comes back from the prefix cache or is recomputed in chunks."""
+    log-probabilities, whether its KV comes back from the prefix cache or is recomputed in chunks. The
+    sampled one is streamed: a preemption is a pause in its stream, no token sent twice."""
     settings, remote = SCENARIOS[scenario]
 
     async def generate(v, p: verifier_pb2.GenerationParams) -> verifier_pb2.GenerationOutput:  # noqa: ANN001
-        return (await v.stub.Generate(verifier_pb2.GenerateRequest(params=p), timeout=WAIT_S)).output
+        if not p.sampling.seed:
+            return (await v.stub.Generate(verifier_pb2.GenerateRequest(params=p), timeout=WAIT_S)).output
+        chunks = [m.output async for m in v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=p),
+                                                                 timeout=WAIT_S)]
+        return verifier_pb2.GenerationOutput(token_ids=[t for c in chunks for t in c.token_ids],
+                                             text="".join(c.text for c in chunks),
+                                             finish_reason=chunks[-1].finish_reason)
 
     async def main() -> None:
         async with contextlib.AsyncExitStack() as stack:
