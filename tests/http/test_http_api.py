@@ -113,6 +113,38 @@ def test_chat_stream_equals_whole_and_grpc_with_stop_string_cut_or_kept() -> Non
     asyncio.run(main())
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far() -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk of a choice carries the choice's prompt and
+    the tokens it has been sent so far (with include_usage; without it, none)."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            for chat in (True, False):
+                options = {"include_usage": True, "continuous_usage_stats": True}
+                if chat:
+                    stream = await h.client.chat.completions.create(
+                        model="tiny", messages=CHAT, max_tokens=24, n=2, seed=1, temperature=0.9, stream=True,
+                        stream_options=options)
+                else:
+                    stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+                                                               stream=True, stream_options=options)
+                sent: dict[int, int] = {}
+                chunks = [chunk async for chunk in stream]
+                prompt_tokens = chunks[-1].usage.prompt_tokens  # the closing chunk's: each prompt once
+                for chunk in chunks[:-1]:
+                    (choice,) = chunk.choices
+                    ids = choice.model_extra["splitspec"]["token_ids"] if "splitspec" in choice.model_extra else []
+                    sent[choice.index] = sent.get(choice.index, 0) + len(ids)
+                    assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
+                        prompt_tokens, sent[choice.index], prompt_tokens + sent[choice.index])
+                assert sent == ({0: 24, 1: 24} if chat else {0: 24})
+                assert chunks[-1].usage.completion_tokens == sum(sent.values())  # the closing chunk: all choices
+            stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
+                                                       stream_options={"continuous_usage_stats": True})
+            assert all([chunk.usage is None async for chunk in stream])  # continuous usage goes with include_usage
+
+    asyncio.run(main())
+
+
 def test_skip_special_tokens_false_writes_special_tokens_into_the_text() -> None:
     """vLLM's skip_special_tokens: the same tokens either way; false spells the special ones out."""
     eos = tiny_tokenizer().eos_token_id  # pushed to the top by logit_bias; ignore_eos generates past it

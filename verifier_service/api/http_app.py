@@ -180,8 +180,9 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
         raise HttpError(400, why, param="tool_choice")
     seqs = await start_sequences(gen, body)
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
-                          body.echoes_prompt, body.prompt_only, body.prompt_logprobs is not None, tools,
-                          body.return_tokens_as_token_ids, body.echoed_message)
+                          body.continuous_usage, body.echoes_prompt, body.prompt_only,
+                          body.prompt_logprobs is not None, tools, body.return_tokens_as_token_ids,
+                          body.echoed_message)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -198,7 +199,7 @@ async def _stream(state: HttpState, seqs: list[Sequence], responder: Responder,
         try:
             if responder.chat:
                 for i in range(len(seqs)):
-                    yield responder.role_chunk(i)
+                    yield responder.role_chunk(i, seqs[i])
             async with contextlib.aclosing(merged_outputs(state.generations, seqs, arrival)) as outputs:
                 async for i, out in outputs:
                     yield responder.chunk(i, out, sent[i], seqs[i])

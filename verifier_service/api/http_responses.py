@@ -112,6 +112,7 @@ class Responder:
     tokenizer: PreTrainedTokenizerBase
     n: int = 1
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk's usage, its choice's so far
     echo: bool = False
     prompt_only: bool = False
     prompt_logprobs: bool = False  # vLLM's field asked for (not only echo's)
@@ -122,6 +123,7 @@ class Responder:
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
     _calls: dict[int, CallStream] = field(default_factory=dict)  # streaming under a tool plan, per choice
+    _generated: dict[int, int] = field(default_factory=dict)  # streaming: choice -> tokens sent so far
 
     @property
     def _id(self) -> str:
@@ -244,11 +246,11 @@ class Responder:
             message["tool_calls"] = [call.message() for call in calls]
         return message, finish
 
-    def role_chunk(self, index: int) -> str:
+    def role_chunk(self, index: int, seq: Sequence) -> str:
         """Chat streams open each choice with the assistant's role, as OpenAI's do (and with the echoed
         message, where one is)."""
         return self._sse({"index": index, "delta": {"role": "assistant", "content": self.echoed_message},
-                          "logprobs": None, "finish_reason": None})
+                          "logprobs": None, "finish_reason": None}, seq)
 
     def chunk(self, index: int, out: Output, offset: int, seq: Sequence) -> str:
         """One output of one choice; `offset`: characters of this choice sent before it."""
@@ -275,16 +277,21 @@ class Responder:
             c["stop_reason"] = out.stop_reason or None
             ext["speculation"] = speculation([seq])
         c["splitspec"] = ext
-        return self._sse(c)
+        self._generated[index] = self._generated.get(index, 0) + len(out.token_ids)
+        return self._sse(c, seq)
 
     def usage_chunk(self, seqs: list[Sequence]) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body |= {"choices": [], "usage": usage(seqs, self.n, self.prompt_only), "speculation": speculation(seqs)}
         return sse(body)
 
-    def _sse(self, choice: dict[str, object]) -> str:
+    def _sse(self, choice: dict[str, object], seq: Sequence) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:  # the choice's prompt and what it has been sent, as vLLM counts them
+            prompt, completion = len(seq.prompt_ids), self._generated.get(choice["index"], 0)
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+        elif self.include_usage:
             body["usage"] = None
         return sse(body)
 

@@ -77,6 +77,7 @@ class SpeculationOverride(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(_Body):
@@ -188,6 +189,10 @@ class GenerationBody(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def max_new_tokens(self) -> int | None:
