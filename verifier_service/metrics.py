@@ -102,6 +102,9 @@ class VerifierMetrics:
             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.queue_time = Histogram(f"{p}request_queue_time_seconds", "Arrival to first admission into a KV slot "
+                                    "(time spent waiting), of requests that got a first token",
+                                    buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(
             f"{p}time_per_output_token_seconds",
             "Per finished request: (last token - first token) / (generated tokens - 1)", buckets=TPOT_BUCKETS,
@@ -222,8 +225,9 @@ class RequestTimer:
         self.num_tokens = 0
         self._done = False
 
-    def tokens(self, count: int) -> None:
-        """`count` generated tokens reached the servicer."""
+    def tokens(self, count: int, admitted_at: float | None = None) -> None:
+        """`count` generated tokens reached the servicer; `admitted_at`: when the request first got a KV
+        slot (perf_counter), read with its first token."""
         if not count:
             return
         now = time.perf_counter()
@@ -231,6 +235,8 @@ class RequestTimer:
         if self.first_token is None:
             self.first_token = now
             m.ttft.observe(now - self.arrival)
+            if admitted_at is not None:
+                m.queue_time.observe(max(0.0, admitted_at - self.arrival))
             m.prompt_tokens.inc(self.prompt_tokens)
         self.last_token = now
         self.num_tokens += count

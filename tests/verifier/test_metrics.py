@@ -92,7 +92,8 @@ COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total"
             "generation_tokens_total", "drafter_call_failures_total", "drafter_calls_skipped_total",
             "drafter_resyncs_total")
 HISTOGRAMS = ("e2e_request_latency_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
-              "drafter_call_latency_seconds", "request_prompt_tokens", "request_generation_tokens")
+              "drafter_call_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+              "request_queue_time_seconds")
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 
@@ -171,6 +172,10 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
             assert value(after, "e2e_request_latency_seconds_count") == len(prompts)
             assert value(after, "e2e_request_latency_seconds_sum") > 0
             assert value(after, "time_to_first_token_seconds_count") == len(prompts)
+            # Each request waited for its slot before its first token: 5 of them behind the held one.
+            assert value(after, "request_queue_time_seconds_count") == len(prompts)
+            assert 0 < value(after, "request_queue_time_seconds_sum") <= value(after, "time_to_first_token_seconds_sum")
+            assert value(during, "request_queue_time_seconds_count") == 1
             assert value(after, "time_per_output_token_seconds_count") == sum(1 for n in generated if n > 1)
             assert value(after, "request_prompt_tokens_sum") == sum(len(p) for p in prompts)
             assert value(after, "request_generation_tokens_sum") == sum(generated)

@@ -154,7 +154,7 @@ class Generations:
                     reason = "error"
                     raise GenerationFailed(self.failure or out.error, self.failure is not None)
                 if timer is not None:
-                    timer.tokens(len(out.token_ids))
+                    timer.tokens(len(out.token_ids), seq.admitted_at)
                 if out.finish_reason is not None:
                     reason = FINISHED_REASON.get(out.finish_reason, "abort")
                     yield out

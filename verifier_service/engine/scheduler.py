@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -270,7 +271,7 @@ class Scheduler:
         seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(
             seq.prefill_ids, reuse=seq.prompt_logprobs is None or seq.recompute, counted=first)
         if first:
-            seq.cached_prompt_tokens = seq.num_prefilled
+            seq.cached_prompt_tokens, seq.admitted_at = seq.num_prefilled, time.perf_counter()
         if copy is not None:
             copies.append(copy)
         self.running.append(seq)

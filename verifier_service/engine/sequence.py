@@ -112,6 +112,7 @@ class Sequence:
     cached_prompt_tokens: int = 0  # of the prompt's, reused from the prefix cache when it was first admitted
     priority: int = 0  # with priority scheduling, lower runs first (vLLM's); ties go to the earlier arrival
     arrival: int = 0  # its place in the order of arrival, given by the scheduler
+    admitted_at: float | None = None  # time.perf_counter() when it first got a KV slot: its queue time's end
     num_preemptions: int = 0
     # Preempted after its first token: until its slot holds the KV of every committed token but the
     # last again (recomputed as a prefill, mostly taken back from the prefix cache), it decodes nothing.
