@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import pytest
 from test_engine_step import CountingRunner, FakeDrafter, counting, make_engine, run_steps, sequence
+from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import (
     WAIT_S,
@@ -248,5 +250,35 @@ def test_preempted_requests_resume_exactly_with_speculation(scenario: str) -> No
         assert [t.token_id for t in together["low-greedy"].logprobs] == list(alone["low-greedy"].token_ids)
         for got, want in zip(together["low-greedy"].logprobs, alone["low-greedy"].logprobs):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+
+    asyncio.run(main())
+
+
+def test_a_preempted_request_keeps_its_constraint_penalty_and_generator() -> None:
+    """One slot: a sampled, penalised request held to a regex is preempted mid-answer and resumed; its
+    answer is the one it gets alone, and still matches the regex."""
+    regex = r"(fox|dog)+ [0-9]{3}"
+    low = token_request(tiny_tokenizer()("The quick brown fox regex")["input_ids"], 48, priority=1,
+                        structured_output=verifier_pb2.StructuredOutput(regex=regex),
+                        sampling=verifier_pb2.SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.2))
+    high = token_request(repetitive_prompt(57), 6)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), scheduling_policy="priority",
+                                max_num_seqs=1, metrics_port=0) as v:
+            engine = engine_of(v)
+            alone = (await v.stub.Generate(low, timeout=WAIT_S)).output
+            spy = EngineSpy(engine)
+            call = asyncio.ensure_future(v.stub.Generate(low, timeout=WAIT_S))
+            await wait_until(lambda: any(len(s.output_ids) >= 3 for s in engine.scheduler.running), "it to decode",
+                             call)
+            spy.gate.clear()
+            first = asyncio.ensure_future(v.stub.Generate(high, timeout=WAIT_S))
+            await wait_until(lambda: engine.scheduler.num_waiting == 1, "the other to queue", first)
+            spy.gate.set()
+            resumed, _ = (await call).output, await first
+            assert v.running.metrics.registry.get_sample_value("splitspec:num_preemptions_total") == 1
+        assert list(resumed.token_ids) == list(alone.token_ids) and resumed.text == alone.text
+        assert re.fullmatch(regex, alone.text) or alone.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
 
     asyncio.run(main())
