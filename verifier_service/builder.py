@@ -334,12 +334,12 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                           max_model_len=max_model_len, max_num_batched_tokens=step_budget.tokens,
                           max_idle_batched_tokens=step_budget.idle,
                           prompt_token_cost=step_budget.prompt_token_cost,
-                          by_priority=settings.scheduling_policy == "priority",
+                          by_priority=settings.by_priority,
                           # Tensor-parallel followers do not replay copies: reuse by reference only.
                           prefix_cache=PrefixCache(runner.kv_cache, settings.enable_prefix_caching,
                                                    allow_copy=settings.tensor_parallel_size == 1))
     log.info("prefix caching: %s", "on" if settings.enable_prefix_caching else "off (--no-prefix-caching)")
-    log.info("scheduling: %s", "by priority, with preemption" if settings.scheduling_policy == "priority"
+    log.info("scheduling: %s", "by priority, with preemption" if settings.by_priority
              else "first come, first served (--scheduling-policy priority: by request priority)")
     engine = Engine(runner, scheduler, drafter, model_thread, metrics)
     if metrics is not None:

@@ -123,5 +123,10 @@ class ServerSettings:
         # Frozen: the validated copy replaces the field once, at construction.
         object.__setattr__(self, "speculative", validate(self.speculative))
 
+    @property
+    def by_priority(self) -> bool:
+        """Requests' priorities are served (and running ones preempted for them)."""
+        return self.scheduling_policy == "priority"
+
 
 DEFAULTS = ServerSettings()

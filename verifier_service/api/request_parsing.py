@@ -68,7 +68,7 @@ class Limits:
         return cls(vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
                    default_max_new_tokens=rt.settings.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
                    max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len),
-                   by_priority=rt.settings.scheduling_policy == "priority")
+                   by_priority=rt.settings.by_priority)
 
 
 @dataclass(frozen=True)
