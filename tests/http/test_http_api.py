@@ -145,6 +145,27 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far() -> No
     asyncio.run(main())
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_supplied() -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, on chat and completions, streamed or not."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            first = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+            again = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+            prompt = first.usage.prompt_tokens
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16 > 0
+            stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, seed=3,
+                                                       temperature=1.0, stream=True,
+                                                       stream_options={"include_usage": True})
+            last = [chunk async for chunk in stream][-1]
+            cold = (await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)).usage
+            assert last.usage.prompt_tokens == cold.prompt_tokens  # one prompt, counted once for its n choices
+            assert last.usage.prompt_tokens_details.cached_tokens == 0  # the first sight of that prompt
+            assert cold.prompt_tokens_details.cached_tokens == (cold.prompt_tokens - 1) // 16 * 16
+
+    asyncio.run(main())
+
+
 def test_skip_special_tokens_false_writes_special_tokens_into_the_text() -> None:
     """vLLM's skip_special_tokens: the same tokens either way; false spells the special ones out."""
     eos = tiny_tokenizer().eos_token_id  # pushed to the top by logit_bias; ignore_eos generates past it

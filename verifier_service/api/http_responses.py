@@ -56,12 +56,14 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
     }
 
 
-def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, int]:
+def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, object]:
     """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output
-    (none shown: none counted)."""
+    (none shown: none counted); OpenAI's prompt_tokens_details.cached_tokens: the prompts' tokens the
+    prefix cache supplied (of each prompt's first choice)."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in seqs[::n])}}
 
 
 def token_name(tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> Callable[[int], str]:
