@@ -16,10 +16,12 @@ from transformers import PreTrainedTokenizerFast
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_support import (
     WAIT_S,
+    EngineSpy,
     engine_of,
     on_loop,
     one_torch_thread,  # noqa: F401 - autouse fixture
     run_together,
+    wait_until,
 )
 
 from drafter_sdk.drafters.model import ModelDrafter
@@ -173,3 +175,36 @@ def test_a_drafter_with_another_tokenizer_gets_no_calls_and_the_server_says_why(
     assert drafter.stats.lookups == 0 and info.drafter.calls == 0
     lines = [r for r in caplog.records if "speculation off" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+def test_draft_target_through_preemptions_is_exact_and_releases_the_draft_kv(draft_dir):
+    """Priority scheduling on two slots: the two long requests are preempted mid-answer by two that come
+    first; the draft model's own KV for them stays in step, and every answer is plain decoding's."""
+    spec = spec_config("DRAFT_TARGET", 4)
+    spec.draft_model.model = str(draft_dir)
+    order = [2, 0, 3, 1]  # PROMPTS[2] and [0], the longest, first, at priority 1; then the others at 0
+
+    async def body():
+        async with run_verifier(spec, model=pair()[1], scheduling_policy="priority", max_num_seqs=2,
+                                metrics_port=0) as v:
+            engine = engine_of(v)
+            spy = EngineSpy(engine)
+
+            def send(i: int, priority: int) -> asyncio.Future:
+                request = token_request(PROMPTS[i], NEW_TOKENS[i], priority=priority)
+                return asyncio.ensure_future(v.stub.Generate(request, timeout=WAIT_S))
+            calls = {i: send(i, 1) for i in order[:2]}
+            await wait_until(lambda: len(engine.scheduler.running) == 2 and all(
+                len(s.output_ids) >= 3 for s in engine.scheduler.running), "both to decode", *calls.values())
+            spy.gate.clear()
+            calls |= {i: send(i, 0) for i in order[2:]}
+            await wait_until(lambda: engine.scheduler.num_waiting == 2, "the others to queue", *calls.values())
+            spy.gate.set()
+            responses = [await calls[i] for i in range(len(PROMPTS))]
+            preemptions = v.running.metrics.registry.get_sample_value("splitspec:num_preemptions_total")
+            return responses, preemptions, engine.drafter.transport._servicer.drafter
+
+    responses, preemptions, drafter = asyncio.run(body())
+    assert preemptions == 2
+    assert check_exact(responses) > 0
+    assert drafter.kv_bytes_used == 0  # every finished request released, preempted ones included
