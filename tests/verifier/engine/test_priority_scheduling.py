@@ -2,9 +2,9 @@
 and that a preempted request resumes exactly where it stopped.
 
 The first tests drive Engine.step with the counting runner (test_engine_step.py), so each step's
-plan is known; the last ones run the real engine on the tiny model behind gRPC and HTTP, requests
-preempted mid-answer with speculation on, and compare every output with the same request served
-alone.
+plan is known; the last ones run the real engine on the tiny model behind gRPC, requests preempted
+mid-answer with speculation on, and compare every output with the same request served alone (the
+HTTP fronts: tests/http/test_priority.py).
 """
 
 from __future__ import annotations
