@@ -89,12 +89,47 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
     asyncio.run(main())
 
 
+def test_bench_serve_sends_priorities_and_reports_each_class(tmp_path: Path) -> None:
+    """A line's own priority, else --priorities in turn; each pass broken down by priority. A verifier that
+    serves in order of arrival refuses them at the warm-up, in one line."""
+    dataset = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": PROMPT, "raw": True}, {"prompt": PROMPT[6:], "raw": True, "priority": 5},
+             {"prompt": "d10 add"}, {"prompt": PROMPT[3:], "raw": True}]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+    async def main() -> None:
+        async with http_verifier(scheduling_policy="priority", max_num_seqs=1) as h:
+            engine = h.v.running.runtime.engine
+            submitted: list[int] = []
+            submit = engine.submit
+            engine.submit = lambda seq: (submitted.append(seq.priority), submit(seq))[-1]
+            code, out, err = await bench_serve(
+                "--base-url", h.base_url, "--dataset", str(dataset), "--priorities", "1,-1", "--max-tokens", "8",
+                "--no-plain", "--out", str(tmp_path / "out"))
+            assert code == 0, out + err
+            assert sorted(submitted) == sorted([1, 5, 1, -1] * 2)  # the warm-up, then the pass
+            result = json.loads((tmp_path / "out" / "bench-serve.json").read_text())
+            assert [r["priority"] for r in result["requests"]] == [1, 5, 1, -1]
+            (spec,) = result["summary"]["passes"]
+            classes = {c["priority"]: c for c in spec["by_priority"]}
+            assert {k: c["done"] for k, c in classes.items()} == {-1: 1, 1: 2, 5: 1}
+            assert all(c["ttft_50_ms"] <= c["e2e_50_ms"] for c in classes.values())
+            assert "  priority 5: 1 done, 0 failed; TTFT p50/p99" in out
+        async with http_verifier() as h:
+            code, out, err = await bench_serve("--base-url", h.base_url, "--dataset", str(dataset),
+                                               "--out", str(tmp_path / "fcfs"))
+            assert code == 1 and "needs a verifier started with --scheduling-policy priority" in err, err
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("line, problem", [
     ("not json", "line 2: Expecting value"),
     ('{"prompt": ""}', 'line 2: a line needs "messages" (a chat) or "prompt" (a non-empty string)'),
     ('{"messages": []}', "line 2: messages must be a non-empty list"),
     ('{"prompt": "x", "max_tokens": 0}', "line 2: max_tokens must be a positive integer, not 0"),
     ("[1]", "line 2: a line must be a JSON object"),
+    ('{"prompt": "x", "priority": "high"}', "line 2: priority must be an integer, not 'high'"),
 ])
 def test_a_bad_dataset_line_is_named_before_anything_is_sent(tmp_path: Path, line: str, problem: str) -> None:
     dataset = tmp_path / "prompts.jsonl"

@@ -16,10 +16,14 @@ first token, time per output token after the first (TPOT) and the gap between st
 as vLLM counts it: a speculative step may bring several tokens at once), at the median and the 99th
 percentile, and the mean acceptance length the server reports per request. With greedy sampling
 (temperature 0, the default) each prompt's tokens are compared between the passes: speculation is lossless,
-so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels).
+so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels). Where requests carry
+priorities (a dataset line's `"priority"`, or `--priorities`, for a verifier started with
+`--scheduling-policy priority`), each pass is also broken down by priority: its requests' time to first token
+and to their last token, at the median and the 99th percentile.
 
 Prompts come from a JSONL file (`--dataset`: per line `{"messages": [...]}` for a chat or `{"prompt": "..."}`,
-sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"`) or a ShareGPT
+sent as a chat's user message, or as a completion with `"raw": true`; optional `"max_tokens"` and
+`"priority"`) or a ShareGPT
 JSON file (each conversation's first question), `--num-prompts` of them drawn at random, else from the
 built-in workloads (serve_prompts.py). Results go to `--out`/bench-serve.json, every request included.
 """
@@ -39,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
-from verifier_service.tools.bench.serve_prompts import WORKLOADS, Request, builtin, load_dataset
+from verifier_service.tools.bench.serve_prompts import WORKLOADS, Request, builtin, load_dataset, with_priorities
 
 MODES = ("spec", "plain")
 
@@ -51,6 +55,7 @@ class Record:
     mode: str
     round: int
     prompt: int
+    priority: int = 0  # as sent (0: none given)
     sent_at: float = 0.0  # seconds from the pass's start
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -80,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"without --dataset, built-in prompts: comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--prompts", type=int, default=4, help="built-in prompts per workload")
     p.add_argument("--max-tokens", type=int, default=128, help="per request, unless its dataset line says")
+    p.add_argument("--priorities", type=_int_list, metavar="P,P,...",
+                   help="request priorities, prompt i taking the (i mod n)-th, unless its dataset line gives one "
+                        "(for a verifier with --scheduling-policy priority; passes are then also reported by "
+                        "priority)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) also compares the passes' tokens")
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -106,6 +115,8 @@ def main(args: argparse.Namespace) -> int:
         requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
         if args.num_prompts is not None and args.num_prompts < len(requests):
             requests = random.Random(args.seed).sample(requests, args.num_prompts)
+        if args.priorities:
+            requests = with_priorities(requests, args.priorities)
     except (OSError, ValueError) as exc:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 2
@@ -126,6 +137,13 @@ def main(args: argparse.Namespace) -> int:
          "requests": [asdict(r) for p in passes for r in p.records]}, indent=2, default=str))
     print(f"\nwrote {out / 'bench-serve.json'}")
     return 0 if all(row["failed"] == 0 for row in summary["passes"]) else 1
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of integers, not {text!r}") from None
 
 
 class ServerProblem(Exception):
@@ -226,7 +244,7 @@ async def _pass(http: httpx.AsyncClient, model: str, requests: list[Request], mo
     async def one(i: int, at: float) -> Record:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with gate:
-            record = Record(mode, round_, i, sent_at=round(time.perf_counter() - start, 6))
+            record = Record(mode, round_, i, requests[i].priority or 0, round(time.perf_counter() - start, 6))
             await stream_request(http, *requests[i].body(model, args, mode), record)
             return record
 
@@ -326,6 +344,7 @@ def _row(p: Pass) -> dict:
     done = [r for r in p.records if not r.error]
     lengths = [r.mean_acceptance_length for r in done if r.mean_acceptance_length is not None]
     tokens = sum(r.output_tokens for r in done)
+    classes = sorted({r.priority for r in p.records})
     return {
         "mode": p.mode, "round": p.round, "done": len(done), "failed": len(p.records) - len(done),
         "first_error": next((r.error for r in p.records if r.error), ""), "wall_s": p.wall_s,
@@ -335,7 +354,18 @@ def _row(p: Pass) -> dict:
             ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
             ("itl", [g for r in done for g in r.chunk_gaps_s])) for q in (50, 99)},
         "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
+        "by_priority": [_class_row(p, k) for k in classes] if len(classes) > 1 else [],
     }
+
+
+def _class_row(p: Pass, priority: int) -> dict:
+    """One priority's requests of a pass: how many, and their times to first and to last token."""
+    records = [r for r in p.records if r.priority == priority]
+    done = [r for r in records if not r.error]
+    return {"priority": priority, "done": len(done), "failed": len(records) - len(done),
+            **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
+                ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+                ("e2e", [r.e2e_s for r in done if r.e2e_s is not None])) for q in (50, 99)}}
 
 
 def _identical(*passes: Pass) -> dict:
@@ -367,6 +397,10 @@ def print_summary(summary: dict, base: str, model: str, requests: list[Request],
         print(f"{m['mode'] + ' ' + str(m['round'] + 1):<8}{m['done']:>6}{m['failed']:>7}{m['requests_per_s']:>8.2f}"
               f"{m['output_tokens_per_s']:>11.1f}{ttft:>20}{tpot:>20}{itl:>20}"
               f"{_f(m['mean_acceptance_length'], '.2f'):>6}")
+        for c in m["by_priority"]:
+            print(f"  priority {c['priority']}: {c['done']} done, {c['failed']} failed; TTFT p50/p99 "
+                  f"{_f(c['ttft_50_ms'])} / {_f(c['ttft_99_ms'])} ms, last token p50/p99 "
+                  f"{_f(c['e2e_50_ms'])} / {_f(c['e2e_99_ms'])} ms")
         if m["first_error"]:
             print(f"  {m['failed']} failed, the first with {m['first_error']}")
     for compared in summary["rounds"]:

@@ -8,6 +8,7 @@ before anything is sent.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,15 @@ class Request:
     messages: list[dict] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
+    priority: int | None = None  # vLLM's request priority (a verifier with --scheduling-policy priority)
 
     def body(self, model: str, args: argparse.Namespace, mode: str) -> tuple[str, dict]:
         """(path, body) of this prompt's streamed request; mode "plain" turns speculation off for it alone."""
         body: dict = {"model": model, "max_tokens": self.max_tokens or args.max_tokens,
                       "temperature": args.temperature, "stream": True,
                       "stream_options": {"include_usage": True}}
+        if self.priority is not None:
+            body["priority"] = self.priority
         if args.ignore_eos:
             body["ignore_eos"] = True
         if mode == "plain":
@@ -90,20 +94,28 @@ def _sharegpt(path: Path, text: str) -> list[Request]:
 def _request(item: object, name: str) -> Request:
     if not isinstance(item, dict):
         raise ValueError("a line must be a JSON object")
-    max_tokens = item.get("max_tokens")
+    max_tokens, priority = item.get("max_tokens"), item.get("priority")
     if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
         raise ValueError(f"max_tokens must be a positive integer, not {max_tokens!r}")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise ValueError(f"priority must be an integer, not {priority!r}")
     if "messages" in item:
         messages = item["messages"]
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise ValueError("messages must be a non-empty list of message objects")
-        return Request(name, messages=messages, max_tokens=max_tokens)
+        return Request(name, messages=messages, max_tokens=max_tokens, priority=priority)
     prompt = item.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError('a line needs "messages" (a chat) or "prompt" (a non-empty string)')
     if item.get("raw", False):
-        return Request(name, prompt=prompt, max_tokens=max_tokens)
-    return Request(name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+        return Request(name, prompt=prompt, max_tokens=max_tokens, priority=priority)
+    return Request(name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, priority=priority)
+
+
+def with_priorities(requests: list[Request], priorities: list[int]) -> list[Request]:
+    """Prompt i takes priorities[i % len(priorities)], unless its dataset line gave its own."""
+    return [r if r.priority is not None else dataclasses.replace(r, priority=priorities[i % len(priorities)])
+            for i, r in enumerate(requests)]
 
 
 def builtin(names: str, count: int) -> list[Request]:
