@@ -1,9 +1,10 @@
 """Tensor parallelism on CPU: two gloo ranks serve the tiny Llama (4 heads, 2 KV heads), saved to disk.
 
 Each sharded verifier costs two processes that import torch and transformers, so the module
-starts three: one under torchrun (exactness against an unsharded verifier, plain, with a
-remote n-gram drafter and sampled), and two started by `--tensor-parallel-size 2` itself,
-whose follower rank is killed or frozen. Refusals are checked in-process, before any rank starts.
+starts four: one under torchrun (exactness against an unsharded verifier, plain, with a
+remote n-gram drafter and sampled), one scheduling by priority (requests preempted and resumed
+across both ranks), and two started by `--tensor-parallel-size 2` itself, whose follower rank is
+killed or frozen. Refusals are checked in-process, before any rank starts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -26,7 +28,7 @@ from verifier_support import LOOPING_SEEDS, repetitive_prompt, serve_drafter
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.api import cli
-from verifier_service.tools.local_services import LocalService, script
+from verifier_service.tools.local_services import LocalService, free_port, script
 
 pytestmark = pytest.mark.timeout(600)
 WAIT_S = 120.0  # bound on any wait (never a timing assertion: the machine is shared)
@@ -100,6 +102,59 @@ def test_two_ranks_under_torchrun_generate_what_one_does(model_dir: Path) -> Non
         assert all(out.stats.num_drafts == 0 for params, out in zip(_requests(), tp2) if params.speculation.disable)
 
     asyncio.run(main())
+
+
+def test_requests_preempted_for_a_higher_priority_resume_exactly_on_two_ranks(model_dir: Path) -> None:
+    """Two long streams hold both slots; two requests that come first preempt them. The followers replay
+    the leader's recompute like any prefill: every answer is the unsharded verifier's."""
+    low = [verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=repetitive_prompt(seed)), priority=1,
+                                         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=160, ignore_eos=True))
+           for seed in LOOPING_SEEDS[:2]]
+    high = [verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=repetitive_prompt(seed)),
+                                          stopping=verifier_pb2.StoppingCriteria(max_new_tokens=16))
+            for seed in LOOPING_SEEDS[2:4]]
+    metrics_port = free_port()
+    verifier = LocalService([script("splitspec-verifier"), "--model", str(model_dir), "--tensor-parallel-size", "2",
+                             "--speculative-mode", "ngram", "--max-draft-len", "4", *COMMON, "--max-num-seqs", "2",
+                             "--scheduling-policy", "priority", "--metrics-port", str(metrics_port)],
+                            name="verifier-tp-priority", env=CHILD_ENV, startup_timeout_s=WAIT_S)
+
+    async def generate(stub, p: verifier_pb2.GenerationParams, started: set[int], i: int  # noqa: ANN001
+                       ) -> list[int]:
+        tokens: list[int] = []
+        async for reply in stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=p), timeout=WAIT_S):
+            started.add(i)
+            tokens += reply.output.token_ids
+        return tokens
+
+    async def sharded() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            started: set[int] = set()
+            calls = [asyncio.ensure_future(generate(stub, p, started, i)) for i, p in enumerate(low)]
+            deadline = time.monotonic() + WAIT_S
+            while len(started) < 2 and not any(c.done() for c in calls) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert len(started) == 2, "both long streams were producing tokens"
+            calls += [asyncio.ensure_future(generate(stub, p, started, 2 + i)) for i, p in enumerate(high)]
+            return list(await asyncio.gather(*calls))
+
+    async def unsharded() -> list[list[int]]:
+        whole = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        async with run_verifier(spec_config("NGRAM", 4), model=whole) as v:
+            replies = await asyncio.gather(*(v.stub.Generate(verifier_pb2.GenerateRequest(
+                params=verifier_pb2.GenerationParams(token_ids=p.token_ids, stopping=p.stopping)), timeout=WAIT_S)
+                for p in low + high))
+        return [list(r.output.token_ids) for r in replies]
+
+    with _stopped_at_end(verifier.start()):
+        got = asyncio.run(sharded())
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=WAIT_S) as response:
+            metrics = response.read().decode()
+    preemptions = next(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("splitspec:num_preemptions_total "))
+    assert preemptions >= 1, "the requests that came first found both slots taken"
+    assert got == asyncio.run(unsharded())
 
 
 def _children(pid: int) -> list[int]:
