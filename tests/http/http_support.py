@@ -62,6 +62,14 @@ async def http_verifier(speculate: bool = True, api_key: str = "unused", **setti
         yield HttpVerifier(v, client, drafter)
 
 
+def submitted_priorities(h: HttpVerifier) -> list[int]:
+    """The priority of every request the engine takes from now on, in order (its submit wrapped)."""
+    engine, seen = h.v.running.runtime.engine, []
+    submit = engine.submit
+    engine.submit = lambda seq: (seen.append(seq.priority), submit(seq))[-1]
+    return seen
+
+
 async def wait_until(condition, what: str) -> None:  # noqa: ANN001
     """Poll `condition()` (never a timing assertion: WAIT_S only bounds a hang)."""
     loop = asyncio.get_running_loop()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_support import PROMPT, WAIT_S, http_verifier
+from http_support import PROMPT, WAIT_S, http_verifier, submitted_priorities
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from verifier_service.tools.bench.endpoint import (
@@ -99,10 +99,7 @@ def test_bench_serve_sends_priorities_and_reports_each_class(tmp_path: Path) -> 
 
     async def main() -> None:
         async with http_verifier(scheduling_policy="priority", max_num_seqs=1) as h:
-            engine = h.v.running.runtime.engine
-            submitted: list[int] = []
-            submit = engine.submit
-            engine.submit = lambda seq: (submitted.append(seq.priority), submit(seq))[-1]
+            submitted = submitted_priorities(h)
             code, out, err = await bench_serve(
                 "--base-url", h.base_url, "--dataset", str(dataset), "--priorities", "1,-1", "--max-tokens", "8",
                 "--no-plain", "--out", str(tmp_path / "out"))

@@ -10,7 +10,7 @@ import anthropic
 import grpc
 import openai
 import pytest
-from http_support import WAIT_S, http_verifier
+from http_support import WAIT_S, http_verifier, submitted_priorities
 from verifier_harness import token_request
 
 from drafter_sdk.proto import verifier_pb2
@@ -20,10 +20,7 @@ from verifier_service.api.cli import parser, settings_from_args
 def test_every_route_hands_its_priority_to_the_engine() -> None:
     async def main() -> None:
         async with http_verifier(speculate=False, scheduling_policy="priority") as h:
-            engine = h.v.running.runtime.engine
-            submitted: list[int] = []
-            submit = engine.submit
-            engine.submit = lambda seq: (submitted.append(seq.priority), submit(seq))[-1]
+            submitted = submitted_priorities(h)
             chat = [{"role": "user", "content": "hi"}]
             await h.client.chat.completions.create(model="tiny", messages=chat, max_tokens=2,
                                                    extra_body={"priority": -1})

@@ -62,8 +62,13 @@ def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, 
     prefix cache supplied (of each prompt's first choice)."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in seqs[::n])}}
+    return token_counts(prompt, completion) | {
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in seqs[::n])}}
+
+
+def token_counts(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's usage counts."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def token_name(tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> Callable[[int], str]:
@@ -290,9 +295,7 @@ class Responder:
     def _sse(self, choice: dict[str, object], seq: Sequence) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if self.continuous_usage:  # the choice's prompt and what it has been sent, as vLLM counts them
-            prompt, completion = len(seq.prompt_ids), self._generated.get(choice["index"], 0)
-            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
+            body["usage"] = token_counts(len(seq.prompt_ids), self._generated.get(choice["index"], 0))
         elif self.include_usage:
             body["usage"] = None
         return sse(body)

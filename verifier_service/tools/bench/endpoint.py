@@ -349,10 +349,9 @@ def _row(p: Pass) -> dict:
         "mode": p.mode, "round": p.round, "done": len(done), "failed": len(p.records) - len(done),
         "first_error": next((r.error for r in p.records if r.error), ""), "wall_s": p.wall_s,
         "requests_per_s": len(done) / p.wall_s, "output_tokens": tokens, "output_tokens_per_s": tokens / p.wall_s,
-        **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
-            ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
-            ("tpot", [r.tpot_s for r in done if r.tpot_s is not None]),
-            ("itl", [g for r in done for g in r.chunk_gaps_s])) for q in (50, 99)},
+        **_percentiles_ms(ttft=[r.ttft_s for r in done if r.ttft_s is not None],
+                          tpot=[r.tpot_s for r in done if r.tpot_s is not None],
+                          itl=[g for r in done for g in r.chunk_gaps_s]),
         "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
         "by_priority": [_class_row(p, k) for k in classes] if len(classes) > 1 else [],
     }
@@ -363,9 +362,13 @@ def _class_row(p: Pass, priority: int) -> dict:
     records = [r for r in p.records if r.priority == priority]
     done = [r for r in records if not r.error]
     return {"priority": priority, "done": len(done), "failed": len(records) - len(done),
-            **{f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in (
-                ("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
-                ("e2e", [r.e2e_s for r in done if r.e2e_s is not None])) for q in (50, 99)}}
+            **_percentiles_ms(ttft=[r.ttft_s for r in done if r.ttft_s is not None],
+                              e2e=[r.e2e_s for r in done if r.e2e_s is not None])}
+
+
+def _percentiles_ms(**series: list[float]) -> dict[str, float | None]:
+    """name_50_ms and name_99_ms of each series of seconds."""
+    return {f"{name}_{q}_ms": _ms(percentile(values, q)) for name, values in series.items() for q in (50, 99)}
 
 
 def _identical(*passes: Pass) -> dict:
