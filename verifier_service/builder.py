@@ -25,6 +25,7 @@ from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache
+from verifier_service.engine.reasoning import PARSERS, Reasoning, ReasoningUnavailable
 from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
@@ -69,6 +70,7 @@ class Runtime:
     eos_token_ids: frozenset[int]
     tokenizer_fingerprint: str  # drafters reporting another one get no calls
     grammars: Grammars  # compiles requests' structured-output constraints
+    reasoning: Reasoning | None = None  # --reasoning-parser's markers in this model's vocabulary
 
     @property
     def drafter(self) -> DrafterClient | None:
@@ -298,6 +300,12 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                         model_thread: ModelThread | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
+    reasoning = None
+    if settings.reasoning_parser is not None:
+        try:
+            reasoning = Reasoning.of(PARSERS[settings.reasoning_parser], tokenizer)
+        except ReasoningUnavailable as e:
+            raise ConfigError(str(e)) from None
     max_model_len = model_len(model.config, settings)
     if max_model_len < settings.max_model_len:
         log.warning("--max-model-len %d is more than the model's %d positions: serving %d", settings.max_model_len,
@@ -350,4 +358,4 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint,
-                   Grammars(tokenizer, runner.vocab_size, eos_ids))
+                   Grammars(tokenizer, runner.vocab_size, eos_ids), reasoning)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafter_sdk.proto import speculative_pb2
+from verifier_service.engine.reasoning import PARSERS as REASONING_PARSERS
 from verifier_service.spec_decode.config import ConfigError, validate
 
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
@@ -71,6 +72,9 @@ class ServerSettings:
     # Chat tool calling's "auto" choice (api/tool_calls.py), as vLLM's flags: both, or it is refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    # A reasoning model's thinking markers (engine/reasoning.py): constraints hold the answer only, and the
+    # HTTP answers carry the thinking apart. One of REASONING_PARSERS; None: the output is all answer.
+    reasoning_parser: str | None = None
     # Memory for the Responses API's stored responses (api/response_store.py), least recently used
     # evicted first; 0 stores none.
     responses_store_mb: int = 64
@@ -114,6 +118,8 @@ class ServerSettings:
                               f"not {self.scheduling_policy!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError(f"enable_auto_tool_choice needs tool_call_parser ({', '.join(TOOL_CALL_PARSERS)})")
         if (self.tls_cert is None) != (self.tls_key is None):

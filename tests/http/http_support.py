@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import openai
 from tiny_model import tiny_tokenizer
+from transformers import PreTrainedModel
 from verifier_harness import VerifierHandle, run_verifier, spec_config
 from verifier_support import serve_drafter, shared_model
 
@@ -47,15 +48,16 @@ class HttpVerifier:
 
 
 @contextlib.asynccontextmanager
-async def http_verifier(speculate: bool = True, api_key: str = "unused", **settings: object
-                        ) -> AsyncIterator[HttpVerifier]:
-    """With `speculate`, a remote SDK n-gram drafter over gRPC drafts up to 4 tokens a step."""
+async def http_verifier(speculate: bool = True, api_key: str = "unused", model: PreTrainedModel | None = None,
+                        **settings: object) -> AsyncIterator[HttpVerifier]:
+    """With `speculate`, a remote SDK n-gram drafter over gRPC drafts up to 4 tokens a step. `model`: the
+    tiny random one unless given."""
     async with contextlib.AsyncExitStack() as stack:
         spec, drafter = spec_config("NONE"), None
         if speculate:
             drafter = await stack.enter_async_context(serve_drafter(NgramDrafter(max_matching_ngram_size=2)))
             spec = spec_config("USER_PROVIDED", 4, f"127.0.0.1:{drafter.port}", deadline_ms=5000)
-        v = await stack.enter_async_context(run_verifier(spec, model=shared_model(), **settings))
+        v = await stack.enter_async_context(run_verifier(spec, model=model or shared_model(), **settings))
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{v.running.http_port}/v1", api_key=api_key,
                                     max_retries=0, timeout=WAIT_S)
         stack.push_async_callback(client.close)

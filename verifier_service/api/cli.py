@@ -20,6 +20,7 @@ from verifier_service.model import host_memory
 from verifier_service.settings import (
     DEFAULTS,
     EMBEDDED_MODEL,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
     ServerSettings,
@@ -43,6 +44,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
+                 "reasoning_parser",
                  "responses_store_mb", "max_draft_nodes")
 
 
@@ -78,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                                                    "the model's calls with --tool-call-parser (vLLM's flags)")
     _setting(p, "tool_call_parser", "how --enable-auto-tool-choice reads calls from the model's text: hermes "
                                     "(<tool_call> blocks: Hermes, Qwen2.5, Qwen3)", choices=TOOL_CALL_PARSERS)
+    _setting(p, "reasoning_parser", "a reasoning model's <think> markers: structured output and tool calls hold "
+                                    "its answer, not its thinking, and HTTP answers carry the thinking apart "
+                                    "(`reasoning`); deepseek_r1 (DeepSeek-R1, QwQ) or qwen3",
+             choices=sorted(REASONING_PARSERS))
     _setting(p, "responses_store_mb", "memory for the Responses API's stored responses (GET /v1/responses/{id}, "
                                       "previous_response_id), least recently used evicted first; 0 stores none",
              type=int, metavar="MB")

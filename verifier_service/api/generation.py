@@ -22,7 +22,12 @@ from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestE
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
-from verifier_service.engine.structured_output import ConstraintError, Grammar, StructuredOutputUnavailable
+from verifier_service.engine.structured_output import (
+    Constrained,
+    ConstraintError,
+    ReasoningGate,
+    StructuredOutputUnavailable,
+)
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec_decode.policy import SpecState
 
@@ -43,7 +48,7 @@ class GenerationFailed(Exception):
         self.unavailable = unavailable
 
 
-def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = None) -> Sequence:
+def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Constrained | None = None) -> Sequence:
     """`grammar`: parsed.constraint compiled (compile_constraint)."""
     generator = None
     if not parsed.sampling.greedy:
@@ -60,18 +65,22 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Grammar | None = N
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority)
 
 
-async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Grammar | None:
+async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Constrained | None:
     """The request's structured-output constraint, compiled on a worker thread: llguidance lets go of
     the GIL, and a large schema takes a while (0.34 s for 5,000 properties here), during which the
-    servers keep answering. Raises RequestError."""
+    servers keep answering. Under a reasoning parser it holds the answer only (ReasoningGate).
+    Raises RequestError."""
     if parsed.constraint is None:
         return None
     try:
-        return await asyncio.to_thread(rt.grammars.compile, parsed.constraint)
+        grammar = await asyncio.to_thread(rt.grammars.compile, parsed.constraint)
     except ConstraintError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     except StructuredOutputUnavailable as e:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    if rt.reasoning is None:
+        return grammar
+    return ReasoningGate(grammar, rt.reasoning, rt.reasoning.phase_after(parsed.prompt_ids))
 
 
 class Generations:

@@ -182,7 +182,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
                           body.continuous_usage, body.echoes_prompt, body.prompt_only,
                           body.prompt_logprobs is not None, tools, body.return_tokens_as_token_ids,
-                          body.echoed_message)
+                          body.echoed_message, rt.reasoning if chat else None, body.shows_reasoning)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

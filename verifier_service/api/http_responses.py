@@ -15,7 +15,9 @@ first token's null: nothing precedes it. vLLM's `prompt_logprobs` puts them, in 
 response: a chat's choices share one prompt.
 
 Under a tool choice (tool_calls.py), a chat answer's message carries its calls; streamed, its
-chunks carry them as deltas (tool_calls.CallStream).
+chunks carry them as deltas (tool_calls.CallStream). Under a reasoning parser, a chat answer's
+thinking goes in `reasoning` (vLLM's field; api/reasoning_split.py), its message's content and calls
+are read from the answer after it, and usage counts the thinking's tokens as OpenAI's reasoning_tokens.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from itertools import accumulate
 
 from transformers import PreTrainedTokenizerBase
 
-from verifier_service.api.tool_calls import CallStream, ToolPlan
+from verifier_service.api.reasoning_split import ThoughtSplit, split
+from verifier_service.api.tool_calls import Call, CallStream, ToolPlan
 from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 
@@ -56,14 +60,20 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
     }
 
 
-def usage(seqs: list[Sequence], n: int, prompt_only: bool = False) -> dict[str, object]:
+def usage(seqs: list[Sequence], n: int, prompt_only: bool = False,
+          reasoning: Reasoning | None = None) -> dict[str, object]:
     """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output
     (none shown: none counted); OpenAI's prompt_tokens_details.cached_tokens: the prompts' tokens the
-    prefix cache supplied (of each prompt's first choice)."""
+    prefix cache supplied (of each prompt's first choice); under a reasoning parser,
+    completion_tokens_details.reasoning_tokens: the outputs' tokens of thinking and its markers."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
-    return token_counts(prompt, completion) | {
+    counts = token_counts(prompt, completion) | {
         "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in seqs[::n])}}
+    if reasoning is not None:
+        thought = sum(reasoning.thought_tokens(s.prompt_ids, s.output_ids) for s in seqs)
+        counts["completion_tokens_details"] = {"reasoning_tokens": thought}
+    return counts
 
 
 def token_counts(prompt: int, completion: int) -> dict[str, int]:
@@ -126,11 +136,14 @@ class Responder:
     tools: ToolPlan | None = None  # chat: how answers become tool calls (tool_calls.py)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" wherever a token is named
     echoed_message: str = ""  # chat: what each answer's content starts with (vLLM's chat echo)
+    reasoning: Reasoning | None = None  # chat under a reasoning parser: answers' thinking split off
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: dict[int, int] = field(default_factory=dict)  # streaming: choice -> characters of its echoed prompt
     _calls: dict[int, CallStream] = field(default_factory=dict)  # streaming under a tool plan, per choice
     _generated: dict[int, int] = field(default_factory=dict)  # streaming: choice -> tokens sent so far
+    _thoughts: dict[int, ThoughtSplit] = field(default_factory=dict)  # streaming under a reasoning parser
 
     @property
     def _id(self) -> str:
@@ -222,7 +235,9 @@ class Responder:
             c: dict[str, object] = {"index": i}
             finish = FINISH.get(out.finish_reason)
             if self.chat:
-                message, finish = self._message(out.text, finish)
+                thought, answer = (None, out.text) if self.reasoning is None else split(self.reasoning,
+                                                                                        seq.prompt_ids, out.text)
+                message, finish = self._message(answer, finish, thought)
                 if self.echoed_message:
                     message["content"] = self.echoed_message + (message["content"] or "")
                 c |= {"message": message, "logprobs": self._logprobs(out, 0)}
@@ -236,19 +251,23 @@ class Responder:
             body["choices"].append(c)
         if self.prompt_logprobs and self.chat:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0].joined())
-        body["usage"] = usage(seqs, self.n, self.prompt_only)
+        body["usage"] = usage(seqs, self.n, self.prompt_only, self.reasoning)
         body["speculation"] = speculation(seqs)
         return body
 
     def _calling(self) -> bool:
         return self.tools is not None and self.tools.makes_calls
 
-    def _message(self, text: str, finish: str | None) -> tuple[dict[str, object], str | None]:
-        """A whole chat answer's message and finish_reason: its text, or its content and tool calls."""
-        if not self._calling():
-            return {"role": "assistant", "content": text}, finish
-        content, calls, finish = self.tools.answer(text, finish)
-        message: dict[str, object] = {"role": "assistant", "content": content}
+    def _message(self, text: str, finish: str | None, thought: str | None) -> tuple[dict[str, object], str | None]:
+        """A whole chat answer's message and finish_reason: its text, or its content and tool calls, and
+        its thinking (`thought`: None without a reasoning parser; an answer that is all thought has no content)."""
+        content: str | None = text
+        calls: list[Call] = []
+        if self._calling():
+            content, calls, finish = self.tools.answer(text, finish)
+        message: dict[str, object] = {"role": "assistant", "content": None if thought and not content else content}
+        if thought is not None and self.include_reasoning:
+            message["reasoning"] = thought or None
         if calls:
             message["tool_calls"] = [call.message() for call in calls]
         return message, finish
@@ -265,10 +284,17 @@ class Responder:
         c: dict[str, object] = {"index": index}
         finish = FINISH.get(out.finish_reason)
         if self.chat:
-            delta: dict[str, object] = {"content": out.text}
+            answer = out.text
+            delta: dict[str, object] = {"content": answer}
+            if self.reasoning is not None:  # the thinking, and the answer after it
+                thoughts = self._thoughts.setdefault(index, ThoughtSplit(self.reasoning, seq.prompt_ids))
+                thought, answer = thoughts.feed(out.text, final=out.finish_reason is not None)
+                delta["content"] = answer
+                if thought and self.include_reasoning:
+                    delta["reasoning"] = thought
             if self._calling():  # content up to where a call may begin, and the calls' deltas
                 calls = self._calls.setdefault(index, CallStream(self.tools))
-                content, deltas, finish = calls.advance(out.text, out.finish_reason is not None, finish)
+                content, deltas, finish = calls.advance(answer, out.finish_reason is not None, finish)
                 delta["content"] = content
                 if deltas:
                     delta["tool_calls"] = deltas
@@ -289,7 +315,8 @@ class Responder:
 
     def usage_chunk(self, seqs: list[Sequence]) -> str:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body |= {"choices": [], "usage": usage(seqs, self.n, self.prompt_only), "speculation": speculation(seqs)}
+        body |= {"choices": [], "usage": usage(seqs, self.n, self.prompt_only, self.reasoning),
+                 "speculation": speculation(seqs)}
         return sse(body)
 
     def _sse(self, choice: dict[str, object], seq: Sequence) -> str:

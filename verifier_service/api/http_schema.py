@@ -216,6 +216,11 @@ class GenerationBody(_Body):
         return ""
 
     @property
+    def shows_reasoning(self) -> bool:
+        """Whether a chat answer carries a reasoning model's thinking (vLLM's include_reasoning)."""
+        return True
+
+    @property
     def prompt_only(self) -> bool:
         return False
 
@@ -375,6 +380,9 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's result
+    # An assistant's earlier thinking, sent back (vLLM's `reasoning`; its older name `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @property
     def text(self) -> str:
@@ -388,7 +396,7 @@ class ChatMessage(_Body):
             role="system" if self.role == "developer" else self.role, content=self.text,
             tool_calls=[verifier_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                         for c in self.tool_calls or []],
-            tool_call_id=self.tool_call_id or "")
+            tool_call_id=self.tool_call_id or "", reasoning=self.reasoning or self.reasoning_content or "")
 
 
 class FunctionTool(_Body):
@@ -434,6 +442,7 @@ class ChatCompletionRequest(GenerationBody):
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
     continue_final_message: bool = False  # vLLM's: the answer continues the last message
     echo: bool = False  # vLLM's: the answer's content starts with the last message's, if the assistant's
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
     add_special_tokens: Any = None
     chat_template: Any = None
@@ -448,6 +457,10 @@ class ChatCompletionRequest(GenerationBody):
     @property
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def shows_reasoning(self) -> bool:
+        return self.include_reasoning
 
     @property
     def echoed_message(self) -> str:

@@ -247,6 +247,8 @@ def _message(i: int, m: verifier_pb2.ChatMessage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
+    if m.reasoning:
+        message["reasoning_content"] = m.reasoning
     if m.tool_calls:
         calls = []
         for j, call in enumerate(m.tool_calls):

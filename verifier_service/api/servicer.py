@@ -116,7 +116,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint,
-            scheduling_policy=rt.settings.scheduling_policy)
+            scheduling_policy=rt.settings.scheduling_policy, reasoning_parser=rt.settings.reasoning_parser or "")
 
 
 @contextlib.asynccontextmanager

@@ -45,7 +45,7 @@ import torch
 
 from drafter_sdk.tree import accepted_path
 from verifier_service.engine.logits_state import LogitsState
-from verifier_service.engine.structured_output import Grammar
+from verifier_service.engine.structured_output import Constrained
 from verifier_service.engine.tree_verify import walk
 
 
@@ -106,7 +106,7 @@ class VerifyRow:
     # than `held_for` tokens past the committed ones.
     held_for: int = 0
     held: tuple[int, ...] = ()
-    grammar: Grammar | None = None  # structured output (engine/structured_output.py), at the committed tokens
+    grammar: Constrained | None = None  # structured output (engine/structured_output.py), at the committed tokens
     state: LogitsState = field(default_factory=LogitsState)  # the sequence's, kept between steps
 
     @property

@@ -13,7 +13,7 @@ import torch
 from verifier_service.engine.detokenizer import Detokenizer
 from verifier_service.engine.logits_state import LogitsState
 from verifier_service.engine.sampler import SamplingParams, TokenLogprob
-from verifier_service.engine.structured_output import Grammar
+from verifier_service.engine.structured_output import Constrained
 from verifier_service.spec_decode.drafter_client import DeltaHistory
 from verifier_service.spec_decode.lookahead import Lookahead
 from verifier_service.spec_decode.policy import SpecState
@@ -123,7 +123,7 @@ class Sequence:
     # computed so far, of prompt_ids[1:], chunk by chunk.
     prompt_logprobs: int | None = None
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    grammar: Grammar | None = None  # its structured-output constraint, at its committed tokens
+    grammar: Constrained | None = None  # its structured-output constraint, at its committed tokens
     logits_state: LogitsState = field(default_factory=LogitsState)  # its logits processors' device tensors
 
     @property

@@ -21,6 +21,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import llguidance
 import llguidance.hf
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from verifier_service.engine.reasoning import Phase, Reasoning
 from verifier_service.engine.tree_verify import cut_draft, draft_paths
 
 log = logging.getLogger(__name__)
@@ -86,39 +88,55 @@ class Grammars:
         return Grammar(matcher, self.vocab_size, self._eos)
 
 
+class Constrained(Protocol):
+    """What the engine asks of a request's compiled constraint, at its committed tokens."""
+
+    def row_masks(self, draft: Sequence[int], parents: Sequence[int]) -> torch.Tensor: ...
+
+    def cut(self, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]: ...
+
+    def commit(self, tokens: Sequence[int]) -> None: ...
+
+
 class Grammar:
     """One request's constraint, at the position after its committed tokens."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._matcher = matcher
-        self._vocab_size = vocab_size
+        self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
 
     def _allowed(self) -> np.ndarray:
         """bool [V]: the tokens allowed next. Should the matcher allow none (it never should), the
         end-of-sequence tokens, so that the request ends instead of sampling from nothing."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:self._vocab_size].astype(bool)
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
         if not allowed.any():
             log.warning("structured output: the constraint allows no token (%s); ending the answer",
                         self._matcher.get_error() or "no error")
             allowed[self._eos] = True
         return allowed
 
+    def allowed_after(self, path: Sequence[int]) -> np.ndarray:
+        """bool [V]: the tokens allowed after `path`, tokens beyond the committed ones. Where no emitted
+        token can come from there (the path holds a refused token, or ends with end-of-sequence), everything."""
+        if not path:
+            return self._allowed()
+        if path[-1] in self._eos or self.accepted(path) < len(path):
+            return np.ones(self.vocab_size, dtype=bool)
+        self._matcher.consume_tokens(path)
+        allowed = self._allowed()
+        self._matcher.rollback(len(path))
+        return allowed
+
+    def accepted(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, beyond the committed ones, the constraint allows before it refuses one."""
+        return self._matcher.validate_tokens(tokens)
+
     def row_masks(self, draft: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """bool [len(draft) + 1, V]: the tokens allowed at each verify row (the root's, then each
-        draft token's row, after its path). A row no emitted token can come from (past a refused
-        draft token, or past an end-of-sequence token) allows everything."""
-        anything = np.ones(self._vocab_size, dtype=bool)
-        rows = [self._allowed()]
-        for path in draft_paths(draft, parents):
-            if path[-1] in self._eos or self._matcher.validate_tokens(path) < len(path):
-                rows.append(anything)
-                continue
-            self._matcher.consume_tokens(path)
-            rows.append(self._allowed())
-            self._matcher.rollback(len(path))
-        return torch.from_numpy(np.stack(rows))
+        draft token's row, after its path)."""
+        return torch.from_numpy(np.stack([self.allowed_after(path) for path in [[], *draft_paths(draft, parents)]]))
 
     def cut(self, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
         """The draft without the tokens the constraint refuses: a chain up to its first refused
@@ -126,8 +144,8 @@ class Grammar:
         if not draft:
             return draft, parents
         if not parents:  # one call for the whole chain
-            return draft[:self._matcher.validate_tokens(draft)], parents
-        return cut_draft(draft, parents, lambda path: self._matcher.validate_tokens(path) < len(path))
+            return draft[:self.accepted(draft)], parents
+        return cut_draft(draft, parents, lambda path: self.accepted(path) < len(path))
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The request emitted these tokens (each allowed where it was sampled). Past the constraint's
@@ -138,3 +156,40 @@ class Grammar:
             if not self._matcher.consume_token(token):
                 log.warning("structured output: emitted token %d was refused (%s)", token, self._matcher.get_error())
                 return
+
+
+class ReasoningGate:
+    """A constraint that holds a reasoning model's answer and leaves its thinking free (engine/reasoning.py):
+    a verify row in thought allows everything; a row where the first token decides allows what the
+    constraint allows and `<think>`; a row in the answer is masked as the constraint is after the
+    answer's tokens on its path. Draft tokens are cut as Grammar cuts them, the thinking's never."""
+
+    def __init__(self, grammar: Grammar, reasoning: Reasoning, phase: Phase) -> None:
+        self._grammar = grammar
+        self._reasoning = reasoning
+        self._phase = phase  # at the committed tokens
+
+    def _allowed_after(self, path: Sequence[int]) -> np.ndarray:
+        phase, answer = self._reasoning.walk(self._phase, path)
+        if phase is Phase.THINKING:
+            return np.ones(self._grammar.vocab_size, dtype=bool)
+        allowed = self._grammar.allowed_after(answer)
+        if phase is Phase.FIRST:
+            allowed = allowed.copy()
+            allowed[self._reasoning.start_id] = True
+        return allowed
+
+    def _refused(self, path: list[int]) -> bool:
+        answer = self._reasoning.walk(self._phase, path)[1]
+        return self._grammar.accepted(answer) < len(answer)
+
+    def row_masks(self, draft: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """bool [len(draft) + 1, V], as Grammar.row_masks."""
+        return torch.from_numpy(np.stack([self._allowed_after(path) for path in [[], *draft_paths(draft, parents)]]))
+
+    def cut(self, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+        return cut_draft(draft, parents, self._refused) if draft else (draft, parents)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self._phase, answer = self._reasoning.walk(self._phase, tokens)
+        self._grammar.commit(answer)

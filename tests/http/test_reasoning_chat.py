@@ -1,0 +1,136 @@
+"""Chat completions from a reasoning model (--reasoning-parser), through the official openai client on a real
+verifier (the tiny thinking model, a remote n-gram drafter): the thinking comes apart in `reasoning`, the
+answer in `content`, whole and streamed alike, and together they are the raw output; structured output and
+tool calls hold the answer after free thinking; thinking sent back reaches the template."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+
+import httpx
+from http_support import WAIT_S, http_verifier
+from thinking_model import THINKING_CHAT, THINKING_TEMPLATE, thinking_model, thinking_tokenizer
+from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
+
+from drafter_sdk.proto import verifier_pb2
+
+REGEX = r"(fox|dog)+ [0-9]{3}"
+ARGS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "count", "parameters": ARGS}}]
+COUNT = [{"role": "user", "content": "Count to three."}]  # with TOOLS rendered, thought for 31 tokens
+
+
+def tools_tokenizer():  # noqa: ANN201
+    tokenizer = copy.deepcopy(thinking_tokenizer())
+    tokenizer.chat_template = "{% if tools %}<|system|>tools: {{ tools | tojson }}\n{% endif %}" + THINKING_TEMPLATE
+    return tokenizer
+
+
+def serving(**settings: object):  # noqa: ANN201
+    return http_verifier(model=thinking_model(), tokenizer=tools_tokenizer(), reasoning_parser="deepseek_r1",
+                         max_model_len=512, **settings)
+
+
+async def streamed(client, messages: list[dict] = THINKING_CHAT, **request: object  # noqa: ANN001
+                   ) -> tuple[str, str, list[dict], dict]:
+    """(reasoning, content, calls, usage) of a streamed chat, put together as a client does."""
+    thought, content, calls, usage = "", "", [], None
+    async for chunk in await client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                            stream_options={"include_usage": True}, **request):
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        thought += getattr(delta, "reasoning", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                calls.append({"name": call.function.name, "arguments": ""})
+            calls[call.index]["arguments"] += call.function.arguments or ""
+    return thought, content, calls, usage.model_dump()
+
+
+def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
+    async def main() -> None:
+        async with serving() as h:
+            r = await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40)
+            message = r.choices[0].message
+            thought, answer = message.reasoning, message.content
+            assert thought and answer and "think>" not in thought + answer
+            # Together they are the raw output: the same prompt's completion, which nothing splits.
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                ids = (await http.post("/tokenize", json={"messages": THINKING_CHAT})).json()["tokens"]
+                raw = (await http.post("/v1/completions", json={"prompt": ids, "max_tokens": 40})).json()
+            assert raw["choices"][0]["text"] == f"{thought}</think>{answer}"
+            raw_ids = raw["choices"][0]["splitspec"]["token_ids"]
+            thought_tokens = raw_ids.index(thinking_tokenizer().convert_tokens_to_ids("</think>")) + 1
+            assert r.usage.completion_tokens_details.reasoning_tokens == thought_tokens
+            got = await streamed(h.client, max_tokens=40)
+            assert got[:3] == (thought, answer, [])
+            assert got[3]["completion_tokens_details"]["reasoning_tokens"] == thought_tokens
+            # vLLM's include_reasoning false: the same answer, without its thinking.
+            hidden = await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
+                                                            extra_body={"include_reasoning": False})
+            assert hidden.choices[0].message.content == answer
+            assert getattr(hidden.choices[0].message, "reasoning", None) is None
+            hidden_stream = await streamed(h.client, max_tokens=40, extra_body={"include_reasoning": False})
+            assert hidden_stream[:2] == ("", answer)
+            # A template that closed the thinking (Qwen3's enable_thinking false): all answer.
+            closed = await h.client.chat.completions.create(
+                model="tiny", messages=THINKING_CHAT, max_tokens=12,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert closed.choices[0].message.reasoning is None and closed.choices[0].message.content
+            info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
+            assert info.reasoning_parser == "deepseek_r1"
+
+    asyncio.run(main())
+
+
+def test_structured_output_and_tool_calls_hold_the_answer_after_free_thinking() -> None:
+    async def main() -> None:
+        async with serving() as h:
+            free = (await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT,
+                                                           max_tokens=40)).choices[0].message
+            r = await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
+                                                       extra_body={"structured_outputs": {"regex": REGEX}})
+            held = r.choices[0].message
+            assert held.reasoning == free.reasoning and re.fullmatch(REGEX, held.content)
+            assert r.choices[0].finish_reason == "stop"
+            assert (await streamed(h.client, max_tokens=40, extra_body={"structured_outputs": {"regex": REGEX}})
+                    )[:2] == (held.reasoning, held.content)
+            free = (await h.client.chat.completions.create(model="tiny", messages=COUNT, max_tokens=120,
+                                                           tools=TOOLS, tool_choice="none")).choices[0].message
+            for choice in ("required", {"type": "function", "function": {"name": "count"}}):
+                r = await h.client.chat.completions.create(model="tiny", messages=COUNT, max_tokens=120,
+                                                           tools=TOOLS, tool_choice=choice)
+                message = r.choices[0].message
+                assert message.reasoning == free.reasoning, choice
+                (call,) = message.tool_calls
+                assert call.function.name == "count" and 0 <= json.loads(call.function.arguments)["n"] <= 99
+                thought, content, calls, _ = await streamed(h.client, COUNT, max_tokens=120, tools=TOOLS,
+                                                            tool_choice=choice)
+                assert (thought, calls) == (free.reasoning, [{"name": "count", "arguments": call.function.arguments}])
+
+    asyncio.run(main())
+
+
+def test_thinking_sent_back_reaches_the_template() -> None:
+    """An assistant message's `reasoning` (or its older name, `reasoning_content`) is rendered by the template."""
+    async def main() -> None:
+        async with serving(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            turn = {"role": "assistant", "content": "5 and 7"}
+            chat = [*THINKING_CHAT, turn, {"role": "user", "content": "More?"}]
+            counts = []
+            for extra in ({}, {"reasoning": "small ones"}, {"reasoning_content": "small ones"}):
+                chat[1] = turn | extra
+                r = await http.post("/tokenize", json={"messages": chat})
+                counts.append(r.json()["count"])
+            tokenizer = thinking_tokenizer()
+            assert counts[1] == counts[2] == counts[0] + len(tokenizer("<think>small ones</think>",
+                                                                      add_special_tokens=False)["input_ids"])
+
+    asyncio.run(main())

@@ -1,0 +1,101 @@
+"""Reasoning models: where the thinking ends and the answer begins.
+
+Models such as DeepSeek-R1 and Qwen3 think before they answer, between `<think>` and `</think>`,
+each one token of their vocabulary. With `--reasoning-parser` (vLLM's flag and names), the verifier
+knows these markers, and two things follow from the one rule below:
+- a structured-output constraint, and so a tool choice that calls, holds the answer and not the
+  thinking: the model thinks freely, then answers in the form asked for, as in vLLM and SGLang
+  (engine/structured_output.py, ReasoningGate);
+- the HTTP fronts return the thinking apart from the answer (api/reasoning_split.py).
+
+The rule. The prompt decides where the output starts: a chat template that opened the thinking
+(its last marker is `<think>`: DeepSeek-R1, Qwen3's thinking models) starts it in thought; one that
+closed it (its last marker is `</think>`: Qwen3 with `enable_thinking` false) starts it in the
+answer. Where the prompt has neither, `deepseek_r1` starts in thought (R1 may think without writing
+`<think>`) and `qwen3` leaves it to the first token: `<think>` opens the thinking, anything else
+begins the answer. In thought, `</think>` ends it. The markers are neither thought nor answer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not imported at run time: the verifier's flags are checked before transformers loads
+    from transformers import PreTrainedTokenizerBase
+
+
+class Phase(enum.Enum):
+    THINKING = "thinking"
+    ANSWER = "answer"
+    FIRST = "first"  # qwen3, a prompt without markers: the first token decides
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    thinks_unopened: bool  # a prompt without markers starts the output in thought
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", thinks_unopened=True),
+                               ReasoningParser("qwen3", thinks_unopened=False))}
+
+
+class ReasoningUnavailable(ValueError):
+    """The model's tokenizer does not spell the parser's markers as single tokens."""
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A parser resolved against one model's tokenizer."""
+
+    parser: ReasoningParser
+    start_id: int
+    end_id: int
+
+    @classmethod
+    def of(cls, parser: ReasoningParser, tokenizer: PreTrainedTokenizerBase) -> Reasoning:
+        """Raises ReasoningUnavailable."""
+        ids = []
+        for marker in (parser.start, parser.end):
+            encoded = tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ReasoningUnavailable(f"--reasoning-parser {parser.name}: this model's tokenizer has no single "
+                                           f"token for {marker!r} (it spells it as {len(encoded)} tokens)")
+            ids.append(encoded[0])
+        return cls(parser, *ids)
+
+    def phase_after(self, prompt_ids: Iterable[int]) -> Phase:
+        """Where the output of this prompt starts (module docstring)."""
+        for token in reversed(list(prompt_ids)):
+            if token == self.end_id:
+                return Phase.ANSWER
+            if token == self.start_id:
+                return Phase.THINKING
+        return Phase.THINKING if self.parser.thinks_unopened else Phase.FIRST
+
+    def step(self, phase: Phase, token: int) -> tuple[Phase, bool]:
+        """(the phase after `token`, emitted in `phase`; whether `token` is part of the answer)."""
+        if phase is Phase.ANSWER:
+            return phase, True
+        if phase is Phase.THINKING:
+            return (Phase.ANSWER if token == self.end_id else phase), False
+        return (Phase.THINKING, False) if token == self.start_id else (Phase.ANSWER, True)
+
+    def walk(self, phase: Phase, tokens: Iterable[int]) -> tuple[Phase, list[int]]:
+        """(the phase after `tokens`, which follow `phase`; those of them that are the answer's, in order:
+        a suffix of `tokens`, since the answer, once begun, lasts)."""
+        answer = []
+        for token in tokens:
+            phase, answered = self.step(phase, token)
+            if answered:
+                answer.append(token)
+        return phase, answer
+
+    def thought_tokens(self, prompt_ids: Iterable[int], output_ids: list[int]) -> int:
+        """How many of the output's tokens are not the answer's: thought and markers (OpenAI's reasoning_tokens)."""
+        return len(output_ids) - len(self.walk(self.phase_after(prompt_ids), output_ids)[1])
