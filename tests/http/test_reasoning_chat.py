@@ -91,8 +91,12 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
 
 
 def test_structured_output_and_tool_calls_hold_the_answer_after_free_thinking() -> None:
+    """A regular expression, tool_choice "required" and a named one hold the answer; "auto" reads the calls the
+    answer writes (the random model writes a Hermes block when a regular expression holds it to one)."""
+    block = r'<tool_call>\{"name": "count", "arguments": \{"n": [1-9]\}\}</tool_call>'
+
     async def main() -> None:
-        async with serving() as h:
+        async with serving(enable_auto_tool_choice=True, tool_call_parser="hermes") as h:
             free = (await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT,
                                                            max_tokens=40)).choices[0].message
             r = await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
@@ -114,6 +118,16 @@ def test_structured_output_and_tool_calls_hold_the_answer_after_free_thinking() 
                 thought, content, calls, _ = await streamed(h.client, COUNT, max_tokens=120, tools=TOOLS,
                                                             tool_choice=choice)
                 assert (thought, calls) == (free.reasoning, [{"name": "count", "arguments": call.function.arguments}])
+            r = await h.client.chat.completions.create(model="tiny", messages=COUNT, max_tokens=120, tools=TOOLS,
+                                                       extra_body={"structured_outputs": {"regex": block}})
+            message = r.choices[0].message
+            (call,) = message.tool_calls
+            assert message.reasoning == free.reasoning and message.content is None
+            assert call.function.name == "count" and r.choices[0].finish_reason == "tool_calls"
+            thought, content, calls, _ = await streamed(h.client, COUNT, max_tokens=120, tools=TOOLS,
+                                                        extra_body={"structured_outputs": {"regex": block}})
+            assert (thought, content, calls) == (free.reasoning, "", [{"name": "count",
+                                                                       "arguments": call.function.arguments}])
 
     asyncio.run(main())
 
