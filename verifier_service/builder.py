@@ -81,6 +81,16 @@ class Runtime:
         return self.engine.runner.vocab_size
 
 
+def reasoning_of(settings: ServerSettings, tokenizer: PreTrainedTokenizerBase) -> Reasoning | None:
+    """--reasoning-parser's markers in this tokenizer's vocabulary. Raises ConfigError."""
+    if settings.reasoning_parser is None:
+        return None
+    try:
+        return Reasoning.of(PARSERS[settings.reasoning_parser], tokenizer)
+    except ReasoningUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
 def model_len(config: PretrainedConfig, settings: ServerSettings) -> int:
     """The longest prompt + generation served: the setting, within the model's positions."""
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
@@ -300,12 +310,7 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                         model_thread: ModelThread | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
-    reasoning = None
-    if settings.reasoning_parser is not None:
-        try:
-            reasoning = Reasoning.of(PARSERS[settings.reasoning_parser], tokenizer)
-        except ReasoningUnavailable as e:
-            raise ConfigError(str(e)) from None
+    reasoning = reasoning_of(settings, tokenizer)
     max_model_len = model_len(model.config, settings)
     if max_model_len < settings.max_model_len:
         log.warning("--max-model-len %d is more than the model's %d positions: serving %d", settings.max_model_len,

@@ -8,14 +8,20 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import httpx
+import openai
 from http_support import WAIT_S, http_verifier
 from thinking_model import THINKING_CHAT, THINKING_TEMPLATE, thinking_model, thinking_tokenizer
+from tiny_model import tiny_model, tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.tools.local_services import LocalService, script
 
 REGEX = r"(fox|dog)+ [0-9]{3}"
 ARGS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
@@ -148,3 +154,29 @@ def test_thinking_sent_back_reaches_the_template() -> None:
                                                                       add_special_tokens=False)["input_ids"])
 
     asyncio.run(main())
+
+
+def test_a_verifier_process_serves_a_reasoning_model_and_refuses_one_without_markers(tmp_path: Path) -> None:
+    """`splitspec-verifier --reasoning-parser`, a real process: the official client reads the thinking apart; a
+    model whose tokenizer has no <think> token stops start-up, in one line, before its weights load."""
+    thinking, plain, port_file = tmp_path / "thinking", tmp_path / "plain", tmp_path / "http.port"
+    thinking_model().save_pretrained(thinking)
+    thinking_tokenizer().save_pretrained(thinking)
+    tiny_model().save_pretrained(plain)
+    tiny_tokenizer().save_pretrained(plain)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    common = [script("splitspec-verifier"), "--reasoning-parser", "qwen3", "--max-model-len", "256",
+              "--kv-cache-memory-gb", "0.1", "--host", "127.0.0.1", "--port", "0"]
+    verifier = LocalService(common + ["--model", str(thinking), "--served-model-name", "tiny", "--http-port", "0",
+                                      "--http-port-file", str(port_file)],
+                            name="verifier", env=env, startup_timeout_s=WAIT_S)
+    with verifier:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{int(port_file.read_text())}/v1", api_key="-",
+                               timeout=WAIT_S)
+        message = client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40).choices[0].message
+        assert message.reasoning and message.content and "think>" not in message.reasoning + message.content
+    refused = subprocess.run(common + ["--model", str(plain), "--http-port", "off"], capture_output=True, text=True,
+                             timeout=WAIT_S, env={**os.environ, **env})
+    assert refused.returncode == 2
+    assert "--reasoning-parser qwen3: this model's tokenizer has no single token for '<think>'" in refused.stderr
+    assert "loading tokenizer" in refused.stderr and "loading model" not in refused.stderr  # before the weights

@@ -33,7 +33,7 @@ from verifier_service import builder
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_server import HttpServer
 from verifier_service.api.servicer import VerifierServicer
-from verifier_service.builder import Runtime, build_runtime
+from verifier_service.builder import Runtime, build_runtime, reasoning_of
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import loader, ranks, tensor_parallel
@@ -206,7 +206,8 @@ def _load(source: loader.ModelSource, dtype: torch.dtype, device: torch.device, 
           rank: ranks.Ranks | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if rank is not None:
         tensor_parallel.join(rank, device)
-    return loader.load(source, dtype, device, settings.tensor_parallel_size, settings.chat_template)
+    return loader.load(source, dtype, device, settings.tensor_parallel_size, settings.chat_template,
+                       lambda tokenizer: reasoning_of(settings, tokenizer))
 
 
 async def _until(task: asyncio.Future | None, stop: asyncio.Event, failed: asyncio.Event) -> bool:

@@ -3,6 +3,8 @@ this adds the tensor-parallel shard load and a chat template given in place of t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jinja2
 import torch
 from transformers import DistributedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -28,12 +30,15 @@ class ChatTemplateError(ValueError):
 
 
 def load(source: ModelSource, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1,
-         chat_template: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model and its tokenizer, which renders chats with `chat_template` where one is given
-    (checked before the weights load)."""
+         chat_template: str | None = None, check_tokenizer: Callable[[PreTrainedTokenizerBase], object] | None = None
+         ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and its tokenizer, which renders chats with `chat_template` where one is given; the
+    template, and whatever `check_tokenizer` checks (raising), are checked before the weights load."""
     tokenizer = load_tokenizer(source)
     if chat_template is not None:
         use_chat_template(tokenizer, chat_template)
+    if check_tokenizer is not None:
+        check_tokenizer(tokenizer)
     return load_model(source, dtype, device, tensor_parallel_size), tokenizer
 
 
