@@ -149,7 +149,7 @@ def test_tool_use_blocks_and_their_results_come_back() -> None:
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "invalid_request_error", "only text is served"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}}, 400,
-     "invalid_request_error", 'thinking: not supported by this server (leave it out or send {"type": "disabled"})'),
+     "invalid_request_error", 'thinking: budget_tokens goes with "type": "enabled", and only with it'),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"},
       "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error", 'type "tool"'),
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",

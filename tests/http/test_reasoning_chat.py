@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from http_support import WAIT_S, http_verifier
 from thinking_model import THINKING_CHAT, THINKING_TEMPLATE, thinking_model, thinking_tokenizer
 from tiny_model import tiny_model, tiny_tokenizer
@@ -85,6 +86,11 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
             assert getattr(hidden.choices[0].message, "reasoning", None) is None
             hidden_stream = await streamed(h.client, max_tokens=40, extra_body={"include_reasoning": False})
             assert hidden_stream[:2] == ("", answer)
+            # vLLM's thinking_token_budget: three tokens of thinking, then </think> (counted too), then the answer.
+            short = await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
+                                                           extra_body={"thinking_token_budget": 3})
+            assert short.usage.completion_tokens_details.reasoning_tokens == 4 < thought_tokens
+            assert short.choices[0].message.reasoning and short.choices[0].message.content
             # A template that closed the thinking (Qwen3's enable_thinking false): all answer.
             closed = await h.client.chat.completions.create(
                 model="tiny", messages=THINKING_CHAT, max_tokens=12,
@@ -92,6 +98,11 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
             assert closed.choices[0].message.reasoning is None and closed.choices[0].message.content
             info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
             assert info.reasoning_parser == "deepseek_r1"
+        async with http_verifier(speculate=False) as h:  # no reasoning parser: a budget is refused
+            with pytest.raises(openai.BadRequestError, match="thinking_token_budget needs a verifier started with "
+                                                             "--reasoning-parser"):
+                await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=4,
+                                                       extra_body={"thinking_token_budget": 3})
 
     asyncio.run(main())
 

@@ -66,21 +66,22 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Constrained | None
 
 
 async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Constrained | None:
-    """The request's structured-output constraint, compiled on a worker thread: llguidance lets go of
-    the GIL, and a large schema takes a while (0.34 s for 5,000 properties here), during which the
-    servers keep answering. Under a reasoning parser it holds the answer only (ReasoningGate).
-    Raises RequestError."""
-    if parsed.constraint is None:
-        return None
-    try:
-        grammar = await asyncio.to_thread(rt.grammars.compile, parsed.constraint)
-    except ConstraintError as e:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    except StructuredOutputUnavailable as e:
-        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-    if rt.reasoning is None:
+    """What the request is held to: its structured-output constraint, compiled on a worker thread (llguidance
+    lets go of the GIL, and a large schema takes a while: 0.34 s for 5,000 properties here, during which the
+    servers keep answering). Under a reasoning parser the constraint holds the answer only, and the thinking
+    budget the thinking (ReasoningGate). Raises RequestError."""
+    grammar = None
+    if parsed.constraint is not None:
+        try:
+            grammar = await asyncio.to_thread(rt.grammars.compile, parsed.constraint)
+        except ConstraintError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except StructuredOutputUnavailable as e:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    if rt.reasoning is None or (grammar is None and parsed.thinking_budget is None):
         return grammar
-    return ReasoningGate(grammar, rt.reasoning, rt.reasoning.phase_after(parsed.prompt_ids))
+    return ReasoningGate(rt.reasoning, rt.reasoning.phase_after(parsed.prompt_ids), rt.vocab_size, grammar,
+                         parsed.thinking_budget)
 
 
 class Generations:

@@ -159,6 +159,8 @@ class GenerationBody(_Body):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
     # vLLM's: with --scheduling-policy priority, lower runs first (else anything but 0 is a 400)
     priority: int = Field(0, ge=-INT32 - 1, le=INT32)
+    # vLLM's: with --reasoning-parser, at most this many thinking tokens, then `</think>` (else a 400)
+    thinking_token_budget: int | None = Field(None, ge=0, le=UINT32)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     functions: Any = None
@@ -221,6 +223,11 @@ class GenerationBody(_Body):
         return True
 
     @property
+    def thinking_budget(self) -> int | None:
+        """The most thinking tokens (GenerationParams.thinking_token_budget); None: no limit."""
+        return self.thinking_token_budget
+
+    @property
     def prompt_only(self) -> bool:
         return False
 
@@ -276,6 +283,8 @@ class GenerationBody(_Body):
         if self.truncate_prompt_tokens is not None:
             p.truncate_prompt_tokens = self.truncate_prompt_tokens
         p.priority = self.priority
+        if self.thinking_budget is not None:
+            p.thinking_token_budget = self.thinking_budget
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)

@@ -2,13 +2,18 @@
 
 A message's `content` is a text block (where the answer has text) and, under a tool choice that makes
 calls, a `tool_use` block per call after it, its `input` the call's JSON arguments as an object
-(tool_calls.py reads the calls, as for chat). `stop_reason`: "tool_use" where it calls, "max_tokens"
-where the limit cut it, "stop_sequence" (with `stop_sequence`) where one of the request's ended it,
-else "end_turn". Streamed, Anthropic's events in its order: message_start (usage so far), per block
-content_block_start, its deltas (text_delta, or input_json_delta: the arguments as they are written)
-and content_block_stop, then message_delta (stop_reason, output tokens) and message_stop; the
-client's own stream helper builds the same message from them. Usage counts the prompt's tokens read
-from the prefix cache as cache_read_input_tokens; the speculation stats ride under vLLM's names.
+(tool_calls.py reads the calls, as for chat). Under `--reasoning-parser`, a model that thought opens
+its content with a `thinking` block, as Claude's extended thinking does (its `signature` empty: there
+is nothing to sign), unless the request's `thinking` is disabled; the text block and the calls are
+read from the answer after the thinking alone (reasoning_split.py), and the markers reach neither.
+`stop_reason`: "tool_use" where it calls, "max_tokens" where the limit cut it, "stop_sequence" (with
+`stop_sequence`) where one of the request's ended it, else "end_turn". Streamed, Anthropic's events
+in its order: message_start (usage so far), per block content_block_start, its deltas (thinking_delta,
+text_delta, or input_json_delta: the arguments as they are written) and content_block_stop, then
+message_delta (stop_reason, output tokens, the thinking's included as Anthropic counts them) and
+message_stop; the client's own stream helper builds the same message from them (it needs no
+signature_delta: the block's empty signature comes with its start). Usage counts the prompt's tokens
+read from the prefix cache as cache_read_input_tokens; the speculation stats ride under vLLM's names.
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ from pydantic_core import from_json
 
 from verifier_service.api.http_responses import FINISH, event_sse, speculation
 from verifier_service.api.messages_schema import MessagesRequest
+from verifier_service.api.reasoning_split import ThoughtSplit
 from verifier_service.api.tool_calls import CallStream, ToolPlan
+from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
+
+# The blocks streamed text by text, as each starts out; its deltas are {"type": f"{kind}_delta", kind: text}.
+_EMPTY = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -43,16 +53,27 @@ class MessageBuilder:
     seq: Sequence
     model: str
     tools: ToolPlan
+    reasoning: Reasoning | None = None  # the server's --reasoning-parser: the output opens with thinking
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     _blocks: list[dict[str, Any]] = field(default_factory=list)  # streaming: the blocks begun
     _open: int | None = None  # streaming: the block whose deltas go out now
     _calls: CallStream | None = None  # streaming under a plan that makes calls
     _call_blocks: list[int] = field(default_factory=list)  # streaming: each call's block index
     _called: bool = False
+    _thoughts: ThoughtSplit | None = None  # under a reasoning parser: the output's text, thinking and answer
 
     def __post_init__(self) -> None:
         if self.tools.makes_calls:
             self._calls = CallStream(self.tools)
+        if self.reasoning is not None:
+            self._thoughts = ThoughtSplit(self.reasoning, self.seq.prompt_ids)
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """(the thinking to show, the answer) that the output's next `text` releases."""
+        if self._thoughts is None:
+            return "", text
+        thinking, answer = self._thoughts.feed(text, final)
+        return (thinking if self.request.shows_thinking else ""), answer
 
     def _stop(self, out_finish: FinishReason | None, stop_reason: str, called: bool) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
@@ -83,10 +104,12 @@ class MessageBuilder:
 
     def whole(self, out: Output) -> dict[str, Any]:
         """The finished message of a request not streamed; `out`: its outputs joined."""
-        content, calls = out.text, []
+        thinking, content = self._split(out.text, final=True)
+        calls = []
         if self.tools.makes_calls:
-            content, calls, _ = self.tools.answer(out.text, FINISH.get(out.finish_reason))
-        blocks = [{"type": "text", "text": content}] if content else []
+            content, calls, _ = self.tools.answer(content, FINISH.get(out.finish_reason))
+        blocks = [{**_EMPTY["thinking"], "thinking": thinking}] if thinking else []
+        blocks += [{"type": "text", "text": content}] if content else []
         blocks += [self._tool_use(f"toolu_{uuid.uuid4().hex}", c.name, c.arguments) for c in calls]
         message = self._message(blocks, self._stop(out.finish_reason, out.stop_reason, bool(calls)))
         message["speculation"] = speculation([self.seq])
@@ -97,11 +120,13 @@ class MessageBuilder:
 
     def feed(self, out: Output) -> list[str]:
         """The events of one output of the sequence (the last one included)."""
-        content, deltas = out.text, []
+        ended = out.finish_reason is not None
+        thinking, content = self._split(out.text, ended)
+        deltas = []
         if self.tools.makes_calls:
-            content, deltas, _ = self._calls.advance(out.text, out.finish_reason is not None,
-                                                     FINISH.get(out.finish_reason))
-        events = self._text(content) if content else []
+            content, deltas, _ = self._calls.advance(content, ended, FINISH.get(out.finish_reason))
+        events = self._delta("thinking", thinking) if thinking else []
+        events += self._delta("text", content) if content else []
         for delta in deltas:
             events += self._call_delta(delta)
         return events
@@ -118,11 +143,12 @@ class MessageBuilder:
         index, self._open = self._open, None
         return [event_sse({"type": "content_block_stop", "index": index})]
 
-    def _text(self, text: str) -> list[str]:
-        events = [] if self._open is not None and self._blocks[self._open]["type"] == "text" else self._begin(
-            {"type": "text", "text": ""})
+    def _delta(self, kind: str, text: str) -> list[str]:
+        """`text` added to the open block of `kind` ("text" or "thinking"), begun unless it is the one open."""
+        events = [] if self._open is not None and self._blocks[self._open]["type"] == kind else self._begin(
+            dict(_EMPTY[kind]))
         return events + [event_sse({"type": "content_block_delta", "index": self._open,
-                                    "delta": {"type": "text_delta", "text": text}})]
+                                    "delta": {"type": f"{kind}_delta", kind: text}})]
 
     def _call_delta(self, delta: dict[str, Any]) -> list[str]:
         """A chat tool-call delta (tool_calls.CallStream) as the tool_use block's events."""

@@ -1,7 +1,7 @@
 """Anthropic's Messages API routes: POST /v1/messages (the request served as the chat it describes,
-messages_schema.py; answered whole or as Anthropic's events, messages_output.py) and POST
-/v1/messages/count_tokens. Their errors are Anthropic's error objects, with the statuses the OpenAI
-routes give the same mistakes."""
+messages_schema.py; answered whole or as Anthropic's events, messages_output.py, with a reasoning
+model's thinking apart under the server's --reasoning-parser) and POST /v1/messages/count_tokens.
+Their errors are Anthropic's error objects, with the statuses the OpenAI routes give the same mistakes."""
 
 from __future__ import annotations
 
@@ -56,12 +56,15 @@ async def count_tokens(state: HttpState, request: Request) -> JSONResponse:
 async def _respond(state: HttpState, request: Request) -> Response:
     arrival = time.perf_counter()
     body = await read_body(state, request, MessagesRequest)
-    refusals_as_errors(state.generations.check_ready)
+    rt, _ = refusals_as_errors(state.generations.check_ready)
+    if body.thinking_budget is not None and rt.reasoning is None:
+        raise HttpError(400, "thinking with a budget needs a verifier started with --reasoning-parser (a reasoning "
+                             "model's markers); this one reads no thinking", param="thinking")
     tools = body.tool_plan(state.tool_call_parser)
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")
     (seq,) = await start_sequences(state.generations, body)
-    builder = MessageBuilder(body, seq, body.model or state.names()[0], tools)
+    builder = MessageBuilder(body, seq, body.model or state.names()[0], tools, rt.reasoning)
     if body.stream:
         return StreamingResponse(stream_events(state, seq, builder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

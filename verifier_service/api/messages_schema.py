@@ -7,8 +7,16 @@ user's `tool_result` blocks the tools' messages before it; `tools` (`{name, desc
 input_schema}`) are the chat's tools, `tool_choice` (auto, any, tool, none) its tool_choice ("any" is
 "required"), `disable_parallel_tool_use` its parallel_tool_calls false, `stop_sequences` its stop
 strings and `max_tokens` (required, as Anthropic's) its limit. A last message from the assistant
-is the start of the answer (Anthropic's prefill), which the answer continues. Images, documents and
-extended thinking are refused: this server serves text.
+is the start of the answer (Anthropic's prefill), which the answer continues. Images and documents are
+refused: this server serves text.
+
+Extended thinking. A reasoning model (`--reasoning-parser`) thinks as its chat template has it, so
+`thinking` does not switch it on or off: left out (or `"adaptive"`), the answer shows the thinking as a
+thinking block (messages_output.py); `{"type": "enabled", "budget_tokens": N}` shows it too and holds it
+to N tokens (the engine's thinking budget, after which `</think>` is forced); `{"type": "disabled"}`
+leaves the block out (the model may still think). An assistant's `thinking` blocks sent back are its
+earlier thinking, the chat message's `reasoning` (the template's `reasoning_content`); its
+`redacted_thinking` blocks, which nobody here can read, are dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from drafter_sdk.proto import verifier_pb2
 from verifier_service.api import tool_calls
 from verifier_service.api.http_schema import (
     INT32,
+    UINT32,
     CalledFunction,
     ChatMessage,
     GenerationBody,
@@ -34,7 +43,7 @@ from verifier_service.api.http_schema import (
 )
 
 # Anthropic's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_MESSAGES = {"thinking": {"type": "disabled"}, "mcp_servers": None, "container": None}
+UNSUPPORTED_IN_MESSAGES = {"mcp_servers": None, "container": None}
 
 
 class TextBlock(_Body):
@@ -59,30 +68,68 @@ class ToolResultBlock(_Body):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+class ThinkingConfig(_Body):
+    """Anthropic's `thinking` (module docstring)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1, le=UINT32)  # "enabled"'s, which needs one
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise PydanticCustomError("thinking", 'budget_tokens goes with "type": "enabled", and only with it')
+        return self
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""  # Anthropic's proof that Claude wrote it: nothing to check here
+
+
+class RedactedThinkingBlock(_Body):
+    type: Literal["redacted_thinking"]
+    data: str  # encrypted for Claude: unreadable here, so dropped
+
+
 def _block_type(block: Any) -> str | None:
     return block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
 
 
 Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")],
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
     Discriminator(_block_type, custom_error_type="content_block", custom_error_message=(
-        "a content block is text, tool_use or tool_result (only text is served here)"))]
+        "a content block is text, tool_use, tool_result, thinking or redacted_thinking (only text is served "
+        "here)"))]
 
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: list[Block] | str  # the list first: a mistake in a block is named by its path
 
+    @model_validator(mode="after")
+    def _thought_by_the_assistant(self) -> AnthropicMessage:
+        if self.role == "user" and any(isinstance(b, ThinkingBlock | RedactedThinkingBlock) for b in self.blocks):
+            raise PydanticCustomError("content_block", "thinking blocks are the assistant's, not the user's")
+        return self
+
+    @property
+    def blocks(self) -> list[Block]:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
     def chat(self) -> list[ChatMessage]:
         """The chat messages this message stands for: a user's tool results first (as tool messages),
-        then its text; an assistant's text with its tool calls."""
-        blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        then its text; an assistant's text with its tool calls and its thinking."""
+        blocks = self.blocks
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
         if self.role == "assistant":
             calls = [ToolCallMessage(id=b.id, function=CalledFunction(name=b.name, arguments=json.dumps(b.input)))
                      for b in blocks if isinstance(b, ToolUseBlock)]
-            return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
+            thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None,
+                                reasoning=thought or None)]
         results = [ChatMessage(role="tool", content=b.text, tool_call_id=b.tool_use_id)
                    for b in blocks if isinstance(b, ToolResultBlock)]
         plain = [ChatMessage(role="user", content=text)] if text or not results else []
@@ -121,8 +168,8 @@ class MessagesRequest(GenerationBody):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     n: Literal[1] = 1  # one answer per message
+    thinking: ThinkingConfig | None = None
     # Refused unless neutral (UNSUPPORTED_IN_MESSAGES); never read.
-    thinking: Any = None
     mcp_servers: Any = None
     container: Any = None
 
@@ -135,12 +182,22 @@ class MessagesRequest(GenerationBody):
         return "".join(b.text for b in self.system)
 
     @property
+    def shows_thinking(self) -> bool:
+        """Whether a reasoning model's thinking is in the answer: unless `thinking` is {"type": "disabled"}."""
+        return self.thinking is None or self.thinking.type != "disabled"
+
+    @property
+    def thinking_budget(self) -> int | None:
+        if self.thinking is not None and self.thinking.type == "enabled":
+            return self.thinking.budget_tokens
+        return self.thinking_token_budget
+
+    @property
     def prefilled(self) -> bool:
         """Whether the last message is the start of the answer, an assistant's text (Anthropic's prefill):
         the answer continues it (vLLM's continue_final_message)."""
         last = self.messages[-1]
-        return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in last.content
-                                                    if not isinstance(last.content, str))
+        return last.role == "assistant" and not any(isinstance(b, ToolUseBlock) for b in last.blocks)
 
     def chat(self) -> verifier_pb2.ChatMessages:
         system = [ChatMessage(role="system", content=self.system_text)] if self.system_text else []

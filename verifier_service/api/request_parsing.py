@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.builder import Runtime
+from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.sequence import StoppingParams
 from verifier_service.engine.structured_output import Constraint
@@ -62,13 +63,14 @@ class Limits:
     # refusing it before tokenizing keeps a huge prompt from stalling the server.
     max_prompt_chars: int = 0
     by_priority: bool = False  # --scheduling-policy priority: GenerationParams.priority is served
+    reasoning: Reasoning | None = None  # --reasoning-parser's markers: GenerationParams.thinking_token_budget is served
 
     @classmethod
     def of(cls, rt: Runtime) -> "Limits":
         return cls(vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
                    default_max_new_tokens=rt.settings.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
                    max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len),
-                   by_priority=rt.settings.by_priority)
+                   by_priority=rt.settings.by_priority, reasoning=rt.reasoning)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class ParsedRequest:
     constraint: Constraint | None = None  # structured output, compiled when the sequence is made
     skip_special_tokens: bool = True  # special tokens' text left out of the answer's
     priority: int = 0  # lower runs first (priority scheduling)
+    thinking_budget: int | None = None  # most thinking tokens of a reasoning model (None: no limit)
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -95,7 +98,27 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
                          prompt_logprobs, _constraint(request),
-                         not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority)
+                         not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority,
+                         _thinking_budget(request, limits.reasoning))
+
+
+def _thinking_budget(request: verifier_pb2.GenerationParams, reasoning: Reasoning | None) -> int | None:
+    """vLLM's thinking_token_budget, where it can be kept: once it is spent only `</think>` may follow, so
+    nothing else the request asks may rule that token out."""
+    if not request.HasField("thinking_token_budget"):
+        return None
+    if reasoning is None:
+        raise _invalid("thinking_token_budget needs a verifier started with --reasoning-parser (a reasoning model's "
+                       "markers); this one reads no thinking")
+    end = reasoning.parser.end
+    if request.sampling.allowed_token_ids:
+        raise _invalid("thinking_token_budget cannot be combined with allowed_token_ids: once the budget is spent, "
+                       f"only {end!r} may follow")
+    if any(end in word for word in request.sampling.bad_words) or (
+            request.stopping.min_new_tokens and reasoning.end_id in request.stopping.stop_token_ids):
+        raise _invalid(f"thinking_token_budget cannot be combined with a bad word or a held stop token that rules out "
+                       f"{end!r}: the budget ends the thinking with it")
+    return request.thinking_token_budget
 
 
 def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:

@@ -159,29 +159,56 @@ class Grammar:
 
 
 class ReasoningGate:
-    """A constraint that holds a reasoning model's answer and leaves its thinking free (engine/reasoning.py):
-    a verify row in thought allows everything; a row where the first token decides allows what the
-    constraint allows and `<think>`; a row in the answer is masked as the constraint is after the
-    answer's tokens on its path. Draft tokens are cut as Grammar cuts them, the thinking's never."""
+    """What a reasoning model's request is held to (engine/reasoning.py): its thinking is free, but for a
+    budget (vLLM's thinking_token_budget: past that many thinking tokens, only `</think>`), and its answer
+    is held to its structured-output constraint, where it has one. A verify row in thought allows
+    everything (only `</think>` once the budget is spent); a row where the first token decides allows the
+    answer's first tokens and `<think>`; a row in the answer is masked as the constraint is after the
+    answer's tokens on its path. Each row depends on its own path alone, as Grammar's do, so speculation
+    stays lossless; draft tokens no row would allow are cut. The interface is Grammar's."""
 
-    def __init__(self, grammar: Grammar, reasoning: Reasoning, phase: Phase) -> None:
-        self._grammar = grammar
+    def __init__(self, reasoning: Reasoning, phase: Phase, vocab_size: int, grammar: Grammar | None = None,
+                 budget: int | None = None) -> None:
         self._reasoning = reasoning
+        self._vocab_size = vocab_size
+        self._grammar = grammar
+        self._budget = budget
         self._phase = phase  # at the committed tokens
+        self._thought = 0  # thinking tokens committed (markers not counted)
+
+    def _walk(self, path: Sequence[int]) -> tuple[Phase, int, list[int]]:
+        """(phase, thinking tokens, the answer's tokens on `path`) after the committed tokens and `path`."""
+        phase, thought, answer = self._phase, self._thought, []
+        for token in path:
+            before = phase
+            phase, answered = self._reasoning.step(phase, token)
+            if answered:
+                answer.append(token)
+            elif before is Phase.THINKING and phase is Phase.THINKING:
+                thought += 1
+        return phase, thought, answer
+
+    def _spent(self, phase: Phase, thought: int) -> bool:
+        return phase is Phase.THINKING and self._budget is not None and thought >= self._budget
 
     def _allowed_after(self, path: Sequence[int]) -> np.ndarray:
-        phase, answer = self._reasoning.walk(self._phase, path)
-        if phase is Phase.THINKING:
-            return np.ones(self._grammar.vocab_size, dtype=bool)
-        allowed = self._grammar.allowed_after(answer)
-        if phase is Phase.FIRST:
-            allowed = allowed.copy()
-            allowed[self._reasoning.start_id] = True
+        phase, thought, answer = self._walk(path)
+        allowed = np.ones(self._vocab_size, dtype=bool)
+        if self._spent(phase, thought):
+            allowed[:] = False
+            allowed[self._reasoning.end_id] = True
+        elif phase is not Phase.THINKING and self._grammar is not None:
+            allowed = self._grammar.allowed_after(answer)
+            if phase is Phase.FIRST:
+                allowed = allowed.copy()
+                allowed[self._reasoning.start_id] = True
         return allowed
 
     def _refused(self, path: list[int]) -> bool:
-        answer = self._reasoning.walk(self._phase, path)[1]
-        return self._grammar.accepted(answer) < len(answer)
+        if path[-1] != self._reasoning.end_id and self._spent(*self._walk(path[:-1])[:2]):
+            return True
+        answer = self._walk(path)[2]
+        return self._grammar is not None and self._grammar.accepted(answer) < len(answer)
 
     def row_masks(self, draft: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """bool [len(draft) + 1, V], as Grammar.row_masks."""
@@ -191,5 +218,6 @@ class ReasoningGate:
         return cut_draft(draft, parents, self._refused) if draft else (draft, parents)
 
     def commit(self, tokens: Sequence[int]) -> None:
-        self._phase, answer = self._reasoning.walk(self._phase, tokens)
-        self._grammar.commit(answer)
+        self._phase, self._thought, answer = self._walk(tokens)
+        if self._grammar is not None:
+            self._grammar.commit(answer)

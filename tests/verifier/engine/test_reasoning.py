@@ -9,6 +9,7 @@ import asyncio
 import random
 import re
 
+import grpc
 import pytest
 from thinking_model import THINKING_CHAT, thinking_model, thinking_tokenizer
 from tiny_model import tiny_tokenizer
@@ -68,7 +69,7 @@ def test_the_gate_leaves_thinking_free_and_holds_the_answer() -> None:
     tok, r = thinking_tokenizer(), reasoning("qwen3")
     grammars = Grammars(tok, len(tok), frozenset({tok.eos_token_id}))
     answer_start = grammars.compile(Constraint("regex", REGEX)).allowed_after([])
-    gate = ReasoningGate(grammars.compile(Constraint("regex", REGEX)), r, Phase.FIRST)
+    gate = ReasoningGate(r, Phase.FIRST, len(tok), grammars.compile(Constraint("regex", REGEX)))
     first = gate.row_masks([], [])[0].numpy()
     assert first[r.start_id] and (first.sum() == answer_start.sum() + 1)  # the answer's start, or <think>
     x = tok("1")["input_ids"][0]  # free in thought; refused right after "fox"
@@ -129,6 +130,55 @@ def test_thinking_is_free_the_answer_is_held_and_speculation_changes_no_token() 
         assert [list(o.token_ids) for o in told] == [references[tuple(q.params.token_ids.ids)] for q in greedy]
         assert sum(o.stats.num_accepted_tokens for o in told) > 0
         assert not [e for e in oracle.feedback_errors if "left the reference" in e]
+
+    asyncio.run(main())
+
+
+def test_a_thinking_budget_ends_the_thinking_where_it_is_spent_and_speculation_changes_no_token() -> None:
+    """vLLM's thinking_token_budget: the first `budget` thinking tokens are the model's own, then `</think>`;
+    a budget the thinking stays within changes nothing; with a constraint, the answer after it is held.
+    Chains and trees give the same tokens, greedy and seeded; a request it cannot be kept for fails alone."""
+    tok, r = thinking_tokenizer(), reasoning("qwen3")
+    ids = chat_ids()
+    model = thinking_model()
+    reqs = [token_request(ids, NEW_TOKENS, thinking_token_budget=budget, sampling=sampling, **constraint)
+            for budget in (0, 3, 30)
+            for sampling in (pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=5))
+            for constraint in ({}, {"structured_output": pb.StructuredOutput(regex=REGEX)})]
+
+    async def answers(spec, reqs: list[pb.GenerateRequest], **settings: object) -> list[pb.GenerationOutput]:  # noqa: ANN001
+        async with run_verifier(spec, model=model, tokenizer=tok, reasoning_parser="qwen3", **settings) as v:
+            return [r.output for r in await asyncio.gather(*(v.stub.Generate(q, timeout=120) for q in reqs))]
+
+    async def main() -> None:
+        plain = await answers(spec_config("NONE"), reqs)
+        free = list((await answers(spec_config("NONE"), [token_request(ids, NEW_TOKENS)]))[0].token_ids)
+        natural = free.index(r.end_id)  # the model's own thinking, 9 tokens
+        for q, out in zip(reqs, plain):
+            budget, got = q.params.thinking_token_budget, list(out.token_ids)
+            thought = min(budget, natural) if not q.params.sampling.temperature else got.index(r.end_id)
+            assert got.index(r.end_id) == thought <= budget
+            if not q.params.sampling.temperature:
+                assert got[:thought] == free[:thought]
+                if budget >= natural and not q.params.HasField("structured_output"):
+                    assert got == free  # a budget not reached changes nothing
+                if q.params.HasField("structured_output"):
+                    assert out.finish_reason == pb.FINISH_REASON_STOP
+            if q.params.HasField("structured_output") and out.finish_reason == pb.FINISH_REASON_STOP:
+                assert re.fullmatch(REGEX, split(r, ids, out.text)[1]), out.text
+        assert [list(o.token_ids) for o in await answers(spec_config("NGRAM", 4), reqs)] == \
+            [list(o.token_ids) for o in plain]
+        assert [list(o.token_ids) for o in await answers(spec_config("NGRAM", 4), reqs, max_draft_nodes=8)] == \
+            [list(o.token_ids) for o in plain]
+        async with run_verifier(model=model, tokenizer=tok, reasoning_parser="qwen3") as v:
+            for fields, message in (({"sampling": pb.SamplingParams(allowed_token_ids=[5, 6])}, "allowed_token_ids"),
+                                    ({"sampling": pb.SamplingParams(bad_words=["a</think>"])}, "bad word")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await v.stub.Generate(token_request(ids, 4, thinking_token_budget=2, **fields), timeout=60)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
+        async with run_verifier() as v:  # no reasoning parser
+            with pytest.raises(grpc.aio.AioRpcError, match="needs a verifier started with --reasoning-parser"):
+                await v.stub.Generate(token_request([5, 6], 4, thinking_token_budget=2), timeout=60)
 
     asyncio.run(main())
 
