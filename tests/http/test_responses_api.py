@@ -277,7 +277,7 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
 
 
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
-    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0", "function_call_output"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.message.content.0.type", "input_text"),
     ({"input": "hi", "background": True}, 400, "background", "not supported"),

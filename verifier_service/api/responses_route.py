@@ -1,7 +1,11 @@
 """The Responses API's routes: POST /v1/responses (the request served as the chat it describes,
 responses_schema.py; answered whole or as OpenAI's events, responses_output.py), and the stored
 responses (response_store.py) that GET and DELETE /v1/responses/{id} (and GET .../input_items) read
-and remove and that `previous_response_id` continues."""
+and remove and that `previous_response_id` continues.
+
+Under --reasoning-parser a response opens with its thinking as a reasoning item, and a stored
+conversation keeps that thinking with the answer, as a reasoning item sent back in `input` does (with
+or without a parser: the thinking is the conversation's, for the template to render or leave out)."""
 
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ async def respond(state: HttpState, request: Request) -> Response:
     seqs = await start_sequences(gen, body)
     builder = ResponseBuilder(body, seqs[0], body.model or state.names()[0], tools,
                               token_name(rt.tokenizer, body.return_tokens_as_token_ids),
-                              stored=body.store and state.responses.enabled)
+                              stored=body.store and state.responses.enabled, reasoning=rt.reasoning)
     if body.stream:  # stored before the last event goes out: a follow-up may continue it at once
         return StreamingResponse(stream_events(state, seqs[0], builder, arrival, lambda: _keep(state, builder)),
                                  media_type="text/event-stream",

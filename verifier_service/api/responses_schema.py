@@ -9,6 +9,12 @@ max_completion_tokens. So the body becomes GenerationParams exactly as a chat co
 `previous_response_id`, the chat starts with that stored response's conversation (its instructions
 are not carried over, as OpenAI's are not): response_store.py.
 
+A reasoning item, a reasoning model's thinking sent back from an earlier response, is the
+`reasoning` of the assistant's message after it (or of one of its own, where none follows), for the
+chat template to render, as a chat message's `reasoning` is: its content's text (or its summary's),
+never its encrypted_content, which nothing here could read. The route reads reasoning items only
+under --reasoning-parser (responses_route.py).
+
 Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
 context. Fields this server does not serve (background runs, reasoning effort, reusable prompts,
@@ -81,6 +87,42 @@ class FunctionCallItem(_Body):
     arguments: str  # a JSON object, as text
 
 
+class ReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(_Body):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    """A reasoning model's thinking, sent back from an earlier response (responses_output.py): its
+    content's text or, without one, its summary's."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None  # OpenAI's own models' thinking, sealed: nothing here can read it
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _readable(cls, sealed: str | None) -> str | None:
+        if sealed:
+            raise PydanticCustomError("encrypted_content", "encrypted_content cannot be read by this server: send "
+                                                           "the thinking as content (reasoning_text) or summary "
+                                                           "(summary_text) parts, or leave the item out")
+        return sealed
+
+    @property
+    def text(self) -> str:
+        if self.content:
+            return "".join(part.text for part in self.content)
+        return "\n\n".join(part.text for part in self.summary)
+
+
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     id: str | None = None
@@ -98,15 +140,17 @@ def _item_type(item: Any) -> str | None:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="input_item", custom_error_message=(
-        "an input item is a message, a function_call or a function_call_output (only text is served here)"))]
+        "an input item is a message, a function_call, a function_call_output or a reasoning item (only text is "
+        "served here)"))]
 ITEMS = TypeAdapter(list[InputItem])
 
 
-def listed_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem) -> dict[str, Any]:
+def listed_item(item: Item) -> dict[str, Any]:
     """An input item as GET /v1/responses/{id}/input_items lists it: OpenAI's shape, with an id."""
     if isinstance(item, MessageItem):
         part = ({"type": "output_text", "text": item.text, "annotations": []} if item.role == "assistant"
@@ -116,26 +160,43 @@ def listed_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem) -
     if isinstance(item, FunctionCallItem):
         return {"id": item.id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": item.call_id,
                 "name": item.name, "arguments": item.arguments, "status": "completed"}
+    if isinstance(item, ReasoningItem):
+        return {"id": item.id or f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                "summary": [part.model_dump() for part in item.summary],
+                "content": [part.model_dump() for part in item.content or []], "status": "completed"}
     return {"id": item.id or f"fco_{uuid.uuid4().hex}", "type": "function_call_output", "call_id": item.call_id,
             "output": item.text, "status": "completed"}
 
 
-def chat_history(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+def chat_history(items: list[Item]) -> list[ChatMessage]:
     """The chat messages that Responses items stand for: a function call joins the assistant's message
-    before it (or opens one), as a chat answer holds its text and its calls together."""
+    before it (or opens one), as a chat answer holds its text and its calls together. Reasoning items
+    are the thinking of the assistant's message or function call right after them (which then opens
+    its own message); with neither right after, an assistant's message that thought and said nothing
+    (a response whose thinking max_output_tokens cut short)."""
     messages: list[ChatMessage] = []
+    thought: str | None = None  # the thinking of the reasoning items just before this item
     for item in items:
-        if isinstance(item, MessageItem):
-            messages.append(ChatMessage(role=item.role, content=item.text))
+        if isinstance(item, ReasoningItem):
+            thought = "\n\n".join(t for t in (thought, item.text) if t) or None
+            continue
+        if isinstance(item, MessageItem) and item.role == "assistant":
+            messages.append(ChatMessage(role="assistant", content=item.text, reasoning=thought))
         elif isinstance(item, FunctionCallItem):
             call = ToolCallMessage(id=item.call_id, function=CalledFunction(name=item.name, arguments=item.arguments))
-            if messages and messages[-1].role == "assistant":
+            if thought is None and messages and messages[-1].role == "assistant":
                 last = messages[-1]
                 messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
             else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                messages.append(ChatMessage(role="assistant", tool_calls=[call], reasoning=thought))
         else:
-            messages.append(ChatMessage(role="tool", content=item.text, tool_call_id=item.call_id))
+            if thought is not None:
+                messages.append(ChatMessage(role="assistant", reasoning=thought))
+            messages.append(ChatMessage(role=item.role, content=item.text) if isinstance(item, MessageItem)
+                            else ChatMessage(role="tool", content=item.text, tool_call_id=item.call_id))
+        thought = None
+    if thought is not None:
+        messages.append(ChatMessage(role="assistant", reasoning=thought))
     return messages
 
 
@@ -219,7 +280,7 @@ class ResponsesRequest(GenerationBody):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
 
-    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def input_items(self) -> list[Item]:
         """This request's input as items (a text is one user message)."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
