@@ -214,9 +214,10 @@ class VerifierMetrics:
 
 
 class RequestTimer:
-    """Times one request from arrival (construction) through its outputs to its end."""
+    """Times one request from arrival (construction) through its outputs to its end, into `metrics`
+    where there are some (its times are read by the request's trace too)."""
 
-    def __init__(self, metrics: VerifierMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
+    def __init__(self, metrics: VerifierMetrics | None, prompt_tokens: int, arrival: float | None = None) -> None:
         self.metrics = metrics
         self.prompt_tokens = prompt_tokens
         self.arrival = time.perf_counter() if arrival is None else arrival
@@ -231,20 +232,24 @@ class RequestTimer:
         if not count:
             return
         now = time.perf_counter()
-        m = self.metrics
-        if self.first_token is None:
+        first = self.first_token is None
+        if first:
             self.first_token = now
+        self.last_token = now
+        self.num_tokens += count
+        m = self.metrics
+        if m is None:
+            return
+        if first:
             m.ttft.observe(now - self.arrival)
             if admitted_at is not None:
                 m.queue_time.observe(max(0.0, admitted_at - self.arrival))
             m.prompt_tokens.inc(self.prompt_tokens)
-        self.last_token = now
-        self.num_tokens += count
         m.generation_tokens.inc(count)
 
     def finish(self, reason: str) -> None:
         """The request ended: reason is stop, length, abort or error. Later calls do nothing."""
-        if self._done:
+        if self._done or self.metrics is None:
             return
         self._done = True
         m = self.metrics

@@ -75,6 +75,8 @@ class ServerSettings:
     # A reasoning model's thinking markers (engine/reasoning.py): constraints hold the answer only, and the
     # HTTP answers carry the thinking apart. One of REASONING_PARSERS; None: the output is all answer.
     reasoning_parser: str | None = None
+    # Request traces (tracing.py): an OTLP/gRPC collector, e.g. http://otel-collector:4317; None: no traces.
+    otlp_traces_endpoint: str | None = None
     # Memory for the Responses API's stored responses (api/response_store.py), least recently used
     # evicted first; 0 stores none.
     responses_store_mb: int = 64

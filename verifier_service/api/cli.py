@@ -44,7 +44,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
-                 "reasoning_parser",
+                 "reasoning_parser", "otlp_traces_endpoint",
                  "responses_store_mb", "max_draft_nodes")
 
 
@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
                                     "its answer, not its thinking, and HTTP answers carry the thinking apart "
                                     "(`reasoning`); deepseek_r1 (DeepSeek-R1, QwQ) or qwen3",
              choices=sorted(REASONING_PARSERS))
+    _setting(p, "otlp_traces_endpoint", "an OpenTelemetry collector (OTLP over gRPC) to send a span per request to, "
+                                        "e.g. http://otel-collector:4317 (https:// for TLS); under the caller's trace "
+                                        "where a traceparent header or metadata names one", metavar="URL")
     _setting(p, "responses_store_mb", "memory for the Responses API's stored responses (GET /v1/responses/{id}, "
                                       "previous_response_id), least recently used evicted first; 0 stores none",
              type=int, metavar="MB")

@@ -10,7 +10,6 @@ The text relayed is the engine's: stop strings never leak and characters never s
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -30,6 +29,7 @@ from verifier_service.engine.structured_output import (
 )
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec_decode.policy import SpecState
+from verifier_service.tracing import Arrival, RequestTracer
 
 FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
 LOADING = "the model is still loading; retry shortly"
@@ -88,8 +88,9 @@ class Generations:
     """The runtime as both fronts see it: attached once the model is loaded, failed when a rank is
     lost, draining on shutdown."""
 
-    def __init__(self, metrics: VerifierMetrics | None = None) -> None:
+    def __init__(self, metrics: VerifierMetrics | None = None, tracer: RequestTracer | None = None) -> None:
         self.metrics = metrics
+        self.tracer = tracer  # --otlp-traces-endpoint: a span per request
         self.runtime: Runtime | None = None
         self.limits: Limits | None = None
         self.failure: str | None = None  # set when a rank of a sharded model failed: nothing more is served
@@ -148,14 +149,14 @@ class Generations:
         rt, limits = self.check_ready()
         return verifier_pb2.DetokenizeResponse(text=rt.tokenizer.decode(in_vocabulary(request.token_ids, limits)))
 
-    async def outputs(self, seq: Sequence, arrival: float | None = None) -> AsyncIterator[Output]:
+    async def outputs(self, seq: Sequence, arrival: Arrival | None = None) -> AsyncIterator[Output]:
         """The sequence's outputs as the engine emits them, empty ones skipped, until the one that
         finishes it. Leaving early (a client gone) cancels it: its KV slot and drafter state are
-        freed at the next step. Raises GenerationFailed."""
+        freed at the next step. Its metrics and its trace are recorded as it ends. Raises GenerationFailed."""
         rt = self.runtime
         assert rt is not None
-        timer = (RequestTimer(self.metrics, len(seq.prompt_ids), time.perf_counter() if arrival is None else arrival)
-                 if self.metrics is not None else None)
+        arrival = arrival or Arrival()
+        timer = RequestTimer(self.metrics, len(seq.prompt_ids), arrival.at)
         reason = "abort"
         try:
             while True:
@@ -163,8 +164,7 @@ class Generations:
                 if out.error:
                     reason = "error"
                     raise GenerationFailed(self.failure or out.error, self.failure is not None)
-                if timer is not None:
-                    timer.tokens(len(out.token_ids), seq.admitted_at)
+                timer.tokens(len(out.token_ids), seq.admitted_at)
                 if out.finish_reason is not None:
                     reason = FINISHED_REASON.get(out.finish_reason, "abort")
                     yield out
@@ -173,5 +173,6 @@ class Generations:
                     yield out
         finally:
             rt.engine.cancel(seq)
-            if timer is not None:
-                timer.finish(reason)
+            timer.finish(reason)
+            if self.tracer is not None:
+                self.tracer.record(seq, arrival, timer, reason, rt.model_name)

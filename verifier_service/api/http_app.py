@@ -48,6 +48,7 @@ from verifier_service.api.http_schema import (
     TokenizeRequest,
 )
 from verifier_service.engine.sequence import Sequence
+from verifier_service.tracing import Arrival
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def _same(token: str, expected: str) -> bool:
 
 
 async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
-    arrival = time.perf_counter()
+    arrival = Arrival.now(request.headers.items())
     body = await read_body(state, request, schema)
     gen = state.generations
     rt, _ = refusals_as_errors(gen.check_ready)
@@ -193,7 +194,7 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
 
 
 async def _stream(state: HttpState, seqs: list[Sequence], responder: Responder,
-                  arrival: float) -> AsyncIterator[str]:
+                  arrival: Arrival) -> AsyncIterator[str]:
     with state.request():
         sent = [0] * len(seqs)  # characters per choice so far
         try:

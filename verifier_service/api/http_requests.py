@@ -23,6 +23,7 @@ from verifier_service.api.response_store import ResponseStore
 from verifier_service.api.responses_schema import ResponsesRequest
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
+from verifier_service.tracing import Arrival
 
 T = TypeVar("T")
 Body = TypeVar("Body", GenerationBody, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
@@ -134,7 +135,7 @@ async def start_sequences(gen: Generations, body: GenerationBody) -> list[Sequen
 
 
 async def collect_unless_gone(state: HttpState, request: Request, seqs: list[Sequence],
-                               arrival: float) -> list[Choice] | None:
+                               arrival: Arrival) -> list[Choice] | None:
     """Every choice's outputs, joined; None if the client went away first (its sequences are then freed
     at the next step)."""
     with state.request():
@@ -167,7 +168,7 @@ class EventBuilder(Protocol):
     def failed(self, message: str) -> list[str]: ...
 
 
-async def stream_events(state: HttpState, seq: Sequence, builder: EventBuilder, arrival: float,
+async def stream_events(state: HttpState, seq: Sequence, builder: EventBuilder, arrival: Arrival,
                         finished: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
     """One sequence's answer as the builder's events: its opening, its events for each output, then,
     once `finished()` has had the route's last word (storing the answer, say), its closing; or its
@@ -199,7 +200,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def merged_outputs(gen: Generations, seqs: list[Sequence], arrival: float) -> AsyncIterator[tuple[int, Output]]:
+async def merged_outputs(gen: Generations, seqs: list[Sequence], arrival: Arrival) -> AsyncIterator[tuple[int, Output]]:
     """Every choice's outputs as they arrive, tagged with the choice's index. Leaving early (or an
     error in one choice) closes every choice's stream, which cancels its sequence."""
     if len(seqs) == 1:  # the common case, without a task in between
@@ -235,7 +236,7 @@ async def merged_outputs(gen: Generations, seqs: list[Sequence], arrival: float)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(gen: Generations, seqs: list[Sequence], arrival: float) -> list[Choice]:
+async def _collect(gen: Generations, seqs: list[Sequence], arrival: Arrival) -> list[Choice]:
     choices = [Choice() for _ in seqs]
     async with contextlib.aclosing(merged_outputs(gen, seqs, arrival)) as outputs:
         async for i, out in outputs:

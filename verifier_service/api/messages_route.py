@@ -6,7 +6,6 @@ Their errors are Anthropic's error objects, with the statuses the OpenAI routes 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -25,6 +24,7 @@ from verifier_service.api.http_requests import (
 )
 from verifier_service.api.messages_output import MessageBuilder
 from verifier_service.api.messages_schema import MessagesRequest
+from verifier_service.tracing import Arrival
 
 
 class CountTokensRequest(MessagesRequest):
@@ -54,7 +54,7 @@ async def count_tokens(state: HttpState, request: Request) -> JSONResponse:
 
 
 async def _respond(state: HttpState, request: Request) -> Response:
-    arrival = time.perf_counter()
+    arrival = Arrival.now(request.headers.items())
     body = await read_body(state, request, MessagesRequest)
     rt, _ = refusals_as_errors(state.generations.check_ready)
     if body.thinking_budget is not None and rt.reasoning is None:

@@ -10,7 +10,6 @@ or without a parser: the thinking is the conversation's, for the template to ren
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 
 from fastapi import Request
@@ -31,6 +30,7 @@ from verifier_service.api.http_responses import token_name
 from verifier_service.api.request_parsing import PromptTooLong
 from verifier_service.api.responses_output import ResponseBuilder
 from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history, listed_item
+from verifier_service.tracing import Arrival
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def not_stored(response_id: str, param: str | None = None) -> HttpError:
 async def respond(state: HttpState, request: Request) -> Response:
     """POST /v1/responses: the request as the chat it describes (responses_schema.py), answered as a
     response (responses_output.py), and kept where asked and the store has room (response_store.py)."""
-    arrival = time.perf_counter()
+    arrival = Arrival.now(request.headers.items())
     body = await read_body(state, request, ResponsesRequest)
     gen = state.generations
     rt, _ = refusals_as_errors(gen.check_ready)

@@ -39,6 +39,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import loader, ranks, tensor_parallel
 from verifier_service.settings import ServerSettings
 from verifier_service.spec_decode.config import mode_name
+from verifier_service.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class RunningVerifier:
         await asyncio.gather(self.service.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         if self.runtime is not None:
             await self.runtime.engine.stop()
+        if self.generations.tracer is not None:  # the last spans, flushed off the event loop
+            await asyncio.to_thread(self.generations.tracer.shutdown)
 
 
 async def start_server(settings: ServerSettings,
@@ -103,7 +106,8 @@ async def start_server(settings: ServerSettings,
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     metrics = VerifierMetrics() if settings.metrics_port is not None else None
-    generations = Generations(metrics)
+    tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
+    generations = Generations(metrics, tracer)
     servicer = VerifierServicer(generations)
     service = await GrpcService.start(
         SERVICE_NAME, lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
@@ -124,6 +128,8 @@ async def start_server(settings: ServerSettings,
                 allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20)
         except BaseException:
             await service.stop(0)
+            if tracer is not None:
+                tracer.shutdown()
             raise
     return RunningVerifier(service, generations, settings, http)
 

@@ -8,7 +8,6 @@ and status codes.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,6 +20,7 @@ from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 from verifier_service.spec_decode.transport import GrpcTransport
+from verifier_service.tracing import Arrival
 
 VERSION = "0.1.0"
 FINISH = {FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH}
@@ -52,7 +52,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         raise AssertionError("unreachable: abort raises")
 
     async def _outputs(self, seq: Sequence, context: grpc.aio.ServicerContext,
-                       arrival: float) -> AsyncIterator[Output]:
+                       arrival: Arrival) -> AsyncIterator[Output]:
         try:
             async for out in self.generations.outputs(seq, arrival):
                 yield out
@@ -61,7 +61,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def Generate(self, request: verifier_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> verifier_pb2.GenerateResponse:
-        arrival = time.perf_counter()
+        arrival = Arrival.now(context.invocation_metadata() or ())
         seq = await self._start(request.params, context)
         text: list[str] = []
         async for out in self._outputs(seq, context, arrival):
@@ -75,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
-        arrival = time.perf_counter()
+        arrival = Arrival.now(context.invocation_metadata() or ())
         seq = await self._start(request.params, context)
         request_id = request.params.request_id or seq.request_id
         async for out in self._outputs(seq, context, arrival):
