@@ -17,7 +17,6 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from verifier_harness import run_verifier, spec_config, token_request
 from verifier_support import one_torch_thread, repetitive_prompt, shared_model  # noqa: F401 - autouse fixture
 
-from drafter_sdk.proto import verifier_pb2 as pb
 from verifier_service.api import cli
 
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
