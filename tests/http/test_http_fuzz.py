@@ -5,6 +5,8 @@ never answers 5xx: a request is served (a stream to its end), or refused with a 
 shape of its API that says why. Fields are drawn from what each route reads, with values that are
 right, nearly right or of any JSON type, so both sides are reached. Afterwards the server still
 serves, exactly, and holds nothing: no sequence, KV slot or drafter state of a request left behind.
+The same holds for a reasoning model's server (thinking_model.py, --reasoning-parser), whose answers are
+split, whose constraints wait for the thinking to end and whose thinking budgets are kept.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import pytest
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from thinking_model import thinking_model, thinking_tokenizer
 from tiny_model import tiny_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.timeout(300)
 
-EXAMPLES = 250
+EXAMPLES = {False: 250, True: 150}  # by whether the server reads a reasoning model's thinking
 VOCAB = len(tiny_tokenizer())
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
@@ -98,6 +101,7 @@ SAMPLING = {
         {"regex": st.text(max_size=12)}), st.fixed_dictionaries({"choice": st.lists(st.text(max_size=6), max_size=3)})),
     "prompt_logprobs": st.integers(0, 3),
     "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 200)),
+    "thinking_token_budget": st.integers(0, 6),
 }
 ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
     CHAT: {**SAMPLING, "messages": st.lists(openai_message, min_size=1, max_size=3),
@@ -105,20 +109,27 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
            "tools": st.lists(tool, max_size=2),
            "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
                                     st.just({"type": "function", "function": {"name": "f"}})),
-           "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "echo": st.booleans()},
+           "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "echo": st.booleans(),
+           "include_reasoning": st.booleans(), "chat_template_kwargs": st.fixed_dictionaries(
+               {}, optional={"enable_thinking": st.booleans(), "open_thinking": st.booleans()})},
     COMPLETIONS: {**SAMPLING, "prompt": st.one_of(text, st.lists(token_id, min_size=1, max_size=6),
                                                   st.lists(text, min_size=1, max_size=2)),
                   "echo": st.booleans(), "logprobs": st.integers(0, 5)},
     RESPONSES: {"model": SAMPLING["model"], "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
                 "stream": st.booleans(), "seed": SAMPLING["seed"],
-                "input": st.one_of(text, st.lists(openai_message, min_size=1, max_size=2)),
+                "input": st.one_of(text, st.lists(st.one_of(openai_message, st.fixed_dictionaries(
+                    {"type": st.just("reasoning"), "summary": st.just([]), "content": st.lists(
+                        st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": text}), max_size=1)})),
+                    min_size=1, max_size=2)),
                 "instructions": st.one_of(st.none(), text), "max_output_tokens": st.integers(1, 8),
                 "store": st.booleans(), "text": st.just({"format": {"type": "json_object"}}),
                 "top_logprobs": st.integers(0, 20)},
     MESSAGES: {"model": SAMPLING["model"], "max_tokens": st.integers(1, 8), "stream": st.booleans(),
                "messages": st.lists(anthropic_message, min_size=1, max_size=3), "system": text,
                "stop_sequences": st.lists(text, max_size=2), "temperature": st.floats(0, 1),
-               "top_k": st.integers(1, 20), "thinking": st.just({"type": "disabled"}),
+               "top_k": st.integers(1, 20), "thinking": st.one_of(
+                   st.sampled_from([{"type": "disabled"}, {"type": "adaptive"}]),
+                   st.fixed_dictionaries({"type": st.just("enabled"), "budget_tokens": st.integers(1, 6)})),
                "tool_choice": st.just({"type": "auto"}),
                "tools": st.lists(st.fixed_dictionaries({"name": st.just("f"), "input_schema": st.just(
                    {"type": "object"})}), max_size=1)},
@@ -178,8 +189,8 @@ def check_served(route: str, text: str, stream: bool) -> None:
         assert text.endswith("data: [DONE]\n\n"), text[-300:]
 
 
-def fuzz(base_url: str, seen: Counter[str]) -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def fuzz(base_url: str, seen: Counter[str], examples: int) -> None:
+    @settings(max_examples=examples, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case=bodies())
     def check(case: tuple[str, bytes]) -> None:
         route, raw = case
@@ -197,12 +208,16 @@ def fuzz(base_url: str, seen: Counter[str]) -> None:
     check()
 
 
-def test_fuzz_http_bodies() -> None:
+@pytest.mark.parametrize("reasoning", [False, True], ids=["plain", "reasoning"])
+def test_fuzz_http_bodies(reasoning: bool) -> None:
+    model = {"model": thinking_model(), "tokenizer": thinking_tokenizer(), "reasoning_parser": "qwen3"} if reasoning \
+        else {}
+
     async def main() -> None:
-        async with http_verifier(default_max_new_tokens=8) as h:
+        async with http_verifier(default_max_new_tokens=8, **model) as h:
             seen: Counter[str] = Counter()
             try:
-                await asyncio.to_thread(fuzz, h.base_url, seen)
+                await asyncio.to_thread(fuzz, h.base_url, seen, EXAMPLES[reasoning])
             finally:
                 print(dict(seen))
             served = {kind.split()[1] for kind in seen if kind.startswith("200")}
