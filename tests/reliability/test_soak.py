@@ -3,13 +3,14 @@
 Each seeded round starts a verifier with a random configuration (draft length, token trees, a
 chunked-prefill budget, the adaptive planner, calls overlapped with the forward or not, a KV cache
 of a few slots or many, priority scheduling, under which requests of random priorities preempt
-each other) behind a drafter that misbehaves at random (raises, answers past its
-deadline, sends out-of-vocabulary tokens, over-long drafts, invalid trees, too few drafts), and
-sends it a random mix of concurrent requests: shared prefixes, greedy and seeded sampling,
-penalties, stop tokens, min_new_tokens, logprobs, speculation disabled, streams cancelled midway.
-Every request that is not cancelled must get what a plain verifier gives it (the same tokens, or
-the same error code), and afterwards the engine holds nothing. Each feature has its own tests;
-this looks for their interactions.
+each other, a reasoning model whose thinking budgets and constraints after the thinking are kept)
+behind a drafter that misbehaves at random (raises, answers past its deadline, sends
+out-of-vocabulary tokens, over-long drafts, invalid trees, too few drafts), and sends it a random
+mix of concurrent requests: shared prefixes, greedy and seeded sampling, penalties, stop tokens,
+min_new_tokens, logprobs, speculation disabled, streams cancelled midway. Every request that is
+not cancelled must get what a plain verifier gives it (the same tokens, or the same error code),
+and afterwards the engine holds nothing. Each feature has its own tests; this looks for their
+interactions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import grpc
 import pytest
 from reliability_support import FIGURES, WAIT_S, idle
+from thinking_model import thinking_model, thinking_tokenizer
 from verifier_harness import VerifierHandle, run_verifier, spec_config, token_request
 from verifier_support import repetitive_prompt, serve_drafter, shared_model
 
@@ -82,8 +84,11 @@ class ChaosDrafter(Drafter):
         self.ngram.on_release(key)
 
 
-def random_requests(rng: random.Random) -> list[pb.GenerateRequest]:
+def random_requests(rng: random.Random, reasoning: bool = False) -> list[pb.GenerateRequest]:
+    """`reasoning`: for the thinking model under a reasoning parser: prompts that may open or close its
+    thinking, thinking budgets and constraints that hold the answer after it."""
     bases = [repetitive_prompt(s) for s in rng.sample(range(300), 4)]
+    start, end = thinking_tokenizer().convert_tokens_to_ids(["<think>", "</think>"])
     requests = []
     for _ in range(rng.randint(4, 10)):
         prompt = list(rng.choice(bases))
@@ -91,7 +96,10 @@ def random_requests(rng: random.Random) -> list[pb.GenerateRequest]:
             prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
         if rng.random() < 0.3:
             prompt *= rng.randint(2, 5)
-        request = token_request(prompt[:180], rng.randint(1, 40))
+        prompt = prompt[:180]
+        if reasoning and rng.random() < 0.6:  # a template that opened the thinking, or closed it
+            prompt += rng.choice([[start], [start, 5, end]])
+        request = token_request(prompt, rng.randint(1, 40))
         params = request.params
         if rng.random() < 0.4:
             params.sampling.CopyFrom(pb.SamplingParams(temperature=rng.choice([0.5, 1.0]), seed=rng.randrange(1 << 30),
@@ -108,6 +116,10 @@ def random_requests(rng: random.Random) -> list[pb.GenerateRequest]:
             params.logprobs = 2
         if rng.random() < 0.15:
             params.speculation.disable = True
+        if reasoning and rng.random() < 0.4:
+            params.thinking_token_budget = rng.randint(0, 12)
+        if reasoning and rng.random() < 0.25:  # refused beside min_new_tokens, by both verifiers alike
+            params.structured_output.regex = "(fox|dog)+ [0-9]{3}"
         requests.append(request)
     return requests
 
@@ -134,12 +146,17 @@ async def cancel_midway(v: VerifierHandle, request: pb.GenerateRequest) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(seed: int) -> None:
     rng = random.Random(seed)
-    requests = random_requests(rng)
+    reasoning = rng.random() < 0.4
+    requests = random_requests(rng, reasoning)
     cancelled = [rng.random() < 0.15 for _ in requests]
     k, nodes = rng.randint(1, 8), rng.choice([0, 0, 8])
     fault_rate = rng.choice([0.0, 0.1, 0.3])
     settings = {"max_draft_nodes": nodes, "kv_cache_memory_gb": rng.choice([0.25, 0.002, 0.001]),
                 "max_num_seqs": rng.choice([2, 4, 16])}
+    model = {"model": shared_model()}
+    if reasoning:
+        model = {"model": thinking_model(), "tokenizer": thinking_tokenizer(),
+                 "reasoning_parser": rng.choice(["qwen3", "deepseek_r1"])}
     if budget := rng.choice([None, 8, 24]):
         settings["max_num_batched_tokens"] = budget
     sent = requests  # to the verifier under test; the plain one is sent them without priorities
@@ -150,7 +167,7 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
             request.params.priority = rng.randint(-2, 2)
 
     async def main() -> tuple[dict, int, int]:
-        async with run_verifier(spec_config(), model=shared_model()) as plain:
+        async with run_verifier(spec_config(), **model) as plain:
             want = [(await outcome(plain, request))[0] for request in requests]
         oracle = {tuple(r.params.token_ids.ids): w for r, w in zip(requests, want) if isinstance(w, list)}
         drafter = ChaosDrafter(seed, fault_rate, oracle)
@@ -158,7 +175,7 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
             spec = spec_config("USER_PROVIDED", k, drafter_target=f"127.0.0.1:{d.port}", deadline_ms=DEADLINE_MS)
             spec.policy.adaptive_draft_len = rng.random() < 0.5
             spec.user_provided.overlap_calls = rng.random() < 0.8
-            async with run_verifier(spec, model=shared_model(), **settings) as v:
+            async with run_verifier(spec, **model, **settings) as v:
                 async def one(i: int) -> tuple[list[int] | str | None, int]:
                     await asyncio.sleep(rng.random() * 0.05)  # arrivals spread over the first steps
                     if cancelled[i]:
@@ -178,4 +195,5 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
     assert not any(left.values()), left
     FIGURES.append({"soak": seed, "requests": len(requests), "cancelled": sum(cancelled), "drafter_faults": faults,
                     "accepted": accepted, "k": k, "tree_nodes": nodes, "kv_cache_gb": settings["kv_cache_memory_gb"],
-                    "scheduling": settings.get("scheduling_policy", "fcfs")})
+                    "scheduling": settings.get("scheduling_policy", "fcfs"),
+                    "reasoning": model.get("reasoning_parser", "none")})
