@@ -191,3 +191,32 @@ def test_a_verifier_process_serves_a_reasoning_model_and_refuses_one_without_mar
     assert refused.returncode == 2
     assert "--reasoning-parser qwen3: this model's tokenizer has no single token for '<think>'" in refused.stderr
     assert "loading tokenizer" in refused.stderr and "loading model" not in refused.stderr  # before the weights
+
+
+def test_an_earlier_turns_thinking_says_nothing_of_this_ones() -> None:
+    """A template whose turns end with a special token (as Qwen3's <|im_end|>) and whose generation prompt opens
+    no thinking: an earlier assistant turn's thinking, sent back, ends with </think> in the prompt, yet this
+    turn's output is thinking first (deepseek_r1's default), not all answer."""
+    tokenizer = copy.deepcopy(thinking_tokenizer())
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['reasoning_content'] is defined and "
+        "m['reasoning_content'] %}<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}<eos>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    chat = [*THINKING_CHAT, {"role": "assistant", "content": "2, 3, 5.", "reasoning": "small ones"},
+            {"role": "user", "content": "And the next?"}]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False, model=thinking_model(), tokenizer=tokenizer,
+                                 reasoning_parser="deepseek_r1") as h:
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                ids = (await http.post("/tokenize", json={"messages": chat})).json()["tokens"]
+                raw = (await http.post("/v1/completions", json={"prompt": ids, "max_tokens": 40})).json()
+            assert tokenizer.convert_tokens_to_ids("</think>") in ids  # the earlier turn's
+            message = (await h.client.chat.completions.create(model="tiny", messages=chat, max_tokens=40)
+                       ).choices[0].message
+            text = raw["choices"][0]["text"]
+            thought = text.split("</think>", 1)[0]
+            assert message.reasoning == thought and thought
+            assert (message.content or "") == text[len(thought) + len("</think>"):]
+
+    asyncio.run(main())

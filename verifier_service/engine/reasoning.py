@@ -8,12 +8,15 @@ knows these markers, and two things follow from the one rule below:
   (engine/structured_output.py, ReasoningGate);
 - the HTTP fronts return the thinking apart from the answer (api/reasoning_split.py).
 
-The rule. The prompt decides where the output starts: a chat template that opened the thinking
-(its last marker is `<think>`: DeepSeek-R1, Qwen3's thinking models) starts it in thought; one that
-closed it (its last marker is `</think>`: Qwen3 with `enable_thinking` false) starts it in the
-answer. Where the prompt has neither, `deepseek_r1` starts in thought (R1 may think without writing
-`<think>`) and `qwen3` leaves it to the first token: `<think>` opens the thinking, anything else
-begins the answer. In thought, `</think>` ends it. The markers are neither thought nor answer.
+The rule. The prompt's last turn decides where the output starts: a chat template that opened the
+thinking (its last marker is `<think>`: DeepSeek-R1, Qwen3's thinking models) starts it in thought;
+one that closed it (its last marker is `</think>`: Qwen3 with `enable_thinking` false) starts it in
+the answer. Where the last turn has neither, `deepseek_r1` starts in thought (R1 may think without
+writing `<think>`) and `qwen3` leaves it to the first token: `<think>` opens the thinking, anything
+else begins the answer. In thought, `</think>` ends it. The markers are neither thought nor answer.
+The last turn is what follows the prompt's last special token (a chat template's turn marker, such
+as Qwen3's `<|im_start|>`): the markers of an earlier assistant turn, whose thinking a tool loop
+sends back, say nothing about this one.
 """
 
 from __future__ import annotations
@@ -56,18 +59,24 @@ class Reasoning:
     parser: ReasoningParser
     start_id: int
     end_id: int
+    turn_ids: frozenset[int] = frozenset()  # the tokenizer's special tokens: where a prompt's turns begin and end
 
     @classmethod
     def of(cls, parser: ReasoningParser, tokenizer: PreTrainedTokenizerBase) -> Reasoning:
-        """Raises ReasoningUnavailable."""
+        """Raises ReasoningUnavailable: the markers must be single tokens, and written in answers' text
+        (the fronts split the text), which special tokens are not."""
         ids = []
+        special = frozenset(tokenizer.all_special_ids)
         for marker in (parser.start, parser.end):
             encoded = tokenizer.encode(marker, add_special_tokens=False)
             if len(encoded) != 1:
                 raise ReasoningUnavailable(f"--reasoning-parser {parser.name}: this model's tokenizer has no single "
                                            f"token for {marker!r} (it spells it as {len(encoded)} tokens)")
+            if encoded[0] in special:
+                raise ReasoningUnavailable(f"--reasoning-parser {parser.name}: this model's tokenizer marks {marker!r} "
+                                           "as a special token, which answers leave out of their text")
             ids.append(encoded[0])
-        return cls(parser, *ids)
+        return cls(parser, *ids, special)
 
     def phase_after(self, prompt_ids: Iterable[int]) -> Phase:
         """Where the output of this prompt starts (module docstring)."""
@@ -76,6 +85,8 @@ class Reasoning:
                 return Phase.ANSWER
             if token == self.start_id:
                 return Phase.THINKING
+            if token in self.turn_ids:
+                break
         return Phase.THINKING if self.parser.thinks_unopened else Phase.FIRST
 
     def step(self, phase: Phase, token: int) -> tuple[Phase, bool]:

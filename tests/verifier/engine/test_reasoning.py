@@ -6,6 +6,7 @@ thinking and answer the same however it is streamed."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import re
 
@@ -44,6 +45,11 @@ def test_the_prompt_decides_where_the_output_starts_and_the_markers_move_it() ->
     assert r1.phase_after(unmarked) is Phase.THINKING  # R1 may think without writing <think>
     assert qwen3.phase_after(unmarked) is Phase.FIRST
     a, b = 5, 6  # any two tokens but the markers
+    turn = thinking_tokenizer().eos_token_id  # a special token: where a chat template's turns meet
+    # Only the last turn's markers count: an earlier assistant turn's thinking, sent back, says nothing of this one.
+    assert r1.phase_after([a, r1.start_id, b, r1.end_id, turn, a]) is Phase.THINKING
+    assert qwen3.phase_after([a, qwen3.start_id, b, qwen3.end_id, turn, a]) is Phase.FIRST
+    assert qwen3.phase_after([a, qwen3.end_id, turn, qwen3.start_id, b]) is Phase.THINKING
     s, e = r1.start_id, r1.end_id
     assert r1.walk(Phase.THINKING, [a, s, b, e, a, e, b]) == (Phase.ANSWER, [a, e, b])  # a later </think> is text
     assert qwen3.walk(Phase.FIRST, [s, a, e, b]) == (Phase.ANSWER, [b])
@@ -54,6 +60,10 @@ def test_the_prompt_decides_where_the_output_starts_and_the_markers_move_it() ->
 def test_a_parser_needs_its_markers_as_single_tokens_and_a_known_name() -> None:
     with pytest.raises(ReasoningUnavailable, match="no single token for '<think>'"):
         Reasoning.of(PARSERS["qwen3"], tiny_tokenizer())
+    special = copy.deepcopy(tiny_tokenizer())
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    with pytest.raises(ReasoningUnavailable, match="marks '<think>' as a special token"):
+        Reasoning.of(PARSERS["qwen3"], special)
     with pytest.raises(ConfigError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         ServerSettings(reasoning_parser="r1")
 
