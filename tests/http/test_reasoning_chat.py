@@ -96,6 +96,16 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
                 model="tiny", messages=THINKING_CHAT, max_tokens=12,
                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
             assert closed.choices[0].message.reasoning is None and closed.choices[0].message.content
+            # n choices, sampled: each choice split on its own, streamed as whole.
+            sampled = {"messages": THINKING_CHAT, "max_tokens": 30, "n": 2, "temperature": 1.0, "seed": 4}
+            whole = await h.client.chat.completions.create(model="tiny", **sampled)
+            parts: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+            async for chunk in await h.client.chat.completions.create(model="tiny", stream=True, **sampled):
+                for choice in chunk.choices:
+                    parts[choice.index][0] += getattr(choice.delta, "reasoning", None) or ""
+                    parts[choice.index][1] += choice.delta.content or ""
+            assert [[c.message.reasoning or "", c.message.content or ""] for c in whole.choices] == \
+                [parts[0], parts[1]] and parts[0] != parts[1]
             info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
             assert info.reasoning_parser == "deepseek_r1"
         async with http_verifier(speculate=False) as h:  # no reasoning parser: a budget is refused
