@@ -78,7 +78,8 @@ class RequestTracer:
             "splitspec.speculation.num_accepted_tokens": stats.num_accepted_tokens,
             "splitspec.speculation.mean_acceptance_length": 1.0 + stats.num_accepted_tokens / stats.num_drafts
             if stats.num_drafts else 1.0,
-            "splitspec.speculation.num_drafter_failures": stats.num_drafter_failures}
+            "splitspec.speculation.num_drafter_failures": stats.num_drafter_failures,
+            "splitspec.speculation.drafter_wait_s": stats.drafter_wait_s}
         if seq.admitted_at is not None:
             attributes["gen_ai.latency.time_in_queue"] = max(0.0, seq.admitted_at - arrival.at)
         if timer.first_token is not None:

@@ -88,6 +88,7 @@ def test_each_request_is_a_span_under_its_callers_trace_with_what_its_answer_rep
             assert a["splitspec.speculation.num_drafts"] == spec["num_drafts"] > 0
             assert a["splitspec.speculation.num_accepted_tokens"] == spec["num_accepted_tokens"] > 0
             assert a["splitspec.speculation.mean_acceptance_length"] == spec["mean_acceptance_length"]
+            assert 0 < a["splitspec.speculation.drafter_wait_s"] < a["gen_ai.latency.e2e"]  # its steps' calls
             assert 0 <= a["gen_ai.latency.time_in_queue"] <= a["gen_ai.latency.time_to_first_token"] \
                 <= a["gen_ai.latency.e2e"]
             assert abs((http_span.end_time_unix_nano - http_span.start_time_unix_nano) / 1e9

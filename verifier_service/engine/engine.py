@@ -166,6 +166,9 @@ class Engine:
         self._receive_in_flight()
         reply = await self._draft(plan, price)
         self._drafter_s = time.perf_counter() - started
+        if self._called:
+            for seq in plan.decodes:
+                seq.stats.drafter_wait_s += self._drafter_s
         new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
 

@@ -44,6 +44,7 @@ class SpecStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_drafter_failures: int = 0
     num_draft_nodes: int = 0  # draft tokens verified, every node of a tree counted
+    drafter_wait_s: float = 0.0  # the time its steps spent on drafter calls (building one, waiting for it)
 
     def record(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
         """`drafted`: a chain's length or a tree's depth; `nodes`: a tree's size (None: a chain)."""
