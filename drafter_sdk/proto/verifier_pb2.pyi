@@ -132,7 +132,7 @@ class SpeculationOverrides(_message.Message):
     def __init__(self, max_draft_len: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens", "priority", "thinking_token_budget")
+    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens", "priority", "thinking_token_budget", "separate_reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class GenerationParams(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SEPARATE_REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -161,7 +162,8 @@ class GenerationParams(_message.Message):
     truncate_prompt_tokens: int
     priority: int
     thinking_token_budget: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
+    separate_reasoning: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ..., separate_reasoning: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -196,7 +198,7 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[GenerationParams, _Mapping]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_rate", "num_drafter_failures", "auto_disabled", "num_draft_nodes")
+    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_rate", "num_drafter_failures", "auto_disabled", "num_draft_nodes", "drafter_wait_s")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +209,7 @@ class SpeculationStats(_message.Message):
     NUM_DRAFTER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     AUTO_DISABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_drafts: int
     num_draft_tokens: int
@@ -217,7 +220,8 @@ class SpeculationStats(_message.Message):
     num_drafter_failures: int
     auto_disabled: bool
     num_draft_nodes: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., num_drafter_failures: _Optional[int] = ..., auto_disabled: _Optional[bool] = ..., num_draft_nodes: _Optional[int] = ...) -> None: ...
+    drafter_wait_s: float
+    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., num_drafter_failures: _Optional[int] = ..., auto_disabled: _Optional[bool] = ..., num_draft_nodes: _Optional[int] = ..., drafter_wait_s: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -240,7 +244,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GenerationOutput(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "prompt_tokens", "stats", "logprobs", "drafted", "cached_prompt_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "prompt_tokens", "stats", "logprobs", "drafted", "cached_prompt_tokens", "prompt_logprobs", "reasoning_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +256,7 @@ class GenerationOutput(_message.Message):
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -263,7 +268,8 @@ class GenerationOutput(_message.Message):
     drafted: _containers.RepeatedScalarFieldContainer[bool]
     cached_prompt_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., drafted: _Optional[_Iterable[bool]] = ..., cached_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    reasoning_text: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., drafted: _Optional[_Iterable[bool]] = ..., cached_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., reasoning_text: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("output",)

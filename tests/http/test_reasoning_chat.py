@@ -13,6 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -108,7 +109,24 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
                 [parts[0], parts[1]] and parts[0] != parts[1]
             info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
             assert info.reasoning_parser == "deepseek_r1"
-        async with http_verifier(speculate=False) as h:  # no reasoning parser: a budget is refused
+            # gRPC: the raw output, or with separate_reasoning the same split, whole and streamed.
+            params = verifier_pb2.GenerationParams(
+                chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(**m) for m in THINKING_CHAT]),
+                stopping=verifier_pb2.StoppingCriteria(max_new_tokens=40))
+            raw = (await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=params), timeout=WAIT_S)).output
+            assert raw.text == f"{thought}</think>{answer}" and not raw.reasoning_text
+            assert raw.stats.drafter_wait_s > 0  # a remote drafter's calls, waited for
+            params.separate_reasoning = True
+            split = (await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=params), timeout=WAIT_S)).output
+            assert (split.reasoning_text, split.text) == (thought, answer)
+            assert list(split.token_ids) == list(raw.token_ids)  # every token still, markers included
+            pieces = [(m.output.reasoning_text, m.output.text) async for m in
+                      h.v.stub.GenerateStream(verifier_pb2.GenerateStreamRequest(params=params), timeout=WAIT_S)]
+            assert ("".join(t for t, _ in pieces), "".join(a for _, a in pieces)) == (thought, answer)
+        async with http_verifier(speculate=False) as h:  # no reasoning parser: a budget, a split are refused
+            with pytest.raises(grpc.aio.AioRpcError, match="separate_reasoning needs a verifier started with"):
+                await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                    prompt="hi", separate_reasoning=True)), timeout=WAIT_S)
             with pytest.raises(openai.BadRequestError, match="thinking_token_budget needs a verifier started with "
                                                              "--reasoning-parser"):
                 await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=4,

@@ -56,6 +56,7 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "num_drafter_failures": sum(s.stats.num_drafter_failures for s in seqs),
+        "drafter_wait_s": sum(s.stats.drafter_wait_s for s in seqs),
         "auto_disabled": any(s.spec.auto_disabled for s in seqs),
     }
 

@@ -93,6 +93,9 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
     if request.priority and not limits.by_priority:
         raise _invalid(f"priority {request.priority} needs a verifier started with --scheduling-policy priority; "
                        "this one serves requests in order of arrival (send 0, or leave it out)")
+    if request.separate_reasoning and limits.reasoning is None:  # how the gRPC front writes the output
+        raise _invalid("separate_reasoning needs a verifier started with --reasoning-parser (a reasoning model's "
+                       "markers); this one reads no thinking")
     prompt_ids = input_ids(request, tokenizer, limits, keep_last=_kept_prompt_tokens(request, limits))
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
     return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
@@ -100,7 +103,6 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
                          prompt_logprobs, _constraint(request),
                          not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority,
                          _thinking_budget(request, limits.reasoning))
-
 
 def _thinking_budget(request: verifier_pb2.GenerationParams, reasoning: Reasoning | None) -> int | None:
     """vLLM's thinking_token_budget, where it can be kept: once it is spent only `</think>` may follow, so

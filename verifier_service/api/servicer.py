@@ -14,6 +14,7 @@ import grpc
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.api.generation import LOADING, GenerationFailed, Generations, Unavailable
+from verifier_service.api.reasoning_split import ThoughtSplit
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import TokenLogprob
@@ -33,7 +34,7 @@ def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
         num_accepted_tokens=s.num_accepted_tokens, num_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
         mean_acceptance_length=s.mean_acceptance_length, acceptance_rate=s.acceptance_rate,
         num_drafter_failures=s.num_drafter_failures, auto_disabled=seq.spec.auto_disabled,
-        num_draft_nodes=s.num_draft_nodes)
+        num_draft_nodes=s.num_draft_nodes, drafter_wait_s=s.drafter_wait_s)
 
 
 def logprob_messages(logprobs: list[TokenLogprob]) -> list[verifier_pb2.TokenLogprob]:
@@ -59,6 +60,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         except GenerationFailed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INTERNAL, str(exc))
 
+    def _thoughts(self, params: verifier_pb2.GenerationParams, seq: Sequence) -> ThoughtSplit | None:
+        """Where the request asked for separate_reasoning (checked: the server has a reasoning parser)."""
+        rt = self.generations.runtime
+        return ThoughtSplit(rt.reasoning, seq.prompt_ids) if params.separate_reasoning and rt.reasoning else None
+
     async def Generate(self, request: verifier_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> verifier_pb2.GenerateResponse:
         arrival = Arrival.now(context.invocation_metadata() or ())
@@ -66,9 +72,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         text: list[str] = []
         async for out in self._outputs(seq, context, arrival):
             text.append(out.text)
+        thoughts = self._thoughts(request.params, seq)
+        thought, answer = ("", "".join(text)) if thoughts is None else thoughts.feed("".join(text), final=True)
         return verifier_pb2.GenerateResponse(output=verifier_pb2.GenerationOutput(
-            request_id=request.params.request_id or seq.request_id, text="".join(text), token_ids=seq.output_ids,
-            finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
+            request_id=request.params.request_id or seq.request_id, text=answer, reasoning_text=thought,
+            token_ids=seq.output_ids, finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
             prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq),
             logprobs=logprob_messages(seq.output_logprobs), drafted=seq.output_drafted,
             cached_prompt_tokens=seq.cached_prompt_tokens, prompt_logprobs=logprob_messages(seq.prompt_token_logprobs)))
@@ -78,9 +86,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         arrival = Arrival.now(context.invocation_metadata() or ())
         seq = await self._start(request.params, context)
         request_id = request.params.request_id or seq.request_id
+        thoughts = self._thoughts(request.params, seq)
         async for out in self._outputs(seq, context, arrival):
-            chunk = verifier_pb2.GenerationOutput(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                                  logprobs=logprob_messages(out.logprobs), drafted=out.drafted,
+            thought, answer = ("", out.text) if thoughts is None else thoughts.feed(
+                out.text, final=out.finish_reason is not None)
+            chunk = verifier_pb2.GenerationOutput(request_id=request_id, text=answer, reasoning_text=thought,
+                                                  token_ids=out.token_ids, logprobs=logprob_messages(out.logprobs),
+                                                  drafted=out.drafted,
                                                   prompt_logprobs=logprob_messages(out.prompt_logprobs))
             if out.finish_reason is not None:
                 chunk.finish_reason = FINISH[out.finish_reason]
