@@ -18,6 +18,7 @@ import threading
 
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
+from thinking_model import THINKING_CHAT, thinking_model, thinking_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -69,6 +70,37 @@ def test_playground_streams_highlights_and_compares(tmp_path) -> None:  # noqa: 
                 assert outside == []  # self-contained: nothing fetched from anywhere else
                 if target := os.environ.get("SPLITSPEC_SCREENSHOT"):
                     await page.screenshot(path=target, full_page=True)
+            finally:
+                await browser.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium (bash .ci/setup installs it)")
+def test_the_playground_dims_a_reasoning_models_thinking() -> None:
+    """Under --reasoning-parser, a chat's thinking tokens (and their </think>) are dimmed, its answer's are not:
+    the dimmed text is the API's `reasoning` and its marker, the rest its `content`."""
+    from playwright.async_api import async_playwright
+
+    async def main() -> None:
+        async with http_verifier(model=thinking_model(), tokenizer=thinking_tokenizer(),
+                                 reasoning_parser="deepseek_r1") as h, async_playwright() as pw:
+            message = (await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
+                                                              temperature=0)).choices[0].message
+            browser = await pw.chromium.launch(executable_path=CHROMIUM,
+                                               args=["--no-sandbox"] if os.geteuid() == 0 else [])
+            try:
+                page = await browser.new_page()
+                page.set_default_timeout(WAIT_S * 1000)
+                await page.goto(h.base_url + "/")
+                await page.wait_for_function("document.getElementById('model').textContent === 'model: tiny'")
+                await page.fill("#prompt", THINKING_CHAT[0]["content"])
+                await page.fill("#max-tokens", "40")
+                await page.click("#run")
+                await page.wait_for_function("document.getElementById('status').textContent === 'done'")
+                dimmed = "".join(await page.locator("#output .tok.thinking").all_text_contents())
+                plain = "".join(await page.locator("#output .tok:not(.thinking)").all_text_contents())
+                assert (dimmed, plain) == (message.reasoning + "</think>", message.content)
             finally:
                 await browser.close()
 

@@ -77,6 +77,8 @@ def test_the_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
             raw_ids = raw["choices"][0]["splitspec"]["token_ids"]
             thought_tokens = raw_ids.index(thinking_tokenizer().convert_tokens_to_ids("</think>")) + 1
             assert r.usage.completion_tokens_details.reasoning_tokens == thought_tokens
+            flags = r.choices[0].model_extra["splitspec"]["thinking"]  # per token: thinking or a marker
+            assert flags == [True] * thought_tokens + [False] * (40 - thought_tokens)
             got = await streamed(h.client, max_tokens=40)
             assert got[:3] == (thought, answer, [])
             assert got[3]["completion_tokens_details"]["reasoning_tokens"] == thought_tokens

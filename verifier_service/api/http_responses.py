@@ -6,7 +6,9 @@ under vLLM's names, the speculation stats. What speculation did per token rides 
 an extension, `splitspec: {token_ids, drafted, token_text}` on each choice (on each
 chunk's choice when streaming): `drafted[i]` says whether token i was an accepted
 draft token, and `token_text[i]` is the text it released (their concatenation is the
-choice's generated text), so a client can show exactly which characters the drafter supplied.
+choice's generated text), so a client can show exactly which characters the drafter supplied;
+a chat under a reasoning parser adds `thinking[i]`: whether token i is thinking or a marker,
+by engine/reasoning.py's rule (the playground dims those).
 
 A completion with `echo` starts each choice's text with its prompt (as the prompt's tokens
 spell it), and with `logprobs` its log-probabilities with the prompt's tokens' first, the
@@ -34,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from verifier_service.api.reasoning_split import ThoughtSplit, split
 from verifier_service.api.tool_calls import Call, CallStream, ToolPlan
 from verifier_service.engine.detokenizer import Detokenizer
-from verifier_service.engine.reasoning import Reasoning
+from verifier_service.engine.reasoning import Phase, Reasoning
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
 
@@ -145,6 +147,7 @@ class Responder:
     _calls: dict[int, CallStream] = field(default_factory=dict)  # streaming under a tool plan, per choice
     _generated: dict[int, int] = field(default_factory=dict)  # streaming: choice -> tokens sent so far
     _thoughts: dict[int, ThoughtSplit] = field(default_factory=dict)  # streaming under a reasoning parser
+    _phases: dict[int, Phase] = field(default_factory=dict)  # streaming under a reasoning parser: per choice
 
     @property
     def _id(self) -> str:
@@ -223,9 +226,17 @@ class Responder:
             return out
         return Output([], "", out.finish_reason and FinishReason.LENGTH, prompt_logprobs=out.prompt_logprobs)
 
-    @staticmethod
-    def _extension(out: Output) -> dict[str, object]:
-        return {"token_ids": out.token_ids, "drafted": out.drafted, "token_text": out.pieces}
+    def _extension(self, out: Output, index: int, seq: Sequence) -> dict[str, object]:
+        ext: dict[str, object] = {"token_ids": out.token_ids, "drafted": out.drafted, "token_text": out.pieces}
+        if self.reasoning is not None:  # each token's phase, from where the choice's tokens so far left it
+            phase = self._phases.get(index) or self.reasoning.phase_after(seq.prompt_ids)
+            thinking = []
+            for token in out.token_ids:
+                phase, answered = self.reasoning.step(phase, token)
+                thinking.append(not answered)
+            self._phases[index] = phase
+            ext["thinking"] = thinking
+        return ext
 
     def response(self, seqs: list[Sequence], choices: list[Choice]) -> dict[str, object]:
         """The whole answer (not streaming)."""
@@ -246,7 +257,7 @@ class Responder:
                 c["text"], c["logprobs"] = self._completion(seq, out, 0, self.echo)
             c |= {"finish_reason": finish,
                   "stop_reason": out.stop_reason or None,
-                  "splitspec": self._extension(out) | {"speculation": speculation([seq])}}
+                  "splitspec": self._extension(out, i, seq) | {"speculation": speculation([seq])}}
             if self.prompt_logprobs and not self.chat:
                 c["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
             body["choices"].append(c)
@@ -306,7 +317,7 @@ class Responder:
             if echo:
                 self._echoed[index] = len(c["text"]) - len(out.text)
         c["finish_reason"] = finish
-        ext = self._extension(out)
+        ext = self._extension(out, index, seq)
         if out.finish_reason is not None:
             c["stop_reason"] = out.stop_reason or None
             ext["speculation"] = speculation([seq])
