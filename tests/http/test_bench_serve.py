@@ -60,6 +60,7 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
                 ("spec", 0, 4, 0), ("plain", 0, 4, 0), ("plain", 1, 4, 0), ("spec", 1, 4, 0)]
             for p in passes:
                 assert p["mean_acceptance_length"] > 1.5 if p["mode"] == "spec" else p["mean_acceptance_length"] == 1
+                assert 0 < p["drafter_wait_share"] < 1 if p["mode"] == "spec" else p["drafter_wait_share"] == 0
                 assert p["output_tokens"] == passes[0]["output_tokens"]
             assert [r["round"] for r in result["summary"]["rounds"]] == [0, 1]
             records = result["requests"]

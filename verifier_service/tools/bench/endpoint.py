@@ -14,7 +14,9 @@ round is reported apart.
 Per pass: requests done and failed (with the first error), request and output-token throughput, time to
 first token, time per output token after the first (TPOT) and the gap between streamed chunks (ITL, per chunk
 as vLLM counts it: a speculative step may bring several tokens at once), at the median and the 99th
-percentile, and the mean acceptance length the server reports per request. With greedy sampling
+percentile, the mean acceptance length the server reports per request, and the share of the requests' time
+their steps spent on drafter calls (the server's `drafter_wait_s`: what drafting as a service cost). With greedy
+sampling
 (temperature 0, the default) each prompt's tokens are compared between the passes: speculation is lossless,
 so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels). Where requests carry
 priorities (a dataset line's `"priority"`, or `--priorities`, for a verifier started with
@@ -63,6 +65,7 @@ class Record:
     chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks that carried tokens
     token_ids: list[int] | None = None  # None where the server does not send them (not a splitspec verifier)
     mean_acceptance_length: float | None = None
+    drafter_wait_s: float | None = None  # its steps' time on drafter calls, as the server reports it
     error: str = ""
 
     @property
@@ -282,6 +285,7 @@ async def stream_request(http: httpx.AsyncClient, path: str, body: dict, record:
                         tokens = len(ext.get("token_ids", []))
                         if "speculation" in ext:
                             record.mean_acceptance_length = ext["speculation"].get("mean_acceptance_length")
+                            record.drafter_wait_s = ext["speculation"].get("drafter_wait_s")
                     else:  # another server: a chunk with text counts as a token, the usage corrects the total
                         tokens = int(bool((choice.get("delta") or {}).get("content") or choice.get("text")))
                     if tokens:
@@ -343,6 +347,7 @@ def summarise(passes: list[Pass], args: argparse.Namespace) -> dict:
 def _row(p: Pass) -> dict:
     done = [r for r in p.records if not r.error]
     lengths = [r.mean_acceptance_length for r in done if r.mean_acceptance_length is not None]
+    waited = [(r.drafter_wait_s, r.e2e_s) for r in done if r.drafter_wait_s is not None and r.e2e_s]
     tokens = sum(r.output_tokens for r in done)
     classes = sorted({r.priority for r in p.records})
     return {
@@ -353,6 +358,8 @@ def _row(p: Pass) -> dict:
                           tpot=[r.tpot_s for r in done if r.tpot_s is not None],
                           itl=[g for r in done for g in r.chunk_gaps_s]),
         "mean_acceptance_length": statistics.mean(lengths) if lengths else None,
+        # Of the requests' time, the share their steps spent on drafter calls: what drafting as a service cost.
+        "drafter_wait_share": sum(w for w, _ in waited) / sum(e for _, e in waited) if waited else None,
         "by_priority": [_class_row(p, k) for k in classes] if len(classes) > 1 else [],
     }
 
@@ -392,14 +399,15 @@ def print_summary(summary: dict, base: str, model: str, requests: list[Request],
     print(f"\nbench-serve {base}, model {model}: {prompts} prompts a pass, sent {rate}, "
           f"at most {args.max_concurrency or prompts} at a time")
     header = (f"{'pass':<8}{'done':>6}{'failed':>7}{'req/s':>8}{'out tok/s':>11}{'TTFT p50/p99 ms':>20}"
-              f"{'TPOT p50/p99 ms':>20}{'ITL p50/p99 ms':>20}{'MAL':>6}")
+              f"{'TPOT p50/p99 ms':>20}{'ITL p50/p99 ms':>20}{'MAL':>6}{'drafter':>9}")
     print(header)
     print("-" * len(header))
     for m in summary["passes"]:
         ttft, tpot, itl = (f"{_f(m[f'{name}_50_ms'])} / {_f(m[f'{name}_99_ms'])}" for name in ("ttft", "tpot", "itl"))
         print(f"{m['mode'] + ' ' + str(m['round'] + 1):<8}{m['done']:>6}{m['failed']:>7}{m['requests_per_s']:>8.2f}"
               f"{m['output_tokens_per_s']:>11.1f}{ttft:>20}{tpot:>20}{itl:>20}"
-              f"{_f(m['mean_acceptance_length'], '.2f'):>6}")
+              f"{_f(m['mean_acceptance_length'], '.2f'):>6}"
+              f"{_percent(m['drafter_wait_share']):>9}")
         for c in m["by_priority"]:
             print(f"  priority {c['priority']}: {c['done']} done, {c['failed']} failed; TTFT p50/p99 "
                   f"{_f(c['ttft_50_ms'])} / {_f(c['ttft_99_ms'])} ms, last token p50/p99 "
@@ -425,3 +433,7 @@ def print_summary(summary: dict, base: str, model: str, requests: list[Request],
 
 def _f(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f} %"
