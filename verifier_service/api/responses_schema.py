@@ -12,8 +12,7 @@ are not carried over, as OpenAI's are not): response_store.py.
 A reasoning item, a reasoning model's thinking sent back from an earlier response, is the
 `reasoning` of the assistant's message after it (or of one of its own, where none follows), for the
 chat template to render, as a chat message's `reasoning` is: its content's text (or its summary's),
-never its encrypted_content, which nothing here could read. The route reads reasoning items only
-under --reasoning-parser (responses_route.py).
+never its encrypted_content, which nothing here could read; with or without a reasoning parser.
 
 Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
