@@ -230,12 +230,9 @@ class Responder:
         ext: dict[str, object] = {"token_ids": out.token_ids, "drafted": out.drafted, "token_text": out.pieces}
         if self.reasoning is not None:  # each token's phase, from where the choice's tokens so far left it
             phase = self._phases.get(index) or self.reasoning.phase_after(seq.prompt_ids)
-            thinking = []
-            for token in out.token_ids:
-                phase, answered = self.reasoning.step(phase, token)
-                thinking.append(not answered)
-            self._phases[index] = phase
-            ext["thinking"] = thinking
+            self._phases[index], answer, _ = self.reasoning.walk(phase, out.token_ids)
+            thought = len(out.token_ids) - len(answer)  # the answer is a suffix
+            ext["thinking"] = [True] * thought + [False] * len(answer)
         return ext
 
     def response(self, seqs: list[Sequence], choices: list[Choice]) -> dict[str, object]:

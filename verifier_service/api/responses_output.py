@@ -113,7 +113,7 @@ class ResponseBuilder:
         self._answered |= bool(answer)
         logprobs = out.logprobs
         if self.reasoning is not None:
-            self._phase, answer_ids = self.reasoning.walk(self._phase, out.token_ids)
+            self._phase, answer_ids, _ = self.reasoning.walk(self._phase, out.token_ids)
             logprobs = logprobs[len(logprobs) - len(answer_ids):]
         if self.request.logprobs_count is None or self.tools.makes_calls:
             return thinking, answer, []

@@ -97,15 +97,19 @@ class Reasoning:
             return (Phase.ANSWER if token == self.end_id else phase), False
         return (Phase.THINKING, False) if token == self.start_id else (Phase.ANSWER, True)
 
-    def walk(self, phase: Phase, tokens: Iterable[int]) -> tuple[Phase, list[int]]:
+    def walk(self, phase: Phase, tokens: Iterable[int]) -> tuple[Phase, list[int], int]:
         """(the phase after `tokens`, which follow `phase`; those of them that are the answer's, in order:
-        a suffix of `tokens`, since the answer, once begun, lasts)."""
-        answer = []
+        a suffix of `tokens`, since the answer, once begun, lasts; how many of them are thinking, the
+        `<think>` that opens it and the `</think>` that closes it not counted: what a thinking budget counts)."""
+        answer, thought = [], 0
         for token in tokens:
+            before = phase
             phase, answered = self.step(phase, token)
             if answered:
                 answer.append(token)
-        return phase, answer
+            elif before is Phase.THINKING and phase is Phase.THINKING:
+                thought += 1
+        return phase, answer, thought
 
     def thought_tokens(self, prompt_ids: Iterable[int], output_ids: list[int]) -> int:
         """How many of the output's tokens are not the answer's: thought and markers (OpenAI's reasoning_tokens)."""

@@ -178,15 +178,8 @@ class ReasoningGate:
 
     def _walk(self, path: Sequence[int]) -> tuple[Phase, int, list[int]]:
         """(phase, thinking tokens, the answer's tokens on `path`) after the committed tokens and `path`."""
-        phase, thought, answer = self._phase, self._thought, []
-        for token in path:
-            before = phase
-            phase, answered = self._reasoning.step(phase, token)
-            if answered:
-                answer.append(token)
-            elif before is Phase.THINKING and phase is Phase.THINKING:
-                thought += 1
-        return phase, thought, answer
+        phase, answer, thought = self._reasoning.walk(self._phase, path)
+        return phase, self._thought + thought, answer
 
     def _spent(self, phase: Phase, thought: int) -> bool:
         return phase is Phase.THINKING and self._budget is not None and thought >= self._budget

@@ -51,9 +51,10 @@ def test_the_prompt_decides_where_the_output_starts_and_the_markers_move_it() ->
     assert qwen3.phase_after([a, qwen3.start_id, b, qwen3.end_id, turn, a]) is Phase.FIRST
     assert qwen3.phase_after([a, qwen3.end_id, turn, qwen3.start_id, b]) is Phase.THINKING
     s, e = r1.start_id, r1.end_id
-    assert r1.walk(Phase.THINKING, [a, s, b, e, a, e, b]) == (Phase.ANSWER, [a, e, b])  # a later </think> is text
-    assert qwen3.walk(Phase.FIRST, [s, a, e, b]) == (Phase.ANSWER, [b])
-    assert qwen3.walk(Phase.FIRST, [a, s]) == (Phase.ANSWER, [a, s])  # no <think> first: all answer
+    # (phase after, the answer's tokens, the thinking's tokens without the markers)
+    assert r1.walk(Phase.THINKING, [a, s, b, e, a, e, b]) == (Phase.ANSWER, [a, e, b], 3)  # a later </think> is text
+    assert qwen3.walk(Phase.FIRST, [s, a, e, b]) == (Phase.ANSWER, [b], 1)
+    assert qwen3.walk(Phase.FIRST, [a, s]) == (Phase.ANSWER, [a, s], 0)  # no <think> first: all answer
     assert r1.thought_tokens(opened, [a, b, e, a]) == 3
 
 
