@@ -226,6 +226,14 @@ class RequestTimer:
         self.num_tokens = 0
         self._done = False
 
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def time_in_queue(self, admitted_at: float) -> float:
+        """Arrival to the first admission into a KV slot (perf_counter `admitted_at`)."""
+        return max(0.0, admitted_at - self.arrival)
+
     def tokens(self, count: int, admitted_at: float | None = None) -> None:
         """`count` generated tokens reached the servicer; `admitted_at`: when the request first got a KV
         slot (perf_counter), read with its first token."""
@@ -241,9 +249,9 @@ class RequestTimer:
         if m is None:
             return
         if first:
-            m.ttft.observe(now - self.arrival)
+            m.ttft.observe(self.time_to_first_token)
             if admitted_at is not None:
-                m.queue_time.observe(max(0.0, admitted_at - self.arrival))
+                m.queue_time.observe(self.time_in_queue(admitted_at))
             m.prompt_tokens.inc(self.prompt_tokens)
         m.generation_tokens.inc(count)
 

@@ -76,14 +76,13 @@ class RequestTracer:
             "splitspec.speculation.num_steps": stats.num_steps, "splitspec.speculation.num_drafts": stats.num_drafts,
             "splitspec.speculation.num_draft_tokens": stats.num_draft_tokens,
             "splitspec.speculation.num_accepted_tokens": stats.num_accepted_tokens,
-            "splitspec.speculation.mean_acceptance_length": 1.0 + stats.num_accepted_tokens / stats.num_drafts
-            if stats.num_drafts else 1.0,
+            "splitspec.speculation.mean_acceptance_length": stats.mean_acceptance_length,
             "splitspec.speculation.num_drafter_failures": stats.num_drafter_failures,
             "splitspec.speculation.drafter_wait_s": stats.drafter_wait_s}
         if seq.admitted_at is not None:
-            attributes["gen_ai.latency.time_in_queue"] = max(0.0, seq.admitted_at - arrival.at)
-        if timer.first_token is not None:
-            attributes["gen_ai.latency.time_to_first_token"] = timer.first_token - arrival.at
+            attributes["gen_ai.latency.time_in_queue"] = timer.time_in_queue(seq.admitted_at)
+        if timer.time_to_first_token is not None:
+            attributes["gen_ai.latency.time_to_first_token"] = timer.time_to_first_token
         span = self._tracer.start_span(SPAN_NAME, context=arrival.trace, kind=SpanKind.SERVER,
                                        start_time=wall_ns(arrival.at), attributes=attributes)
         if reason == "error":
