@@ -13,12 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from verifier_service.engine.detokenizer import partial_start
 from verifier_service.engine.reasoning import Phase, Reasoning
-
-
-def _held_back(text: str, marker: str) -> int:
-    """How many of the text's last characters could be the start of `marker`."""
-    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
 class ThoughtSplit:
@@ -51,7 +47,7 @@ class ThoughtSplit:
                 thought += text[:end]
                 text, self._phase = text[end + len(self._end):], Phase.ANSWER
                 break
-            keep = 0 if final else _held_back(text, self._end)
+            keep = 0 if final else partial_start(text, self._end)
             thought += text[:len(text) - keep]
             self._held = text[len(text) - keep:]
             return thought, ""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.engine.detokenizer import partial_start
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
@@ -267,7 +268,7 @@ class CallStream:
         content = ""
         if self._plan.mode == "auto" and not self._calls:
             start = self._text.find(START)
-            end = start if start >= 0 else len(self._text) - _partial_start(self._text)
+            end = start if start >= 0 else len(self._text) - partial_start(self._text, START)
             content, self._sent = self._text[self._sent:end], max(self._sent, end)
         return content, self._call_deltas()
 
@@ -329,7 +330,3 @@ class CallStream:
         later = [call.message(i) for i, call in enumerate(calls[len(self._calls):], len(self._calls))]
         return "", later, "tool_calls" if finish == "stop" else finish
 
-
-def _partial_start(text: str) -> int:
-    """How many of the text's last characters could be the start of a tool call's opening tag."""
-    return next((n for n in range(min(len(START) - 1, len(text)), 0, -1) if text.endswith(START[:n])), 0)

@@ -12,6 +12,13 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 
+def partial_start(text: str, marker: str) -> int:
+    """How many of the text's last characters could be the start of `marker` (a proper prefix of it):
+    text a stream holds back until what follows decides (the HTTP fronts' tool-call tags and reasoning
+    markers, as this module holds back a stop string's start)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
                  include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
