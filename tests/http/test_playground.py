@@ -15,13 +15,30 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier
 from thinking_model import THINKING_CHAT, thinking_model, thinking_tokenizer
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
+if TYPE_CHECKING:  # at run time Playwright is imported by the tests that run, as they do below
+    from playwright.async_api import Page
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@contextlib.asynccontextmanager
+async def browser_page(pw, **options: object) -> AsyncIterator[Page]:  # noqa: ANN001 - Playwright's own object
+    """A page of a fresh headless chromium (closed afterwards), every wait on it bounded by WAIT_S."""
+    browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"] if os.geteuid() == 0 else [])
+    try:
+        page = await browser.new_page(**options)
+        page.set_default_timeout(WAIT_S * 1000)
+        yield page
+    finally:
+        await browser.close()
 
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium (bash .ci/setup installs it)")
@@ -32,11 +49,7 @@ def test_playground_streams_highlights_and_compares(tmp_path) -> None:  # noqa: 
         async with http_verifier() as h, async_playwright() as pw:
             answer = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
             expected = answer.choices[0].text
-            browser = await pw.chromium.launch(executable_path=CHROMIUM,
-                                               args=["--no-sandbox"] if os.geteuid() == 0 else [])
-            try:
-                page = await browser.new_page(viewport={"width": 1280, "height": 820})
-                page.set_default_timeout(WAIT_S * 1000)
+            async with browser_page(pw, viewport={"width": 1280, "height": 820}) as page:
                 outside: list[str] = []
                 page.on("request", lambda r: None if r.url.startswith(h.base_url) else outside.append(r.url))
                 await page.goto(h.base_url + "/")
@@ -70,8 +83,6 @@ def test_playground_streams_highlights_and_compares(tmp_path) -> None:  # noqa: 
                 assert outside == []  # self-contained: nothing fetched from anywhere else
                 if target := os.environ.get("SPLITSPEC_SCREENSHOT"):
                     await page.screenshot(path=target, full_page=True)
-            finally:
-                await browser.close()
 
     asyncio.run(main())
 
@@ -87,11 +98,7 @@ def test_the_playground_dims_a_reasoning_models_thinking() -> None:
                                  reasoning_parser="deepseek_r1") as h, async_playwright() as pw:
             message = (await h.client.chat.completions.create(model="tiny", messages=THINKING_CHAT, max_tokens=40,
                                                               temperature=0)).choices[0].message
-            browser = await pw.chromium.launch(executable_path=CHROMIUM,
-                                               args=["--no-sandbox"] if os.geteuid() == 0 else [])
-            try:
-                page = await browser.new_page()
-                page.set_default_timeout(WAIT_S * 1000)
+            async with browser_page(pw) as page:
                 await page.goto(h.base_url + "/")
                 await page.wait_for_function("document.getElementById('model').textContent === 'model: tiny'")
                 await page.fill("#prompt", THINKING_CHAT[0]["content"])
@@ -101,8 +108,6 @@ def test_the_playground_dims_a_reasoning_models_thinking() -> None:
                 dimmed = "".join(await page.locator("#output .tok.thinking").all_text_contents())
                 plain = "".join(await page.locator("#output .tok:not(.thinking)").all_text_contents())
                 assert (dimmed, plain) == (message.reasoning + "</think>", message.content)
-            finally:
-                await browser.close()
 
     asyncio.run(main())
 
@@ -156,11 +161,7 @@ def test_web_pages_of_allowed_origins_call_the_api_from_a_browser() -> None:
                         async_playwright() as pw):
                 expected = (await anyone.client.completions.create(model="tiny", prompt="d10 add", max_tokens=5,
                                                                    temperature=0)).choices[0].text
-                browser = await pw.chromium.launch(executable_path=CHROMIUM,
-                                                   args=["--no-sandbox"] if os.geteuid() == 0 else [])
-                try:
-                    page = await browser.new_page()
-                    page.set_default_timeout(WAIT_S * 1000)
+                async with browser_page(pw) as page:
                     for origin, api, answered in ((other, anyone, True), (allowed, listed, True),
                                                   (other, listed, False)):
                         await page.goto(origin + "/")
@@ -172,7 +173,5 @@ def test_web_pages_of_allowed_origins_call_the_api_from_a_browser() -> None:
                         assert (status, json.loads(body)["choices"][0]["text"]) == ("200", expected), origin
                         status, _, body = (await page.evaluate(FETCH, [api.base_url, ""])).partition(" ")
                         assert (status, json.loads(body)["error"]["code"]) == ("401", "invalid_api_key"), origin
-                finally:
-                    await browser.close()
 
     asyncio.run(main())
