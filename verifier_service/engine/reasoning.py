@@ -22,7 +22,7 @@ sends back, say nothing about this one.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,9 +78,9 @@ class Reasoning:
             ids.append(encoded[0])
         return cls(parser, *ids, special)
 
-    def phase_after(self, prompt_ids: Iterable[int]) -> Phase:
+    def phase_after(self, prompt_ids: Sequence[int]) -> Phase:
         """Where the output of this prompt starts (module docstring)."""
-        for token in reversed(list(prompt_ids)):
+        for token in reversed(prompt_ids):  # from the end: most prompts stop at their last turn's start
             if token == self.end_id:
                 return Phase.ANSWER
             if token == self.start_id:
@@ -111,6 +111,6 @@ class Reasoning:
                 thought += 1
         return phase, answer, thought
 
-    def thought_tokens(self, prompt_ids: Iterable[int], output_ids: list[int]) -> int:
+    def thought_tokens(self, prompt_ids: Sequence[int], output_ids: list[int]) -> int:
         """How many of the output's tokens are not the answer's: thought and markers (OpenAI's reasoning_tokens)."""
         return len(output_ids) - len(self.walk(self.phase_after(prompt_ids), output_ids)[1])
