@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -31,10 +31,11 @@ from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model import step_costs, tensor_parallel
 from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, batch_rows, padded_length
+from verifier_service.model.generation_config import SamplingDefaults
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
-from verifier_service.settings import ServerSettings
+from verifier_service.settings import DEFAULT_MAX_NEW_TOKENS, ServerSettings
 from verifier_service.spec_decode.config import ConfigError
 from verifier_service.spec_decode.drafter_client import DrafterClient
 from verifier_service.spec_decode.drafters import build_drafter_client
@@ -71,6 +72,14 @@ class Runtime:
     tokenizer_fingerprint: str  # drafters reporting another one get no calls
     grammars: Grammars  # compiles requests' structured-output constraints
     reasoning: Reasoning | None = None  # --reasoning-parser's markers in this model's vocabulary
+    # What a request's left-out sampling fields take (the model's generation config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def default_max_new_tokens(self) -> int:
+        """A request's max_new_tokens when it sets none: the flag's, else the generation config's, else 256."""
+        return (self.settings.default_max_new_tokens or self.sampling_defaults.max_new_tokens
+                or DEFAULT_MAX_NEW_TOKENS)
 
     @property
     def drafter(self) -> DrafterClient | None:
@@ -307,7 +316,8 @@ def batched_tokens(costs: step_costs.CostCurve, limit: int) -> int:
 async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: ServerSettings,
                         model_name: str, metrics: VerifierMetrics | None = None,
                         leader: tensor_parallel.Leader | None = None,
-                        model_thread: ModelThread | None = None) -> Runtime:
+                        model_thread: ModelThread | None = None,
+                        sampling_defaults: SamplingDefaults | None = None) -> Runtime:
     """Must run inside the event loop that will drive the engine. With a sharded model,
     `leader` is rank 0's side of the group: the runner tells it every forward."""
     reasoning = reasoning_of(settings, tokenizer)
@@ -362,5 +372,12 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = tokenizer.eos_token_id if eos is None else eos
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint,
-                   Grammars(tokenizer, runner.vocab_size, eos_ids), reasoning)
+    rt = Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint,
+                 Grammars(tokenizer, runner.vocab_size, eos_ids), reasoning, sampling_defaults or SamplingDefaults())
+    if rt.sampling_defaults.sampling:
+        log.info("sampling defaults of requests that leave them out: %s (from %s; --generation-config vllm: none)",
+                 rt.sampling_defaults.describe(), rt.sampling_defaults.origin)
+    else:
+        log.info("sampling defaults: none, a request without a temperature is greedy (--generation-config)")
+    log.info("default max_new_tokens: %d", rt.default_max_new_tokens)
+    return rt

@@ -9,10 +9,13 @@ message is never changed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from drafter_sdk.proto import speculative_pb2
 from verifier_service.engine.reasoning import PARSERS as REASONING_PARSERS
+from verifier_service.model import generation_config
 from verifier_service.spec_decode.config import ConfigError, validate
 
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
@@ -20,6 +23,8 @@ EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 TOOL_CALL_PARSERS = ("hermes",)
 # vLLM's --scheduling-policy: first come first served, or by each request's priority (with preemption).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# A request's max_new_tokens where neither it, --default-max-new-tokens nor the model's generation config sets one.
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,18 @@ class ServerSettings:
     # step vLLM captures by default.
     cuda_graph_max_tokens: int = 512
     chat_template: str | None = None  # Jinja that renders chats in place of the model's template; None: the model's
+    # The sampling a request's left-out fields take (model/generation_config.py): "auto", the model's
+    # generation_config.json; "vllm", none; else a folder holding one. Overrides set keys on top of it.
+    generation_config: str = generation_config.AUTO
+    override_generation_config: Mapping[str, Any] = field(default_factory=dict)
     # --- capacity
     max_model_len: int = 2048  # longest prompt + generation
     max_num_seqs: int = 16
     max_queue_len: int = 64
     kv_cache_memory_gb: float = 4.0  # per rank: each holds its shard of the KV heads
-    default_max_new_tokens: int = 256
+    # A request's max_new_tokens when it sets none. None: the model's generation config's (below), else
+    # DEFAULT_MAX_NEW_TOKENS.
+    default_max_new_tokens: int | None = None
     # Tokens one step's forward carries (decode and verify rows first, then prompt chunks).
     # None: the most a step can carry at PREFILL_STEP_COST times a one-token step's measured cost,
     # a late prompt token counting for more by its measured attention (builder.calibrate).
@@ -93,8 +104,16 @@ class ServerSettings:
         positive = ("max_model_len", "max_num_seqs", "default_max_new_tokens", "max_message_bytes",
                     "max_concurrent_rpcs", "tensor_parallel_size")
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, not {value}")
+        try:
+            generation_config.check_overrides(self.override_generation_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.default_max_new_tokens is not None and "max_new_tokens" in self.override_generation_config:
+            raise ConfigError("default_max_new_tokens and override_generation_config's max_new_tokens both set "
+                              "the default: give one")
         for name in ("port", "http_port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:

@@ -310,7 +310,7 @@ class DrafterHealth(_message.Message):
     def __init__(self, state: _Optional[_Union[DrafterState, str]] = ..., target: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., disabled_reason: _Optional[str] = ..., draft_stream: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint", "scheduling_policy", "reasoning_parser")
+    __slots__ = ("model", "tokenizer", "vocab_size", "max_model_len", "max_num_seqs", "max_queue_len", "default_max_new_tokens", "speculative_config", "drafter", "verifier_id", "version", "device", "dtype", "tensor_parallel_size", "tokenizer_fingerprint", "scheduling_policy", "reasoning_parser", "default_sampling")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class GetServerInfoResponse(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -345,7 +346,8 @@ class GetServerInfoResponse(_message.Message):
     tokenizer_fingerprint: str
     scheduling_policy: str
     reasoning_parser: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., reasoning_parser: _Optional[str] = ...) -> None: ...
+    default_sampling: SamplingParams
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., speculative_config: _Optional[_Union[_speculative_pb2.SpeculativeConfig, _Mapping]] = ..., drafter: _Optional[_Union[DrafterHealth, _Mapping]] = ..., verifier_id: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "chat", "return_token_strs")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -153,3 +154,32 @@ def test_json_logs_stay_json_when_the_drafter_restarts(model_dir: Path, tmp_path
     assert lines and all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")]
     records = [json.loads(line) for line in lines]
     assert any(r["message"].startswith("serving tiny-model") for r in records), records
+
+
+def test_the_models_generation_config_sets_what_requests_leave_out(model_dir: Path, tmp_path: Path) -> None:
+    """--generation-config auto (the default) reads the --model folder's generation_config.json; one a request
+    could not send is refused at start-up, before the weights load, naming the file."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "max_new_tokens": 5}))
+    http_port_file = tmp_path / "http.port"
+    verifier = LocalService([script("splitspec-verifier"), "--model", str(model), "--max-model-len", "256",
+                             "--kv-cache-memory-gb", "0.1", "--host", "127.0.0.1", "--http-port", "0",
+                             "--http-port-file", str(http_port_file)], name="verifier", env=ENV,
+                            startup_timeout_s=WAIT_S)
+    with verifier, httpx.Client(base_url=f"http://127.0.0.1:{int(http_port_file.read_text())}", timeout=WAIT_S) as http:
+        r = http.post("/v1/completions", json={"prompt": "def", "temperature": 1.0, "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 5  # the file's max_new_tokens
+        # top_k 1 from the file: sampling at temperature 1 picks the most likely token, as greedy decoding does.
+        greedy = http.post("/v1/completions", json={"prompt": "def", "temperature": 0, "ignore_eos": True}).json()
+        assert r["choices"][0]["text"] == greedy["choices"][0]["text"]
+        log = verifier.current_log.read_text()
+    assert f"sampling defaults of requests that leave them out: top_k=1 (from {model / 'generation_config.json'}" in log
+    assert "default max_new_tokens: 5" in log
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    refused = subprocess.run([script("splitspec-verifier"), "--model", str(model), "--http-port", "off"],
+                             env={**os.environ, **ENV}, capture_output=True, text=True, timeout=WAIT_S)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"{model / 'generation_config.json'}: temperature must be within [0, 100]" in refused.stderr
+    assert "serving" not in refused.stderr

@@ -30,6 +30,7 @@ print(code, ",".join(heavy) or "-")
     ("verifier_service.api.cli", ["--help"], 0),
     ("verifier_service.api.cli", ["--max-draft-len", "x"], 2),  # argparse's error
     ("verifier_service.api.cli", ["--speculative-mode", "ngram", "--drafter-target", "h:1"], 2),  # settings' error
+    ("verifier_service.api.cli", ["--override-generation-config", '{"top_k": 0.5}'], 2),  # the sampling defaults'
 ])
 def test_no_torch_for_help_bad_flags_and_light_commands(module: str, argv: list[str], code: int) -> None:
     done = subprocess.run([sys.executable, "-c", CHECK.format(module=module, argv=argv)], capture_output=True,

@@ -30,8 +30,7 @@ def test_each_flag_sets_the_field_it_names() -> None:
                  "--truncate-prompt-tokens", "-1", "--max-draft-len", "2", "--temperature", "0.5", "--seed", "3")
     expected = pb.GenerationParams(
         prompt=PROMPT,
-        sampling=pb.SamplingParams(temperature=0.5, top_p=1.0, repetition_penalty=1.0, seed=3,
-                                   bad_words=["lazy dog", "quick"]),
+        sampling=pb.SamplingParams(temperature=0.5, seed=3, bad_words=["lazy dog", "quick"]),
         stopping=pb.StoppingCriteria(max_new_tokens=12, min_new_tokens=2, stop=["fox"], stop_token_ids=[7, 9],
                                      ignore_eos=True),
         speculation=pb.SpeculationOverrides(max_draft_len=2),
@@ -41,6 +40,10 @@ def test_each_flag_sets_the_field_it_names() -> None:
     plain = cli.build_params(parse("--raw"))
     assert not plain.HasField("truncate_prompt_tokens") and not plain.speculation.HasField("max_draft_len")
     assert not plain.sampling.bad_words and not plain.stopping.stop_token_ids and not plain.stopping.ignore_eos
+    # The model's generation config (or greedy) and the server's default length apply.
+    assert not any(plain.sampling.HasField(name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                              "repetition_penalty"))
+    assert not plain.stopping.HasField("max_new_tokens")
 
 
 @pytest.mark.parametrize(("flag", "value", "words"), [

@@ -16,8 +16,9 @@ from drafter_sdk.errors import ListenError
 from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
-from verifier_service.model import host_memory
+from verifier_service.model import generation_config, host_memory
 from verifier_service.settings import (
+    DEFAULT_MAX_NEW_TOKENS,
     DEFAULTS,
     EMBEDDED_MODEL,
     REASONING_PARSERS,
@@ -44,7 +45,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_queue_len", "kv_cache_memory_gb", "default_max_new_tokens",
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
-                 "reasoning_parser", "otlp_traces_endpoint",
+                 "reasoning_parser", "otlp_traces_endpoint", "generation_config",
                  "responses_store_mb", "max_draft_nodes")
 
 
@@ -111,6 +112,13 @@ def parser() -> argparse.ArgumentParser:
              type=int, metavar="N")
     m.add_argument("--enforce-eager", dest="cuda_graph_max_tokens", action="store_const", const=0,
                    default=argparse.SUPPRESS, help="CUDA: no CUDA graphs (vLLM's flag; --cuda-graph-max-tokens 0)")
+    _setting(m, "generation_config", "the sampling a request's left-out fields take (temperature, top_p, top_k, "
+                                     "min_p, repetition_penalty, and max_new_tokens): auto, the model's "
+                                     "generation_config.json, as vLLM; vllm, none (greedy); or a folder holding one",
+             metavar="auto|vllm|FOLDER")
+    m.add_argument("--override-generation-config", metavar="JSON",
+                   help="sampling defaults set on top of --generation-config, as a JSON object, e.g. "
+                        "'{\"temperature\": 0.6, \"top_p\": 0.95}' (vLLM's flag)")
     m.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="render chats with this Jinja chat template instead of the model's: a file, or the "
                         "template itself (vLLM's flag); checked at start-up")
@@ -136,7 +144,9 @@ def parser() -> argparse.ArgumentParser:
              choices=SCHEDULING_POLICIES)
     _setting(c, "max_queue_len", "waiting requests before RESOURCE_EXHAUSTED", type=int)
     _setting(c, "kv_cache_memory_gb", "KV cache budget per rank; bounds running sequences", type=float)
-    _setting(c, "default_max_new_tokens", "when a request sets none", type=int)
+    c.add_argument("--default-max-new-tokens", dest="default_max_new_tokens", type=int, default=argparse.SUPPRESS,
+                   help="a request's max_new_tokens when it sets none (default: the model's generation config's "
+                        f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
     _setting(c, "max_message_bytes", "largest request or response; larger ones fail with RESOURCE_EXHAUSTED",
              type=int)
     _setting(c, "max_concurrent_rpcs", "calls served at once, health included; more are refused with "
@@ -171,6 +181,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             given[name] = tuple(given[name])
     if args.chat_template is not None:
         given["chat_template"] = _chat_template(args.chat_template)
+    if args.override_generation_config is not None:
+        try:
+            given["override_generation_config"] = generation_config.parse_overrides(args.override_generation_config)
+        except ValueError as exc:
+            raise config.ConfigError(str(exc)) from None
     return ServerSettings(speculative=config.from_args(args), auth_token=token, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
 
@@ -189,8 +204,10 @@ def _chat_template(value: str) -> str:
 def check_start(settings: ServerSettings, rank: Ranks) -> None:
     """Before any server listens, any weight loads or any other rank starts, from the model's config
     alone: the model is there, torch has the device and the dtype, the KV budget holds one sequence,
-    and the model splits that many ways. Raises ModelLoadError, ConfigError or ShardingError."""
+    the model splits that many ways, and its sampling defaults hold. Raises ModelLoadError, ConfigError
+    or ShardingError."""
     from verifier_service import builder
+    from verifier_service.api import request_parsing
     from verifier_service.model import loader, ranks
 
     source = loader.resolve_source(settings.model)
@@ -200,6 +217,7 @@ def check_start(settings: ServerSettings, rank: Ranks) -> None:
     ranks.check_split(model_config, settings.tensor_parallel_size, source.name, device)
     builder.kv_cache_shape(model_config, loader.pick_dtype(settings.dtype, device), settings,
                            builder.model_len(model_config, settings))
+    request_parsing.sampling_defaults(settings, source.path)
 
 
 def main(argv: list[str] | None = None) -> int:

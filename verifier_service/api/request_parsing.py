@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -20,6 +20,9 @@ from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.sequence import StoppingParams
 from verifier_service.engine.structured_output import Constraint
+from verifier_service.model import generation_config
+from verifier_service.settings import ServerSettings
+from verifier_service.spec_decode.config import ConfigError
 from verifier_service.spec_decode.policy import SpeculationParams
 
 MAX_TEMPERATURE = 100.0
@@ -64,13 +67,16 @@ class Limits:
     max_prompt_chars: int = 0
     by_priority: bool = False  # --scheduling-policy priority: GenerationParams.priority is served
     reasoning: Reasoning | None = None  # --reasoning-parser's markers: GenerationParams.thinking_token_budget is served
+    # SamplingParams fields a request leaves unset take these (the model's generation config).
+    default_sampling: Mapping[str, float | int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rt: Runtime) -> "Limits":
         return cls(vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
-                   default_max_new_tokens=rt.settings.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
+                   default_max_new_tokens=rt.default_max_new_tokens, eos_token_ids=rt.eos_token_ids,
                    max_prompt_chars=max_prompt_chars(rt.tokenizer, rt.max_model_len),
-                   by_priority=rt.settings.by_priority, reasoning=rt.reasoning)
+                   by_priority=rt.settings.by_priority, reasoning=rt.reasoning,
+                   default_sampling=rt.sampling_defaults.sampling)
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
                        "markers); this one reads no thinking")
     prompt_ids = input_ids(request, tokenizer, limits, keep_last=_kept_prompt_tokens(request, limits))
     logprobs, prompt_logprobs = (_logprobs(request, name) for name in ("logprobs", "prompt_logprobs"))
-    return ParsedRequest(prompt_ids, _sampling(request.sampling, logprobs, limits.vocab_size, tokenizer),
+    sampling = _with_defaults(request.sampling, limits.default_sampling)
+    return ParsedRequest(prompt_ids, _sampling(sampling, logprobs, limits.vocab_size, tokenizer),
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
                          prompt_logprobs, _constraint(request),
                          not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority,
@@ -329,26 +336,54 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: int,
-              tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
-    temperature = _finite("temperature", s.temperature)
-    if not 0.0 <= temperature <= MAX_TEMPERATURE:
-        raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {temperature:g}")
-    top_p = _finite("top_p", s.top_p)
-    if not 0.0 <= top_p <= 1.0:
-        raise _invalid(f"top_p must be within (0, 1] (0 = unset), not {top_p:g}")
+def sampling_defaults(settings: ServerSettings, model_path: str | None) -> generation_config.SamplingDefaults:
+    """What requests' unset sampling fields take (`model_path`: the model's folder or hub id, None: no
+    file), checked as a request's own values are: ConfigError naming where a bad one comes from."""
+    defaults = generation_config.read(settings.generation_config, model_path, settings.override_generation_config)
+    try:
+        _check_sampling(verifier_pb2.SamplingParams(**defaults.sampling))
+    except RequestError as exc:
+        raise ConfigError(f"{defaults.origin}: {exc.message}") from None
+    if defaults.max_new_tokens is not None and defaults.max_new_tokens < 1:
+        raise ConfigError(f"{defaults.origin}: max_new_tokens must be at least 1, not {defaults.max_new_tokens}")
+    return defaults
+
+
+def _with_defaults(s: verifier_pb2.SamplingParams,
+                   defaults: Mapping[str, float | int]) -> verifier_pb2.SamplingParams:
+    """`s` with each field it leaves unset that `defaults` sets taken from there."""
+    missing = [name for name in defaults if not s.HasField(name)]
+    if not missing:
+        return s
+    merged = verifier_pb2.SamplingParams()
+    merged.CopyFrom(s)
+    for name in missing:
+        setattr(merged, name, defaults[name])
+    return merged
+
+
+def _check_sampling(s: verifier_pb2.SamplingParams) -> None:
+    """The numeric fields' ranges."""
+    if not 0.0 <= _finite("temperature", s.temperature) <= MAX_TEMPERATURE:
+        raise _invalid(f"temperature must be within [0, {MAX_TEMPERATURE:g}] (0 = greedy), not {s.temperature:g}")
+    if not 0.0 <= _finite("top_p", s.top_p) <= 1.0:
+        raise _invalid(f"top_p must be within (0, 1] (0 = unset), not {s.top_p:g}")
     if s.top_k < 0:
         raise _invalid(f"top_k must be >= 0 (0 = off), not {s.top_k}")
     if not 0.0 <= _finite("min_p", s.min_p) <= 1.0:
         raise _invalid(f"min_p must be within [0, 1] (0 = off), not {s.min_p:g}")
-    if temperature < MIN_SAMPLING_TEMPERATURE:
-        temperature = 0.0
     for name in ("frequency_penalty", "presence_penalty"):
         if not -MAX_PENALTY <= _finite(name, getattr(s, name)) <= MAX_PENALTY:
             raise _invalid(f"{name} must be within [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = none), "
                            f"not {getattr(s, name):g}")
     if _finite("repetition_penalty", s.repetition_penalty) < 0:
         raise _invalid(f"repetition_penalty must be > 0 (0 or 1 = none), not {s.repetition_penalty:g}")
+
+
+def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: int,
+              tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
+    _check_sampling(s)
+    temperature = s.temperature if s.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
     for token, bias in s.logit_bias.items():
         if not 0 <= token < vocab_size:
             raise _invalid(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})")
@@ -358,7 +393,7 @@ def _sampling(s: verifier_pb2.SamplingParams, logprobs: int | None, vocab_size: 
     outside = next((t for t in s.allowed_token_ids if not 0 <= t < vocab_size), None)
     if outside is not None:
         raise _invalid(f"allowed_token_ids: token id {outside} is outside the vocabulary [0, {vocab_size})")
-    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
+    return SamplingParams(temperature=temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                           seed=s.seed if s.HasField("seed") else None, logprobs=logprobs,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                           repetition_penalty=s.repetition_penalty or 1.0,

@@ -30,6 +30,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.lifecycle import GrpcService, stop_on_signals, write_port_file
 from drafter_sdk.service.security import server_credentials as tls_server_credentials
 from verifier_service import builder
+from verifier_service.api import request_parsing
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_server import HttpServer
 from verifier_service.api.servicer import VerifierServicer
@@ -136,9 +137,12 @@ async def start_server(settings: ServerSettings,
 
 async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        model_name: str, leader: tensor_parallel.Leader | None = None,
-                       model_thread: ModelThread | None = None) -> Runtime:
-    """Wire a loaded model into the running server and report SERVING."""
-    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader, model_thread)
+                       model_thread: ModelThread | None = None, model_path: str | None = None) -> Runtime:
+    """Wire a loaded model into the running server and report SERVING. `model_path`: the folder or hub id
+    it came from, whose generation_config.json sets requests' sampling defaults (None: no file)."""
+    defaults = request_parsing.sampling_defaults(running.settings, model_path)
+    rt = await build_runtime(model, tokenizer, running.settings, model_name, running.metrics, leader, model_thread,
+                             defaults)
     rt.engine.start()
     running.generations.attach(rt)
     await running.service.set_serving(True)
@@ -191,7 +195,7 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
             attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader,
-                                                           model_thread))
+                                                           model_thread, source.path))
             if await _until(attaching, stop, failed):
                 attaching.result()
                 await _until(None, stop, failed)

@@ -20,20 +20,20 @@ from drafter_sdk.service.security import (
     channel_credentials,
     read_token,
 )
+from verifier_service.model.generation_config import SAMPLING_KEYS
 
 
 def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
+    # Sampling flags left out stay unset: the server's defaults (the model's generation config) apply.
+    sampling = {name: getattr(args, name) for name in SAMPLING_KEYS if getattr(args, name) is not None}
     params = verifier_pb2.GenerationParams(
-        sampling=verifier_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                             min_p=args.min_p,
-                                             frequency_penalty=args.frequency_penalty,
-                                             presence_penalty=args.presence_penalty,
-                                             repetition_penalty=args.repetition_penalty,
-                                             bad_words=args.bad_word or []),
-        stopping=verifier_pb2.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop=args.stop or [],
-                                               stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos,
-                                               min_new_tokens=args.min_new_tokens),
+        sampling=verifier_pb2.SamplingParams(**sampling, frequency_penalty=args.frequency_penalty,
+                                             presence_penalty=args.presence_penalty, bad_words=args.bad_word or []),
+        stopping=verifier_pb2.StoppingCriteria(stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
+                                               ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens),
         speculation=verifier_pb2.SpeculationOverrides(disable=args.no_speculation))
+    if args.max_new_tokens is not None:
+        params.stopping.max_new_tokens = args.max_new_tokens
     if args.seed is not None:
         params.sampling.seed = args.seed
     if args.max_draft_len is not None:
@@ -150,17 +150,19 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON",
                    help="more variables for the model's chat template, as a JSON object (vLLM's "
                         "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--max-new-tokens", type=uint32, default=256)
+    p.add_argument("--max-new-tokens", type=uint32, help="default: the server's (GetServerInfo)")
     p.add_argument("--min-new-tokens", type=uint32, default=0,
                    help="no end (EOS, stop token or string) before them")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int32, default=0)
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--temperature", type=float, help="0 = greedy; left out, the server's default: the model's "
+                                                      "generation config's, else greedy (as --top-p, --top-k, "
+                                                      "--min-p and --repetition-penalty)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int32)
+    p.add_argument("--min-p", type=float, help="0 = off")
     p.add_argument("--seed", type=whole_number(0, 2**64 - 1))
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = none")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0; 1 = none")
+    p.add_argument("--repetition-penalty", type=float, help="vLLM's, > 0; 1 = none")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=whole_number(0, 2**31 - 1), action="append", metavar="ID",
                    help="stop token id (repeatable)")

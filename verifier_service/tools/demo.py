@@ -44,6 +44,7 @@ def _generate(stub: verifier_pb2_grpc.VerifierServiceStub, prompt: str, max_new_
     request = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
         chat=verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(role="user", content=prompt)]),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
+        sampling=verifier_pb2.SamplingParams(temperature=0.0),  # greedy, whatever the model's defaults
         speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)))
     started = time.perf_counter()
     reply = stub.Generate(request, timeout=600)

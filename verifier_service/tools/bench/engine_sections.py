@@ -472,7 +472,7 @@ class Client:
         end-of-sequence token is ignored (every request runs its length) unless a structured output,
         whose end it is, is asked for."""
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
-            token_ids=verifier_pb2.TokenIds(ids=ids),
+            token_ids=verifier_pb2.TokenIds(ids=ids), sampling=verifier_pb2.SamplingParams(temperature=0.0),
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=structured is None),
             speculation=verifier_pb2.SpeculationOverrides(disable=not speculate), structured_output=structured,
             priority=priority))

@@ -49,12 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _params(ids: list[int], max_new_tokens: int) -> verifier_pb2.GenerationParams:
     return verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids),
+                                         sampling=verifier_pb2.SamplingParams(temperature=0.0),
                                          stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens,
                                                                                 ignore_eos=True))
 
 
 def _body(ids: list[int], max_new_tokens: int, stream: bool) -> dict[str, object]:
-    return {"prompt": ids, "max_tokens": max_new_tokens, "ignore_eos": True, "stream": stream}
+    return {"prompt": ids, "max_tokens": max_new_tokens, "ignore_eos": True, "stream": stream, "temperature": 0}
 
 
 def main(args: argparse.Namespace) -> int:

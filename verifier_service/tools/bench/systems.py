@@ -33,6 +33,7 @@ class VerifierSystem:
     def run(self, prompt: Prompt, max_new_tokens: int) -> Run:
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=prompt.token_ids),
+            sampling=verifier_pb2.SamplingParams(temperature=0.0),  # greedy, whatever the model's defaults
             stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens),
             speculation=verifier_pb2.SpeculationOverrides(disable=not self.speculate)))
         tokens: list[int] = []

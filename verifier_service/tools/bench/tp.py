@@ -166,7 +166,7 @@ def _measure(sizes: list[int], stubs: list[verifier_pb2_grpc.VerifierServiceStub
 def _generate(stub: verifier_pb2_grpc.VerifierServiceStub, ids: list[int], max_new_tokens: int,
               speculate: bool) -> Run:
     params = verifier_pb2.GenerationParams(
-        token_ids=verifier_pb2.TokenIds(ids=ids),
+        token_ids=verifier_pb2.TokenIds(ids=ids), sampling=verifier_pb2.SamplingParams(temperature=0.0),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
         speculation=verifier_pb2.SpeculationOverrides(disable=not speculate))
     started = time.perf_counter()
