@@ -11,15 +11,12 @@ file, `--generation-config vllm` reads none, and a folder reads that folder's fi
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from drafter_sdk.errors import ModelLoadError
-
-log = logging.getLogger(__name__)
 
 FILE = "generation_config.json"
 # --generation-config: the model's own file, or none (vLLM's names); anything else is a folder.
@@ -35,7 +32,7 @@ class SamplingDefaults:
     # SamplingParams fields (verifier.proto) a request leaves out take these; a field absent here
     # keeps its own default (temperature 0: greedy).
     sampling: Mapping[str, float | int] = field(default_factory=dict)
-    max_new_tokens: int | None = None  # None: --default-max-new-tokens decides
+    max_new_tokens: int | None = None  # a request's length when it sets none; None: not set here
     origin: str = ""  # where they were read, for messages: "<path>", "--override-generation-config"
 
     def describe(self) -> str:
