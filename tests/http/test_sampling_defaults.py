@@ -76,6 +76,7 @@ def test_left_out_fields_take_the_models_recommendation_on_every_front(config_di
             b = await c.responses.create(model="tiny", input=PROMPT, temperature=0.9, max_output_tokens=6,
                                          extra_body={"seed": 5, "top_k": 8})
             assert a.output_text == b.output_text and a.usage.output_tokens == 6
+            assert (a.temperature, a.top_p) == (b.temperature, b.top_p) == (0.9, 1.0)  # what was applied
             claude = anthropic.AsyncAnthropic(base_url=h.base_url, api_key="unused", max_retries=0, timeout=WAIT_S)
             try:
                 a = await claude.messages.create(model="tiny", messages=CHAT, max_tokens=6, extra_body={"seed": 5})

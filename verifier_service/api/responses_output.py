@@ -40,6 +40,11 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _applied(value: float) -> float:
+    """A sampling value as the request (or the model's defaults) wrote it: it went through a float32."""
+    return float(f"{value:.7g}")
+
+
 @dataclass
 class ResponseBuilder:
     """One response (of `seq`): its body, whole (`whole`) or as events (`opening`, `feed` per output,
@@ -88,7 +93,8 @@ class ResponseBuilder:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "model": self.model, "output": [dict(item) for item in self.output],
             "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": r.previous_response_id,
-            "reasoning": None, "store": self.stored, "temperature": r.temperature, "top_p": r.top_p,
+            "reasoning": None, "store": self.stored, "temperature": _applied(self.seq.sampling.temperature),
+            "top_p": _applied(self.seq.sampling.top_p),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "top_logprobs": r.top_logprobs, "truncation": r.truncation, "user": r.user, "usage": None}
