@@ -3,7 +3,8 @@
 Each request is one `llm_request` span (SERVER), as vLLM records it: from its arrival to its end, under
 the trace its caller named (a W3C `traceparent` header over HTTP, gRPC metadata of the same name), so a
 request shows up inside the trace of whatever called the verifier. Its attributes are vLLM's GenAI ones
-(ids, sampling, token counts, queue time, time to first token, end-to-end latency) and what only a
+(ids: `gen_ai.request.id` is the id the caller knows, its X-Request-Id, and `splitspec.sequence_id` the
+one drafters see; sampling, token counts, queue time, time to first token, end-to-end latency) and what only a
 speculating server knows: drafts, draft tokens, accepted tokens, acceptance length, drafter failures,
 prompt tokens the prefix cache supplied. Metadata only, as in vLLM: no prompt or generated text.
 
@@ -15,6 +16,7 @@ EXPORT_TIMEOUT_S. A plain `http://` endpoint is spoken to without TLS, `https://
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -36,16 +38,20 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 @dataclass(frozen=True)
 class Arrival:
-    """When a request arrived (perf_counter) and the trace its caller named, if any."""
+    """When a request arrived (perf_counter), the trace its caller named, if any, and the id it goes by."""
 
     at: float = field(default_factory=time.perf_counter)
     trace: Context | None = None
+    # The caller's (GenerationParams.request_id, else an x-request-id header or metadata), else a fresh one.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
-    def now(cls, headers: Iterable[tuple[str, str]] = ()) -> Arrival:
-        """`headers`: the request's HTTP headers or gRPC metadata, read for `traceparent` and `tracestate`."""
-        carrier = {k.lower(): v for k, v in headers if k.lower() in ("traceparent", "tracestate")}
-        return cls(trace=_PROPAGATOR.extract(carrier) if "traceparent" in carrier else None)
+    def now(cls, headers: Iterable[tuple[str, str]] = (), request_id: str = "") -> Arrival:
+        """`headers`: the request's HTTP headers or gRPC metadata, read for `traceparent`, `tracestate` and
+        `x-request-id`; `request_id`: an id the request's body gives, which comes first."""
+        carrier = {k.lower(): v for k, v in headers if k.lower() in ("traceparent", "tracestate", "x-request-id")}
+        trace = _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
+        return cls(trace=trace, request_id=request_id or carrier.get("x-request-id") or uuid.uuid4().hex)
 
 
 class RequestTracer:
@@ -66,7 +72,8 @@ class RequestTracer:
 
         sampling, stats = seq.sampling, seq.stats
         attributes: dict[str, str | int | float | bool] = {
-            "gen_ai.request.id": seq.request_id, "gen_ai.response.model": model_name,
+            "gen_ai.request.id": arrival.request_id, "splitspec.sequence_id": seq.request_id,
+            "gen_ai.response.model": model_name,
             "gen_ai.request.max_tokens": seq.stopping.max_new_tokens,
             "gen_ai.request.temperature": sampling.temperature,
             "gen_ai.request.top_p": sampling.top_p, "gen_ai.usage.prompt_tokens": len(seq.prompt_ids),

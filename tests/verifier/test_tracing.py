@@ -62,10 +62,11 @@ def test_each_request_is_a_span_under_its_callers_trace_with_what_its_answer_rep
             async with run_verifier(spec_config("NGRAM", 4), model=shared_model(),
                                     otlp_traces_endpoint=f"http://127.0.0.1:{port}") as v:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=60) as http:
-                    answer = (await http.post("/v1/completions", headers={"traceparent": TRACEPARENT},
+                    answer = (await http.post("/v1/completions",
+                                              headers={"traceparent": TRACEPARENT, "X-Request-Id": "gateway-7"},
                                               json={"prompt": prompt, "max_tokens": 24})).json()
-                over_grpc = (await v.stub.Generate(token_request(prompt, 16), metadata=(("traceparent", TRACEPARENT),),
-                                                   timeout=60)).output
+                over_grpc = (await v.stub.Generate(token_request(prompt, 16, request_id="client-3"),
+                                                   metadata=(("traceparent", TRACEPARENT),), timeout=60)).output
                 untraced = (await v.stub.Generate(token_request(prompt, 8), timeout=60)).output
                 stream = v.stub.GenerateStream(token_request(prompt, 200))
                 await anext(aiter(stream))  # one output, then the client goes
@@ -81,7 +82,12 @@ def test_each_request_is_a_span_under_its_callers_trace_with_what_its_answer_rep
             for span in (http_span, grpc_span):  # the caller's trace, under the caller's span
                 assert (span.trace_id.hex(), span.parent_span_id.hex()) == (TRACE_ID, PARENT_ID)
             assert root.trace_id.hex() != TRACE_ID and not root.parent_span_id  # a trace of its own
-            a = attributes(http_span)
+            a, g = attributes(http_span), attributes(grpc_span)
+            # Named as their callers know them; the id drafters see is another (each sequence's own).
+            assert (a["gen_ai.request.id"], answer["id"], g["gen_ai.request.id"]) == ("gateway-7", "cmpl-gateway-7",
+                                                                                      "client-3")
+            assert len({a["splitspec.sequence_id"], g["splitspec.sequence_id"], "gateway-7", "client-3"}) == 4
+            assert attributes(root)["gen_ai.request.id"] == untraced.request_id  # the server's, echoed
             assert a["gen_ai.usage.prompt_tokens"] == answer["usage"]["prompt_tokens"]
             assert a["splitspec.finish_reason"] == "length" and a["gen_ai.request.max_tokens"] == 24
             spec = answer["speculation"]
@@ -93,7 +99,6 @@ def test_each_request_is_a_span_under_its_callers_trace_with_what_its_answer_rep
                 <= a["gen_ai.latency.e2e"]
             assert abs((http_span.end_time_unix_nano - http_span.start_time_unix_nano) / 1e9
                        - a["gen_ai.latency.e2e"]) < 0.01
-            g = attributes(grpc_span)
             assert g["gen_ai.usage.prompt_tokens"] == over_grpc.prompt_tokens
             assert g["splitspec.speculation.num_accepted_tokens"] == over_grpc.stats.num_accepted_tokens
             assert attributes(root)["gen_ai.usage.completion_tokens"] == len(untraced.token_ids)

@@ -4,7 +4,7 @@ Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed a
 Events with `stream: true`), GET and DELETE /v1/responses/{id} and GET .../input_items (the stored
 responses), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors in
 its shape and its x-api-key header taken for the token), POST /tokenize and /detokenize (vLLM's),
-GET /v1/models, /health, /metrics, and / (the playground).
+GET /v1/models, /health, /metrics, and / (the playground). Every request has an id (request_ids.py).
 Bodies are read and checked (http_requests.py), not by FastAPI's own validation, so every mistake
 is an OpenAI error object (Anthropic's on its routes) with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
@@ -47,6 +47,7 @@ from verifier_service.api.http_schema import (
     GenerationBody,
     TokenizeRequest,
 )
+from verifier_service.api.request_ids import RequestIds
 from verifier_service.engine.sequence import Sequence
 from verifier_service.tracing import Arrival
 
@@ -59,7 +60,8 @@ def build_app(state: HttpState) -> FastAPI:
         # A browser asks first (a preflight) before it sends a JSON body or an Authorization header from
         # another origin; the token is still checked on the request itself.
         app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIds)
 
     @app.exception_handler(HttpError)
     async def http_error(_: Request, exc: HttpError) -> JSONResponse:
@@ -183,7 +185,8 @@ async def _generate(state: HttpState, request: Request, schema: type[GenerationB
     responder = Responder(chat, body.model or names[0], rt.tokenizer, body.n, body.include_usage,
                           body.continuous_usage, body.echoes_prompt, body.prompt_only,
                           body.prompt_logprobs is not None, tools, body.return_tokens_as_token_ids,
-                          body.echoed_message, rt.reasoning if chat else None, body.shows_reasoning)
+                          body.echoed_message, rt.reasoning if chat else None, body.shows_reasoning,
+                          id=arrival.request_id)
     if body.stream:
         return StreamingResponse(_stream(state, seqs, responder, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -15,7 +15,7 @@ import grpc
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.api.generation import LOADING, GenerationFailed, Generations, Unavailable
 from verifier_service.api.reasoning_split import ThoughtSplit
-from verifier_service.api.request_parsing import RequestError
+from verifier_service.api.request_parsing import MAX_REQUEST_ID_CHARS, RequestError
 from verifier_service.builder import Runtime
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.scheduler import QueueFullError
@@ -67,7 +67,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def Generate(self, request: verifier_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> verifier_pb2.GenerateResponse:
-        arrival = Arrival.now(context.invocation_metadata() or ())
+        arrival = await _arrival(request.params, context)
         seq = await self._start(request.params, context)
         text: list[str] = []
         async for out in self._outputs(seq, context, arrival):
@@ -75,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         thoughts = self._thoughts(request.params, seq)
         thought, answer = ("", "".join(text)) if thoughts is None else thoughts.feed("".join(text), final=True)
         return verifier_pb2.GenerateResponse(output=verifier_pb2.GenerationOutput(
-            request_id=request.params.request_id or seq.request_id, text=answer, reasoning_text=thought,
+            request_id=arrival.request_id, text=answer, reasoning_text=thought,
             token_ids=seq.output_ids, finish_reason=FINISH[seq.finish_reason], stop_reason=seq.stop_reason,
             prompt_tokens=len(seq.prompt_ids), stats=stats_message(seq),
             logprobs=logprob_messages(seq.output_logprobs), drafted=seq.output_drafted,
@@ -83,14 +83,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     async def GenerateStream(self, request: verifier_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateStreamResponse]:
-        arrival = Arrival.now(context.invocation_metadata() or ())
+        arrival = await _arrival(request.params, context)
         seq = await self._start(request.params, context)
-        request_id = request.params.request_id or seq.request_id
         thoughts = self._thoughts(request.params, seq)
         async for out in self._outputs(seq, context, arrival):
             thought, answer = ("", out.text) if thoughts is None else thoughts.feed(
                 out.text, final=out.finish_reason is not None)
-            chunk = verifier_pb2.GenerationOutput(request_id=request_id, text=answer, reasoning_text=thought,
+            chunk = verifier_pb2.GenerationOutput(request_id=arrival.request_id, text=answer, reasoning_text=thought,
                                                   token_ids=out.token_ids, logprobs=logprob_messages(out.logprobs),
                                                   drafted=out.drafted,
                                                   prompt_logprobs=logprob_messages(out.prompt_logprobs))
@@ -130,6 +129,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint,
             scheduling_policy=rt.settings.scheduling_policy, reasoning_parser=rt.settings.reasoning_parser or "",
             default_sampling=verifier_pb2.SamplingParams(**rt.sampling_defaults.sampling))
+
+
+async def _arrival(params: verifier_pb2.GenerationParams, context: grpc.aio.ServicerContext) -> Arrival:
+    """The request's arrival, named by its request_id, else its x-request-id metadata (a gateway's)."""
+    arrival = Arrival.now(context.invocation_metadata() or (), params.request_id)
+    if len(arrival.request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id (or the x-request-id metadata) is "
+                                                              f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    return arrival
 
 
 @contextlib.asynccontextmanager
