@@ -132,11 +132,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
 
 async def _arrival(params: verifier_pb2.GenerationParams, context: grpc.aio.ServicerContext) -> Arrival:
-    """The request's arrival, named by its request_id, else its x-request-id metadata (a gateway's)."""
+    """The request's arrival, named by its request_id (request_parsing checks it), else its x-request-id
+    metadata (a gateway's), checked here."""
     arrival = Arrival.now(context.invocation_metadata() or (), params.request_id)
-    if len(arrival.request_id) > MAX_REQUEST_ID_CHARS:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id (or the x-request-id metadata) is "
-                                                              f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    if not params.request_id and len(arrival.request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the x-request-id metadata is longer than {MAX_REQUEST_ID_CHARS} characters")
     return arrival
 
 
