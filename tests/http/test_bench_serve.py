@@ -1,5 +1,6 @@
 """`splitspec bench-serve`, a real process, against a running verifier's HTTP API (tiny model, remote n-gram
-drafter): both passes served, speculation seen only where it is on, greedy outputs identical; a bad dataset
+drafter): both passes served, speculation seen only where it is on, outputs identical (greedy, and sampled
+with seeds); a bad dataset
 or a refused token fails in one line before anything is measured."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
                 "--max-tokens", "20", "--request-rate", "40", "--max-concurrency", "2", "--rounds", "2",
                 "--out", str(tmp_path / "out"))
             assert code == 0, out + err
-            assert out.count("greedy outputs identical: 4 of 4") == 2, out
+            assert out.count("outputs identical: 4 of 4") == 2, out
             result = json.loads((tmp_path / "out" / "bench-serve.json").read_text())
             assert result["model"] == "tiny"
             passes = result["summary"]["passes"]
@@ -88,6 +89,29 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
             assert not (tmp_path / "refused").exists()
 
     asyncio.run(main())
+
+
+def test_sampled_outputs_compare_too_each_request_seeded_alike(tmp_path: Path) -> None:
+    """Sampled, with the sampling sent or left to the server's defaults (a model's generation config): the same
+    seeds in both passes, so the same tokens with speculation and without, and not greedy decoding's."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": p, "raw": True}) for p in (PROMPT, PROMPT[6:], "d10 add")))
+
+    async def main() -> dict[str, list[list[int]]]:
+        tokens = {}
+        async with http_verifier(override_generation_config={"temperature": 0.9, "top_k": 8}) as h:
+            for name, flags in [("server", ["--temperature", "server"]),
+                                ("sent", ["--temperature", "0.9", "--top-k", "8"]), ("greedy", [])]:
+                code, out, err = await bench_serve("--base-url", h.base_url, "--dataset", str(dataset), "--max-tokens",
+                                                   "12", "--ignore-eos", "--seed", "3", "--out", str(tmp_path / name),
+                                                   *flags)
+                assert code == 0 and "outputs identical: 3 of 3" in out, out + err
+                result = json.loads((tmp_path / name / "bench-serve.json").read_text())
+                tokens[name] = [r["token_ids"] for r in result["requests"] if r["mode"] == "spec"]
+        return tokens
+
+    tokens = asyncio.run(main())
+    assert tokens["server"] == tokens["sent"] != tokens["greedy"]
 
 
 def test_bench_serve_sends_priorities_and_reports_each_class(tmp_path: Path) -> None:
@@ -175,7 +199,7 @@ def test_a_greedy_output_that_differs_is_named(capsys: pytest.CaptureFixture[str
     assert summary["rounds"][0]["identical"] == {"same": 1, "compared": 2, "differ": [1]}
     assert summary["rounds"][0]["output_tokens_per_s_ratio"] == 2.0
     print_summary(summary, "http://x", "m", requests, args)
-    assert "greedy outputs identical: 1 of 2 (not: changed)" in capsys.readouterr().out
+    assert "outputs identical: 1 of 2 (not: changed)" in capsys.readouterr().out
 
 
 def test_a_stream_cut_short_is_a_failure() -> None:

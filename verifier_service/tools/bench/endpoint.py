@@ -15,10 +15,11 @@ Per pass: requests done and failed (with the first error), request and output-to
 first token, time per output token after the first (TPOT) and the gap between streamed chunks (ITL, per chunk
 as vLLM counts it: a speculative step may bring several tokens at once), at the median and the 99th
 percentile, the mean acceptance length the server reports per request, and the share of the requests' time
-their steps spent on drafter calls (the server's `drafter_wait_s`: what drafting as a service cost). With greedy
-sampling
-(temperature 0, the default) each prompt's tokens are compared between the passes: speculation is lossless,
-so they match (on a GPU in bfloat16, up to the rounding of batch-dependent kernels). Where requests carry
+their steps spent on drafter calls (the server's `drafter_wait_s`: what drafting as a service cost). Each
+prompt's tokens are compared between the passes: speculation is lossless, so greedy outputs (temperature 0, the
+default) match, and so do sampled ones, each request seeded alike in both passes (on a GPU in bfloat16, up to
+the rounding of batch-dependent kernels). `--temperature server` leaves the sampling to the server's defaults
+(a reasoning model's generation config: what its clients get). Where requests carry
 priorities (a dataset line's `"priority"`, or `--priorities`, for a verifier started with
 `--scheduling-policy priority`), each pass is also broken down by priority: its requests' time to first token
 and to their last token, at the median and the 99th percentile.
@@ -92,7 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="request priorities, prompt i taking the (i mod n)-th, unless its dataset line gives one "
                         "(for a verifier with --scheduling-policy priority; passes are then also reported by "
                         "priority)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) also compares the passes' tokens")
+    p.add_argument("--temperature", type=_temperature, default=0.0, metavar="T|server",
+                   help="0: greedy (default); above, sampled, each request seeded alike in both passes (their "
+                        "tokens are compared either way); server: leave temperature out, the server's defaults apply")
+    p.add_argument("--top-p", type=float, help="sent where given")
+    p.add_argument("--top-k", type=int, help="sent where given")
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
@@ -104,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip sending each prompt once (one token) before the passes: the first pass then "
                         "prefills prompts the later ones find in the prefix cache")
-    p.add_argument("--seed", type=int, default=0, help="for the arrival times and --num-prompts' draw")
+    p.add_argument("--seed", type=int, default=0,
+                   help="for the arrival times, --num-prompts' draw and sampled requests (prompt i: seed + i)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may wait to connect, or for its next bytes")
     p.add_argument("--out", default="bench-results", help="folder for bench-serve.json")
@@ -140,6 +146,16 @@ def main(args: argparse.Namespace) -> int:
          "requests": [asdict(r) for p in passes for r in p.records]}, indent=2, default=str))
     print(f"\nwrote {out / 'bench-serve.json'}")
     return 0 if all(row["failed"] == 0 for row in summary["passes"]) else 1
+
+
+def _temperature(text: str) -> float | None:
+    """--temperature: a number, or "server" (None: sent without one)."""
+    if text == "server":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or 'server', not {text!r}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -214,14 +230,14 @@ async def _warm_up(http: httpx.AsyncClient, model: str, requests: list[Request],
     print(f"warm-up: {len(requests)} requests of one token, not measured ...", flush=True)
     gate = asyncio.Semaphore(args.max_concurrency or len(requests))
 
-    async def one(request: Request) -> str:
+    async def one(i: int, request: Request) -> str:
         async with gate:
             record = Record("warm-up", 0, 0)
-            path, body = request.body(model, args, "plain")
+            path, body = request.body(model, args, "plain", i)
             await stream_request(http, path, body | {"max_tokens": 1, "ignore_eos": False}, record)
             return record.error
 
-    failed = [error for error in await asyncio.gather(*(one(r) for r in requests)) if error]
+    failed = [error for error in await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))) if error]
     if failed:
         raise ServerProblem(f"{len(failed)} of {len(requests)} warm-up requests failed, the first with {failed[0]}")
 
@@ -248,7 +264,7 @@ async def _pass(http: httpx.AsyncClient, model: str, requests: list[Request], mo
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with gate:
             record = Record(mode, round_, i, requests[i].priority or 0, round(time.perf_counter() - start, 6))
-            await stream_request(http, *requests[i].body(model, args, mode), record)
+            await stream_request(http, *requests[i].body(model, args, mode, i), record)
             return record
 
     # The same arrival times for both modes' passes of a round: only the requests' setting differs.
@@ -326,7 +342,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(passes: list[Pass], args: argparse.Namespace) -> dict:
-    """A row per pass, and per round the spec pass against the plain pass (ratios; greedy: same tokens?)."""
+    """A row per pass, and per round the spec pass against the plain pass (ratios; the same tokens?)."""
     rows = [_row(p) for p in passes]
     rounds = []
     for round_ in sorted({p.round for p in passes}):
@@ -338,8 +354,7 @@ def summarise(passes: list[Pass], args: argparse.Namespace) -> dict:
                           "output_tokens_per_s_ratio": spec["output_tokens_per_s"] / plain["output_tokens_per_s"]}
         if spec["tpot_50_ms"] and plain["tpot_50_ms"]:
             compared["tpot_50_ratio"] = spec["tpot_50_ms"] / plain["tpot_50_ms"]
-        if args.temperature == 0:
-            compared["identical"] = _identical(*(p for p in passes if p.round == round_))
+        compared["identical"] = _identical(*(p for p in passes if p.round == round_))
         rounds.append(compared)
     return {"passes": rows, "rounds": rounds}
 
@@ -379,8 +394,8 @@ def _percentiles_ms(**series: list[float]) -> dict[str, float | None]:
 
 
 def _identical(*passes: Pass) -> dict:
-    """A round's greedy outputs compared prompt by prompt between its spec and plain passes: how many were
-    compared, how many were the same, and the prompts (indices) that were not."""
+    """A round's outputs (greedy, or seeded alike) compared prompt by prompt between its spec and plain passes:
+    how many were compared, how many were the same, and the prompts (indices) that were not."""
     spec = next(p for p in passes if p.mode == "spec")
     plain = next(p for p in passes if p.mode == "plain")
     pairs = [(a.prompt, a.token_ids, b.token_ids) for a, b in zip(spec.records, plain.records)
@@ -421,7 +436,7 @@ def print_summary(summary: dict, base: str, model: str, requests: list[Request],
             line += f", {compared['tpot_50_ratio']:.2f}x the median TPOT"
         if "identical" in compared:
             same = compared["identical"]
-            line += f"; greedy outputs identical: {same['same']} of {same['compared']}"
+            line += f"; outputs identical: {same['same']} of {same['compared']}"
             if same["differ"]:
                 line += f" (not: {', '.join(requests[i].name for i in same['differ'][:3])}"
                 line += f" and {len(same['differ']) - 3} more)" if len(same["differ"]) > 3 else ")"

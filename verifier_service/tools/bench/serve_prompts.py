@@ -28,11 +28,18 @@ class Request:
     max_tokens: int | None = None
     priority: int | None = None  # vLLM's request priority (a verifier with --scheduling-policy priority)
 
-    def body(self, model: str, args: argparse.Namespace, mode: str) -> tuple[str, dict]:
-        """(path, body) of this prompt's streamed request; mode "plain" turns speculation off for it alone."""
-        body: dict = {"model": model, "max_tokens": self.max_tokens or args.max_tokens,
-                      "temperature": args.temperature, "stream": True,
+    def body(self, model: str, args: argparse.Namespace, mode: str, index: int) -> tuple[str, dict]:
+        """(path, body) of this prompt's streamed request (the `index`-th); mode "plain" turns speculation off
+        for it alone. Sampled (any temperature but 0, the server's defaults included), it carries the seed
+        --seed + index in every pass: a seeded request's tokens do not depend on its drafts, so the passes'
+        outputs still compare."""
+        body: dict = {"model": model, "max_tokens": self.max_tokens or args.max_tokens, "stream": True,
                       "stream_options": {"include_usage": True}}
+        if args.temperature is not None:  # None: the server's sampling defaults (the model's generation config)
+            body["temperature"] = args.temperature
+        body |= {name: value for name, value in (("top_p", args.top_p), ("top_k", args.top_k)) if value is not None}
+        if args.temperature != 0:
+            body["seed"] = args.seed + index
         if self.priority is not None:
             body["priority"] = self.priority
         if args.ignore_eos:
