@@ -30,8 +30,10 @@ from verifier_support import (
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.engine.sampler import (
+    NUCLEUS_PROBE,
     SamplingParams,
     VerifyRow,
+    _sample,
     target_probs,
     verify_batch,
     verify_sampled,
@@ -62,6 +64,33 @@ def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_target_probs_match_transformers_warpers(params: SamplingParams) -> None:
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 2
     assert torch.allclose(target_probs(logits, params), hf_probs(logits, params), atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05], ids=["nucleus-in-the-probe", "flat-whole-vocabulary"])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(scale: float) -> None:
+    """Top-p ranks the NUCLEUS_PROBE most likely tokens where they hold its mass, else the whole vocabulary."""
+    logits = torch.randn(4, 5 * NUCLEUS_PROBE, generator=torch.Generator().manual_seed(0)) * scale
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    kept = (target_probs(logits, params) > 0).sum(dim=-1)
+    assert bool((kept < NUCLEUS_PROBE).all()) if scale > 1 else bool((kept > NUCLEUS_PROBE).all())
+    assert torch.allclose(target_probs(logits, params), hf_probs(logits, params), atol=1e-6)
+
+
+def test_a_draw_is_one_uniform_and_never_a_token_without_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inverse CDF: each draw takes one number from the generator, whose sequence then goes on as if
+    torch.rand had been called once; tokens of probability 0 (at the ends too) are never drawn, and the
+    others at their rates."""
+    probs = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    gen, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    draws = [_sample(probs, gen) for _ in range(3000)]
+    torch.rand(3000, dtype=torch.float64, generator=twin)
+    assert float(torch.rand((), generator=gen)) == float(torch.rand((), generator=twin))
+    counts = collections.Counter(draws)
+    assert set(counts) == {2, 4, 5}
+    assert stats.chisquare([counts[2], counts[4], counts[5]], [1500, 600, 900]).pvalue > ALPHA
+    # A draw rounded up to the whole mass (as a uniform of 1 would be) is the last token with some.
+    monkeypatch.setattr(torch, "rand", lambda *_, **options: torch.ones((), dtype=options["dtype"]))
+    assert _sample(torch.tensor([0.25, 0.75, 0.0, 0.0]), None) == 1
 
 
 # --- vocabulary-level simulation of speculative sampling on a Markov "model" ---

@@ -140,7 +140,7 @@ def test_a_wrong_lookahead_is_rejected_and_a_call_failing_in_flight_costs_only_d
 def test_a_seeded_sampled_request_gives_plain_decodings_output_with_calls_overlapped():
     """One draw per emitted token, whatever the draft: a lookahead verified instead of a fresh draft
     changes no sampled token."""
-    sampling = verifier_pb2.SamplingParams(temperature=0.5, top_p=0.9, seed=7)
+    sampling = verifier_pb2.SamplingParams(temperature=0.5, top_p=0.9, seed=0)
 
     async def main() -> tuple[list[list[int]], list[list[int]], int]:
         async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
