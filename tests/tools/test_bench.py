@@ -280,6 +280,11 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
     assert [(r["request"].split()[0], r["draft_tokens"]) for r in logits] == [
         (name, k) for name in ("penalties", "allowed_token_ids", "logit_bias", "bad_words") for k in (0, 4, 16)]
     assert all(0 < r["kept_ms"] and 0 < r["rebuilt_ms"] for r in logits) and "Logits processors" in done.stdout
+    sampling = report["sampling"]  # the engine's sampler against the textbook one
+    assert [(r["sampling"].split()[0], r["draft_tokens"]) for r in sampling] == [
+        (name, k) for name in ("temperature", "top-p", "Qwen3's") for k in (0, 4, 16)]
+    assert all(0 < r["engine_ms"] and 0 < r["textbook_ms"] for r in sampling)
+    assert "Verifying one sampled row" in done.stdout
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:

@@ -27,7 +27,9 @@
 - cuda-graphs (CUDA): decoding's speed at batch 1 with CUDA graphs (the default) and with
   --enforce-eager, plain and with the remote n-gram drafter, the two verifiers taking turns;
 - logits: the logits processors alone, in this process (logits_speed.py): no verifier is started
-  for it.
+  for it;
+- sampling: verifying a sampled row, the engine's sampler against the textbook one, in this process
+  (sampling_speed.py).
 
 Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
 prefix caching, eager, and two sequence slots in order of arrival and by priority; one n-gram drafter
@@ -53,10 +55,11 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.loading.causal_lm import pick_device
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from verifier_service.tools.bench import logits_speed, workloads
+from verifier_service.tools.bench import logits_speed, sampling_speed, workloads
 from verifier_service.tools.local_services import LocalService, free_port, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "priority", "cuda-graphs", "logits")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "priority", "cuda-graphs", "logits", "sampling")
+IN_PROCESS = {"logits", "sampling"}  # sections that start no verifier
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -100,11 +103,12 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
     one-token forward's seconds after n cached tokens."""
     chosen = sections(args)
     results: dict = {}
-    if "logits" in chosen:
-        device, vocab = pick_device(args.device), len(tokenizer)
-        results["logits"] = logits_speed.measure(vocab, device)
-        logits_speed.print_table(results["logits"], vocab, device)
-    if set(chosen) - {"logits"}:
+    device, vocab = pick_device(args.device), len(tokenizer)
+    for name, section in (("logits", logits_speed), ("sampling", sampling_speed)):
+        if name in chosen:
+            results[name] = section.measure(vocab, device)
+            section.print_table(results[name], vocab, device)
+    if set(chosen) - IN_PROCESS:
         results |= _with_services(chosen, args, tokenizer, common, forward_s)
     _print(results)
     (out / "engine.json").write_text(json.dumps(results, indent=2))

@@ -36,7 +36,7 @@ def _cases(vocab: int, rng: random.Random) -> dict[str, SamplingParams]:
     }
 
 
-def _time_ms(call: Callable[[], object], device: torch.device) -> float:
+def time_ms(call: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -66,8 +66,8 @@ def measure(vocab: int, device: torch.device, calls: int = CALLS) -> list[dict]:
             assert torch.equal(kept(), fresh())  # and warm
             times: dict[str, list[float]] = {"kept": [], "fresh": []}
             for _ in range(calls):
-                times["kept"].append(_time_ms(kept, device))
-                times["fresh"].append(_time_ms(fresh, device))
+                times["kept"].append(time_ms(kept, device))
+                times["fresh"].append(time_ms(fresh, device))
             kept_ms, fresh_ms = statistics.median(times["kept"]), statistics.median(times["fresh"])
             rows.append({"request": name, "draft_tokens": k, "kept_ms": kept_ms, "rebuilt_ms": fresh_ms,
                          "ratio": fresh_ms / kept_ms})
