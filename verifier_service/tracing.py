@@ -49,7 +49,10 @@ class Arrival:
     def now(cls, headers: Iterable[tuple[str, str]] = (), request_id: str = "") -> Arrival:
         """`headers`: the request's HTTP headers or gRPC metadata, read for `traceparent`, `tracestate` and
         `x-request-id`; `request_id`: an id the request's body gives, which comes first."""
-        carrier = {k.lower(): v for k, v in headers if k.lower() in ("traceparent", "tracestate", "x-request-id")}
+        carrier: dict[str, str] = {}
+        for name, value in headers:  # a header sent twice: its first value, as request_ids.py takes it
+            if name.lower() in ("traceparent", "tracestate", "x-request-id"):
+                carrier.setdefault(name.lower(), value)
         trace = _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
         return cls(trace=trace, request_id=request_id or carrier.get("x-request-id") or uuid.uuid4().hex)
 

@@ -47,6 +47,10 @@ def test_the_callers_id_names_the_answer_and_comes_back() -> None:
                                                                                                 "max_tokens": -1})
                 assert r.status_code == 400 and r.headers["x-request-id"] == "gw-45"
                 assert (await http.get("/health", headers={"X-Request-Id": "probe"})).headers["x-request-id"] == "probe"
+                # Sent twice: the first, in both places.
+                r = await http.post("/v1/completions", headers=[("X-Request-Id", "one"), ("X-Request-Id", "two")],
+                                    json={"prompt": "def", "max_tokens": 2})
+                assert r.headers.get_list("x-request-id") == ["one"] and r.json()["id"] == "cmpl-one"
                 # Web pages may read it (CORS).
                 r = await http.get("/v1/models", headers={"Origin": "https://app.example"})
                 assert "x-request-id" in r.headers["access-control-expose-headers"].lower()

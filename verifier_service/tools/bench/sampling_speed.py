@@ -25,7 +25,8 @@ CASES = {
 
 
 def textbook_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The same distribution as engine/sampler.py's target_probs, as transformers' warpers compute it."""
+    """The same distribution as engine/sampler.py's target_probs (for CASES: no min-p), with the whole
+    vocabulary sorted for top-p."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if 0 < params.top_k < probs.shape[-1]:
         top = torch.topk(probs, params.top_k, dim=-1)
