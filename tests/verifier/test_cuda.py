@@ -1,7 +1,8 @@
 """On a CUDA device: the verifier's packed forward, KV rollback and sampler give what they give
 on the CPU (greedy outputs equal transformers' generate() on the same device, with and without
 speculation, with CUDA graphs and without, token trees too; seeded sampling equal with and without
-speculation; penalties and allowed tokens with their state kept on the device). Skipped without CUDA;
+speculation; the sampler's distributions and draws; penalties and allowed tokens with their state kept on
+the device). Skipped without CUDA;
 run by `.ci/gpu-check` on a GPU machine."""
 
 from __future__ import annotations
@@ -192,3 +193,24 @@ def test_penalties_and_allowed_tokens_on_cuda_keep_state_on_the_device_and_equal
         kept = process_logits(logits, [VerifyRow(draft, params, None, parents, PROMPTS[0], list(output), state=state)])
         fresh = process_logits(logits, [VerifyRow(draft, params, None, parents, PROMPTS[0], list(output))])
         assert torch.equal(kept, fresh)
+
+
+def test_the_sampler_on_cuda_draws_as_on_the_cpu() -> None:
+    """target_probs on the device equals the CPU's (the top-p probe and the whole-vocabulary fallback alike);
+    draws from the device's generator are seeded, at their rates, and never a token without mass."""
+    from scipy import stats
+
+    from verifier_service.engine.sampler import NUCLEUS_PROBE, _sample, target_probs
+
+    for scale in (8.0, 0.05):  # the nucleus within the probe, and a flat row that sorts the vocabulary
+        logits = torch.randn(3, 4 * NUCLEUS_PROBE, generator=torch.Generator().manual_seed(1)) * scale
+        for params in (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.6, top_k=20,
+                                                                                   top_p=0.95)):
+            assert torch.allclose(target_probs(logits.cuda(), params).cpu(), target_probs(logits, params), atol=1e-6)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0], device="cuda")
+    gen, twin = torch.Generator("cuda").manual_seed(3), torch.Generator("cuda").manual_seed(3)
+    draws = [_sample(probs, gen) for _ in range(3000)]
+    assert draws == [_sample(probs, twin) for _ in range(3000)]
+    counts = [draws.count(token) for token in range(6)]
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert stats.chisquare([counts[1], counts[3], counts[4]], [1500, 600, 900]).pvalue > 1e-3
