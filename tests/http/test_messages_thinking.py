@@ -2,7 +2,8 @@
 verifier serving a tiny reasoning model (thinking_model.py, `--reasoning-parser deepseek_r1`): a model that thought
 answers a thinking block, then its answer's blocks, as Claude's extended thinking does; the same streamed (thinking
 deltas as the thinking is generated) and whole, and the same split of the raw text a server without the parser
-answers; `thinking` disabled leaves the block out, enabled holds the thinking to its budget_tokens (the engine's
+answers; `thinking` disabled closes the thinking where the template has Qwen3's switch (and leaves the block out
+where it has none), enabled holds the thinking to its budget_tokens (the engine's
 thinking budget, as chat's thinking_token_budget) and needs the parser; a tool choice that calls holds the
 answer to the tools' schemas after free thinking; an assistant's thinking sent back reaches the chat template."""
 
@@ -90,11 +91,25 @@ def test_the_thinking_is_a_block_before_the_answer_whole_and_streamed() -> None:
                 ("content_block_delta", 0, "thinking_delta")}
             assert sum(e[0] == "content_block_delta" for e in events[:first_text]) > 1
 
-            # Disabled: the answer alone, whole and streamed (the template still opened the thinking).
+            # Disabled: the template's switch (Qwen3's enable_thinking) closes the thinking, and the model answers
+            # at once, as chat does for the chat rendered so; whole and streamed.
+            hidden = await c.messages.create(**ask, thinking={"type": "disabled"})
+            closed = (await h.client.chat.completions.create(
+                model="tiny", messages=THINKING_CHAT, max_tokens=40,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})).choices[0].message
+            assert not closed.model_extra.get("reasoning") and closed.content  # no thinking: all answer
+            assert blocks(hidden.content) == [{"type": "text", "text": closed.content}] != blocks([answer])
+            content, events = await streamed(c, **ask, thinking={"type": "disabled"})
+            assert blocks(content) == blocks(hidden.content) and {e[1] for e in events} == {0}
+            await c.close()
+        # A template without the switch still opens the thinking: the block is left out, the model thought.
+        switchless = copy.deepcopy(thinking_tokenizer())
+        switchless.chat_template = TOOLS_THINKING_TEMPLATE
+        async with thinking_server(tokenizer=switchless, reasoning_parser="deepseek_r1") as h:
+            c = client(h)
+            thought, answer = (await c.messages.create(**ask)).content
             hidden = await c.messages.create(**ask, thinking={"type": "disabled"})
             assert blocks(hidden.content) == blocks([answer]) and hidden.usage.output_tokens == 40
-            content, events = await streamed(c, **ask, thinking={"type": "disabled"})
-            assert blocks(content) == blocks([answer]) and {e[1] for e in events} == {0}
             await c.close()
 
     asyncio.run(main())

@@ -10,13 +10,14 @@ strings and `max_tokens` (required, as Anthropic's) its limit. A last message fr
 is the start of the answer (Anthropic's prefill), which the answer continues. Images and documents are
 refused: this server serves text.
 
-Extended thinking. A reasoning model (`--reasoning-parser`) thinks as its chat template has it, so
-`thinking` does not switch it on or off: left out (or `"adaptive"`), the answer shows the thinking as a
-thinking block (messages_output.py); `{"type": "enabled", "budget_tokens": N}` shows it too and holds it
-to N tokens (the engine's thinking budget, after which `</think>` is forced); `{"type": "disabled"}`
-leaves the block out (the model may still think). An assistant's `thinking` blocks sent back are its
-earlier thinking, the chat message's `reasoning` (the template's `reasoning_content`); its
-`redacted_thinking` blocks, which nobody here can read, are dropped.
+Extended thinking. `thinking` renders the chat with the switch hybrid reasoning models' templates read,
+`enable_thinking` (Qwen3's, SmolLM3's): `{"type": "disabled"}` false, `{"type": "enabled", ...}` true; left
+out or `"adaptive"`, the template's own default. Left out (or `"adaptive"`), the answer shows the thinking
+as a thinking block (messages_output.py); `{"type": "enabled", "budget_tokens": N}` shows it too and holds
+it to N tokens (the engine's thinking budget, after which `</think>` is forced); `{"type": "disabled"}`
+leaves the block out (a model whose template has no switch may still think). An assistant's `thinking`
+blocks sent back are its earlier thinking, the chat message's `reasoning` (the template's
+`reasoning_content`); its `redacted_thinking` blocks, which nobody here can read, are dropped.
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ class MessagesRequest(GenerationBody):
         system = [ChatMessage(role="system", content=self.system_text)] if self.system_text else []
         messages = [m for message in self.messages for m in message.chat()]
         tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
-        return chat_messages([*system, *messages], None, tools, add_generation_prompt=not self.prefilled,
+        switch = None if self.thinking is None or self.thinking.type == "adaptive" else \
+            {"enable_thinking": self.thinking.type == "enabled"}
+        return chat_messages([*system, *messages], switch, tools, add_generation_prompt=not self.prefilled,
                              continue_final_message=self.prefilled)
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
