@@ -2,8 +2,9 @@
 
 The playground: types a prompt, streams the answer, and checks that the rendered text is the
 API's answer, that the accepted draft tokens are highlighted, and that the stats and the
-acceptance chart appear; then the side-by-side run. Saves a screenshot (SPLITSPEC_SCREENSHOT:
-where to copy it). Web pages of other origins: they call the API where --allowed-origins lets them.
+acceptance chart appear; then the side-by-side run, sampled too (the model's sampling, one seed).
+Saves a screenshot (SPLITSPEC_SCREENSHOT: where to copy it). Web pages of other origins: they call
+the API where --allowed-origins lets them.
 """
 
 from __future__ import annotations
@@ -79,10 +80,38 @@ def test_playground_streams_highlights_and_compares(tmp_path) -> None:  # noqa: 
                 assert await page.locator("#cmp-spec-out .tok.drafted").count() > 0
                 assert (await page.text_content("#cmp-spec")).endswith("tokens/s")
                 assert (await page.text_content("#cmp-plain")).endswith("tokens/s")
+                assert (await page.text_content("#status")).endswith(", the same output")
                 assert await page.text_content("#error") == ""
                 assert outside == []  # self-contained: nothing fetched from anywhere else
                 if target := os.environ.get("SPLITSPEC_SCREENSHOT"):
                     await page.screenshot(path=target, full_page=True)
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium (bash .ci/setup installs it)")
+def test_the_playground_samples_as_the_model_recommends_and_compares_with_one_seed() -> None:
+    """Temperature left empty: the model's sampling (its generation config). Side by side, both runs carry one
+    seed, so the sampled answers agree with and without speculation, and are not greedy decoding's."""
+    from playwright.async_api import async_playwright
+
+    async def main() -> None:
+        async with http_verifier(override_generation_config={"temperature": 0.9, "top_k": 8}) as h, \
+                async_playwright() as pw:
+            greedy = (await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+                                                        temperature=0)).choices[0].text
+            async with browser_page(pw) as page:
+                await page.goto(h.base_url + "/")
+                await page.wait_for_function("document.getElementById('model').textContent === 'model: tiny'")
+                assert await page.input_value("#temperature") == ""
+                await page.select_option("#mode", "prompt")
+                await page.fill("#prompt", PROMPT)
+                await page.fill("#max-tokens", "24")
+                await page.click("#compare")
+                await page.wait_for_function("document.getElementById('status').textContent.startsWith('done:')")
+                assert (await page.text_content("#status")).endswith(", the same output")
+                sampled = await page.text_content("#cmp-spec-out")
+                assert sampled == await page.text_content("#cmp-plain-out") != greedy
 
     asyncio.run(main())
 
