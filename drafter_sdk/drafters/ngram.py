@@ -71,6 +71,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from drafter_sdk.drafter import LOOKAHEAD, TOKEN_TYPECODE, Drafter, DraftRequest, Key
 from drafter_sdk.drafters import ngram_snapshot
@@ -405,6 +406,11 @@ def reliability(matched: int) -> float:
     return min(RELIABLE, 1.0 - MISS * MISS_DECAY ** (matched - 1)) if matched else 0.0
 
 
+# By tokens matched (at most MAX_MATCH): an occurrence's vote before recency, and `reliability`.
+_WEIGHTS = [MATCH_WEIGHT ** m for m in range(MAX_MATCH + 1)]
+_RELIABILITY = [reliability(m) for m in range(MAX_MATCH + 1)]
+
+
 def _append(arena: array, window: array) -> int:
     """Copy `window` to the end of `arena`; its offset there."""
     offset = len(arena)
@@ -422,6 +428,7 @@ class _TreeGrower:
         self.unigram = [(token, count / total) for token, count in frequent]  # likeliest first
         self.share = dict(self.unigram)
         self.reach = max(MAX_MATCH, max_size)  # the last tokens of a node's context its children depend on
+        self.recency = [RECENCY ** rank for rank in range(max_size * MAX_OCCURRENCES)]  # by occurrence, newest first
 
     def grow(self, max_depth: int, max_nodes: int, min_prob: float = 0.0) -> DraftTree:
         """Parents come before children, and nodes in order of path probability: the first m nodes
@@ -468,22 +475,26 @@ class _TreeGrower:
         matches: dict[int, int] = {}  # per candidate: the longest match among its occurrences
         context = array(TOKEN_TYPECODE, backwards[self.max_size - 1::-1])
         longest = array(TOKEN_TYPECODE, backwards[MAX_MATCH - 1::-1])  # the longest match counted, in order
+        span, recency = len(longest), self.recency
         for rank, end in enumerate(self.occurrences.newest_ends(history, context)):
-            limit = min(len(longest), end)
-            if history[end - limit:end] == longest[len(longest) - limit:]:  # a long copy: one comparison
-                matched = limit
+            if end >= span and history[end - span:end] == longest:  # a long copy: one comparison
+                matched = span
+            elif end < span and history[:end] == longest[span - end:]:
+                matched = end
             else:
                 matched = 0
                 while history[end - 1 - matched] == backwards[matched]:
                     matched += 1
             token = history[end]
-            matches[token] = max(matches.get(token, 0), matched)
-            votes[token] = votes.get(token, 0.0) + MATCH_WEIGHT ** matched * RECENCY ** rank
+            if matched > matches.get(token, -1):
+                matches[token] = matched
+            votes[token] = votes.get(token, 0.0) + _WEIGHTS[matched] * recency[rank]
         total = sum(votes.values())
-        found = {token: vote / total * reliability(matches[token]) for token, vote in votes.items()}
+        found = {token: vote / total * _RELIABILITY[matches[token]] for token, vote in votes.items()}
         left = UNIGRAM_SHARE * (1.0 - sum(found.values()))
-        backed = sorted(((token, q + left * self.share.get(token, 0.0)) for token, q in found.items()),
-                        key=lambda child: -child[1])
+        share = self.share
+        backed = sorted([(token, q + left * share.get(token, 0.0)) for token, q in found.items()],
+                        key=itemgetter(1), reverse=True)
         return _merged(backed, left, self.unigram)
 
 
