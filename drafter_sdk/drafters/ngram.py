@@ -477,17 +477,15 @@ class _TreeGrower:
         longest = array(TOKEN_TYPECODE, backwards[MAX_MATCH - 1::-1])  # the longest match counted, in order
         span, recency = len(longest), self.recency
         for rank, end in enumerate(self.occurrences.newest_ends(history, context)):
-            if end >= span and history[end - span:end] == longest:  # a long copy: one comparison
-                matched = span
-            elif end < span and history[:end] == longest[span - end:]:
-                matched = end
+            limit = min(span, end)
+            if history[end - limit:end] == longest[span - limit:]:  # a long copy: one comparison
+                matched = limit
             else:
                 matched = 0
                 while history[end - 1 - matched] == backwards[matched]:
                     matched += 1
             token = history[end]
-            if matched > matches.get(token, -1):
-                matches[token] = matched
+            matches[token] = max(matches.get(token, 0), matched)
             votes[token] = votes.get(token, 0.0) + _WEIGHTS[matched] * recency[rank]
         total = sum(votes.values())
         found = {token: vote / total * _RELIABILITY[matches[token]] for token, vote in votes.items()}
