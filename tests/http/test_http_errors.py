@@ -105,6 +105,7 @@ BAD = [
     (CHAT, {"messages": MSG, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
     (CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "cannot set tokenize"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "set add_generation_prompt false too"),
+    (CHAT, {"messages": MSG, "reasoning_effort": "extreme"}, 400, "reasoning_effort: Input should be 'none', "),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
     (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be -1"),
@@ -119,6 +120,10 @@ BAD = [
     (RESPONSES, {"input": "hi", "temperature": float("nan")}, 400, "temperature"),
     (RESPONSES, {"input": [{"role": "wizard", "content": "hi"}]}, 400, "input.0.message.role"),
     (RESPONSES, {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    (RESPONSES, {"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
+    (RESPONSES, {"input": "hi", "reasoning": {"context": "all_turns"}}, 400,
+     'reasoning.context: not supported by this server (leave it out or send "auto")'),
+    (RESPONSES, {"input": "hi", "reasoning": {"mode": "pro"}}, 400, "reasoning.mode: not supported"),
     (RESPONSES, {"input": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
     ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
 ]

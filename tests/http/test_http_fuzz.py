@@ -111,7 +111,8 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
                                     st.just({"type": "function", "function": {"name": "f"}})),
            "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "echo": st.booleans(),
            "include_reasoning": st.booleans(), "chat_template_kwargs": st.fixed_dictionaries(
-               {}, optional={"enable_thinking": st.booleans(), "open_thinking": st.booleans()})},
+               {}, optional={"enable_thinking": st.booleans(), "open_thinking": st.booleans()}),
+           "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"])},
     COMPLETIONS: {**SAMPLING, "prompt": st.one_of(text, st.lists(token_id, min_size=1, max_size=6),
                                                   st.lists(text, min_size=1, max_size=2)),
                   "echo": st.booleans(), "logprobs": st.integers(0, 5)},
@@ -123,7 +124,8 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
                     min_size=1, max_size=2)),
                 "instructions": st.one_of(st.none(), text), "max_output_tokens": st.integers(1, 8),
                 "store": st.booleans(), "text": st.just({"format": {"type": "json_object"}}),
-                "top_logprobs": st.integers(0, 20)},
+                "top_logprobs": st.integers(0, 20), "reasoning": st.fixed_dictionaries({}, optional={
+                    "effort": st.sampled_from(["none", "low", "high"]), "summary": st.sampled_from(["auto", None])})},
     MESSAGES: {"model": SAMPLING["model"], "max_tokens": st.integers(1, 8), "stream": st.booleans(),
                "messages": st.lists(anthropic_message, min_size=1, max_size=3), "system": text,
                "stop_sequences": st.lists(text, max_size=2), "temperature": st.floats(0, 1),
@@ -132,7 +134,10 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
                    st.fixed_dictionaries({"type": st.just("enabled"), "budget_tokens": st.integers(1, 6)})),
                "tool_choice": st.just({"type": "auto"}),
                "tools": st.lists(st.fixed_dictionaries({"name": st.just("f"), "input_schema": st.just(
-                   {"type": "object"})}), max_size=1)},
+                   {"type": "object"})}), max_size=1),
+               "output_config": st.fixed_dictionaries({}, optional={
+                   "effort": st.sampled_from(["low", "max"]), "format": st.just({"type": "json_schema", "schema": {
+                       "type": "object", "properties": {"a": {"type": "integer"}}}})})},
     COUNT_TOKENS: {"model": SAMPLING["model"], "messages": st.lists(anthropic_message, min_size=1, max_size=3),
                    "system": text},
     TOKENIZE: {"model": SAMPLING["model"], "prompt": text, "add_special_tokens": st.booleans(),

@@ -154,6 +154,11 @@ def test_tool_use_blocks_and_their_results_come_back() -> None:
       "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error", 'type "tool"'),
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",
      "exceeds the context"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": "none"}}, 400,
+     "invalid_request_error", "output_config.effort"),  # Anthropic's efforts start at "low"
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_format": {
+        "type": "json_schema", "schema": {}}, "output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400,
+     "invalid_request_error", "send one of output_config.format, output_format and response_format"),
     ({"model": "claude", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error",
      "'claude' is not served here"),
 ])

@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api import tool_calls
+from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables, with_explicit
 from verifier_service.api.request_parsing import MAX_LOGPROBS
 
 MAX_CHOICES = 8
@@ -452,6 +453,7 @@ class ChatCompletionRequest(GenerationBody):
     continue_final_message: bool = False  # vLLM's: the answer continues the last message
     echo: bool = False  # vLLM's: the answer's content starts with the last message's, if the assistant's
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
+    reasoning_effort: OpenAIEffort | None = None  # for the chat template (reasoning_effort.py)
     # Refused unless neutral (UNSUPPORTED_IN_CHAT); never read.
     add_special_tokens: Any = None
     chat_template: Any = None
@@ -477,8 +479,9 @@ class ChatCompletionRequest(GenerationBody):
         return last.text if self.echo and last.role == "assistant" else ""
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
-        p.chat.CopyFrom(chat_messages(self.messages, self.chat_template_kwargs, self.tools,
-                                      self.add_generation_prompt, self.continue_final_message))
+        variables = with_explicit(openai_variables(self.reasoning_effort), self.chat_template_kwargs)
+        p.chat.CopyFrom(chat_messages(self.messages, variables, self.tools, self.add_generation_prompt,
+                                      self.continue_final_message))
 
     def tool_plan(self, parser: str | None) -> tool_calls.ToolPlan:
         """(Checked with the body, by structured_output: so are the tools against tool_choice.)"""

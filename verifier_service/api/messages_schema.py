@@ -18,6 +18,11 @@ it to N tokens (the engine's thinking budget, after which `</think>` is forced);
 leaves the block out (a model whose template has no switch may still think). An assistant's `thinking`
 blocks sent back are its earlier thinking, the chat message's `reasoning` (the template's
 `reasoning_content`); its `redacted_thinking` blocks, which nobody here can read, are dropped.
+`output_config.effort` is the template's `reasoning_effort` (reasoning_effort.py).
+
+Structured outputs. `output_config.format` (`{"type": "json_schema", "schema"}`; `output_format`, its
+beta's name) holds the answer to the schema, as chat's response_format json_schema does (after the
+thinking, under a reasoning parser), with no whitespace between items, as a tool_use block's input.
 """
 
 from __future__ import annotations
@@ -36,12 +41,15 @@ from verifier_service.api.http_schema import (
     CalledFunction,
     ChatMessage,
     GenerationBody,
+    JsonSchemaFormat,
+    ResponseFormat,
     Tool,
     ToolCallMessage,
     _Body,
     _refused_unless_neutral,
     chat_messages,
 )
+from verifier_service.api.reasoning_effort import AnthropicEffort, anthropic_variables
 
 # Anthropic's fields that change the answer and that this server does not serve, with their neutral values.
 UNSUPPORTED_IN_MESSAGES = {"mcp_servers": None, "container": None}
@@ -80,6 +88,18 @@ class ThinkingConfig(_Body):
         if (self.type == "enabled") != (self.budget_tokens is not None):
             raise PydanticCustomError("thinking", 'budget_tokens goes with "type": "enabled", and only with it')
         return self
+
+
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """Anthropic's `output_config` (module docstring)."""
+
+    effort: AnthropicEffort | None = None
+    format: JsonOutputFormat | None = None
 
 
 class ThinkingBlock(_Body):
@@ -170,6 +190,8 @@ class MessagesRequest(GenerationBody):
     tool_choice: AnthropicToolChoice | None = None
     n: Literal[1] = 1  # one answer per message
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's output_config.format
     # Refused unless neutral (UNSUPPORTED_IN_MESSAGES); never read.
     mcp_servers: Any = None
     container: Any = None
@@ -204,10 +226,23 @@ class MessagesRequest(GenerationBody):
         system = [ChatMessage(role="system", content=self.system_text)] if self.system_text else []
         messages = [m for message in self.messages for m in message.chat()]
         tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
-        switch = None if self.thinking is None or self.thinking.type == "adaptive" else \
-            {"enable_thinking": self.thinking.type == "enabled"}
-        return chat_messages([*system, *messages], switch, tools, add_generation_prompt=not self.prefilled,
+        variables = anthropic_variables(self.thinking.type if self.thinking is not None else None,
+                                        self.output_config.effort if self.output_config is not None else None)
+        return chat_messages([*system, *messages], variables, tools, add_generation_prompt=not self.prefilled,
                              continue_final_message=self.prefilled)
+
+    def _response_format(self) -> tuple[str, ResponseFormat] | None:
+        """output_config.format (or output_format), as chat's response_format (one of them)."""
+        named = [(name, fmt) for name, fmt in (
+            ("output_config.format", self.output_config.format if self.output_config is not None else None),
+            ("output_format", self.output_format)) if fmt is not None]
+        if not named:
+            return super()._response_format()
+        if len(named) > 1 or self.response_format is not None:
+            raise ValueError("send one of output_config.format, output_format and response_format")
+        name, fmt = named[0]
+        compact = tool_calls.compact_schema(fmt.schema_)  # for programs, as tool_use input is
+        return name, ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=compact))
 
     def _input(self, p: verifier_pb2.GenerationParams, prompt: int) -> None:
         p.chat.CopyFrom(self.chat())

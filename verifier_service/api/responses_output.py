@@ -93,8 +93,8 @@ class ResponseBuilder:
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "model": self.model, "output": [dict(item) for item in self.output],
             "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": r.previous_response_id,
-            "reasoning": None, "store": self.stored, "temperature": _applied(self.seq.sampling.temperature),
-            "top_p": _applied(self.seq.sampling.top_p),
+            "reasoning": r.reasoning.echoed() if r.reasoning is not None else None, "store": self.stored,
+            "temperature": _applied(self.seq.sampling.temperature), "top_p": _applied(self.seq.sampling.top_p),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "top_logprobs": r.top_logprobs, "truncation": r.truncation, "user": r.user, "usage": None}

@@ -16,7 +16,8 @@ never its encrypted_content, which nothing here could read; with or without a re
 
 Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
-context. Fields this server does not serve (background runs, reasoning effort, reusable prompts,
+context. `reasoning.effort` reaches the chat template as chat's `reasoning_effort` does
+(reasoning_effort.py). Fields this server does not serve (background runs, reusable prompts,
 conversations, max_tool_calls) are refused unless neutral; vLLM's sampling fields (top_k, min_p,
 seed, stop, ...) are taken as in chat completions.
 """
@@ -45,15 +46,18 @@ from verifier_service.api.http_schema import (
     _refused_unless_neutral,
     chat_messages,
 )
+from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables
 from verifier_service.api.request_parsing import MAX_LOGPROBS
 
 LOGPROBS = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_RESPONSES = {"background": False, "reasoning": None, "prompt": None, "conversation": None,
-                            "max_tool_calls": None,
+UNSUPPORTED_IN_RESPONSES = {"background": False, "prompt": None, "conversation": None, "max_tool_calls": None,
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
+# `reasoning`'s: which earlier thinking the model sees is the chat template's to say, and one mode runs.
+UNSUPPORTED_IN_REASONING = {"context": "auto", "mode": "standard"}
+SummaryKind = Literal["auto", "concise", "detailed"]
 
 
 class ContentPart(_Body):
@@ -224,6 +228,25 @@ class TextFormat(_Body):
     strict: bool | None = None
 
 
+class ReasoningConfig(_Body):
+    """OpenAI's `reasoning`: its effort goes to the chat template (reasoning_effort.py). No summarizer
+    runs here: a summary asked for is left empty, and a reasoning item carries the thinking whole, as
+    its content (responses_output.py)."""
+
+    effort: OpenAIEffort | None = None
+    summary: SummaryKind | None = None
+    generate_summary: SummaryKind | None = None  # summary's older name
+    # Refused unless neutral (UNSUPPORTED_IN_REASONING); never read.
+    context: Any = None
+    mode: Any = None
+
+    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_REASONING)
+
+    def echoed(self) -> dict[str, Any]:
+        """As a response shows it."""
+        return {"effort": self.effort, "summary": self.summary or self.generate_summary}
+
+
 class TextConfig(_Body):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # OpenAI's other verbosities are for its reasoning models
@@ -246,9 +269,9 @@ class ResponsesRequest(GenerationBody):
     n: Literal[1] = 1  # one answer per response
     # "auto": the conversation's earliest turns are left out until the chat fits the context (truncate()).
     truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: ReasoningConfig | None = None
     # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
     background: Any = None
-    reasoning: Any = None
     prompt: Any = None
     conversation: Any = None
     max_tool_calls: Any = None
@@ -299,7 +322,8 @@ class ResponsesRequest(GenerationBody):
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
         conversation = self.continued_chat()[self._dropped if dropped is None else dropped:]
         tools = [Tool.model_validate(t.chat()) for t in self.tools] if self.tools else None
-        return chat_messages([*system, *conversation], None, tools)
+        effort = openai_variables(self.reasoning.effort if self.reasoning is not None else None)
+        return chat_messages([*system, *conversation], effort, tools)
 
     def truncate(self, fits: Callable[[verifier_pb2.ChatMessages], bool]) -> None:
         """truncation "auto", OpenAI's: where the chat does not fit the context (`fits`), leave out the

@@ -118,12 +118,16 @@ def plan(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None, paral
 
 
 def compact_json_schema(schema: dict[str, Any]) -> verifier_pb2.StructuredOutput:
-    """JSON of `schema` with no whitespace between items (llguidance's schema option; vLLM's
-    disable_any_whitespace). Calls are held to it: their arguments are read by programs, and a small
-    model held to JSON that may hold any whitespace can fill max_tokens with whitespace."""
+    """JSON of `schema` with no whitespace between items (compact_schema). Calls are held to it."""
+    return verifier_pb2.StructuredOutput(json_schema=json.dumps(compact_schema(schema)))
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema`, for JSON with no whitespace between items (llguidance's schema option; vLLM's
+    disable_any_whitespace): for JSON read by programs, as calls' arguments are, since a small model
+    held to JSON that may hold any whitespace can fill max_tokens with whitespace."""
     options = schema.get("x-guidance")
-    compact = {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False}}
-    return verifier_pb2.StructuredOutput(json_schema=json.dumps(compact))
+    return {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False}}
 
 
 def _required_calls(text: str) -> list[Call] | None:
