@@ -130,7 +130,8 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
                "messages": st.lists(anthropic_message, min_size=1, max_size=3), "system": text,
                "stop_sequences": st.lists(text, max_size=2), "temperature": st.floats(0, 1),
                "top_k": st.integers(1, 20), "thinking": st.one_of(
-                   st.sampled_from([{"type": "disabled"}, {"type": "adaptive"}]),
+                   st.sampled_from([{"type": "disabled"}, {"type": "adaptive"},
+                                    {"type": "adaptive", "display": "omitted"}]),
                    st.fixed_dictionaries({"type": st.just("enabled"), "budget_tokens": st.integers(1, 6)})),
                "tool_choice": st.just({"type": "auto"}),
                "tools": st.lists(st.fixed_dictionaries({"name": st.just("f"), "input_schema": st.just(

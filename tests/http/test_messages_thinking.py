@@ -3,7 +3,8 @@ verifier serving a tiny reasoning model (thinking_model.py, `--reasoning-parser 
 answers a thinking block, then its answer's blocks, as Claude's extended thinking does; the same streamed (thinking
 deltas as the thinking is generated) and whole, and the same split of the raw text a server without the parser
 answers; `thinking` disabled closes the thinking where the template has Qwen3's switch (and leaves the block out
-where it has none), enabled holds the thinking to its budget_tokens (the engine's
+where it has none), `display: "omitted"` keeps the block without its text, enabled holds the thinking to its
+budget_tokens (the engine's
 thinking budget, as chat's thinking_token_budget) and needs the parser; a tool choice that calls holds the
 answer to the tools' schemas after free thinking; an assistant's thinking sent back reaches the chat template."""
 
@@ -101,6 +102,16 @@ def test_the_thinking_is_a_block_before_the_answer_whole_and_streamed() -> None:
             assert blocks(hidden.content) == [{"type": "text", "text": closed.content}] != blocks([answer])
             content, events = await streamed(c, **ask, thinking={"type": "disabled"})
             assert blocks(content) == blocks(hidden.content) and {e[1] for e in events} == {0}
+            # display "omitted": the thinking block, its text left out, whole and streamed (no thinking_delta).
+            for thinking in ({"type": "adaptive", "display": "omitted"},
+                             {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}):
+                omitted = await c.messages.create(**ask, thinking=thinking)
+                assert blocks(omitted.content) == [{"type": "thinking", "thinking": "", "signature": ""},
+                                                   blocks([answer])[0]]
+                content, events = await streamed(c, **ask, thinking=thinking)
+                assert blocks(content) == blocks(omitted.content)
+                assert [e for e in events if e[1] == 0] == [("content_block_start", 0, "thinking"),
+                                                            ("content_block_stop", 0, None)]
             await c.close()
         # A template without the switch still opens the thinking: the block is left out, the model thought.
         switchless = copy.deepcopy(thinking_tokenizer())

@@ -4,7 +4,8 @@ A message's `content` is a text block (where the answer has text) and, under a t
 calls, a `tool_use` block per call after it, its `input` the call's JSON arguments as an object
 (tool_calls.py reads the calls, as for chat). Under `--reasoning-parser`, a model that thought opens
 its content with a `thinking` block, as Claude's extended thinking does (its `signature` empty: there
-is nothing to sign), unless the request's `thinking` is disabled; the text block and the calls are
+is nothing to sign), unless the request's `thinking` is disabled (with `display` "omitted", its text left
+out, and no thinking_delta streamed); the text block and the calls are
 read from the answer after the thinking alone (reasoning_split.py), and the markers reach neither.
 `stop_reason`: "tool_use" where it calls, "max_tokens" where the limit cut it, "stop_sequence" (with
 `stop_sequence`) where one of the request's ended it, else "end_turn". Streamed, Anthropic's events
@@ -108,7 +109,8 @@ class MessageBuilder:
         calls = []
         if self.tools.makes_calls:
             content, calls, _ = self.tools.answer(content, FINISH.get(out.finish_reason))
-        blocks = [{**_EMPTY["thinking"], "thinking": thinking}] if thinking else []
+        shown = "" if self.request.omits_thinking else thinking
+        blocks = [{**_EMPTY["thinking"], "thinking": shown}] if thinking else []
         blocks += [{"type": "text", "text": content}] if content else []
         blocks += [self._tool_use(f"toolu_{uuid.uuid4().hex}", c.name, c.arguments) for c in calls]
         message = self._message(blocks, self._stop(out.finish_reason, out.stop_reason, bool(calls)))
@@ -125,7 +127,9 @@ class MessageBuilder:
         deltas = []
         if self.tools.makes_calls:
             content, deltas, _ = self._calls.advance(content, ended, FINISH.get(out.finish_reason))
-        events = self._delta("thinking", thinking) if thinking else []
+        events = []
+        if thinking:
+            events = self._opened("thinking") if self.request.omits_thinking else self._delta("thinking", thinking)
         events += self._delta("text", content) if content else []
         for delta in deltas:
             events += self._call_delta(delta)
@@ -145,10 +149,14 @@ class MessageBuilder:
 
     def _delta(self, kind: str, text: str) -> list[str]:
         """`text` added to the open block of `kind` ("text" or "thinking"), begun unless it is the one open."""
-        events = [] if self._open is not None and self._blocks[self._open]["type"] == kind else self._begin(
-            dict(_EMPTY[kind]))
-        return events + [event_sse({"type": "content_block_delta", "index": self._open,
-                                    "delta": {"type": f"{kind}_delta", kind: text}})]
+        return self._opened(kind) + [event_sse({"type": "content_block_delta", "index": self._open,
+                                                "delta": {"type": f"{kind}_delta", kind: text}})]
+
+    def _opened(self, kind: str) -> list[str]:
+        """A block of `kind` begun, unless it is the one open."""
+        if self._open is not None and self._blocks[self._open]["type"] == kind:
+            return []
+        return self._begin(dict(_EMPTY[kind]))
 
     def _call_delta(self, delta: dict[str, Any]) -> list[str]:
         """A chat tool-call delta (tool_calls.CallStream) as the tool_use block's events."""

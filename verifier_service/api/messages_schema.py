@@ -15,7 +15,9 @@ Extended thinking. `thinking` renders the chat with the switch hybrid reasoning 
 out or `"adaptive"`, the template's own default. Left out (or `"adaptive"`), the answer shows the thinking
 as a thinking block (messages_output.py); `{"type": "enabled", "budget_tokens": N}` shows it too and holds
 it to N tokens (the engine's thinking budget, after which `</think>` is forced); `{"type": "disabled"}`
-leaves the block out (a model whose template has no switch may still think). An assistant's `thinking`
+leaves the block out (a model whose template has no switch may still think); `display: "omitted"` keeps the
+block but leaves its text out, as Anthropic does (no summarizer runs here, so "summarized" shows the
+thinking as it is). An assistant's `thinking`
 blocks sent back are its earlier thinking, the chat message's `reasoning` (the template's
 `reasoning_content`); its `redacted_thinking` blocks, which nobody here can read, are dropped.
 `output_config.effort` is the template's `reasoning_effort` (reasoning_effort.py).
@@ -82,6 +84,8 @@ class ThinkingConfig(_Body):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1, le=UINT32)  # "enabled"'s, which needs one
+    # "omitted": the thinking block comes with its text left out; "summarized" (no summarizer runs here) as is
+    display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
     def _budget_when_enabled(self) -> ThinkingConfig:
@@ -208,6 +212,11 @@ class MessagesRequest(GenerationBody):
     def shows_thinking(self) -> bool:
         """Whether a reasoning model's thinking is in the answer: unless `thinking` is {"type": "disabled"}."""
         return self.thinking is None or self.thinking.type != "disabled"
+
+    @property
+    def omits_thinking(self) -> bool:
+        """Whether a thinking block comes with its text left out (`thinking.display` "omitted")."""
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     @property
     def thinking_budget(self) -> int | None:
