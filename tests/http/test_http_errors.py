@@ -106,6 +106,11 @@ BAD = [
     (CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "cannot set tokenize"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "set add_generation_prompt false too"),
     (CHAT, {"messages": MSG, "reasoning_effort": "extreme"}, 400, "reasoning_effort: Input should be 'none', "),
+    (CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, 400, 'modalities: not supported by this server '
+                                                                     '(leave it out or send ["text"])'),
+    (CHAT, {"messages": MSG, "web_search_options": {}}, 400, "web_search_options: not supported"),
+    (CHAT, {"messages": MSG, "verbosity": "low"}, 400, 'verbosity: not supported by this server (leave it out or '
+                                                       'send "medium")'),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "x " * 2000}, 400, "context"),
     (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be -1"),
@@ -124,6 +129,8 @@ BAD = [
     (RESPONSES, {"input": "hi", "reasoning": {"context": "all_turns"}}, 400,
      'reasoning.context: not supported by this server (leave it out or send "auto")'),
     (RESPONSES, {"input": "hi", "reasoning": {"mode": "pro"}}, 400, "reasoning.mode: not supported"),
+    (RESPONSES, {"input": "hi", "context_management": [{"type": "compaction"}]}, 400,
+     "context_management: not supported"),
     (RESPONSES, {"input": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
     ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
 ]
@@ -153,7 +160,8 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
                     "messages": MSG, "max_tokens": 2, "min_p": 0.0, "min_tokens": 0,
                     "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
                     "best_of": 1, "guided_json": None, "echo": False, "add_generation_prompt": True,
-                    "add_special_tokens": False, "include_stop_str_in_output": False, "chat_template_kwargs": None})
+                    "add_special_tokens": False, "include_stop_str_in_output": False, "chat_template_kwargs": None,
+                    "modalities": ["text"], "verbosity": "medium", "audio": None})
                 assert r.status_code == 200, r.text
                 # The server kept serving through all of it, and nothing is left in the engine.
                 await wait_until(h.idle, "the engine idle")

@@ -45,8 +45,10 @@ UNSUPPORTED = {"best_of": 1, "functions": [], "suffix": None,
 # vLLM's options for rendering a chat otherwise than with the model's own template as it is (chat
 # completions and /tokenize).
 CHAT_RENDERING = {"chat_template": None, "documents": None}
-# The special tokens that chat completions always render as the template has them.
-UNSUPPORTED_IN_CHAT = {"add_special_tokens": False, **CHAT_RENDERING}
+# The special tokens that chat completions always render as the template has them; OpenAI's audio output,
+# web search, and verbosities other than the default (as Responses' text.verbosity).
+UNSUPPORTED_IN_CHAT = {"add_special_tokens": False, **CHAT_RENDERING, "audio": None, "modalities": ["text"],
+                       "web_search_options": None, "verbosity": "medium"}
 # A prompt always gets the tokenizer's special tokens; tools need a chat for the template to render them in.
 UNSUPPORTED_IN_COMPLETIONS = {"add_special_tokens": True, "tools": [], "tool_choice": None}
 UNSUPPORTED_IN_TOKENIZE = CHAT_RENDERING
@@ -458,6 +460,10 @@ class ChatCompletionRequest(GenerationBody):
     add_special_tokens: Any = None
     chat_template: Any = None
     documents: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     _check_unsupported_in_chat = _refused_unless_neutral(UNSUPPORTED_IN_CHAT)
 

@@ -54,7 +54,8 @@ from verifier_service.api.http_schema import (
 from verifier_service.api.reasoning_effort import AnthropicEffort, anthropic_variables
 
 # Anthropic's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_MESSAGES = {"mcp_servers": None, "container": None}
+# (context_management and compaction, the beta's: what the model sees, or what it is asked for, would change)
+UNSUPPORTED_IN_MESSAGES = {"mcp_servers": None, "container": None, "context_management": None, "compaction": None}
 
 
 class TextBlock(_Body):
@@ -199,6 +200,8 @@ class MessagesRequest(GenerationBody):
     # Refused unless neutral (UNSUPPORTED_IN_MESSAGES); never read.
     mcp_servers: Any = None
     container: Any = None
+    context_management: Any = None
+    compaction: Any = None
 
     _check_unsupported_in_messages = _refused_unless_neutral(UNSUPPORTED_IN_MESSAGES)
 

@@ -54,6 +54,7 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
 UNSUPPORTED_IN_RESPONSES = {"background": False, "prompt": None, "conversation": None, "max_tool_calls": None,
+                            "context_management": None,  # compaction: what the model sees would change
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 # `reasoning`'s: which earlier thinking the model sees is the chat template's to say, and one mode runs.
 UNSUPPORTED_IN_REASONING = {"context": "auto", "mode": "standard"}
@@ -275,6 +276,7 @@ class ResponsesRequest(GenerationBody):
     prompt: Any = None
     conversation: Any = None
     max_tool_calls: Any = None
+    context_management: Any = None
 
     _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
     # The stored conversation that previous_response_id names (responses_route.py sets it): the chat starts with it.
