@@ -132,7 +132,7 @@ class SpeculationOverrides(_message.Message):
     def __init__(self, max_draft_len: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens", "priority", "thinking_token_budget", "separate_reasoning")
+    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "stopping", "speculation", "logprobs", "prompt_logprobs", "structured_output", "skip_special_tokens", "truncate_prompt_tokens", "priority", "thinking_token_budget", "separate_reasoning", "prediction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GenerationParams(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SEPARATE_REASONING_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -163,7 +164,8 @@ class GenerationParams(_message.Message):
     priority: int
     thinking_token_budget: int
     separate_reasoning: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ..., separate_reasoning: _Optional[bool] = ...) -> None: ...
+    prediction: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverrides, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ..., separate_reasoning: _Optional[bool] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -198,7 +200,7 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[GenerationParams, _Mapping]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_rate", "num_drafter_failures", "auto_disabled", "num_draft_nodes", "drafter_wait_s")
+    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_rate", "num_drafter_failures", "auto_disabled", "num_draft_nodes", "drafter_wait_s", "accepted_prediction_tokens", "rejected_prediction_tokens")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +212,8 @@ class SpeculationStats(_message.Message):
     AUTO_DISABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_drafts: int
     num_draft_tokens: int
@@ -221,7 +225,9 @@ class SpeculationStats(_message.Message):
     auto_disabled: bool
     num_draft_nodes: int
     drafter_wait_s: float
-    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., num_drafter_failures: _Optional[int] = ..., auto_disabled: _Optional[bool] = ..., num_draft_nodes: _Optional[int] = ..., drafter_wait_s: _Optional[float] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., num_drafter_failures: _Optional[int] = ..., auto_disabled: _Optional[bool] = ..., num_draft_nodes: _Optional[int] = ..., drafter_wait_s: _Optional[float] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -239,7 +239,7 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
 
 
 @pytest.mark.timeout(600)  # seven verifiers start one after another
-def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_priority_graphs_logits(
+def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_prediction_priority_graphs(
         tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
@@ -267,6 +267,13 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
         ("free", "plain"), ("free", "remote n-gram"), ("JSON schema", "plain"), ("JSON schema", "remote n-gram")]
     assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in structured)
     assert [r["valid_json"] is None for r in structured] == [True, True, False, False]
+    # The function as its answer's prediction (the random model's answer does not follow it: test_predicted_outputs.py
+    # has one that does).
+    prediction = report["prediction"]["rows"]
+    assert [r["system"] for r in prediction] == ["plain", "remote n-gram", "n-gram + prediction"]
+    assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in prediction)
+    assert all(r["accepted_prediction"] == r["rejected_prediction"] == 0 for r in prediction[:2])
+    assert "Predicted outputs: 2 grounded prompts" in done.stdout
     priority = report["priority"]  # greedy: the preempted background streams' outputs are fcfs's
     assert [r["policy"] for r in priority["rows"]] == ["fcfs", "priority"] and priority["identical"]
     assert priority["preemptions"] >= 1  # the interactive request took a background stream's slot

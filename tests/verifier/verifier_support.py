@@ -102,6 +102,23 @@ def scripted_model(chain: list[int], scale: float = 20.0, seed: int = 0) -> torc
     return model
 
 
+# Words for text_chain: many distinct tokens of the tiny tokenizer.
+CHAIN_WORDS = ("the target model checks every draft in one forward pass and keeps tokens decoding drafts quick brown "
+               "fox jumps over lazy dog while seven wizards quietly hex many bold jugglers").split()
+
+
+@functools.cache
+def text_chain() -> tuple[int, ...]:
+    """Distinct tokens of CHAIN_WORDS (51) whose text tokenizes back to them, every prefix of it: a chain for
+    scripted_model to write a text that a client could send back as text (a prediction)."""
+    tok, ids = tiny_tokenizer(), []
+    for word in CHAIN_WORDS:
+        for t in tok(" " + word, add_special_tokens=False)["input_ids"]:
+            if t not in ids and tok(tok.decode([*ids, t]), add_special_tokens=False)["input_ids"] == [*ids, t]:
+                ids.append(t)
+    return tuple(ids)
+
+
 # --- drafters -----------------------------------------------------------------------------------
 
 @dataclass

@@ -29,6 +29,7 @@ from verifier_service.engine.structured_output import (
 )
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec_decode.policy import SpecState
+from verifier_service.spec_decode.prediction import Prediction
 from verifier_service.tracing import Arrival, RequestTracer
 
 FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
@@ -62,7 +63,8 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Constrained | None
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens,
                                 parsed.stopping.include_stop_str, parsed.skip_special_tokens),
-        generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority)
+        generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority,
+        prediction=Prediction(parsed.prediction) if parsed.prediction else None)
 
 
 async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Constrained | None:

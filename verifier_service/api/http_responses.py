@@ -60,6 +60,8 @@ def speculation(seqs: list[Sequence]) -> dict[str, object]:
         "num_drafter_failures": sum(s.stats.num_drafter_failures for s in seqs),
         "drafter_wait_s": sum(s.stats.drafter_wait_s for s in seqs),
         "auto_disabled": any(s.spec.auto_disabled for s in seqs),
+        "accepted_prediction_tokens": sum(s.stats.accepted_prediction_tokens for s in seqs),
+        "rejected_prediction_tokens": sum(s.stats.rejected_prediction_tokens for s in seqs),
     }
 
 
@@ -68,14 +70,20 @@ def usage(seqs: list[Sequence], n: int, prompt_only: bool = False,
     """Each prompt counted once (the choices run prompt by prompt, n for each), every choice's output
     (none shown: none counted); OpenAI's prompt_tokens_details.cached_tokens: the prompts' tokens the
     prefix cache supplied (of each prompt's first choice); under a reasoning parser,
-    completion_tokens_details.reasoning_tokens: the outputs' tokens of thinking and its markers."""
+    completion_tokens_details.reasoning_tokens: the outputs' tokens of thinking and its markers; with a
+    prediction, its accepted_prediction_tokens and rejected_prediction_tokens (SpeculationStats')."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = 0 if prompt_only else sum(len(s.output_ids) for s in seqs)
     counts = token_counts(prompt, completion) | {
         "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in seqs[::n])}}
+    details: dict[str, int] = {}
     if reasoning is not None:
-        thought = sum(reasoning.thought_tokens(s.prompt_ids, s.output_ids) for s in seqs)
-        counts["completion_tokens_details"] = {"reasoning_tokens": thought}
+        details["reasoning_tokens"] = sum(reasoning.thought_tokens(s.prompt_ids, s.output_ids) for s in seqs)
+    if any(s.prediction is not None for s in seqs):
+        details["accepted_prediction_tokens"] = sum(s.stats.accepted_prediction_tokens for s in seqs)
+        details["rejected_prediction_tokens"] = sum(s.stats.rejected_prediction_tokens for s in seqs)
+    if details:
+        counts["completion_tokens_details"] = details
     return counts
 
 

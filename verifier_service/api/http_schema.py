@@ -121,6 +121,23 @@ class StructuredOutputs(_Body):
     _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS)
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class PredictedOutput(_Body):
+    """OpenAI's Predicted Outputs: text the answer is expected to largely repeat, which the verifier
+    drafts from (GenerationParams.prediction)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class GenerationBody(_Body):
     """What chat and completions share."""
 
@@ -164,6 +181,7 @@ class GenerationBody(_Body):
     priority: int = Field(0, ge=-INT32 - 1, le=INT32)
     # vLLM's: with --reasoning-parser, at most this many thinking tokens, then `</think>` (else a 400)
     thinking_token_budget: int | None = Field(None, ge=0, le=UINT32)
+    prediction: PredictedOutput | None = None  # OpenAI's; completions take it too
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     functions: Any = None
@@ -288,6 +306,8 @@ class GenerationBody(_Body):
         p.priority = self.priority
         if self.thinking_budget is not None:
             p.thinking_token_budget = self.thinking_budget
+        if self.prediction is not None:
+            p.prediction = self.prediction.text
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)
@@ -369,11 +389,6 @@ def _vllm_constraints(schema: dict[str, Any] | str | None, regex: str | None, ch
         found.append((f"{prefix}json_object", _json_schema({"type": "object"}, compact) if compact
                       else verifier_pb2.StructuredOutput(json_object=True)))
     return found
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
 
 
 class CalledFunction(_Body):

@@ -90,6 +90,7 @@ class ParsedRequest:
     skip_special_tokens: bool = True  # special tokens' text left out of the answer's
     priority: int = 0  # lower runs first (priority scheduling)
     thinking_budget: int | None = None  # most thinking tokens of a reasoning model (None: no limit)
+    prediction: list[int] = field(default_factory=list)  # its predicted output's tokens (none: [])
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -109,7 +110,22 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
                          _stopping(request, len(prompt_ids), limits), _speculation(request.speculation),
                          prompt_logprobs, _constraint(request),
                          not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority,
-                         _thinking_budget(request, limits.reasoning))
+                         _thinking_budget(request, limits.reasoning),
+                         _prediction(request.prediction, tokenizer, limits))
+
+
+def _prediction(text: str, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:
+    """The predicted output's tokens, as the model would write that text; refused where no output could
+    be that long."""
+    if not text:
+        return []
+    too_long = f"prediction is longer than the model's context of {limits.max_model_len} tokens"
+    if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
+        raise _invalid(too_long)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > limits.max_model_len:
+        raise _invalid(f"{too_long} ({len(ids)} tokens)")
+    return ids
 
 def _thinking_budget(request: verifier_pb2.GenerationParams, reasoning: Reasoning | None) -> int | None:
     """vLLM's thinking_token_budget, where it can be kept: once it is spent only `</think>` may follow, so

@@ -34,7 +34,9 @@ def stats_message(seq: Sequence) -> verifier_pb2.SpeculationStats:
         num_accepted_tokens=s.num_accepted_tokens, num_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
         mean_acceptance_length=s.mean_acceptance_length, acceptance_rate=s.acceptance_rate,
         num_drafter_failures=s.num_drafter_failures, auto_disabled=seq.spec.auto_disabled,
-        num_draft_nodes=s.num_draft_nodes, drafter_wait_s=s.drafter_wait_s)
+        num_draft_nodes=s.num_draft_nodes, drafter_wait_s=s.drafter_wait_s,
+        accepted_prediction_tokens=s.accepted_prediction_tokens,
+        rejected_prediction_tokens=s.rejected_prediction_tokens)
 
 
 def logprob_messages(logprobs: list[TokenLogprob]) -> list[verifier_pb2.TokenLogprob]:

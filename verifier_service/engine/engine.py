@@ -162,6 +162,7 @@ class Engine:
         if not plan.sequences:  # only cancelled requests were waiting: nothing to run
             return
         started = time.perf_counter()
+        _predict(plan)
         self._called = self._in_flight is not None or (self.drafter is not None and any(plan.draft_asks))
         self._receive_in_flight()
         reply = await self._draft(plan, price)
@@ -173,21 +174,35 @@ class Engine:
         self._commit(plan, new_tokens, reply)
 
     async def _draft(self, plan: StepPlan, price: StepPrice) -> DraftReply | None:
-        """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included):
-        fills in the plan's drafts to verify and its shadow drafts (asked for, not verified). Draft
-        tokens a request's structured-output constraint refuses could never be accepted: they are
-        cut, not verified.
+        """The plan's drafts to verify and its shadow drafts (asked for, not verified): a request's
+        prediction's where it gave one (_predict), else the drafter's. Draft tokens a request's
+        structured-output constraint refuses could never be accepted: they are cut, not verified.
+        Returns the drafter's reply waited for, None if none was."""
+        plan.drafts, plan.shadows, plan.parents = ([[] for _ in plan.decodes] for _ in range(3))
+        reply = await self._call(plan, price) if self.drafter is not None and any(plan.draft_asks) else None
+        if any(plan.predicted):
+            plan.drafts = [p[:k] if p else d for p, k, d in zip(plan.predicted, plan.draft_lens, plan.drafts)]
+            plan.shadows = [(p if k == 0 else []) if p else s
+                            for p, k, s in zip(plan.predicted, plan.draft_lens, plan.shadows)]
+            plan.parents = [[] if p else q for p, q in zip(plan.predicted, plan.parents)]
+        if any(s.grammar is not None or s.sampling.bans_tokens for s in plan.decodes):
+            plan.drafts, plan.parents = map(list, zip(*[
+                _cut_refused(s, d, p) for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
+        return reply
+
+    async def _call(self, plan: StepPlan, price: StepPrice) -> DraftReply | None:
+        """One PrepareDraftTokens call covering every decoding sequence (draft length 0 included).
 
         Where the drafter looks ahead (spec_decode/lookahead.py) and what is left of every drafting
         sequence's last chain covers its draft, the step verifies those and does not wait for its
         call: the answer arrives during the forward and is read at the next step. Returns the
         reply waited for, None if none was."""
+        assert self.drafter is not None
         none: list[list[int]] = [[] for _ in plan.decodes]
-        plan.drafts, plan.shadows, plan.parents = none, none, none
-        if self.drafter is None or not any(plan.draft_asks):
-            return None
-        # Token trees where the drafter drafts them: a tree's depth is its draft length.
-        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], plan.draft_lens, price)
+        # Token trees where the drafter drafts them: a tree's depth is its draft length (none for a
+        # sequence its prediction drafts for).
+        lens = [0 if p else k for p, k in zip(plan.predicted, plan.draft_lens)]
+        nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], lens, price)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
         ahead = self.drafter.looks_ahead and not any(nodes)
         asks = plan.draft_asks
@@ -211,9 +226,6 @@ class Engine:
             drafts, parents = reply.drafts, reply.parents or none
         plan.parents = parents
         plan.drafts = [d if p else d[:k] for d, p, k in zip(drafts, parents, plan.draft_lens)]
-        if any(s.grammar is not None or s.sampling.bans_tokens for s in plan.decodes):
-            plan.drafts, plan.parents = map(list, zip(*[
-                _cut_refused(s, d, p) for s, d, p in zip(plan.decodes, plan.drafts, plan.parents)]))
         plan.shadows = [d if k == 0 else [] for d, k in zip(drafts, plan.draft_lens)]
         return reply
 
@@ -288,6 +300,14 @@ class InFlight:
     call: DraftCall
     sequences: list[Sequence]
     bases: list[int]  # per sequence: its generated tokens when the call was sent
+
+
+def _predict(plan: StepPlan) -> None:
+    """Drafts from the requests' predictions (spec_decode/prediction.py), as long as the plan asks of
+    their sequences (a shadow's where it verifies none): those sequences ask the drafter for nothing."""
+    plan.predicted = [s.prediction.draft(s.output_ids, a) if s.prediction is not None and a else []
+                      for s, a in zip(plan.decodes, plan.draft_asks)]
+    plan.draft_asks = [0 if p else a for p, a in zip(plan.predicted, plan.draft_asks)]
 
 
 def _cut_refused(seq: Sequence, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:

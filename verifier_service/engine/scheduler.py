@@ -94,6 +94,9 @@ class StepPlan:
     shadows: list[list[int]] = field(default_factory=list)  # per decode, filled in by the engine
     # Per decode, filled in by the engine: its draft's token-tree parents ([] = a chain).
     parents: list[list[int]] = field(default_factory=list)
+    # Per decode, filled in by the engine: the draft its request's prediction gave ([] = none; then
+    # its draft, if any, is the drafter's).
+    predicted: list[list[int]] = field(default_factory=list)
     # Per sequence (prefills first), the emitted tokens' log-probabilities, None where not asked for;
     # filled in by the engine with the step's tokens.
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
@@ -294,12 +297,15 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        for seq, draft, parents, shadow, ask, tokens in zip(plan.decodes, plan.drafts, plan.tree_parents,
-                                                            plan.shadows, plan.draft_asks,
-                                                            new_tokens[len(plan.prefills):]):
+        predicted = plan.predicted or [[] for _ in plan.decodes]
+        for seq, draft, parents, shadow, ask, tokens, from_prediction in zip(
+                plan.decodes, plan.drafts, plan.tree_parents, plan.shadows, plan.draft_asks,
+                new_tokens[len(plan.prefills):], predicted):
             accepted = len(tokens) - 1
             depth = tree_verify.depth(draft, parents)
             seq.stats.record(depth, accepted, len(draft))
+            if from_prediction:
+                seq.stats.record_prediction(len(draft), accepted)
             self.policy.observe(seq.spec, depth, accepted)
             self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])

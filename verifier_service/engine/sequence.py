@@ -17,6 +17,7 @@ from verifier_service.engine.structured_output import Constrained
 from verifier_service.spec_decode.drafter_client import DeltaHistory
 from verifier_service.spec_decode.lookahead import Lookahead
 from verifier_service.spec_decode.policy import SpecState
+from verifier_service.spec_decode.prediction import Prediction
 
 
 class FinishReason(enum.Enum):
@@ -45,6 +46,9 @@ class SpecStats:
     num_drafter_failures: int = 0
     num_draft_nodes: int = 0  # draft tokens verified, every node of a tree counted
     drafter_wait_s: float = 0.0  # the time its steps spent on drafter calls (building one, waiting for it)
+    # Of draft tokens drafted from its prediction: verified and kept, verified and discarded.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def record(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
         """`drafted`: a chain's length or a tree's depth; `nodes`: a tree's size (None: a chain)."""
@@ -59,6 +63,11 @@ class SpecStats:
             self.num_accepted_tokens_per_pos.extend([0] * (drafted - len(self.num_accepted_tokens_per_pos)))
         for pos in range(accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+
+    def record_prediction(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens from the request's prediction, `accepted` of them kept."""
+        self.accepted_prediction_tokens += accepted
+        self.rejected_prediction_tokens += drafted - accepted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -103,6 +112,7 @@ class Sequence:
     slot: int | None = None  # its KV cache slot while it runs
     drafter_sync: DeltaHistory = field(default_factory=DeltaHistory)  # what the drafter was sent of it
     lookahead: Lookahead | None = None  # the drafter's last chain for it, kept for the next step
+    prediction: Prediction | None = None  # its request's predicted output, a draft source of its own
     stats: SpecStats = field(default_factory=SpecStats)
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)  # on the servers' loop
     finish_reason: FinishReason | None = None

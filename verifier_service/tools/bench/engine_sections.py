@@ -20,6 +20,10 @@
 - structured: the templated workload's JSON descriptions asked for free and held to a JSON schema
   (structured output), plain and with the remote n-gram drafter: decoding speed, tokens per step,
   whether each held answer is valid JSON of the schema, and whether speculation changed a token;
+- prediction: the grounded workload (a function given, asked back with a docstring) plain, with the
+  remote n-gram drafter, and with it and the function as the request's prediction (OpenAI's Predicted
+  Outputs): decoding speed and its ratio to plain's, tokens per step, the prediction's accepted and
+  rejected tokens, and whether any token changed;
 - priority: a short interactive request arriving while two long background streams hold every
   sequence slot, on a verifier serving in order of arrival and on one serving by priority (which
   preempts a background stream for it): its time to first token and to its end, the background
@@ -58,7 +62,8 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.tools.bench import logits_speed, sampling_speed, workloads
 from verifier_service.tools.local_services import LocalService, free_port, script
 
-SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "priority", "cuda-graphs", "logits", "sampling")
+SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "prediction", "priority", "cuda-graphs", "logits",
+            "sampling")
 IN_PROCESS = {"logits", "sampling"}  # sections that start no verifier
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
@@ -148,6 +153,8 @@ def _with_services(chosen: list[str], args: argparse.Namespace, tokenizer: PreTr
             results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
         if "structured" in chosen:
             results["structured"] = _structured(default, tokenizer, args)
+        if "prediction" in chosen:
+            results["prediction"] = _prediction(default, tokenizer, args)
         if "priority" in chosen:
             slots, priority_port = ("--max-num-seqs", "2"), free_port()
             results["priority"] = _priority(
@@ -378,6 +385,40 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
+# --- prediction -----------------------------------------------------------------------------------
+
+def _prediction(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
+    """Each grounded prompt three ways, one after another: plain, with the remote n-gram drafter, and with
+    it and the function given as the request's prediction, as a client that expects the answer to repeat
+    it sends. Each answer runs to its own end."""
+    functions = [function for _, function in workloads.grounded_functions(args.prompts)]
+    prompts = [workloads.chat_ids(workloads.GROUNDED_ASK + function, tokenizer) for function in functions]
+    systems = [("plain", False, False), ("remote n-gram", True, False), ("n-gram + prediction", True, True)]
+    client = Client(v.address)
+    client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
+    runs: dict[int, list[tuple[list[float], verifier_pb2.GenerationOutput]]] = {i: [] for i in range(len(systems))}
+    for prompt, function in zip(prompts, functions):
+        for i, (_, speculate, predict) in enumerate(systems):
+            runs[i].append(client.stream(prompt, args.max_new_tokens, speculate=speculate,
+                                         prediction=function if predict else "", until_eos=True))
+    client.close()
+    plain = runs[0]
+    rows = []
+    for i, (name, _, _) in enumerate(systems):
+        outs = [final for _, final in runs[i]]
+        steps = sum(o.stats.num_steps for o in outs)
+        rows.append({
+            "system": name, "tok_s": statistics.median(_decode_tok_s(a) for a, _ in runs[i]),
+            "speedup": statistics.median(_decode_tok_s(a) / _decode_tok_s(p) for (a, _), (p, _) in zip(runs[i], plain)),
+            "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
+            "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
+            "accepted_prediction": sum(o.stats.accepted_prediction_tokens for o in outs),
+            "rejected_prediction": sum(o.stats.rejected_prediction_tokens for o in outs),
+            "identical_to_plain": sum(list(o.token_ids) == list(p.token_ids) for o, (_, p) in zip(outs, plain)),
+            "prompts": len(outs)})
+    return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
+
+
 # --- priority -------------------------------------------------------------------------------------
 
 def _priority(fcfs: LocalService, by_priority: LocalService, metrics_port: int,
@@ -470,16 +511,17 @@ class Client:
         self._stub = verifier_pb2_grpc.VerifierServiceStub(self._channel)
 
     def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None,
-               structured: verifier_pb2.StructuredOutput | None = None, priority: int = 0
-               ) -> tuple[list[float], verifier_pb2.GenerationOutput]:
+               structured: verifier_pb2.StructuredOutput | None = None, priority: int = 0, prediction: str = "",
+               until_eos: bool = False) -> tuple[list[float], verifier_pb2.GenerationOutput]:
         """Arrival times (appended to `arrivals` as tokens come, if given) and the final output. The
-        end-of-sequence token is ignored (every request runs its length) unless a structured output,
-        whose end it is, is asked for."""
+        end-of-sequence token is ignored (every request runs its length) unless `until_eos` or a structured
+        output, whose end it is, is asked for."""
         request = verifier_pb2.GenerateStreamRequest(params=verifier_pb2.GenerationParams(
             token_ids=verifier_pb2.TokenIds(ids=ids), sampling=verifier_pb2.SamplingParams(temperature=0.0),
-            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=structured is None),
+            stopping=verifier_pb2.StoppingCriteria(max_new_tokens=max_new_tokens,
+                                                   ignore_eos=structured is None and not until_eos),
             speculation=verifier_pb2.SpeculationOverrides(disable=not speculate), structured_output=structured,
-            priority=priority))
+            priority=priority, prediction=prediction))
         arrivals = [] if arrivals is None else arrivals
         tokens: list[int] = []
         final = verifier_pb2.GenerationOutput()
@@ -531,6 +573,18 @@ def _print(results: dict) -> None:
             print(f"{r['output']:<13}{r['speculation']:<15}{r['tok_s']:>7.1f}{r['tokens_per_step']:>13.2f}"
                   f"{r['mean_tokens']:>8.0f}{valid:>12}{r['finished']:>7}{r['identical_to_plain']:>8}/{r['prompts']}")
         print("identical: equal to the same output plain; ended: stopped by itself, not by max_new_tokens")
+    if "prediction" in results:
+        pd = results["prediction"]
+        print(f"\nPredicted outputs: {pd['prompts']} grounded prompts (a function, asked back with a docstring), the "
+              f"function as the prediction (decode tok/s and its ratio to plain's: medians over prompts)")
+        print(f"{'system':<22}{'tok/s':>7}{'x plain':>9}{'tokens/step':>13}{'tokens':>8}{'accepted':>10}"
+              f"{'rejected':>10}{'identical':>11}")
+        for r in pd["rows"]:
+            print(f"{r['system']:<22}{r['tok_s']:>7.1f}{r['speedup']:>8.2f}x{r['tokens_per_step']:>13.2f}"
+                  f"{r['mean_tokens']:>8.0f}{r['accepted_prediction']:>10}{r['rejected_prediction']:>10}"
+                  f"{r['identical_to_plain']:>8}/{r['prompts']}")
+        print("accepted, rejected: the prediction's draft tokens verified and kept, and verified and discarded "
+              "(OpenAI's usage counts); identical: equal to the same output plain")
     if "priority" in results:
         pr = results["priority"]
         print(f"\nA 32-token request (priority 0) while two {pr['background_tokens']}-token streams (priority 1) "

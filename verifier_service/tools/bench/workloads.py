@@ -43,14 +43,19 @@ def _strip_docstring(prompt: str) -> str:
     return re.sub(r'\n(\s*)("""|\'\'\')(.*?)\2', "", prompt, count=1, flags=re.S)
 
 
+GROUNDED_ASK = ("Add a docstring to this Python function. Keep the signature and the body exactly as they are "
+                "and reply with the complete function.\n\n")
+
+
+def grounded_functions(count: int) -> list[tuple[str, str]]:
+    """(task id, function without its docstring) of HumanEval's first `count` problems."""
+    return [(p["task_id"], _strip_docstring(p["prompt"]).rstrip() + "\n" + p["canonical_solution"].rstrip())
+            for p in _humaneval()[:count]]
+
+
 def grounded(count: int) -> list[tuple[str, str]]:
     """Answers that copy the prompt: give a HumanEval function, ask for it back with a docstring."""
-    out = []
-    for p in _humaneval()[:count]:
-        function = _strip_docstring(p["prompt"]).rstrip() + "\n" + p["canonical_solution"].rstrip()
-        out.append((p["task_id"], "Add a docstring to this Python function. Keep the signature and the body "
-                                  "exactly as they are and reply with the complete function.\n\n" + function))
-    return out
+    return [(task, GROUNDED_ASK + function) for task, function in grounded_functions(count)]
 
 
 def code(count: int) -> list[tuple[str, str]]:
