@@ -46,6 +46,13 @@ def test_each_flag_sets_the_field_it_names() -> None:
     assert not plain.stopping.HasField("max_new_tokens")
 
 
+def test_a_prediction_file_is_sent_as_the_prediction(tmp_path) -> None:  # noqa: ANN001
+    predicted = tmp_path / "predicted.txt"
+    predicted.write_text("the lazy dog and the quick brown fox\n")
+    assert cli.build_params(parse("--prediction", str(predicted))).prediction == predicted.read_text()
+    assert not cli.build_params(parse()).prediction
+
+
 @pytest.mark.parametrize(("flag", "value", "words"), [
     ("--max-draft-len", "-1", "must be within [0, 4294967295], not -1"),
     ("--max-new-tokens", "-1", "must be within [0, 4294967295], not -1"),

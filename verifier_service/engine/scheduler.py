@@ -297,7 +297,7 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        predicted = plan.predicted or [[] for _ in plan.decodes]
+        predicted = [bool(d) for d in plan.predicted] or [False] * len(plan.decodes)
         for seq, draft, parents, shadow, ask, tokens, from_prediction in zip(
                 plan.decodes, plan.drafts, plan.tree_parents, plan.shadows, plan.draft_asks,
                 new_tokens[len(plan.prefills):], predicted):
@@ -306,7 +306,7 @@ class Scheduler:
             seq.stats.record(depth, accepted, len(draft))
             if from_prediction:
                 seq.stats.record_prediction(len(draft), accepted)
-            self.policy.observe(seq.spec, depth, accepted)
+            self.policy.observe(seq.spec, depth, accepted, by_drafter=not from_prediction)
             self.policy.observe_tree(seq.spec, draft, parents, tokens)
             self.policy.observe_shadow(seq.spec, shadow, tokens[0])
             self.policy.observe_answer(seq.spec, ask, draft or shadow)

@@ -144,10 +144,11 @@ class SpeculationPolicy:
                 return 0
         return max(0, min(k, room))
 
-    def observe(self, state: SpecState, drafted: int, accepted: int) -> None:
-        """A verified draft: `accepted` of its `drafted` tokens were kept."""
+    def observe(self, state: SpecState, drafted: int, accepted: int, by_drafter: bool = True) -> None:
+        """A verified draft: `accepted` of its `drafted` tokens were kept. `by_drafter` false: the draft was
+        the request's prediction's, and the drafter, asked for none, answered none."""
         if not state.steps_unasked:  # feedback on the answer to the last call asked for this sequence
-            state.last_num_drafted, state.last_num_accepted = drafted, accepted
+            state.last_num_drafted, state.last_num_accepted = (drafted, accepted) if by_drafter else (0, 0)
         if self.planner is not None and not state.node_budget:  # a tree: observe_tree
             state.acceptance.observe(drafted, accepted)
         if drafted:

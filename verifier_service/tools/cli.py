@@ -49,6 +49,9 @@ def build_params(args: argparse.Namespace) -> verifier_pb2.GenerationParams:
         params.structured_output.regex = args.regex
     elif args.choice:
         params.structured_output.choice.choices.extend(args.choice)
+    if args.prediction is not None:
+        with open(args.prediction, encoding="utf-8") as f:
+            params.prediction = f.read()
     if args.raw:
         params.prompt = args.prompt
     else:
@@ -91,7 +94,9 @@ def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
     return (f"steps={stats.num_steps} drafts={stats.num_drafts} draft_tokens={stats.num_draft_tokens} "
             f"draft_nodes={stats.num_draft_nodes} "
             f"accepted={stats.num_accepted_tokens} mean_acceptance_length={stats.mean_acceptance_length:.2f} "
-            f"acceptance_rate={stats.acceptance_rate:.2f} per_position={list(stats.num_accepted_tokens_per_pos)}")
+            f"acceptance_rate={stats.acceptance_rate:.2f} prediction_accepted={stats.accepted_prediction_tokens} "
+            f"prediction_rejected={stats.rejected_prediction_tokens} "
+            f"per_position={list(stats.num_accepted_tokens_per_pos)}")
 
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
@@ -180,6 +185,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     form.add_argument("--json", action="store_true", help="answer with a JSON object")
     form.add_argument("--regex", help="answer with text this regular expression matches whole")
     form.add_argument("--choice", action="append", help="answer with exactly one of these (repeatable)")
+    p.add_argument("--prediction", metavar="FILE", help="text the answer is expected to largely repeat (OpenAI's "
+                   "Predicted Outputs, e.g. a file to be rewritten with a few changes): the verifier drafts from it")
     p.add_argument("--timeout", type=float, default=600.0)
     s = p.add_argument_group("security")
     s.add_argument("--tls", action="store_true", help="connect over TLS, verifying with the system's CA roots")

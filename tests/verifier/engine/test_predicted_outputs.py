@@ -4,12 +4,14 @@ seeded-sampled, whatever the prediction: the output's own text (which the random
 tokenize back to), that text edited, or unrelated text; alone or beside requests without one; with an
 in-process or a remote drafter. A prediction the output follows (a scripted model writes a text that tokenizes
 back to itself) drafts whole steps, nearly all of it accepted, and finds its way back after edits; the drafter
-is asked for nothing while it drafts. With speculation off nothing is drafted. Its counts are in the stats."""
+is asked for nothing while it drafts, and it drafts while the drafter is down. With speculation off nothing is
+drafted. Its counts are in the stats."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 
 import grpc
 import pytest
@@ -115,10 +117,31 @@ def test_the_drafter_is_asked_nothing_while_the_prediction_drafts() -> None:
                     functools.partial(generate, v, [text_chain()[1]])], spy)
                 assert ids(got) == expected and ids(beside) == list(text_chain()[2:N + 2])
                 asked: dict[str, int] = {}
+                fed_back: dict[str, int] = {}  # the feedback on the drafter's drafts: it drafted none for it
                 for request in spy.prepare_requests:
                     for s in request.sequences:
                         asked[s.request_id] = asked.get(s.request_id, 0) + s.draft_len
+                        fed_back[s.request_id] = fed_back.get(s.request_id, 0) + s.last_num_drafted
                 assert sorted(asked.values())[0] == 0 < sorted(asked.values())[1] and len(asked) == 2
+                predicted = min(asked, key=asked.get)
+                assert fed_back[predicted] == 0
+
+    asyncio.run(main())
+
+
+def test_a_prediction_drafts_while_the_drafter_is_down() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    expected = list(text_chain()[1:N + 1])
+
+    async def main() -> None:
+        spec = spec_config("USER_PROVIDED", 8, drafter_target=f"127.0.0.1:{port}", deadline_ms=500)
+        async with run_verifier(spec, model=scripted_model(list(text_chain()))) as v:
+            without = await generate(v, [text_chain()[0]])
+            got = await generate(v, [text_chain()[0]], text(expected))
+            assert ids(without) == ids(got) == expected and without.output.stats.num_accepted_tokens == 0
+            assert got.output.stats.accepted_prediction_tokens >= N - 8
 
     asyncio.run(main())
 
