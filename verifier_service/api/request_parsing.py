@@ -127,6 +127,7 @@ def _prediction(text: str, tokenizer: PreTrainedTokenizerBase, limits: Limits) -
         raise _invalid(f"{too_long} ({len(ids)} tokens)")
     return ids
 
+
 def _thinking_budget(request: verifier_pb2.GenerationParams, reasoning: Reasoning | None) -> int | None:
     """vLLM's thinking_token_budget, where it can be kept: once it is spent only `</think>` may follow, so
     nothing else the request asks may rule that token out."""
