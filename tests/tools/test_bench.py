@@ -238,7 +238,7 @@ def test_bench_draft_model_figures_with_and_without_drafting_ahead(tmp_path: Pat
     assert "== draft model" in done.stdout
 
 
-@pytest.mark.timeout(600)  # seven verifiers start one after another
+@pytest.mark.timeout(600)  # eight verifiers start one after another
 def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_structured_prediction_priority_graphs(
         tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
@@ -270,9 +270,11 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
     # The function as its answer's prediction (the random model's answer does not follow it: test_predicted_outputs.py
     # has one that does).
     prediction = report["prediction"]["rows"]
-    assert [r["system"] for r in prediction] == ["plain", "remote n-gram", "n-gram + prediction"]
+    assert [r["system"] for r in prediction] == ["plain", "remote n-gram", "n-gram + prediction", "drafter down",
+                                                 "drafter down + prediction"]
     assert all(r["identical_to_plain"] == r["prompts"] == 2 and r["tok_s"] > 0 for r in prediction)
-    assert all(r["accepted_prediction"] == r["rejected_prediction"] == 0 for r in prediction[:2])
+    assert all(r["accepted_prediction"] == r["rejected_prediction"] == 0 for r in prediction[:2] + prediction[3:4])
+    assert prediction[3]["tokens_per_step"] == 1.0  # nothing drafted with the drafter down and no prediction
     assert "Predicted outputs: 2 grounded prompts" in done.stdout
     priority = report["priority"]  # greedy: the preempted background streams' outputs are fcfs's
     assert [r["policy"] for r in priority["rows"]] == ["fcfs", "priority"] and priority["identical"]

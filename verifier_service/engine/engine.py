@@ -163,7 +163,7 @@ class Engine:
             return
         started = time.perf_counter()
         _predict(plan)
-        self._called = self._in_flight is not None or (self.drafter is not None and any(plan.draft_asks))
+        self._called = self._in_flight is not None or (self.drafter is not None and any(plan.drafter_asks))
         self._receive_in_flight()
         reply = await self._draft(plan, price)
         self._drafter_s = time.perf_counter() - started
@@ -179,7 +179,7 @@ class Engine:
         structured-output constraint refuses could never be accepted: they are cut, not verified.
         Returns the drafter's reply waited for, None if none was."""
         plan.drafts, plan.shadows, plan.parents = ([[] for _ in plan.decodes] for _ in range(3))
-        reply = await self._call(plan, price) if self.drafter is not None and any(plan.draft_asks) else None
+        reply = await self._call(plan, price) if self.drafter is not None and any(plan.drafter_asks) else None
         if any(plan.predicted):
             plan.drafts = [p[:k] if p else d for p, k, d in zip(plan.predicted, plan.draft_lens, plan.drafts)]
             plan.shadows = [(p if k == 0 else []) if p else s
@@ -205,7 +205,7 @@ class Engine:
         nodes = (self.scheduler.policy.plan_nodes([s.spec for s in plan.decodes], lens, price)
                  if self.drafter.supports_trees else [0] * len(plan.decodes))
         ahead = self.drafter.looks_ahead and not any(nodes)
-        asks = plan.draft_asks
+        asks = plan.drafter_asks
         if ahead:
             rooms = [s.draft_room(self.scheduler.max_model_len) for s in plan.decodes]
             asks = [max(a, lookahead.ask(k, room)) if a else 0 for a, k, room in zip(asks, plan.draft_lens, rooms)]
@@ -304,10 +304,10 @@ class InFlight:
 
 def _predict(plan: StepPlan) -> None:
     """Drafts from the requests' predictions (spec_decode/prediction.py), as long as the plan asks of
-    their sequences (a shadow's where it verifies none): those sequences ask the drafter for nothing."""
+    their sequences (a shadow's where it verifies none): those sequences ask the drafter for nothing
+    (StepPlan.drafter_asks)."""
     plan.predicted = [s.prediction.draft(s.output_ids, a) if s.prediction is not None and a else []
                       for s, a in zip(plan.decodes, plan.draft_asks)]
-    plan.draft_asks = [0 if p else a for p, a in zip(plan.predicted, plan.draft_asks)]
 
 
 def _cut_refused(seq: Sequence, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:

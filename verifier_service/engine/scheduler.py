@@ -112,6 +112,12 @@ class StepPlan:
         self.chunks = self.chunks or [len(s.prefill_ids) - s.num_prefilled for s in self.prefills]
 
     @property
+    def drafter_asks(self) -> list[int]:
+        """Per decode: draft tokens to ask the drafter for (draft_asks), none where its request's prediction
+        drafts (`predicted`). The planner still counts those asks as answered by the prediction."""
+        return [0 if p else a for p, a in zip(self.predicted or [[]] * len(self.decodes), self.draft_asks)]
+
+    @property
     def finishing(self) -> list[bool]:
         """Per prefill: does its chunk end the prompt (so it yields the first token)? A recompute's
         last chunk yields none: its next token comes from its next decode row."""

@@ -22,8 +22,9 @@
   whether each held answer is valid JSON of the schema, and whether speculation changed a token;
 - prediction: the grounded workload (a function given, asked back with a docstring) plain, with the
   remote n-gram drafter, and with it and the function as the request's prediction (OpenAI's Predicted
-  Outputs): decoding speed and its ratio to plain's, tokens per step, the prediction's accepted and
-  rejected tokens, and whether any token changed;
+  Outputs), then on a verifier whose drafter is down, without and with the prediction: decoding speed and
+  its ratio to plain's, tokens per step, the prediction's accepted and rejected tokens, and whether any
+  token changed;
 - priority: a short interactive request arriving while two long background streams hold every
   sequence slot, on a verifier serving in order of arrival and on one serving by priority (which
   preempts a background stream for it): its time to first token and to its end, the background
@@ -36,7 +37,8 @@
   (sampling_speed.py).
 
 Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
-prefix caching, eager, and two sequence slots in order of arrival and by priority; one n-gram drafter
+prefix caching, a drafter that is down, eager, and two sequence slots in order of arrival and by priority;
+one n-gram drafter
 (with /metrics). Each section uses prompts of its own, so no cached prefix crosses from one section to
 another.
 """
@@ -153,8 +155,9 @@ def _with_services(chosen: list[str], args: argparse.Namespace, tokenizer: PreTr
             results["multi_turn"] = _multi_turn(default, uncached, tokenizer, args)
         if "structured" in chosen:
             results["structured"] = _structured(default, tokenizer, args)
-        if "prediction" in chosen:
-            results["prediction"] = _prediction(default, tokenizer, args)
+        if "prediction" in chosen:  # and a verifier whose drafter is down: nothing listens at its target
+            down = verifier("drafter-down", "--drafter-target", f"127.0.0.1:{free_port()}")
+            results["prediction"] = _prediction(default, down, tokenizer, args)
         if "priority" in chosen:
             slots, priority_port = ("--max-num-seqs", "2"), free_port()
             results["priority"] = _priority(
@@ -387,24 +390,30 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
 
 # --- prediction -----------------------------------------------------------------------------------
 
-def _prediction(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict:
-    """Each grounded prompt three ways, one after another: plain, with the remote n-gram drafter, and with
+def _prediction(v: LocalService, down: LocalService, tokenizer: PreTrainedTokenizerBase,
+                args: argparse.Namespace) -> dict:
+    """Each grounded prompt five ways, one after another: plain, with the remote n-gram drafter, and with
     it and the function given as the request's prediction, as a client that expects the answer to repeat
-    it sends. Each answer runs to its own end."""
+    it sends; then on a verifier whose drafter is down (`down`), without and with the prediction. Each
+    answer runs to its own end."""
     functions = [function for _, function in workloads.grounded_functions(args.prompts)]
     prompts = [workloads.chat_ids(workloads.GROUNDED_ASK + function, tokenizer) for function in functions]
-    systems = [("plain", False, False), ("remote n-gram", True, False), ("n-gram + prediction", True, True)]
-    client = Client(v.address)
-    client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
+    clients = {"up": Client(v.address), "down": Client(down.address)}
+    systems = [("plain", "up", False, False), ("remote n-gram", "up", True, False),
+               ("n-gram + prediction", "up", True, True), ("drafter down", "down", True, False),
+               ("drafter down + prediction", "down", True, True)]
+    for client in clients.values():
+        client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
     runs: dict[int, list[tuple[list[float], verifier_pb2.GenerationOutput]]] = {i: [] for i in range(len(systems))}
     for prompt, function in zip(prompts, functions):
-        for i, (_, speculate, predict) in enumerate(systems):
-            runs[i].append(client.stream(prompt, args.max_new_tokens, speculate=speculate,
-                                         prediction=function if predict else "", until_eos=True))
-    client.close()
+        for i, (_, where, speculate, predict) in enumerate(systems):
+            runs[i].append(clients[where].stream(prompt, args.max_new_tokens, speculate=speculate,
+                                                 prediction=function if predict else "", until_eos=True))
+    for client in clients.values():
+        client.close()
     plain = runs[0]
     rows = []
-    for i, (name, _, _) in enumerate(systems):
+    for i, (name, _, _, _) in enumerate(systems):
         outs = [final for _, final in runs[i]]
         steps = sum(o.stats.num_steps for o in outs)
         rows.append({
