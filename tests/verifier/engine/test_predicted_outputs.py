@@ -146,6 +146,39 @@ def test_a_prediction_drafts_while_the_drafter_is_down() -> None:
     asyncio.run(main())
 
 
+def test_the_planner_counts_the_predictions_drafts_as_answers_while_the_drafter_is_down() -> None:
+    """The adaptive planner learns, per request, how often its drafts come: a step whose draft the prediction
+    gave counts as answered, though the drafter (down here, so asked in vain after each edit) was asked for
+    none."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    expected = list(text_chain()[1:N + 1])
+    edits = text(expected).replace(" fox", " cat").replace(" forward", "").replace(" lazy", " very lazy")
+
+    async def main() -> None:
+        spec = spec_config("USER_PROVIDED", 8, drafter_target=f"127.0.0.1:{port}", deadline_ms=500,
+                           adaptiveDraftLen=True)
+        async with run_verifier(spec, model=scripted_model(list(text_chain()))) as v:
+            scheduler, rates = engine_of(v).scheduler, []  # (predicted, answered rate before, after) per step
+            update = scheduler.update
+
+            def spy(plan, new_tokens):  # noqa: ANN001, ANN202
+                before = [s.spec.acceptance.answered.value for s in plan.decodes]
+                finished = update(plan, new_tokens)
+                rates.extend((bool(p), b, s.spec.acceptance.answered.value)
+                             for p, b, s in zip(plan.predicted, before, plan.decodes))
+                return finished
+            scheduler.update = spy
+            got = await generate(v, [text_chain()[0]], edits)
+            assert ids(got) == expected and got.output.stats.accepted_prediction_tokens >= N // 2
+            predicted = [(b, a) for p, b, a in rates if p]
+            assert len(predicted) >= 3 and any(not p for p, _, _ in rates)  # the drafter was asked after an edit
+            assert all(a > b or a == b == 1.0 for b, a in predicted)  # each predicted step: answered
+
+    asyncio.run(main())
+
+
 def test_without_speculation_nothing_is_drafted_and_a_long_prediction_is_refused() -> None:
     prompt, ref = PROMPTS[0], list(cached_reference(tuple(PROMPTS[0]), N))
 
