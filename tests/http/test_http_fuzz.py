@@ -102,6 +102,8 @@ SAMPLING = {
     "prompt_logprobs": st.integers(0, 3),
     "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 200)),
     "thinking_token_budget": st.integers(0, 6),
+    "prediction": st.fixed_dictionaries({"type": st.sampled_from(["content", "content", "text"]), "content": st.one_of(
+        text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))}),
 }
 ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
     CHAT: {**SAMPLING, "messages": st.lists(openai_message, min_size=1, max_size=3),
