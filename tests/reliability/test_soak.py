@@ -7,7 +7,8 @@ each other, a reasoning model whose thinking budgets and constraints after the t
 behind a drafter that misbehaves at random (raises, answers past its deadline, sends
 out-of-vocabulary tokens, over-long drafts, invalid trees, too few drafts), and sends it a random
 mix of concurrent requests: shared prefixes, greedy and seeded sampling, penalties, stop tokens,
-min_new_tokens, logprobs, speculation disabled, streams cancelled midway. Every request that is
+min_new_tokens, logprobs, speculation disabled, predicted outputs (the plain answer, or it edited),
+streams cancelled midway. Every request that is
 not cancelled must get what a plain verifier gives it (the same tokens, or the same error code),
 and afterwards the engine holds nothing. Each feature has its own tests; this looks for their
 interactions.
@@ -23,6 +24,7 @@ import grpc
 import pytest
 from reliability_support import FIGURES, WAIT_S, idle
 from thinking_model import thinking_model, thinking_tokenizer
+from tiny_model import tiny_tokenizer
 from verifier_harness import VerifierHandle, run_verifier, spec_config, token_request
 from verifier_support import repetitive_prompt, serve_drafter, shared_model
 
@@ -170,6 +172,14 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
         async with run_verifier(spec_config(), **model) as plain:
             want = [(await outcome(plain, request))[0] for request in requests]
         oracle = {tuple(r.params.token_ids.ids): w for r, w in zip(requests, want) if isinstance(w, list)}
+        predicting = random.Random(seed + 1000)  # its own draws: the rounds' other choices stay as they were
+        tokenizer = thinking_tokenizer() if reasoning else tiny_tokenizer()
+        for request, w in zip(sent, want):
+            if isinstance(w, list) and w and predicting.random() < 0.3:  # the plain answer, or it edited
+                edit = [predicting.randrange(1, VOCAB) for _ in range(3)]
+                half = len(w) // 2
+                request.params.prediction = tokenizer.decode(w if predicting.random() < 0.5 else
+                                                             w[:half] + edit + w[half + 2:])
         drafter = ChaosDrafter(seed, fault_rate, oracle)
         async with serve_drafter(drafter) as d:
             spec = spec_config("USER_PROVIDED", k, drafter_target=f"127.0.0.1:{d.port}", deadline_ms=DEADLINE_MS)
