@@ -1,5 +1,6 @@
 """`splitspec generate`: each flag becomes the GenerationParams field it names, so the command's answer is a
-Generate call's with those fields; a number the field cannot hold is the command line's error, and a value the
+Generate call's with those fields; a number the field cannot hold, or a file that cannot be read, is the command
+line's error, and a value the
 verifier refuses is printed as its status, with exit code 1."""
 
 from __future__ import annotations
@@ -46,11 +47,14 @@ def test_each_flag_sets_the_field_it_names() -> None:
     assert not plain.stopping.HasField("max_new_tokens")
 
 
-def test_a_prediction_file_is_sent_as_the_prediction(tmp_path) -> None:  # noqa: ANN001
+def test_a_prediction_file_is_sent_as_the_prediction(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     predicted = tmp_path / "predicted.txt"
     predicted.write_text("the lazy dog and the quick brown fox\n")
     assert cli.build_params(parse("--prediction", str(predicted))).prediction == predicted.read_text()
     assert not cli.build_params(parse()).prediction
+    for flag in ("--prediction", "--json-schema"):  # a file that is not there: the command line's error
+        args = parse(flag, str(tmp_path / "missing"))
+        assert args.func(args) == 2 and "No such file or directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flag", "value", "words"), [

@@ -109,7 +109,11 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def generate(args: argparse.Namespace) -> int:
-    params = build_params(args)
+    try:
+        params = build_params(args)
+    except OSError as exc:  # --json-schema or --prediction names a file that cannot be read
+        print(f"splitspec: {exc}", file=sys.stderr)
+        return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("splitspec: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
