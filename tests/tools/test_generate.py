@@ -1,7 +1,6 @@
 """`splitspec generate`: each flag becomes the GenerationParams field it names, so the command's answer is a
 Generate call's with those fields; a number the field cannot hold, or a file that cannot be read, is the command
-line's error, and a value the
-verifier refuses is printed as its status, with exit code 1."""
+line's error, and a value the verifier refuses is printed as its status, with exit code 1."""
 
 from __future__ import annotations
 
