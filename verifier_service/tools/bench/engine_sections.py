@@ -104,6 +104,21 @@ def _decode_tok_s(arrivals: list[float]) -> float:
     return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
 
 
+Run = tuple[list[float], verifier_pb2.GenerationOutput]  # a request's token arrival times, and its output
+
+
+def _decode_figures(runs: list[Run], plain: list[Run]) -> dict:
+    """One system's figures over its prompts' runs: decode tok/s (median over prompts), tokens per step,
+    mean tokens, and how many outputs equal `plain`'s (the same prompts' runs, plain)."""
+    outs = [final for _, final in runs]
+    steps = sum(o.stats.num_steps for o in outs)
+    return {"tok_s": statistics.median(_decode_tok_s(a) for a, _ in runs),
+            "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
+            "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
+            "identical_to_plain": sum(list(o.token_ids) == list(p.token_ids) for o, (_, p) in zip(outs, plain)),
+            "prompts": len(outs)}
+
+
 def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: list[str],
         forward_s: Callable[[int], float], out: Path) -> dict:
     """Run the chosen sections; print their tables; write out/engine.json. `forward_s(n)`: the
@@ -365,7 +380,7 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     client = Client(v.address)
     client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
     client.stream(prompts[0][:32][::-1], 8, speculate=False, structured=schema)  # llguidance's vocabulary, once
-    runs: dict[int, list[tuple[list[float], verifier_pb2.GenerationOutput]]] = {i: [] for i in range(len(systems))}
+    runs: dict[int, list[Run]] = {i: [] for i in range(len(systems))}
     for prompt in prompts:
         for i, (_, form, speculate) in enumerate(systems):
             runs[i].append(client.stream(prompt, args.max_new_tokens, speculate=speculate, structured=form))
@@ -373,18 +388,12 @@ def _structured(v: LocalService, tokenizer: PreTrainedTokenizerBase, args: argpa
     rows = []
     for i, (form_name, form, speculate) in enumerate(systems):
         outs = [final for _, final in runs[i]]
-        plain = [final for _, final in runs[i - 1]] if speculate else outs
-        steps = sum(o.stats.num_steps for o in outs)
         rows.append({
             "output": form_name, "speculation": "remote n-gram" if speculate else "plain",
-            "tok_s": statistics.median(_decode_tok_s(a) for a, _ in runs[i]),
-            "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
-            "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
+            **_decode_figures(runs[i], runs[i - 1] if speculate else runs[i]),
             "valid_json": sum(_valid(tokenizer.decode(o.token_ids, skip_special_tokens=True)) for o in outs)
             if form is not None else None,
-            "finished": sum(o.finish_reason == verifier_pb2.FINISH_REASON_STOP for o in outs),
-            "identical_to_plain": sum(list(a.token_ids) == list(b.token_ids) for a, b in zip(outs, plain)),
-            "prompts": len(outs)})
+            "finished": sum(o.finish_reason == verifier_pb2.FINISH_REASON_STOP for o in outs)})
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
@@ -404,7 +413,7 @@ def _prediction(v: LocalService, down: LocalService, tokenizer: PreTrainedTokeni
                ("drafter down + prediction", "down", True, True)]
     for client in clients.values():
         client.stream(prompts[0][:32][::-1], 8, speculate=False)  # warm-up
-    runs: dict[int, list[tuple[list[float], verifier_pb2.GenerationOutput]]] = {i: [] for i in range(len(systems))}
+    runs: dict[int, list[Run]] = {i: [] for i in range(len(systems))}
     for prompt, function in zip(prompts, functions):
         for i, (_, where, speculate, predict) in enumerate(systems):
             runs[i].append(clients[where].stream(prompt, args.max_new_tokens, speculate=speculate,
@@ -415,16 +424,11 @@ def _prediction(v: LocalService, down: LocalService, tokenizer: PreTrainedTokeni
     rows = []
     for i, (name, _, _, _) in enumerate(systems):
         outs = [final for _, final in runs[i]]
-        steps = sum(o.stats.num_steps for o in outs)
         rows.append({
-            "system": name, "tok_s": statistics.median(_decode_tok_s(a) for a, _ in runs[i]),
+            "system": name, **_decode_figures(runs[i], plain),
             "speedup": statistics.median(_decode_tok_s(a) / _decode_tok_s(p) for (a, _), (p, _) in zip(runs[i], plain)),
-            "tokens_per_step": sum(len(o.token_ids) - 1 for o in outs) / steps if steps else 1.0,
-            "mean_tokens": statistics.mean(len(o.token_ids) for o in outs),
             "accepted_prediction": sum(o.stats.accepted_prediction_tokens for o in outs),
-            "rejected_prediction": sum(o.stats.rejected_prediction_tokens for o in outs),
-            "identical_to_plain": sum(list(o.token_ids) == list(p.token_ids) for o, (_, p) in zip(outs, plain)),
-            "prompts": len(outs)})
+            "rejected_prediction": sum(o.stats.rejected_prediction_tokens for o in outs)})
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
@@ -521,7 +525,7 @@ class Client:
 
     def stream(self, ids: list[int], max_new_tokens: int, speculate: bool, arrivals: list[float] | None = None,
                structured: verifier_pb2.StructuredOutput | None = None, priority: int = 0, prediction: str = "",
-               until_eos: bool = False) -> tuple[list[float], verifier_pb2.GenerationOutput]:
+               until_eos: bool = False) -> Run:
         """Arrival times (appended to `arrivals` as tokens come, if given) and the final output. The
         end-of-sequence token is ignored (every request runs its length) unless `until_eos` or a structured
         output, whose end it is, is asked for."""
