@@ -110,12 +110,13 @@ class StepPlan:
 
     def __post_init__(self) -> None:
         self.chunks = self.chunks or [len(s.prefill_ids) - s.num_prefilled for s in self.prefills]
+        self.predicted = self.predicted or [[] for _ in self.decodes]
 
     @property
     def drafter_asks(self) -> list[int]:
         """Per decode: draft tokens to ask the drafter for (draft_asks), none where its request's prediction
         drafts (`predicted`). The planner still counts those asks as answered by the prediction."""
-        return [0 if p else a for p, a in zip(self.predicted or [[]] * len(self.decodes), self.draft_asks)]
+        return [0 if p else a for p, a in zip(self.predicted, self.draft_asks)]
 
     @property
     def finishing(self) -> list[bool]:
@@ -303,10 +304,10 @@ class Scheduler:
 
         The rejected draft positions of a sequence's slot need no rollback: its valid length is
         its committed length, and the next step writes over them."""
-        predicted = [bool(d) for d in plan.predicted] or [False] * len(plan.decodes)
-        for seq, draft, parents, shadow, ask, tokens, from_prediction in zip(
+        for seq, draft, parents, shadow, ask, tokens, predicted in zip(
                 plan.decodes, plan.drafts, plan.tree_parents, plan.shadows, plan.draft_asks,
-                new_tokens[len(plan.prefills):], predicted):
+                new_tokens[len(plan.prefills):], plan.predicted):
+            from_prediction = bool(predicted)
             accepted = len(tokens) - 1
             depth = tree_verify.depth(draft, parents)
             seq.stats.record(depth, accepted, len(draft))
