@@ -126,6 +126,13 @@ class TextPart(_Body):
     text: str
 
 
+def text_of(content: str | list[TextPart] | None) -> str:
+    """A message's or a prediction's content as one text: its parts joined."""
+    if isinstance(content, list):
+        return "".join(part.text for part in content)
+    return content or ""
+
+
 class PredictedOutput(_Body):
     """OpenAI's Predicted Outputs: text the answer is expected to largely repeat, which the verifier
     drafts from (GenerationParams.prediction)."""
@@ -135,7 +142,7 @@ class PredictedOutput(_Body):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return text_of(self.content)
 
 
 class GenerationBody(_Body):
@@ -413,9 +420,7 @@ class ChatMessage(_Body):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+        return text_of(self.content)
 
     def message(self) -> verifier_pb2.ChatMessage:
         # OpenAI's newer "developer" role is what chat templates call "system".
