@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import socket
 
 import grpc
 import pytest
@@ -34,6 +33,7 @@ from verifier_support import (
 
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.tools.local_services import free_port
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:2]] + [
     tiny_tokenizer()(text)["input_ids"] for text in ("def add(a, b):\n    return a + b\n", "The quick brown fox.")]
@@ -130,9 +130,7 @@ def test_the_drafter_is_asked_nothing_while_the_prediction_drafts() -> None:
 
 
 def test_a_prediction_drafts_while_the_drafter_is_down() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     expected = list(text_chain()[1:N + 1])
 
     async def main() -> None:
@@ -150,9 +148,7 @@ def test_the_planner_counts_the_predictions_drafts_as_answers_while_the_drafter_
     """The adaptive planner learns, per request, how often its drafts come: a step whose draft the prediction
     gave counts as answered, though the drafter (down here, so asked in vain after each edit) was asked for
     none."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     expected = list(text_chain()[1:N + 1])
     edits = text(expected).replace(" fox", " cat").replace(" forward", "").replace(" lazy", " very lazy")
 
