@@ -138,6 +138,8 @@ class VerifierMetrics:
                                       "previous_response_id", registry=r)
         self.responses_store_bytes = Gauge(f"{p}responses_store_bytes", "Bytes the stored responses are charged "
                                            "(at most --responses-store-mb)", registry=r)
+        self.responses_in_background = Gauge(f"{p}responses_in_background", "Background responses running (not "
+                                             "yet stored)", registry=r)
         ProcessCollector(registry=r)
         self._drafter_seen = (0, 0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped, announced
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
@@ -166,10 +168,12 @@ class VerifierMetrics:
                 "adaptive draft lengths)", registry=self.registry)
             self.drafter_call_cost.set_function(call_cost)
 
-    def track_responses(self, stored: Callable[[], float], charged_bytes: Callable[[], float]) -> None:
-        """Read the response store's size at scrape time."""
+    def track_responses(self, stored: Callable[[], float], charged_bytes: Callable[[], float],
+                        in_background: Callable[[], float]) -> None:
+        """Read the response store's size, and how many background responses run, at scrape time."""
         self.responses_stored.set_function(stored)
         self.responses_store_bytes.set_function(charged_bytes)
+        self.responses_in_background.set_function(in_background)
 
     # --- engine -------------------------------------------------------------------------------------
 

@@ -280,7 +280,7 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.message.content.0.type", "input_text"),
-    ({"input": "hi", "background": True}, 400, "background", "not supported"),
+    ({"input": "hi", "max_tool_calls": 3}, 400, "max_tool_calls", "not supported"),
     ({"input": "hi", "truncation": "on"}, 400, "truncation", "'auto' or 'disabled'"),
     ({"input": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
     ({"input": "hi", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, 400,

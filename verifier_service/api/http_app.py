@@ -133,8 +133,12 @@ def build_app(state: HttpState) -> FastAPI:
         return await responses_route.respond(state, request)
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
-    async def get_response(response_id: str) -> JSONResponse:
-        return responses_route.retrieve(state, response_id)
+    async def get_response(response_id: str, request: Request) -> Response:
+        return responses_route.retrieve(state, response_id, request.query_params)
+
+    @app.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(authorize)])
+    async def cancel_response(response_id: str) -> JSONResponse:
+        return await responses_route.cancel(state, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
     async def get_input_items(response_id: str, request: Request) -> JSONResponse:
@@ -142,7 +146,7 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def delete_response(response_id: str) -> JSONResponse:
-        return responses_route.delete(state, response_id)
+        return await responses_route.delete(state, response_id)
 
     @app.post("/v1/messages", dependencies=[Depends(authorize_anthropic)])
     async def create_message(request: Request) -> Response:

@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
+from verifier_service.api.background_runs import BackgroundRuns
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import Choice
@@ -41,6 +42,7 @@ class HttpState:
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # the Responses API's, while they run
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -5,7 +5,8 @@ does. The socket is bound here first, so a taken port fails start-up with a
 ListenError (as the gRPC and metrics ports do) instead of uvicorn's exit, and port 0
 reports the bound port. uvicorn's own signal handling is off: SIGTERM belongs to
 api/server.py, which drains both fronts together (`stop`: /health answers 503 and
-new requests are refused while the requests in flight finish within the grace period).
+new requests are refused while the requests in flight, background responses included, finish within the
+grace period; background responses still running then end cancelled).
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ class HttpServer:
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         store = ResponseStore(responses_store_bytes)
-        if generations.metrics is not None:
-            generations.metrics.track_responses(lambda: len(store), lambda: store.used_bytes)
         state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
                           allowed_origins)
+        if generations.metrics is not None:
+            generations.metrics.track_responses(lambda: len(store), lambda: store.used_bytes,
+                                                lambda: len(state.background))
         config = uvicorn.Config(
             # log_config None: uvicorn's loggers go through the process's own handler and format (--log-format).
             build_app(state), lifespan="off", access_log=False, log_config=None, log_level="warning",
@@ -96,5 +98,6 @@ class HttpServer:
         within grace_s, then close."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.state.idle.wait(), grace_s)
+        await self.state.background.close()
         self._server.should_exit = True
         await asyncio.gather(self._task, return_exceptions=True)

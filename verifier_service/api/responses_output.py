@@ -7,7 +7,9 @@ OpenAI's, in its order: response.created and response.in_progress; per item outp
 its content (content_part.added, output_text.delta..., output_text.done, content_part.done; or
 function_call_arguments.delta..., function_call_arguments.done) and output_item.done; last,
 response.completed (response.incomplete where max_output_tokens cut the answer short), carrying the
-whole response, as a non-streamed request gets it. Each event has its sequence_number. Usage counts
+whole response, as a non-streamed request gets it. Each event has its sequence_number. A background
+response (background_runs.py) opens with response.created and response.queued, and its
+response.in_progress comes with its first tokens. Usage counts
 the prompt's tokens reused from the prefix cache as cached_tokens; the speculation stats ride under
 vLLM's names, as in chat responses.
 
@@ -48,8 +50,9 @@ def _applied(value: float) -> float:
 @dataclass
 class ResponseBuilder:
     """One response (of `seq`): its body, whole (`whole`) or as events (`opening`, `feed` per output,
-    `closing`, which leaves the finished body in `result`). `token` names a token as log-probabilities
-    show it; `stored`: whether it will be kept; `reasoning`: the server's --reasoning-parser."""
+    `closing`, which leaves the finished body in `result`; or `failed` or `cancelled`). `token` names a
+    token as log-probabilities show it; `stored`: whether it will be kept; `reasoning`: the server's
+    --reasoning-parser."""
 
     request: ResponsesRequest
     seq: Sequence
@@ -58,6 +61,7 @@ class ResponseBuilder:
     token: Callable[[int], str]
     stored: bool
     reasoning: Reasoning | None = None
+    background: bool = False  # run apart from the request (background_runs.py): it opens queued
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)  # the items so far
@@ -88,7 +92,8 @@ class ResponseBuilder:
         if self.tools.mode == "named":
             tool_choice = {"type": "function", "name": self.tools.name}
         body: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": self.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "model": self.model, "output": [dict(item) for item in self.output],
@@ -169,8 +174,15 @@ class ResponseBuilder:
         return event_sse(event)
 
     def opening(self) -> list[str]:
-        return [self._event("response.created", response=self.body("in_progress")),
-                self._event("response.in_progress", response=self.body("in_progress"))]
+        """The first events: created and in_progress; in the background, created and queued (`started`
+        follows when its first tokens come)."""
+        if self.background:
+            return [self._event("response.created", response=self.body("queued")),
+                    self._event("response.queued", response=self.body("queued"))]
+        return [self._event("response.created", response=self.body("in_progress")), *self.started()]
+
+    def started(self) -> list[str]:
+        return [self._event("response.in_progress", response=self.body("in_progress"))]
 
     def feed(self, out: Output) -> list[str]:
         """The events of one output of the sequence (the last one included)."""
@@ -278,7 +290,16 @@ class ResponseBuilder:
         return [*events, self._event(kind, response=self.result)]
 
     def failed(self, message: str) -> list[str]:
-        """The events of a response the engine failed after it started."""
-        body = self.body("failed") | {"error": {"code": "server_error", "message": message}}
+        """The events of a response the engine failed after it started (`result`: its body)."""
+        self.result = self.body("failed") | {"error": {"code": "server_error", "message": message}}
         return [self._event("error", code="server_error", message=message, param=None),
-                self._event("response.failed", response=body)]
+                self._event("response.failed", response=self.result)]
+
+    def cancelled(self) -> dict[str, Any]:
+        """The body of a background response cancelled (`result`): its output so far (the items it had
+        begun, incomplete), its usage."""
+        for item in self.output:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        self.result = self.body("cancelled", finished=True)
+        return self.result

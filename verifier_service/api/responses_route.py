@@ -1,7 +1,9 @@
 """The Responses API's routes: POST /v1/responses (the request served as the chat it describes,
-responses_schema.py; answered whole or as OpenAI's events, responses_output.py), and the stored
-responses (response_store.py) that GET and DELETE /v1/responses/{id} (and GET .../input_items) read
-and remove and that `previous_response_id` continues.
+responses_schema.py; answered whole or as OpenAI's events, responses_output.py, or run in the
+background, background_runs.py), and the stored responses (response_store.py) that GET and DELETE
+/v1/responses/{id} (and GET .../input_items) read and remove and that `previous_response_id`
+continues. GET also reads a background response while it runs, and streams its events again;
+POST .../cancel stops it.
 
 Under --reasoning-parser a response opens with its thinking as a reasoning item, and a stored
 conversation keeps that thinking with the answer, as a reasoning item sent back in `input` does (with
@@ -10,12 +12,15 @@ or without a parser: the thinking is the conversation's, for the template to ren
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.api.background_runs import BackgroundRun
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_errors import HttpError
 from verifier_service.api.http_requests import (
@@ -28,6 +33,7 @@ from verifier_service.api.http_requests import (
 )
 from verifier_service.api.http_responses import token_name
 from verifier_service.api.request_parsing import PromptTooLong
+from verifier_service.api.response_store import StoredResponse
 from verifier_service.api.responses_output import ResponseBuilder
 from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history, listed_item
 from verifier_service.tracing import Arrival
@@ -35,26 +41,79 @@ from verifier_service.tracing import Arrival
 log = logging.getLogger(__name__)
 
 
-def retrieve(state: HttpState, response_id: str) -> JSONResponse:
+def _found(state: HttpState, response_id: str) -> tuple[BackgroundRun | None, StoredResponse | None]:
+    """The response running in the background or (else) stored under that id; a 404 where neither is."""
+    run = state.background.get(response_id)
+    entry = state.responses.get(response_id) if run is None else None
+    if run is None and entry is None:
+        raise not_stored(response_id)
+    return run, entry
+
+
+def retrieve(state: HttpState, response_id: str, query: Mapping[str, str]) -> Response:
+    """The response as it stands (a background one's while it runs); with `stream=true`, a background
+    response's events after the one `starting_after` numbers (all by default), then each as it comes."""
+    run, entry = _found(state, response_id)
+    stream = query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise HttpError(400, f"stream must be true or false, not {stream!r}", param="stream")
+    if stream == "false":
+        return JSONResponse(run.body() if run is not None else entry.body)
+    asked = query.get("starting_after", "-1")
+    after = int(asked) if re.fullmatch(r"-?[0-9]+", asked) else -2
+    if after < -1:
+        raise HttpError(400, f"starting_after must be an event's sequence number, not {asked!r}",
+                        param="starting_after")
+    if run is not None:
+        return _streamed(run.follow(after))
+    if not entry.body.get("background"):
+        raise HttpError(400, f"response {response_id!r} was not run in the background: only a background "
+                             "response's events are kept to be streamed again", param="stream")
+    return _streamed(_replayed(entry.events[after + 1:]))
+
+
+async def _replayed(events: tuple[str, ...]) -> AsyncIterator[str]:
+    for event in events:
+        yield event
+
+
+def _streamed(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def cancel(state: HttpState, response_id: str) -> JSONResponse:
+    """POST /v1/responses/{id}/cancel: a background response stopped, with its output so far (cancelling it
+    again returns the same)."""
+    run = state.background.get(response_id)
+    if run is not None:
+        await state.background.cancel(run)
+        return JSONResponse(run.body())
     entry = state.responses.get(response_id)
     if entry is None:
         raise not_stored(response_id)
+    status = entry.body["status"]
+    if not entry.body.get("background"):
+        raise HttpError(400, f"response {response_id!r} was not run in the background: only a background "
+                             "response can be cancelled", param="response_id")
+    if status != "cancelled":
+        raise HttpError(400, f"response {response_id!r} has already ended ({status}): only a queued or "
+                             "in-progress response can be cancelled", param="response_id")
     return JSONResponse(entry.body)
 
 
 def input_items(state: HttpState, response_id: str, query: Mapping[str, str]) -> JSONResponse:
-    """OpenAI's list of a stored response's input items: `order` asc (as sent) or desc (the default),
-    `limit` (1-100, 20) of them after the item `after` names."""
-    entry = state.responses.get(response_id)
-    if entry is None:
-        raise not_stored(response_id)
+    """OpenAI's list of a stored (or running) response's input items: `order` asc (as sent) or desc (the
+    default), `limit` (1-100, 20) of them after the item `after` names."""
+    run, entry = _found(state, response_id)
+    listed = run.input_items if run is not None else entry.input_items
     asked, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
     if not asked.isdigit() or not 1 <= int(asked) <= 100:
         raise HttpError(400, f"limit must be a whole number within [1, 100], not {asked!r}", param="limit")
     limit = int(asked)
     if order not in ("asc", "desc"):
         raise HttpError(400, f"order must be asc or desc, not {order!r}", param="order")
-    items = list(entry.input_items) if order == "asc" else list(reversed(entry.input_items))
+    items = list(listed) if order == "asc" else list(reversed(listed))
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
@@ -65,7 +124,11 @@ def input_items(state: HttpState, response_id: str, query: Mapping[str, str]) ->
                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
-def delete(state: HttpState, response_id: str) -> JSONResponse:
+async def delete(state: HttpState, response_id: str) -> JSONResponse:
+    """A stored response removed; a background one still running is cancelled first."""
+    run = state.background.get(response_id)
+    if run is not None:
+        await state.background.cancel(run)
     if not state.responses.delete(response_id):
         raise not_stored(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -84,7 +147,15 @@ async def respond(state: HttpState, request: Request) -> Response:
     body = await read_body(state, request, ResponsesRequest)
     gen = state.generations
     rt, _ = refusals_as_errors(gen.check_ready)
+    if body.background and not (body.store and state.responses.enabled):
+        where = "send store true (the default)" if state.responses.enabled else \
+            "it is off here (--responses-store-mb 0)"
+        raise HttpError(400, f"a background response is read back from the response store: {where}",
+                        param="background")
     if body.previous_response_id is not None:
+        if state.background.get(body.previous_response_id) is not None:
+            raise HttpError(400, f"response {body.previous_response_id!r} is still running in the background: "
+                                 "continue it once it has ended", param="previous_response_id")
         previous = state.responses.get(body.previous_response_id)
         if previous is None:
             raise not_stored(body.previous_response_id, "previous_response_id")
@@ -96,16 +167,21 @@ async def respond(state: HttpState, request: Request) -> Response:
     seqs = await start_sequences(gen, body)
     builder = ResponseBuilder(body, seqs[0], body.model or state.names()[0], tools,
                               token_name(rt.tokenizer, body.return_tokens_as_token_ids),
-                              stored=body.store and state.responses.enabled, reasoning=rt.reasoning)
+                              stored=body.store and state.responses.enabled, reasoning=rt.reasoning,
+                              background=bool(body.background))
+    items = tuple(listed_item(item) for item in body.input_items()) if builder.stored else ()
+    if body.background:
+        run = await state.background.start(builder, items, gen.outputs(seqs[0], arrival),
+                                           lambda ended: _keep(state, builder, items, tuple(ended.events)),
+                                           state.request())
+        return _streamed(run.follow(-1)) if body.stream else JSONResponse(run.body())
     if body.stream:  # stored before the last event goes out: a follow-up may continue it at once
-        return StreamingResponse(stream_events(state, seqs[0], builder, arrival, lambda: _keep(state, builder)),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _streamed(stream_events(state, seqs[0], builder, arrival, lambda: _keep(state, builder, items)))
     choices = await collect_unless_gone(state, request, seqs, arrival)
     if choices is None:
         return Response(status_code=499)
     builder.whole(choices[0].joined())
-    _keep(state, builder)
+    _keep(state, builder, items)
     return JSONResponse(builder.result)
 
 
@@ -120,11 +196,13 @@ def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb
     return fits
 
 
-def _keep(state: HttpState, builder: ResponseBuilder) -> None:
-    """Store a finished response, with its conversation (its answer last), where it asked to be."""
+def _keep(state: HttpState, builder: ResponseBuilder, items: tuple[dict[str, Any], ...],
+          events: tuple[str, ...] = ()) -> None:
+    """Store a finished response, with its conversation (its answer last), its input `items` and (in the
+    background) its `events`, where it asked to be."""
     if not builder.stored or builder.result is None:
         return
     answer = chat_history(ITEMS.validate_python(builder.result["output"]))
-    items = tuple(listed_item(item) for item in builder.request.input_items())
-    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer), items):
+    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer), items,
+                               events):
         log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)

@@ -17,9 +17,9 @@ never its encrypted_content, which nothing here could read; with or without a re
 Logprobs are returned where `include` holds "message.output_text.logprobs" (with `top_logprobs`
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
 context. `reasoning.effort` reaches the chat template as chat's `reasoning_effort` does
-(reasoning_effort.py). Fields this server does not serve (background runs, reusable prompts,
-conversations, max_tool_calls) are refused unless neutral; vLLM's sampling fields (top_k, min_p,
-seed, stop, ...) are taken as in chat completions.
+(reasoning_effort.py); `background` runs it apart from the request (background_runs.py). Fields this
+server does not serve (reusable prompts, conversations, max_tool_calls) are refused unless neutral;
+vLLM's sampling fields (top_k, min_p, seed, stop, ...) are taken as in chat completions.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LOGPROBS = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_RESPONSES = {"background": False, "prompt": None, "conversation": None, "max_tool_calls": None,
+UNSUPPORTED_IN_RESPONSES = {"prompt": None, "conversation": None, "max_tool_calls": None,
                             "context_management": None,  # compaction: what the model sees would change
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 # `reasoning`'s: which earlier thinking the model sees is the chat template's to say, and one mode runs.
@@ -271,8 +271,8 @@ class ResponsesRequest(GenerationBody):
     # "auto": the conversation's earliest turns are left out until the chat fits the context (truncate()).
     truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: ReasoningConfig | None = None
+    background: bool | None = None  # run apart from the request, polled or streamed again (background_runs.py)
     # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
-    background: Any = None
     prompt: Any = None
     conversation: Any = None
     max_tool_calls: Any = None
