@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -201,5 +204,27 @@ def test_mistakes_are_refused_naming_them() -> None:
                 httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as c:
             await refused(await c.post("/v1/responses", json={**ask, "background": True}), 400, "background",
                           "--responses-store-mb 0")
+
+    asyncio.run(main())
+
+
+def test_the_background_example_runs_as_written() -> None:
+    """examples/responses/background.py, a real process with the official client: the text it reads in two
+    parts, before the stream it dropped and after its cursor, is the response's."""
+    example = Path(__file__).parents[2] / "examples" / "responses" / "background.py"
+
+    async def main() -> None:
+        async with http_verifier() as h:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(example), "--base-url", f"{h.base_url}/v1", "--input", PROMPT,
+                "--max-output-tokens", "150", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
+            assert process.returncode == 0, err.decode()
+            printed = out.decode()
+            assert re.search(r"^resumed after event 7: incomplete, 150 tokens; the text read in two parts is the "
+                             r"response's: True$", printed, re.MULTILINE), printed
+            assert re.search(r"^resp_\w+: (cancelled with \d+ tokens written|not cancelled: .*already ended)",
+                             printed, re.MULTILINE), printed
+            await wait_until(h.idle, "every sequence and the drafter's state freed")
 
     asyncio.run(main())
