@@ -38,7 +38,7 @@ def test_a_response_is_the_chat_it_describes_whole_and_streamed() -> None:
         async with http_verifier() as h:
             chat = await h.client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30)
             response = await h.client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=PROMPT,
-                                                       max_output_tokens=30)
+                                                       max_output_tokens=30, max_tool_calls=3)
             assert chat.choices[0].finish_reason == "length"
             assert message_text(response) == response.output_text == chat.choices[0].message.content
             assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
@@ -46,6 +46,7 @@ def test_a_response_is_the_chat_it_describes_whole_and_streamed() -> None:
             assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (
                 chat.usage.prompt_tokens, 30, chat.usage.total_tokens)
             assert response.instructions == INSTRUCTIONS and response.max_output_tokens == 30
+            assert response.max_tool_calls == 3  # OpenAI's built-in tools' bound: none run here, so echoed only
             spec = response.model_extra["speculation"]
             assert spec["num_drafts"] > 0  # the remote drafter drafted
 
@@ -280,7 +281,8 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.message.content.0.type", "input_text"),
-    ({"input": "hi", "max_tool_calls": 3}, 400, "max_tool_calls", "not supported"),
+    ({"input": "hi", "conversation": "conv_1"}, 400, "conversation", "not supported"),
+    ({"input": "hi", "max_tool_calls": -1}, 400, "max_tool_calls", "greater than or equal to 0"),
     ({"input": "hi", "truncation": "on"}, 400, "truncation", "'auto' or 'disabled'"),
     ({"input": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
     ({"input": "hi", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, 400,

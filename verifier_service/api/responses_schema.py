@@ -18,7 +18,8 @@ Logprobs are returned where `include` holds "message.output_text.logprobs" (with
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
 context. `reasoning.effort` reaches the chat template as chat's `reasoning_effort` does
 (reasoning_effort.py); `background` runs it apart from the request (background_runs.py). Fields this
-server does not serve (reusable prompts, conversations, max_tool_calls) are refused unless neutral;
+server does not serve (reusable prompts, conversations) are refused unless neutral; `max_tool_calls`
+bounds calls to OpenAI's built-in tools, of which none run here, so it is echoed and changes nothing;
 vLLM's sampling fields (top_k, min_p, seed, stop, ...) are taken as in chat completions.
 """
 
@@ -53,7 +54,7 @@ LOGPROBS = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_RESPONSES = {"prompt": None, "conversation": None, "max_tool_calls": None,
+UNSUPPORTED_IN_RESPONSES = {"prompt": None, "conversation": None,
                             "context_management": None,  # compaction: what the model sees would change
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 # `reasoning`'s: which earlier thinking the model sees is the chat template's to say, and one mode runs.
@@ -272,10 +273,10 @@ class ResponsesRequest(GenerationBody):
     truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: ReasoningConfig | None = None
     background: bool | None = None  # run apart from the request, polled or streamed again (background_runs.py)
+    max_tool_calls: int | None = Field(None, ge=0, le=INT32)  # built-in tools' (none here): echoed only
     # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
     prompt: Any = None
     conversation: Any = None
-    max_tool_calls: Any = None
     context_management: Any = None
 
     _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
