@@ -1,4 +1,4 @@
-"""`splitspec`: talk to a verifier (generate), or try the whole system locally (demo, bench)."""
+"""`splitspec`: talk to a verifier (generate, run-batch), or try the whole system locally (demo, bench)."""
 
 from __future__ import annotations
 
@@ -221,6 +221,8 @@ def exit_on_sigterm() -> None:
 # `demo` and `--help` do not need.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("verifier_service.tools.demo", "run a drafter and a verifier locally and compare with plain decoding"),
+    "run-batch": ("verifier_service.tools.run_batch",
+                  "answer a file of requests in OpenAI's batch format (JSONL) with a running verifier; resumable"),
     "bench": ("verifier_service.tools.bench.run",
               "side-by-side speed: plain, n-gram and suffix drafters (in-process and remote), transformers"),
     "bench-tp": ("verifier_service.tools.bench.tp",
