@@ -125,7 +125,8 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
                         st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": text}), max_size=1)})),
                     min_size=1, max_size=2)),
                 "instructions": st.one_of(st.none(), text), "max_output_tokens": st.integers(1, 8),
-                "store": st.booleans(), "text": st.just({"format": {"type": "json_object"}}),
+                "store": st.booleans(), "background": st.booleans(), "max_tool_calls": st.integers(0, 3),
+                "text": st.just({"format": {"type": "json_object"}}),
                 "top_logprobs": st.integers(0, 20), "reasoning": st.fixed_dictionaries({}, optional={
                     "effort": st.sampled_from(["none", "low", "high"]), "summary": st.sampled_from(["auto", None])})},
     MESSAGES: {"model": SAMPLING["model"], "max_tokens": st.integers(1, 8), "stream": st.booleans(),
