@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import openai
 import pytest
 import torch
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
@@ -508,6 +509,9 @@ def test_models_health_metrics() -> None:
             models = await h.client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
             assert models.data[0].model_extra["max_model_len"] == 256
+            assert await h.client.models.retrieve("tiny") == models.data[0]
+            with pytest.raises(openai.NotFoundError, match="'gpt-9' is not served here; served: tiny"):
+                await h.client.models.retrieve("gpt-9")
             async with __import__("httpx").AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
                 assert (await http.get("/health")).status_code == 200
                 await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)

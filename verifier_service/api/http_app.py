@@ -35,6 +35,7 @@ from verifier_service.api.http_requests import (
     HttpState,
     collect_unless_gone,
     merged_outputs,
+    not_served,
     read_body,
     refusals_as_errors,
     start_sequences,
@@ -110,15 +111,26 @@ def build_app(state: HttpState) -> FastAPI:
             raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
         return Response(generate_latest(state.generations.metrics.registry), media_type=TEXT_FORMAT)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> JSONResponse:
+    def model_cards() -> dict[str, dict[str, object]]:
+        """Each served name's model object, as GET /v1/models lists them."""
         rt = state.generations.runtime
         if rt is None:
             raise HttpError(503, "the model is still loading; retry shortly")
         created = int(time.time())
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "splitspec", "root": rt.model_name,
-             "max_model_len": rt.max_model_len} for name in state.names()]})
+        return {name: {"id": name, "object": "model", "created": created, "owned_by": "splitspec",
+                       "root": rt.model_name, "max_model_len": rt.max_model_len} for name in state.names()}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": list(model_cards().values())})
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
+    async def model(name: str) -> JSONResponse:
+        """OpenAI's retrieve (`client.models.retrieve`); a name may hold slashes, as hub ids do."""
+        cards = model_cards()
+        if name not in cards:
+            raise not_served(name, tuple(cards))
+        return JSONResponse(cards[name])
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(request: Request) -> Response:

@@ -94,9 +94,13 @@ async def read_body(state: HttpState, request: Request, schema: type[Body]) -> B
         raise from_validation(exc) from None
     names = state.names()
     if body.model is not None and names and body.model not in names:
-        raise HttpError(404, f"the model {body.model!r} is not served here; served: {', '.join(names)}",
-                        param="model", code="model_not_found")
+        raise not_served(body.model, names)
     return body
+
+
+def not_served(model: str, names: tuple[str, ...]) -> HttpError:
+    return HttpError(404, f"the model {model!r} is not served here; served: {', '.join(names)}", param="model",
+                     code="model_not_found")
 
 
 def refusals_as_errors(answer: Callable[[], T]) -> T:
