@@ -88,6 +88,8 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # Request traces (tracing.py): an OTLP/gRPC collector, e.g. http://otel-collector:4317; None: no traces.
     otlp_traces_endpoint: str | None = None
+    # The stats lines in the log (stats_log.py): every this many seconds while busy; 0: never.
+    log_stats_interval_s: float = 10.0
     # Memory for the Responses API's stored responses (api/response_store.py), least recently used
     # evicted first; 0 stores none.
     responses_store_mb: int = 64
@@ -132,6 +134,8 @@ class ServerSettings:
             raise ConfigError(f"kv_cache_memory_gb must be positive, not {self.kv_cache_memory_gb}")
         if not self.rank_timeout_s > 0:
             raise ConfigError(f"rank_timeout_s must be positive, not {self.rank_timeout_s}")
+        if self.log_stats_interval_s < 0:
+            raise ConfigError(f"log_stats_interval_s must be >= 0, not {self.log_stats_interval_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace_period_s must be >= 0, not {self.grace_period_s}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import grpc
+import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -282,10 +283,13 @@ def test_cancelled_stream_counts_as_abort():
 
 
 def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
+    """Without --metrics-port nothing is served; the registry is kept for the stats lines (stats_log.py) unless
+    they are off too."""
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as one, \
                 run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as two, \
-                run_verifier(spec_config("NGRAM", 4), model=shared_model()) as off:
+                run_verifier(spec_config("NGRAM", 4), model=shared_model(), log_stats_interval_s=0) as off, \
+                run_verifier(spec_config("NGRAM", 4), model=shared_model()) as logged:
             assert one.running.metrics_port != two.running.metrics_port
             await one.stub.Generate(token_request(repetitive_prompt(LOOPING_SEEDS[0]), 8), timeout=WAIT_S)
             await off.stub.Generate(token_request(repetitive_prompt(LOOPING_SEEDS[0]), 8), timeout=WAIT_S)
@@ -293,6 +297,9 @@ def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
             assert value(await scrape(two), "generation_tokens_total") == 0
             assert off.running.metrics_port is None and off.running.metrics is None
             assert engine_of(off).metrics is None
+            assert logged.running.metrics_port is None and engine_of(logged).metrics is logged.running.metrics
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{logged.running.http_port}") as http:
+                assert (await http.get("/metrics")).status_code == 404  # kept for the log, not served
             port = one.running.metrics_port
         assert one.running.metrics_port is None
         with pytest.raises(OSError):  # the endpoint closed with its server

@@ -46,7 +46,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
                  "reasoning_parser", "otlp_traces_endpoint", "generation_config",
-                 "responses_store_mb", "max_draft_nodes")
+                 "responses_store_mb", "max_draft_nodes", "log_stats_interval_s")
 
 
 def _http_port(value: str) -> int | None:
@@ -162,6 +162,10 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-port", dest="metrics_port", type=int, default=argparse.SUPPRESS,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port (logged); "
                         "unset: no metrics endpoint")
+    _setting(o, "log_stats_interval_s", "log throughput, load, speculation and drafter calls every S seconds "
+                                        "while busy (vLLM's stats lines); 0: never", type=float, metavar="S")
+    o.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0,
+                   default=argparse.SUPPRESS, help="no stats lines (vLLM's flag; --log-stats-interval-s 0)")
     _setting(o, "rank_timeout_s", "tensor parallelism: a rank silent this long in a step is taken as hung, and "
                                   "the verifier fails its requests (UNAVAILABLE) and exits non-zero", type=float)
     add_logging_flags(p)

@@ -107,7 +107,7 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics() -> Response:
-        if state.generations.metrics is None:
+        if not state.serve_metrics or state.generations.metrics is None:
             raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
         return Response(generate_latest(state.generations.metrics.registry), media_type=TEXT_FORMAT)
 

@@ -42,6 +42,7 @@ class HttpState:
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
+    serve_metrics: bool = False  # GET /metrics (with --metrics-port: the registry its port serves)
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # the Responses API's, while they run
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)

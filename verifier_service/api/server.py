@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.lifecycle import GrpcService, stop_on_signals, write_port_file
 from drafter_sdk.service.security import server_credentials as tls_server_credentials
-from verifier_service import builder
+from verifier_service import builder, stats_log
 from verifier_service.api import request_parsing
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_server import HttpServer
@@ -56,6 +56,7 @@ class RunningVerifier:
     generations: Generations
     settings: ServerSettings
     http: HttpServer | None = None
+    stats: asyncio.Task[None] | None = None  # the stats lines' task (stats_log.py), once the model is attached
 
     @property
     def port(self) -> int:
@@ -84,6 +85,8 @@ class RunningVerifier:
         the grace period, on both fronts at once."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
         self.generations.draining = True
+        if self.stats is not None:
+            self.stats.cancel()
         await asyncio.gather(self.service.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         if self.runtime is not None:
             await self.runtime.engine.stop()
@@ -106,7 +109,8 @@ async def start_server(settings: ServerSettings,
     """
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-    metrics = VerifierMetrics() if settings.metrics_port is not None else None
+    # The stats lines read the metrics, so they are kept for them too (served only with a metrics port).
+    metrics = VerifierMetrics() if settings.metrics_port is not None or settings.log_stats_interval_s else None
     tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
     generations = Generations(metrics, tracer)
     servicer = VerifierServicer(generations)
@@ -126,7 +130,8 @@ async def start_server(settings: ServerSettings,
                 max_body_bytes=settings.max_message_bytes, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                 tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names,
                 tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
-                allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20)
+                allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20,
+                serve_metrics=settings.metrics_port is not None)
         except BaseException:
             await service.stop(0)
             if tracer is not None:
@@ -145,6 +150,9 @@ async def attach_model(running: RunningVerifier, model: PreTrainedModel, tokeniz
                              defaults)
     rt.engine.start()
     running.generations.attach(rt)
+    if running.metrics is not None and running.settings.log_stats_interval_s:
+        running.stats = asyncio.get_running_loop().create_task(
+            stats_log.log_stats(running.metrics, running.settings.log_stats_interval_s), name="stats log")
     await running.service.set_serving(True)
     log.info("serving %s, speculation %s", model_name, mode_name(rt.settings.speculative.mode))
     return rt
