@@ -3,7 +3,7 @@
 queued, runs on apart from its request and, polled, ends with the same answer as a response served in the
 foreground (which is exact against plain decoding); its events stream again from any sequence number, the live
 ones as they come, after the client that started it has gone; cancelling it keeps its output so far and frees
-its sequence; mistakes are 400s and 404s naming them."""
+its sequence; a step that fails ends it failed, stored so; mistakes are 400s and 404s naming them."""
 
 from __future__ import annotations
 
@@ -174,6 +174,32 @@ def test_cancelling_keeps_the_output_so_far_and_frees_the_sequence() -> None:
                 await h.client.responses.cancel(foreground.id)
             with pytest.raises(openai.NotFoundError):
                 await h.client.responses.cancel("resp_nope")
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_the_background_response_and_is_stored_so() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            engine = h.v.running.runtime.engine
+            verify = engine._verify
+
+            def failing(plan):  # noqa: ANN001, ANN202 - the engine's own signature
+                if plan.decodes:  # the prompt is in: the next step fails
+                    del engine._verify
+                    raise RuntimeError("a fault injected into the decoding step")
+                return verify(plan)
+
+            engine._verify = failing
+            started = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=30,
+                                                      background=True)
+            failed = await ended(h, started.id)
+            assert failed.status == "failed" and failed.error.code == "server_error"
+            events = [e async for e in await h.client.responses.retrieve(started.id, stream=True)]
+            assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+            again = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=30)
+            assert again.status == "incomplete"  # the server still serves
+            await wait_until(h.idle, "every sequence and the drafter's state freed")
 
     asyncio.run(main())
 
