@@ -53,7 +53,8 @@ class _JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-                 "level": record.levelname, "logger": record.name, "message": record.getMessage(), **self._fields}
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage(), **self._fields,
+                 **getattr(record, "structured", {})}  # a record's own fields: extra={"structured": {...}}
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         if record.stack_info:

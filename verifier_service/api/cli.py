@@ -46,7 +46,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
                  "reasoning_parser", "otlp_traces_endpoint", "generation_config",
-                 "responses_store_mb", "max_draft_nodes", "log_stats_interval_s")
+                 "responses_store_mb", "max_draft_nodes", "log_stats_interval_s", "log_requests")
 
 
 def _http_port(value: str) -> int | None:
@@ -166,6 +166,10 @@ def parser() -> argparse.ArgumentParser:
                                         "while busy (vLLM's stats lines); 0: never", type=float, metavar="S")
     o.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0,
                    default=argparse.SUPPRESS, help="no stats lines (vLLM's flag; --log-stats-interval-s 0)")
+    o.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=argparse.SUPPRESS,
+                   help="log a line per request as it ends: its ids, tokens (cached included), queue time, time to "
+                        "first token, total, mean acceptance length, drafter wait; metadata only, never text "
+                        "(vLLM's flag; with --log-format json, every field of its trace span too)")
     _setting(o, "rank_timeout_s", "tensor parallelism: a rank silent this long in a step is taken as hung, and "
                                   "the verifier fails its requests (UNAVAILABLE) and exits non-zero", type=float)
     add_logging_flags(p)

@@ -10,6 +10,8 @@ The text relayed is the engine's: stop strings never leak and characters never s
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -30,7 +32,9 @@ from verifier_service.engine.structured_output import (
 from verifier_service.metrics import RequestTimer, VerifierMetrics
 from verifier_service.spec_decode.policy import SpecState
 from verifier_service.spec_decode.prediction import Prediction
-from verifier_service.tracing import Arrival, RequestTracer
+from verifier_service.tracing import Arrival, Attributes, RequestTracer, request_attributes
+
+log = logging.getLogger(__name__)
 
 FINISHED_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # metric label; else "abort"
 LOADING = "the model is still loading; retry shortly"
@@ -86,13 +90,27 @@ async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Constrained 
                          parsed.thinking_budget)
 
 
+def request_line(a: Attributes) -> str:
+    """A request that ended, as --enable-log-requests logs it (the whole of `a` goes along as the record's
+    structured fields, which --log-format json writes out)."""
+    seconds = {name: a.get(f"gen_ai.latency.{name}") for name in ("time_in_queue", "time_to_first_token", "e2e")}
+    queued, first, total = (f"{s:.3f} s" if s is not None else "-" for s in seconds.values())
+    return (f"request {a['gen_ai.request.id']} {a['splitspec.finish_reason']}: {a['gen_ai.usage.prompt_tokens']} "
+            f"prompt tokens ({a['splitspec.cached_prompt_tokens']} cached), {a['gen_ai.usage.completion_tokens']} "
+            f"generated; queued {queued}, first token {first}, total {total}; mean acceptance length "
+            f"{a['splitspec.speculation.mean_acceptance_length']:.2f}, drafter wait "
+            f"{a['splitspec.speculation.drafter_wait_s']:.3f} s")
+
+
 class Generations:
     """The runtime as both fronts see it: attached once the model is loaded, failed when a rank is
     lost, draining on shutdown."""
 
-    def __init__(self, metrics: VerifierMetrics | None = None, tracer: RequestTracer | None = None) -> None:
+    def __init__(self, metrics: VerifierMetrics | None = None, tracer: RequestTracer | None = None,
+                 log_requests: bool = False) -> None:
         self.metrics = metrics
         self.tracer = tracer  # --otlp-traces-endpoint: a span per request
+        self.log_requests = log_requests  # --enable-log-requests: a line per request as it ends
         self.runtime: Runtime | None = None
         self.limits: Limits | None = None
         self.failure: str | None = None  # set when a rank of a sharded model failed: nothing more is served
@@ -154,7 +172,8 @@ class Generations:
     async def outputs(self, seq: Sequence, arrival: Arrival | None = None) -> AsyncIterator[Output]:
         """The sequence's outputs as the engine emits them, empty ones skipped, until the one that
         finishes it. Leaving early (a client gone) cancels it: its KV slot and drafter state are
-        freed at the next step. Its metrics and its trace are recorded as it ends. Raises GenerationFailed."""
+        freed at the next step. Its metrics, its trace and its log line (--enable-log-requests) are recorded
+        as it ends. Raises GenerationFailed."""
         rt = self.runtime
         assert rt is not None
         arrival = arrival or Arrival()
@@ -176,5 +195,10 @@ class Generations:
         finally:
             rt.engine.cancel(seq)
             timer.finish(reason)
-            if self.tracer is not None:
-                self.tracer.record(seq, arrival, timer, reason, rt.model_name)
+            if self.tracer is not None or self.log_requests:
+                ended_at = time.perf_counter()
+                attributes = request_attributes(seq, arrival, timer, reason, rt.model_name, ended_at)
+                if self.tracer is not None:
+                    self.tracer.record(attributes, arrival, ended_at)
+                if self.log_requests:
+                    log.info("%s", request_line(attributes), extra={"structured": {"request": attributes}})

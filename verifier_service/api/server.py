@@ -112,7 +112,7 @@ async def start_server(settings: ServerSettings,
     # The stats lines read the metrics, so they are kept for them too (served only with a metrics port).
     metrics = VerifierMetrics() if settings.metrics_port is not None or settings.log_stats_interval_s else None
     tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
-    generations = Generations(metrics, tracer)
+    generations = Generations(metrics, tracer, settings.log_requests)
     servicer = VerifierServicer(generations)
     service = await GrpcService.start(
         SERVICE_NAME, lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
