@@ -78,7 +78,7 @@ def test_every_request_is_answered_once_as_it_is_answered_alone(tmp_path: Path) 
             assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
             assert unserved["status_code"] == 404 and "gpt-9" in unserved["body"]["error"]["message"]
             assert "11 requests (0 answered before, kept by --resume; 11 sent): 9 answered 200, 1 answered 400, " \
-                   "1 answered 404, 0 without an answer" in printed, printed
+                   "1 answered 404; 0 without an answer" in printed, printed
             assert "speculation: mean acceptance length" in printed  # the remote drafter drafted for the batch
             await wait_until(h.idle, "every sequence and the drafter's state freed")
 
@@ -86,12 +86,22 @@ def test_every_request_is_answered_once_as_it_is_answered_alone(tmp_path: Path) 
 
 
 def test_a_full_server_is_waited_for(tmp_path: Path) -> None:
-    """Two sequences fit (one running, one queued); eight sent at once: the rest are 429s, retried."""
+    """Two sequences fit (one running, one queued); eight sent at once: the rest are 429s. Not retried, they
+    are lines without an answer (exit status 1), which --resume sends again; retried, they are answered."""
     requests = [(f"chat-{i}", "/v1/chat/completions", {**CHAT, "max_tokens": 60}) for i in range(8)]
     source, output = batch_file(tmp_path / "in.jsonl", requests), tmp_path / "out.jsonl"
 
     async def main() -> None:
         async with http_verifier(max_num_seqs=1, max_queue_len=1) as h:
+            code, printed = await run_batch("-i", str(source), "-o", str(output), "--base-url", h.base_url,
+                                            "--concurrency", "8", "--max-retries", "0")
+            full = [line for line in answers(output).values() if line["response"]["status_code"] == 429]
+            assert code == 1 and full and f"; {len(full)} without an answer; 0 retries" in printed, printed
+            code, printed = await run_batch("-i", str(source), "-o", str(output), "--base-url", h.base_url,
+                                            "--concurrency", "8", "--max-retries", "100", "--resume")
+            assert code == 0, printed
+            assert f"({8 - len(full)} answered before, kept by --resume; {len(full)} sent)" in printed, printed
+            output.unlink()
             code, printed = await run_batch("-i", str(source), "-o", str(output), "--base-url", h.base_url,
                                             "--concurrency", "8", "--max-retries", "100")
             assert code == 0, printed
@@ -153,8 +163,9 @@ def test_a_batch_cut_short_resumes_without_sending_the_answered_again(tmp_path: 
                                             "--resume")
             assert code == 0, printed
             got = answers(output)
-            assert set(got) == {f"chat-{i}" for i in range(5)}
+            assert set(got) == {f"chat-{i}" for i in range(5)} | {"not-in-the-input"}  # nothing answered is lost
             assert got["chat-0"] == answered and got["chat-1"] == refused  # kept as they were, not sent again
+            assert got["not-in-the-input"] == gone
             for custom_id in ("chat-2", "chat-3", "chat-4"):
                 assert got[custom_id]["response"]["status_code"] == 200
             assert "5 requests (2 answered before, kept by --resume; 3 sent): 3 answered 200" in printed, printed

@@ -114,7 +114,10 @@ class BackgroundRuns:
                 log.exception("background response %s failed", builder.id)
                 run.add(builder.failed("the verifier failed to finish this response"))
             finally:
-                keep(run)
+                try:
+                    keep(run)
+                except Exception:  # not stored (GET answers 404), but its followers still see its end
+                    log.exception("background response %s could not be stored", builder.id)
                 del self._runs[builder.id]
                 run.add([])  # wakes its followers: it has ended
 

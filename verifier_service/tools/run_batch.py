@@ -15,8 +15,8 @@ match them by custom_id), each line flushed, so that a batch cut short (a crash,
 draining or behind a failing proxy (502-504), or out of reach is retried with growing pauses, up to
 `--max-retries` times; a request it refuses (400, 404...) is answered as it is, in its line. The exit
 status is 0 when every request has its answer and 1 when some could not get one (their lines carry an
-`error`; `--resume` sends them again). At the end a summary: answers by status, tokens, time, and the mean
-acceptance length the verifier reported over the batch.
+`error`, or the 429 or 5xx they got last; `--resume` sends them again). At the end a summary: answers by
+status, tokens, time, and the mean acceptance length the verifier reported over the batch.
 """
 
 from __future__ import annotations
@@ -104,25 +104,24 @@ def _mistake(item: object, seen: set[str]) -> str | None:
     return None
 
 
-def _final(line: str, wanted: set[str]) -> tuple[str, str] | None:
-    """(custom_id, line) of an output line that holds an answer to one of the `wanted` requests; None for
-    a line cut short, an error, a status worth retrying, or a request no longer in the input."""
+def _final(line: str) -> tuple[str, str] | None:
+    """(custom_id, line) of an output line that holds a final answer; None for a line cut short, an
+    error, or a status worth retrying."""
     try:
         answer = json.loads(line)
         custom_id, response = answer["custom_id"], answer["response"]
         final = response is not None and response["status_code"] not in RETRIED
     except (ValueError, KeyError, TypeError):
         return None
-    return (custom_id, line) if final and custom_id in wanted else None
+    return (custom_id, line) if final else None
 
 
-def kept_answers(output: Path, requests: list[BatchRequest]) -> dict[str, str]:
-    """--resume: the output's answers to the input's requests (custom_id -> its line), the file rewritten
-    with just those, so that a line cut short or an answer to retry does not stay beside its new one."""
+def kept_answers(output: Path) -> dict[str, str]:
+    """--resume: the output's final answers (custom_id -> its line), the file rewritten with just those, so
+    that a line cut short or an answer to retry does not stay beside its new one."""
     if not output.exists():
         return {}
-    wanted = {r.custom_id for r in requests}
-    kept = dict(filter(None, (_final(line.rstrip("\n"), wanted) for line in output.open(encoding="utf-8"))))
+    kept = dict(filter(None, (_final(line.rstrip("\n")) for line in output.open(encoding="utf-8"))))
     rewritten = output.with_name(output.name + ".resume")
     rewritten.write_text("".join(line + "\n" for line in kept.values()), encoding="utf-8")
     rewritten.replace(output)
@@ -147,8 +146,9 @@ def _answer(request: BatchRequest, reply: httpx.Response | None, error: str = ""
 
 @dataclass
 class Summary:
-    statuses: Counter[int] = field(default_factory=Counter)
-    unreachable: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)  # of the lines with a response
+    answered: int = 0  # final answers (not a status to retry)
+    unanswered: int = 0  # unreachable, or their last status one to retry
     retries: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -158,8 +158,10 @@ class Summary:
 
     def add(self, line: dict[str, Any]) -> None:
         response = line["response"]
+        final = response is not None and response["status_code"] not in RETRIED
+        self.answered += final
+        self.unanswered += not final
         if response is None:
-            self.unreachable += 1
             return
         self.statuses[response["status_code"]] += 1
         body = response["body"]
@@ -177,7 +179,7 @@ class Summary:
         answered = ", ".join(f"{n} answered {status}" for status, n in sorted(self.statuses.items()))
         sent = total - resumed
         lines = [f"{total} requests ({resumed} answered before, kept by --resume; {sent} sent): {answered or 'none'}"
-                 f", {self.unreachable} without an answer; {self.retries} retries; {seconds:.1f} s",
+                 f"; {self.unanswered} without an answer; {self.retries} retries; {seconds:.1f} s",
                  f"tokens: {self.prompt_tokens} prompt, {self.completion_tokens} completion "
                  f"({self.completion_tokens / seconds if seconds else 0.0:.1f} completion tokens/s)"]
         if self.drafts:
@@ -226,9 +228,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.output.resolve() == args.input.resolve():
             raise ValueError("the output file must not be the input file")
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout must be positive, not {args.timeout}")
         token = read_token(args.auth_token_file)
         requests = read_requests(args.input)
-        kept = kept_answers(args.output, requests) if args.resume else {}
+        kept = kept_answers(args.output) if args.resume else {}
         if not args.resume:
             args.output.write_text("", encoding="utf-8")
     except BatchFileError as exc:
@@ -240,17 +244,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"splitspec run-batch: {exc}", file=sys.stderr)
         return 2
     todo = [r for r in requests if r.custom_id not in kept]
+    resumed = len(requests) - len(todo)
     headers = {"authorization": f"Bearer {token}"} if token else {}
     summary, started = Summary(), time.perf_counter()
     try:
         asyncio.run(_run(args, todo, headers, summary))
     except KeyboardInterrupt:
-        print(f"splitspec run-batch: interrupted; {len(kept) + sum(summary.statuses.values())} of {len(requests)} "
-              f"answered are in {args.output}: --resume sends the rest", file=sys.stderr)
+        print(f"splitspec run-batch: interrupted; {resumed + summary.answered} of {len(requests)} answers are in "
+              f"{args.output}: --resume sends the rest", file=sys.stderr)
         return 130
-    for line in summary.lines(len(requests), len(kept), time.perf_counter() - started):
+    for line in summary.lines(len(requests), resumed, time.perf_counter() - started):
         print(f"splitspec run-batch: {line}", file=sys.stderr)
-    return 1 if summary.unreachable else 0
+    return 1 if summary.unanswered else 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
