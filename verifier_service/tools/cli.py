@@ -223,6 +223,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("verifier_service.tools.demo", "run a drafter and a verifier locally and compare with plain decoding"),
     "run-batch": ("verifier_service.tools.run_batch",
                   "answer a file of requests in OpenAI's batch format (JSONL) with a running verifier; resumable"),
+    "check-drafter": ("verifier_service.tools.check_drafter",
+                      "hold a running drafter service, in any language, to the contract (PROTOCOL.md's checklist)"),
     "bench": ("verifier_service.tools.bench.run",
               "side-by-side speed: plain, n-gram and suffix drafters (in-process and remote), transformers"),
     "bench-tp": ("verifier_service.tools.bench.tp",

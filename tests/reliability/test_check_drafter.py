@@ -1,0 +1,75 @@
+"""`splitspec check-drafter`, a real process, against real drafter services: the SDK's n-gram drafter passes
+every check, its bearer token included; a raw gRPC drafter that breaks the protocol on the wire
+(faulty_drafter_server.py) fails exactly the checks its fault breaks, each saying what was expected and what
+came, with exit status 1. (The Node.js example is checked in tests/examples/test_node_drafter.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from reliability_support import WAIT_S, RawFaultyDrafter
+
+from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.server.serve import start_server
+
+pytestmark = pytest.mark.timeout(180)
+
+SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
+CHECKS = ("health", "info", "results", "bounds", "deltas", "resync", "no-draft", "namespacing", "release",
+          "validation", "stream", "trees", "latency", "large-message", "auth")
+
+
+def outcomes(printed: str) -> dict[str, str]:
+    """{check: PASS | FAIL | SKIP} from the command's lines."""
+    return {name: outcome for outcome, name in re.findall(r"^(PASS|FAIL|SKIP)  (\S+)", printed, re.MULTILINE)}
+
+
+def test_the_sdk_drafter_passes_every_check(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+
+    async def main() -> None:
+        running = await start_server(NgramDrafter(), host="127.0.0.1", port=0, grace_period_s=0.0,
+                                     auth_token="s3cret")
+        try:
+            await running.wait_loaded()
+            process = await asyncio.create_subprocess_exec(
+                SPLITSPEC, "check-drafter", "--target", f"127.0.0.1:{running.port}", "--auth-token-file", str(token),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await asyncio.wait_for(process.communicate(), 3 * WAIT_S)
+        finally:
+            await running.stop(0)
+        printed = out.decode()
+        assert process.returncode == 0, printed
+        assert outcomes(printed) == dict.fromkeys(CHECKS, "PASS"), printed
+        assert "15 passed, 0 failed, 0 skipped" in printed
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("mode", "failing", "words"), [
+    ("ok", {"validation"}, "an empty verifier_id: expected INVALID_ARGUMENT, the call succeeded"),
+    ("too_many", {"bounds", "no-draft", "validation"}, "draft_len 1 (max_draft_len any): 4 draft tokens, at most 1"),
+    ("out_of_vocab", {"bounds", "no-draft", "validation"}, "draft ids outside [0, 100): [107]"),
+    ("unknown_request", {"results", "bounds", "deltas", "resync", "no-draft", "namespacing", "validation"},
+     "asked ['a', 'b', 'c'], answered ['not-a', 'not-b', 'not-c']"),
+])
+def test_a_drafter_that_breaks_the_protocol_fails_the_checks_it_breaks(mode: str, failing: set[str],
+                                                                       words: str) -> None:
+    with RawFaultyDrafter(vocab_size=100) as d:
+        d.start()
+        d.set(mode)
+        done = subprocess.run([SPLITSPEC, "check-drafter", "--target", d.address, "--skip", "large-message"],
+                              capture_output=True, text=True, timeout=3 * WAIT_S)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 1, printed
+    got = outcomes(printed)
+    assert {name for name, outcome in got.items() if outcome == "FAIL"} == failing, printed
+    # Optional parts it does not serve or advertise are skipped, not failed.
+    assert (got["stream"], got["trees"], got["auth"], got["large-message"]) == ("SKIP",) * 4, printed
+    assert words in printed, printed
