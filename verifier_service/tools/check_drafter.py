@@ -31,9 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_sdk.drafter import STREAM_RELEASES
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
-from drafter_sdk.service.security import TOKEN_ENV_VAR, auth_metadata, channel_credentials, read_token
+from drafter_sdk.service.security import TOKEN_ENV_VAR, auth_metadata, read_token
 from drafter_sdk.tree import TREE_CAPABILITY, tree_problem
 from verifier_service.spec_decode.config import DEFAULT_CALL_DEADLINE_S
+from verifier_service.tools.cli import add_client_security, open_channel
 
 OK, RESYNC = pb.DRAFT_STATUS_OK, pb.DRAFT_STATUS_RESYNC_REQUIRED
 SERVICE = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
@@ -394,12 +395,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         token = read_token(args.auth_token_file)
-        tls = args.tls or args.tls_ca or args.tls_cert
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        if args.tls_server_name:
-            options.append(("grpc.ssl_target_name_override", args.tls_server_name))
-        channel = (grpc.secure_channel(args.target, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
-                                       options=options) if tls else grpc.insecure_channel(args.target, options=options))
+        channel = open_channel(args, [("grpc.max_send_message_length", 64 << 20),
+                                      ("grpc.max_receive_message_length", 64 << 20)])
     except (OSError, ValueError) as exc:
         print(f"splitspec check-drafter: {exc}", file=sys.stderr)
         return 2
@@ -429,12 +426,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the verifier's --drafter-deadline-ms that the latency check holds the p99 to "
                         f"(default {DEFAULT_CALL_DEADLINE_S * 1000:g})")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a call may take before it fails")
-    s = p.add_argument_group("security")
-    s.add_argument("--tls", action="store_true", help="connect over TLS, verifying with the system's CA roots")
-    s.add_argument("--tls-ca", help="PEM CA bundle verifying the drafter's certificate (implies --tls)")
-    s.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (needs --tls-key; implies --tls)")
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-server-name", help="expected name in the server certificate, when not the target host")
-    s.add_argument("--auth-token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
+    add_client_security(p, "drafter")
     p.set_defaults(func=main)
 

@@ -99,11 +99,13 @@ def format_stats(stats: verifier_pb2.SpeculationStats) -> str:
             f"per_position={list(stats.num_accepted_tokens_per_pos)}")
 
 
-def open_channel(args: argparse.Namespace) -> grpc.Channel:
+def open_channel(args: argparse.Namespace, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
     """Plaintext, or TLS when any --tls-* flag is given (mutual TLS with --tls-cert/--tls-key)."""
+    options = list(options or [])
     if not (args.tls or args.tls_ca or args.tls_cert):
-        return grpc.insecure_channel(args.target)
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else None
+        return grpc.insecure_channel(args.target, options=options)
+    if args.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", args.tls_server_name))
     return grpc.secure_channel(args.target, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
                                options=options)
 
@@ -192,15 +194,20 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prediction", metavar="FILE", help="text the answer is expected to largely repeat (OpenAI's "
                    "Predicted Outputs, e.g. a file to be rewritten with a few changes): the verifier drafts from it")
     p.add_argument("--timeout", type=float, default=600.0)
+    add_client_security(p, "verifier")
+    p.set_defaults(func=generate)
+
+
+def add_client_security(p: argparse.ArgumentParser, server: str) -> None:
+    """How a command connects to `server` (open_channel): TLS, mutual TLS, a bearer token."""
     s = p.add_argument_group("security")
     s.add_argument("--tls", action="store_true", help="connect over TLS, verifying with the system's CA roots")
-    s.add_argument("--tls-ca", help="PEM CA bundle verifying the verifier's certificate (implies --tls)")
+    s.add_argument("--tls-ca", help=f"PEM CA bundle verifying the {server}'s certificate (implies --tls)")
     s.add_argument("--tls-cert", help="PEM client certificate for mutual TLS (needs --tls-key; implies --tls)")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--tls-server-name", help="expected name in the server certificate, when not the target host")
     s.add_argument("--auth-token-file",
                    help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
-    p.set_defaults(func=generate)
 
 
 def exit_on_sigterm() -> None:
