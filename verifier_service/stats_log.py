@@ -5,17 +5,18 @@ drafted tokens/s, acceptance by draft position) and what the drafter service cos
 their mean round trip).
 
 The figures are read from the counters /metrics exports (metrics.py), as differences between two
-readings, so the log and Prometheus never disagree and the engine pays nothing more per step. An
-interval in which nothing ran and nothing waited is not logged, so an idle server stays quiet.
+readings (drafter_sdk/service/stats_lines.py, which the drafter server's line uses too), so the log and
+Prometheus never disagree and the engine pays nothing more per step. An interval in which nothing ran
+and nothing waited is not logged, so an idle server stays quiet.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 
+from drafter_sdk.service.stats_lines import log_every
 from verifier_service.metrics import PREFIX, VerifierMetrics
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,4 @@ def lines(before: Reading, now: Reading) -> list[str]:
 
 async def log_stats(metrics: VerifierMetrics, interval_s: float) -> None:
     """Log `lines` every `interval_s` seconds (a task of the servers' loop, until cancelled)."""
-    last = read(metrics)
-    while True:
-        await asyncio.sleep(interval_s)
-        now = read(metrics)
-        for line in lines(last, now):
-            log.info("%s", line)
-        last = now
+    await log_every(interval_s, lambda: read(metrics), lines, log)

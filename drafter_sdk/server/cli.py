@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-rpcs", type=int,
                         help="calls served at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    parser.add_argument("--log-stats-interval-s", type=float, default=10.0, metavar="S",
+                        help="log a line of calls, sequences, draft tokens and held state every S seconds while "
+                             "calls come; 0: never (default: 10)")
+    parser.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0,
+                        help="no stats line (vLLM's flag; --log-stats-interval-s 0)")
     parser.add_argument("--max-connection-age-s", type=float, default=300.0,
                         help="close each client connection gracefully after about this long, so clients "
                              "re-resolve DNS and reach replicas added since (0: never; default: 300)")
@@ -272,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
               max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
               server_credentials=credentials, auth_token=token, metrics_port=args.metrics_port,
               max_connection_age_s=args.max_connection_age_s, learned_state_file=args.learned_state_file,
-              save_learned_every_s=args.save_learned_every_s, peers=peers)
+              save_learned_every_s=args.save_learned_every_s, peers=peers,
+              log_stats_interval_s=args.log_stats_interval_s)
     except ListenError as exc:
         parser.exit(2, f"splitspec-drafter: {exc}\n")
 

@@ -15,6 +15,7 @@ import grpc
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2_grpc
+from drafter_sdk.server import stats_log
 from drafter_sdk.server.learned_state import LearnedStateFile
 from drafter_sdk.server.metrics import DrafterMetrics
 from drafter_sdk.server.peers import Asking, Peers
@@ -22,6 +23,7 @@ from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceSto
 from drafter_sdk.server.servicer import SERVICE_NAME, DrafterServicer
 from drafter_sdk.service.lifecycle import MIB, GrpcService, stop_on_signals
 from drafter_sdk.service.security import CallerIdentity, Tokens
+from drafter_sdk.service.stats_lines import log_every
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ class RunningDrafter:
     bound port of /metrics, None without metrics."""
 
     def __init__(self, service: GrpcService, servicer: DrafterServicer, grace_period_s: float,
-                 idle_timeout_s: float, learned: LearnedStateFile | None = None, peers: Peers | None = None) -> None:
+                 idle_timeout_s: float, learned: LearnedStateFile | None = None, peers: Peers | None = None,
+                 log_stats_interval_s: float = 0.0) -> None:
         self.service = service
         self.servicer = servicer
         self.grace_period_s = grace_period_s
@@ -47,6 +50,8 @@ class RunningDrafter:
         self._load_task = asyncio.create_task(self._load())
         self._evict_task = asyncio.create_task(self._evict_idle(idle_timeout_s))
         self._save_task = asyncio.create_task(self._save_learned()) if learned is not None else None
+        self._stats_task = (asyncio.create_task(self._log_stats(servicer.metrics, log_stats_interval_s))
+                            if servicer.metrics is not None and log_stats_interval_s else None)
 
     @property
     def port(self) -> int:
@@ -87,8 +92,9 @@ class RunningDrafter:
         await self.service.stop(grace)
         self._load_task.cancel()
         self._evict_task.cancel()
-        if self._save_task is not None:
-            self._save_task.cancel()
+        for task in (self._save_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         if self.learned is not None and served:
             # After the last call, with the releases of requests that finished while draining.
             await self.learned.save(self.servicer)
@@ -130,6 +136,11 @@ class RunningDrafter:
         if self.load_error is None and self.learned is not None:
             await self.learned.save_every(self.servicer)
 
+    async def _log_stats(self, metrics: DrafterMetrics, interval_s: float) -> None:
+        await asyncio.shield(self._load_task)
+        if self.load_error is None:
+            await log_every(interval_s, lambda: stats_log.read(metrics), stats_log.lines, stats_log.log)
+
     async def _evict_idle(self, idle_timeout_s: float) -> None:
         # After load: an inline drafter's code must then never run on the worker (servicer.run).
         await asyncio.shield(self._load_task)
@@ -160,6 +171,7 @@ async def start_server(
     learned_state_file: str | os.PathLike[str] | None = None,
     save_learned_every_s: float = 300.0,
     peers: Peers | None = None,
+    log_stats_interval_s: float = 10.0,
 ) -> RunningDrafter:
     """Start serving `drafter`; its `load()` then runs in the background (health NOT_SERVING until done).
 
@@ -168,7 +180,9 @@ async def start_server(
     (health and reflection stay open for probes); with named tokens (a mapping
     name -> token) or client certificates, a call's namespace includes who sent it
     (security.CallerIdentity). With `metrics_port` (0: any
-    free port), Prometheus metrics are served over HTTP at /metrics on `host`.
+    free port), Prometheus metrics are served over HTTP at /metrics on `host`. Every
+    `log_stats_interval_s` (0: never) in which calls came, a stats line is logged (stats_log.py), read
+    from the same metrics (kept for it without a `metrics_port`, but not served).
 
     `max_connection_age_s` (None or 0: never) closes each client connection
     gracefully (GOAWAY, in-flight calls finish) after about that long: gRPC
@@ -195,7 +209,7 @@ async def start_server(
             raise ValueError(f"{drafter.name} keeps nothing across requests to {what}")
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
-    metrics = DrafterMetrics() if metrics_port is not None else None
+    metrics = DrafterMetrics() if metrics_port is not None or log_stats_interval_s else None
     learned = (LearnedStateFile(Path(learned_state_file), save_learned_every_s, metrics)
                if learned_state_file is not None else None)
     if metrics is not None:
@@ -212,7 +226,7 @@ async def start_server(
         max_message_bytes=max_message_bytes, max_concurrent_rpcs=max_concurrent_rpcs, options=connection_age,
         interceptors=interceptors, metrics_registry=metrics.registry if metrics else None, metrics_port=metrics_port)
     log.info("serving %s", drafter.name)
-    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned, peers)
+    return RunningDrafter(service, servicer, grace_period_s, idle_timeout_s, learned, peers, log_stats_interval_s)
 
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,

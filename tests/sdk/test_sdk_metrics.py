@@ -1,14 +1,16 @@
 """Prometheus /metrics of drafter servers, scraped over HTTP."""
 
 import asyncio
+import logging
+import re
 import urllib.request
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sdk_support import RecordingDrafter, seq, serving, until
 
 from drafter_sdk.proto import drafter_pb2 as pb
-from sdk_support import RecordingDrafter, seq, serving
 
 
 async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -82,8 +84,34 @@ def test_each_server_has_its_own_registry():
 
 
 def test_no_metrics_endpoint_unless_asked():
+    """Without a port nothing is served; the metrics are kept for the stats line unless it is off too."""
     async def body():
-        async with serving(RecordingDrafter()) as c:
+        async with serving(RecordingDrafter(), log_stats_interval_s=0) as c:
             assert c.running.metrics_port is None and c.running.servicer.metrics is None
+        async with serving(RecordingDrafter()) as c:
+            assert c.running.metrics_port is None and c.running.servicer.metrics is not None
+
+    asyncio.run(body())
+
+
+def test_the_stats_line_says_what_the_calls_were(caplog: pytest.LogCaptureFixture) -> None:
+    """Every interval in which calls came, one line whose figures are the metrics' differences; quiet while idle."""
+    caplog.set_level(logging.INFO, logger="drafter_sdk.server.stats_log")
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "drafter_sdk.server.stats_log"]
+
+    async def body():
+        async with serving(RecordingDrafter(), log_stats_interval_s=0.2) as c:
+            for _ in range(4):
+                await c.prepare("v", *(seq(f"r{i}", 0, [1, 2, 3, 1, 2, 3], draft_len=2) for i in range(3)))
+            await until(lambda: bool(logged()))
+            await asyncio.sleep(1.0)
+            quiet = len(logged())
+            await asyncio.sleep(1.0)
+            assert len(logged()) == quiet, logged()  # nothing came: nothing logged
+            assert all(line.startswith("Calls: ") and "failed), mean handling" in line for line in logged())
+            held = [int(n) for n in re.findall(r"held: (\d+) sequences", "\n".join(logged()))]
+            assert held[-1] == 3, logged()
 
     asyncio.run(body())
