@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from drafter_sdk.service.stats_lines import log_every
+from drafter_sdk.service.stats_lines import log_every, totals
 from verifier_service.metrics import PREFIX, VerifierMetrics
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,19 @@ class Reading:
 
 
 def read(metrics: VerifierMetrics) -> Reading:
-    value = metrics.registry.get_sample_value
+    summed = totals(metrics.registry)
     per_pos: list[float] = []
-    while (accepted := value(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
-                             {"position": str(len(per_pos))})) is not None:
+    while (accepted := metrics.registry.get_sample_value(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
+                                                         {"position": str(len(per_pos))})) is not None:
         per_pos.append(accepted)
-    latency = f"{PREFIX}drafter_call_latency_seconds"
-    return Reading(time.monotonic(), {name: value(f"{PREFIX}{name}_total") or 0.0 for name in COUNTERS},
-                   tuple(per_pos), value(f"{latency}_count") or 0.0, value(f"{latency}_sum") or 0.0,
-                   value(f"{PREFIX}num_requests_running") or 0.0, value(f"{PREFIX}num_requests_waiting") or 0.0,
-                   value(f"{PREFIX}kv_cache_usage_perc") or 0.0)
+
+    def value(name: str) -> float:
+        return summed.get(PREFIX + name, 0.0)
+
+    latency = "drafter_call_latency_seconds"
+    return Reading(time.monotonic(), {name: value(f"{name}_total") for name in COUNTERS}, tuple(per_pos),
+                   value(f"{latency}_count"), value(f"{latency}_sum"), value("num_requests_running"),
+                   value("num_requests_waiting"), value("kv_cache_usage_perc"))
 
 
 def lines(before: Reading, now: Reading) -> list[str]:
