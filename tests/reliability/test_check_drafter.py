@@ -20,6 +20,8 @@ from drafter_sdk.server.serve import start_server
 pytestmark = pytest.mark.timeout(180)
 
 SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
+# The latency check's limit here: the verifier's 50 ms, with room for a suite's other worker on 2 cores.
+DEADLINE = ("--deadline-ms", "500")
 CHECKS = ("health", "info", "results", "bounds", "deltas", "resync", "no-draft", "namespacing", "release",
           "validation", "stream", "trees", "latency", "large-message", "auth")
 
@@ -40,6 +42,7 @@ def test_the_sdk_drafter_passes_every_check(tmp_path: Path) -> None:
             await running.wait_loaded()
             process = await asyncio.create_subprocess_exec(
                 SPLITSPEC, "check-drafter", "--target", f"127.0.0.1:{running.port}", "--auth-token-file", str(token),
+                *DEADLINE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             out, _ = await asyncio.wait_for(process.communicate(), 3 * WAIT_S)
         finally:
@@ -64,7 +67,7 @@ def test_a_drafter_that_breaks_the_protocol_fails_the_checks_it_breaks(mode: str
     with RawFaultyDrafter(vocab_size=100) as d:
         d.start()
         d.set(mode)
-        done = subprocess.run([SPLITSPEC, "check-drafter", "--target", d.address, "--skip", "large-message"],
+        done = subprocess.run([SPLITSPEC, "check-drafter", "--target", d.address, "--skip", "large-message", *DEADLINE],
                               capture_output=True, text=True, timeout=3 * WAIT_S)
     printed = done.stdout + done.stderr
     assert done.returncode == 1, printed
