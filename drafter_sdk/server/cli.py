@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-connection-age-s must be 0 (never) or positive")
     if not args.save_learned_every_s > 0:
         parser.error("--save-learned-every-s must be positive")
+    if args.log_stats_interval_s < 0:
+        parser.error("--log-stats-interval-s must be 0 (never) or positive")
     try:
         drafter = make_drafter(args)
         for flag, given in (("--learned-state-file", args.learned_state_file), ("--peers", args.peers)):

@@ -209,6 +209,8 @@ async def start_server(
             raise ValueError(f"{drafter.name} keeps nothing across requests to {what}")
     if not save_learned_every_s > 0:
         raise ValueError(f"save_learned_every_s must be positive, not {save_learned_every_s}")
+    if log_stats_interval_s < 0:
+        raise ValueError(f"log_stats_interval_s must be 0 (never) or positive, not {log_stats_interval_s}")
     metrics = DrafterMetrics() if metrics_port is not None or log_stats_interval_s else None
     learned = (LearnedStateFile(Path(learned_state_file), save_learned_every_s, metrics)
                if learned_state_file is not None else None)

@@ -94,6 +94,15 @@ def test_no_metrics_endpoint_unless_asked():
     asyncio.run(body())
 
 
+def test_a_negative_stats_interval_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from drafter_sdk.server import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["ngram", "--port", "0", "--log-stats-interval-s", "-1"])
+    assert exited.value.code == 2 and "--log-stats-interval-s must be 0 (never) or positive" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["ngram", "--disable-log-stats"]).log_stats_interval_s == 0.0
+
+
 def test_the_stats_line_says_what_the_calls_were(caplog: pytest.LogCaptureFixture) -> None:
     """Every interval in which calls came, one line whose figures are the metrics' differences; quiet while idle."""
     caplog.set_level(logging.INFO, logger="drafter_sdk.server.stats_log")
