@@ -42,10 +42,9 @@ class Reading:
 
 def read(metrics: VerifierMetrics) -> Reading:
     summed = totals(metrics.registry)
-    per_pos: list[float] = []
-    while (accepted := metrics.registry.get_sample_value(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total",
-                                                         {"position": str(len(per_pos))})) is not None:
-        per_pos.append(accepted)
+    (family,) = metrics.num_accepted_tokens_per_pos.collect()  # one metric read, not the registry per position
+    by_pos = {int(s.labels["position"]): s.value for s in family.samples if s.name.endswith("_total")}
+    per_pos = [by_pos.get(pos, 0.0) for pos in range(max(by_pos, default=-1) + 1)]
 
     def value(name: str) -> float:
         return summed.get(PREFIX + name, 0.0)
