@@ -249,6 +249,43 @@ def test_tool_calls_are_function_call_items_and_their_outputs_come_back() -> Non
     asyncio.run(main())
 
 
+def test_input_tokens_counts_what_a_response_would_start_from() -> None:
+    """OpenAI's responses.input_tokens.count: the usage.input_tokens of a response to the same request,
+    instructions, tools and a continued conversation included, and nothing run."""
+    async def main() -> None:
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        async with serving() as h:
+            count = h.client.responses.input_tokens.count
+            counts = []
+            for request in ({"input": PROMPT}, {"input": PROMPT, "instructions": INSTRUCTIONS},
+                            {"input": PROMPT, "instructions": INSTRUCTIONS, "tools": tools}):
+                counted = await count(model="tiny", **request)
+                assert counted.object == "response.input_tokens"
+                made = await h.client.responses.create(model="tiny", max_output_tokens=2, **request)
+                assert counted.input_tokens == made.usage.input_tokens, request
+                counts.append(counted.input_tokens)
+            assert counts[0] < counts[1] < counts[2]  # the instructions and the tools are in the prompt
+            follow = {"previous_response_id": made.id, "input": "and then?", "tools": tools}
+            followed = await h.client.responses.create(model="tiny", max_output_tokens=2, **follow)
+            assert (await count(model="tiny", **follow)).input_tokens == followed.usage.input_tokens
+            alone = await count(model="tiny", previous_response_id=made.id, tools=tools)  # no input: the stored chat
+            assert 0 < followed.usage.input_tokens - alone.input_tokens < 20
+            registry = h.v.running.generations.metrics.registry
+            prefilled = registry.get_sample_value("splitspec:prompt_tokens_total")
+            await count(model="tiny", input=PROMPT * 3)
+            assert registry.get_sample_value("splitspec:prompt_tokens_total") == prefilled  # counting runs nothing
+
+            with pytest.raises(openai.NotFoundError) as gone:
+                await count(model="tiny", input="hi", previous_response_id="resp_nope")
+            assert gone.value.body["param"] == "previous_response_id"
+            with pytest.raises(openai.BadRequestError, match="no messages"):
+                await count(model="tiny")
+            with pytest.raises(openai.NotFoundError, match="not served"):
+                await count(model="other", input="hi")
+
+    asyncio.run(main())
+
+
 def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit() -> None:
     turns = [{"role": "user", "content": PROMPT * 6}, {"role": "assistant", "content": "add " * 20},
              {"role": "user", "content": PROMPT}, {"role": "assistant", "content": "d10 " * 10},
@@ -270,6 +307,12 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
             chat = await h.client.chat.completions.create(model="tiny", max_tokens=new, messages=system + turns[2:])
             assert response.truncation == "auto" and response.output_text == chat.choices[0].message.content
             assert response.usage.input_tokens == chat.usage.prompt_tokens
+            # Counted, the same left out, and nothing left out where truncation is off (a chat is counted whole).
+            count = h.client.responses.input_tokens.count
+            counted = await count(model="tiny", instructions=INSTRUCTIONS, input=turns, truncation="auto",
+                                  extra_body={"max_output_tokens": new})
+            assert counted.input_tokens == response.usage.input_tokens
+            assert (await count(model="tiny", instructions=INSTRUCTIONS, input=turns)).input_tokens == whole
             # Where it fits whole, nothing is left out.
             short = await h.client.responses.create(**{**ask, "max_output_tokens": context - whole}, truncation="auto")
             assert short.usage.input_tokens == whole

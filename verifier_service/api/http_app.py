@@ -144,6 +144,10 @@ def build_app(state: HttpState) -> FastAPI:
     async def create_response(request: Request) -> Response:
         return await responses_route.respond(state, request)
 
+    @app.post("/v1/responses/input_tokens", dependencies=[Depends(authorize)])
+    async def count_response_tokens(request: Request) -> JSONResponse:
+        return await responses_route.input_tokens(state, request)
+
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def get_response(response_id: str, request: Request) -> Response:
         return responses_route.retrieve(state, response_id, request.query_params)

@@ -3,7 +3,7 @@ responses_schema.py; answered whole or as OpenAI's events, responses_output.py, 
 background, background_runs.py), and the stored responses (response_store.py) that GET and DELETE
 /v1/responses/{id} (and GET .../input_items) read and remove and that `previous_response_id`
 continues. GET also reads a background response while it runs, and streams its events again;
-POST .../cancel stops it.
+POST .../cancel stops it. POST /v1/responses/input_tokens counts a request's prompt without running it.
 
 Under --reasoning-parser a response opens with its thinking as a reasoning item, and a stored
 conversation keeps that thinking with the answer, as a reasoning item sent back in `input` does (with
@@ -35,7 +35,13 @@ from verifier_service.api.http_responses import token_name
 from verifier_service.api.request_parsing import PromptTooLong
 from verifier_service.api.response_store import StoredResponse
 from verifier_service.api.responses_output import ResponseBuilder
-from verifier_service.api.responses_schema import ITEMS, ResponsesRequest, chat_history, listed_item
+from verifier_service.api.responses_schema import (
+    ITEMS,
+    InputTokensRequest,
+    ResponsesRequest,
+    chat_history,
+    listed_item,
+)
 from verifier_service.tracing import Arrival
 
 log = logging.getLogger(__name__)
@@ -152,15 +158,7 @@ async def respond(state: HttpState, request: Request) -> Response:
             "it is off here (--responses-store-mb 0)"
         raise HttpError(400, f"a background response is read back from the response store: {where}",
                         param="background")
-    if body.previous_response_id is not None:
-        if state.background.get(body.previous_response_id) is not None:
-            raise HttpError(400, f"response {body.previous_response_id!r} is still running in the background: "
-                                 "continue it once it has ended", param="previous_response_id")
-        previous = state.responses.get(body.previous_response_id)
-        if previous is None:
-            raise not_stored(body.previous_response_id, "previous_response_id")
-        body.continues(list(previous.conversation))
-    refusals_as_errors(lambda: body.truncate(_fits(gen, rt.max_model_len, reserve=body.max_new_tokens or 1)))
+    _whole_chat(state, body, rt.max_model_len)
     tools = body.tool_plan(state.tool_call_parser)
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")
@@ -183,6 +181,32 @@ async def respond(state: HttpState, request: Request) -> Response:
     builder.whole(choices[0].joined())
     _keep(state, builder, items)
     return JSONResponse(builder.result)
+
+
+async def input_tokens(state: HttpState, request: Request) -> JSONResponse:
+    """POST /v1/responses/input_tokens (OpenAI's count): the prompt tokens the same request would start
+    from, as its usage's `input_tokens` would say, with the conversation `previous_response_id` continues
+    and what truncation "auto" leaves out; a chat too long to generate from is counted."""
+    body = await read_body(state, request, InputTokensRequest)
+    gen = state.generations
+    rt, _ = refusals_as_errors(gen.check_ready)
+    _whole_chat(state, body, rt.max_model_len)
+    tokens = refusals_as_errors(lambda: gen.tokenize(verifier_pb2.TokenizeRequest(chat=body.chat())))
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens.token_ids)})
+
+
+def _whole_chat(state: HttpState, body: ResponsesRequest, context: int) -> None:
+    """The request's chat made whole: the stored conversation it continues first, then, under truncation
+    "auto", its earliest turns left out until it fits the context with its answer."""
+    if body.previous_response_id is not None:
+        if state.background.get(body.previous_response_id) is not None:
+            raise HttpError(400, f"response {body.previous_response_id!r} is still running in the background: "
+                                 "continue it once it has ended", param="previous_response_id")
+        previous = state.responses.get(body.previous_response_id)
+        if previous is None:
+            raise not_stored(body.previous_response_id, "previous_response_id")
+        body.continues(list(previous.conversation))
+    refusals_as_errors(lambda: body.truncate(_fits(state.generations, context, reserve=body.max_new_tokens or 1)))
 
 
 def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb2.ChatMessages], bool]:

@@ -366,3 +366,10 @@ class ResponsesRequest(GenerationBody):
         schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict) \
             if fmt.type == "json_schema" else None
         return "text.format", ResponseFormat(type=fmt.type, json_schema=schema)
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a response's request, counted and not run. Its `input` may be left
+    out, where `previous_response_id` or `instructions` hold the whole chat."""
+
+    input: list[InputItem] | str = Field(default_factory=list)
