@@ -133,11 +133,13 @@ class VerifierMetrics:
             f"{p}engine_step_overhead_seconds", "Per step of a busy engine: the step period minus its forward "
             "(scheduling, drafter call, hand-offs to and from the model thread, sampling, emitting)",
             buckets=OVERHEAD_BUCKETS, registry=r)
-        # --- the Responses API's stored responses (read at scrape time once `track_responses` is called)
+        # --- the Responses API's stored responses and conversations (read at scrape time, once track_responses runs)
         self.responses_stored = Gauge(f"{p}responses_stored", "Responses kept for GET /v1/responses/{id} and "
                                       "previous_response_id", registry=r)
-        self.responses_store_bytes = Gauge(f"{p}responses_store_bytes", "Bytes the stored responses are charged "
-                                           "(at most --responses-store-mb)", registry=r)
+        self.conversations_stored = Gauge(f"{p}conversations_stored", "Conversations kept for the Conversations "
+                                          "API and `conversation` (in the same store)", registry=r)
+        self.responses_store_bytes = Gauge(f"{p}responses_store_bytes", "Bytes the stored responses and "
+                                           "conversations are charged (at most --responses-store-mb)", registry=r)
         self.responses_in_background = Gauge(f"{p}responses_in_background", "Background responses running (not "
                                              "yet stored)", registry=r)
         ProcessCollector(registry=r)
@@ -168,10 +170,11 @@ class VerifierMetrics:
                 "adaptive draft lengths)", registry=self.registry)
             self.drafter_call_cost.set_function(call_cost)
 
-    def track_responses(self, stored: Callable[[], float], charged_bytes: Callable[[], float],
-                        in_background: Callable[[], float]) -> None:
+    def track_responses(self, stored: Callable[[], float], conversations: Callable[[], float],
+                        charged_bytes: Callable[[], float], in_background: Callable[[], float]) -> None:
         """Read the response store's size, and how many background responses run, at scrape time."""
         self.responses_stored.set_function(stored)
+        self.conversations_stored.set_function(conversations)
         self.responses_store_bytes.set_function(charged_bytes)
         self.responses_in_background.set_function(in_background)
 

@@ -91,8 +91,8 @@ class ServerSettings:
     # The stats lines in the log (stats_log.py): every this many seconds while busy; 0: never.
     log_stats_interval_s: float = 10.0
     log_requests: bool = False  # a line per request as it ends (api/generation.py), metadata only
-    # Memory for the Responses API's stored responses (api/response_store.py), least recently used
-    # evicted first; 0 stores none.
+    # Memory for the Responses API's stored responses and conversations (api/response_store.py), least
+    # recently used evicted first; 0 stores none.
     responses_store_mb: int = 64
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.

@@ -1,10 +1,11 @@
 """Property-based fuzzing of the HTTP fronts (hypothesis), as tests/reliability/test_fuzz.py does for gRPC.
 
-Whatever JSON (or bytes) a client POSTs to the OpenAI (input token counts included), Anthropic and
-tokenizer routes, the server never answers 5xx: a request is served (a stream to its end), or refused
-with a 4xx in the error shape of its API that says why. Fields are drawn from what each route reads,
-with values that are right, nearly right or of any JSON type, so both sides are reached. Afterwards
-the server still serves, exactly, and holds nothing: no sequence, KV slot or drafter state of a request left behind.
+Whatever JSON (or bytes) a client POSTs to the OpenAI (input token counts and conversations
+included), Anthropic and tokenizer routes, the server never answers 5xx: a request is served (a stream
+to its end), or refused with a 4xx in the error shape of its API that says why. Fields are drawn from
+what each route reads, with values that are right, nearly right or of any JSON type, so both sides are
+reached. Afterwards the server still serves, exactly, and holds nothing: no sequence, KV slot or
+drafter state of a request left behind.
 The same holds for a reasoning model's server (thinking_model.py, --reasoning-parser), whose answers are
 split, whose constraints wait for the thinking to end and whose thinking budgets are kept.
 """
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLES = {False: 250, True: 150}  # by whether the server reads a reasoning model's thinking
 VOCAB = len(tiny_tokenizer())
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
-INPUT_TOKENS = "/v1/responses/input_tokens"
+INPUT_TOKENS, CONVERSATIONS = "/v1/responses/input_tokens", "/v1/conversations"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 ANTHROPIC = {MESSAGES, COUNT_TOKENS}
@@ -133,6 +134,8 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
     INPUT_TOKENS: {"model": SAMPLING["model"], "input": text, "instructions": text,
                    "truncation": st.sampled_from(["auto", "disabled"]),
                    "previous_response_id": st.sampled_from(["resp_nope", ""])},
+    CONVERSATIONS: {"items": st.lists(openai_message, max_size=3),
+                    "metadata": st.dictionaries(st.text(max_size=70), st.text(max_size=8), max_size=2)},
     MESSAGES: {"model": SAMPLING["model"], "max_tokens": st.integers(1, 8), "stream": st.booleans(),
                "messages": st.lists(anthropic_message, min_size=1, max_size=3), "system": text,
                "stop_sequences": st.lists(text, max_size=2), "temperature": st.floats(0, 1),
@@ -153,7 +156,7 @@ ROUTES: dict[str, dict[str, st.SearchStrategy]] = {
     DETOKENIZE: {"model": SAMPLING["model"], "tokens": st.lists(token_id, max_size=6)},
 }
 # The fields a route cannot do without, given in most bodies.
-NEEDED = {CHAT: ["messages"], COMPLETIONS: ["prompt"], RESPONSES: ["input"], INPUT_TOKENS: ["input"],
+NEEDED = {CHAT: ["messages"], COMPLETIONS: ["prompt"], RESPONSES: ["input"], INPUT_TOKENS: ["input"], CONVERSATIONS: [],
           MESSAGES: ["messages", "max_tokens"], COUNT_TOKENS: ["messages"], TOKENIZE: ["prompt"],
           DETOKENIZE: ["tokens"]}
 # Run first, whatever is drawn: a body every route serves (one streamed) and one refused. The drawn bodies
@@ -162,7 +165,7 @@ NEEDED = {CHAT: ["messages"], COMPLETIONS: ["prompt"], RESPONSES: ["input"], INP
 SAY_HI = [{"role": "user", "content": "hi"}]
 ONE_OF_EACH = [(CHAT, {"messages": SAY_HI, "max_completion_tokens": 4}),
                (COMPLETIONS, {"prompt": "hi", "stream": True}), (RESPONSES, {"input": "hi", "max_output_tokens": 4}),
-               (INPUT_TOKENS, {"input": "hi"}),
+               (INPUT_TOKENS, {"input": "hi"}), (CONVERSATIONS, {"items": SAY_HI}),
                (MESSAGES, {"messages": SAY_HI, "max_tokens": 4}),
                (COUNT_TOKENS, {"messages": SAY_HI}), (TOKENIZE, {"prompt": "hi"}), (DETOKENIZE, {"tokens": [1, 2]}),
                (CHAT, {"messages": []})]

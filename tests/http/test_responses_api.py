@@ -324,7 +324,10 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.message.content.0.type", "input_text"),
-    ({"input": "hi", "conversation": "conv_1"}, 400, "conversation", "not supported"),
+    ({"input": "hi", "conversation": "conv_1"}, 404, "conversation", "no conversation"),
+    ({"input": "hi", "conversation": {"id": "conv_1"}, "previous_response_id": "resp_1"}, 400, "conversation",
+     "not both"),
+    ({"input": "hi", "context_management": [{"type": "compaction"}]}, 400, "context_management", "not supported"),
     ({"input": "hi", "max_tool_calls": -1}, 400, "max_tool_calls", "greater than or equal to 0"),
     ({"input": "hi", "truncation": "on"}, 400, "truncation", "'auto' or 'disabled'"),
     ({"input": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
@@ -360,9 +363,10 @@ def test_a_client_leaving_mid_stream_frees_its_sequence() -> None:
     asyncio.run(main())
 
 
-def test_the_multi_turn_example_runs_as_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("conversation", [False, True], ids=["previous_response_id", "conversation"])
+def test_the_multi_turn_example_runs_as_written(tmp_path: Path, conversation: bool) -> None:
     """examples/responses/multi_turn.py, a real process with the official client: every turn after the first
-    reads the conversation so far from the prefix cache."""
+    reads the conversation so far from the prefix cache, chained by id or kept in a conversation."""
     example = Path(__file__).parents[2] / "examples" / "responses" / "multi_turn.py"
     document = tmp_path / "doc.txt"
     document.write_text(PROMPT)
@@ -371,12 +375,15 @@ def test_the_multi_turn_example_runs_as_written(tmp_path: Path) -> None:
         async with http_verifier() as h:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, str(example), "--base-url", f"{h.base_url}/v1", "--document", str(document),
-                "--max-output-tokens", "6", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                "--max-output-tokens", "6", *(["--conversation"] if conversation else []),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
             assert process.returncode == 0, err.decode()
             turns = re.findall(r"^turn (\d): .*prompt (\d+) tokens \((\d+) cached\)", out.decode(), re.MULTILINE)
             assert [t[0] for t in turns] == ["1", "2", "3", "4"], out.decode()
             assert all(0 < int(cached) < int(prompt) for _, prompt, cached in turns[1:])
+            if conversation:  # each turn's question and answer
+                assert re.search(r"^conversation conv_\w+: 8 items$", out.decode(), re.MULTILINE), out.decode()
 
     asyncio.run(main())
 

@@ -89,8 +89,9 @@ def parser() -> argparse.ArgumentParser:
                                         "e.g. http://otel-collector:4317 (https:// for TLS); under the caller's trace "
                                         "where a traceparent header or metadata names one", metavar="URL")
     _setting(p, "responses_store_mb", "memory for the Responses API's stored responses (GET /v1/responses/{id}, "
-                                      "previous_response_id, background responses once they end), least recently "
-                                      "used evicted first; 0 stores none (and refuses background responses)",
+                                      "previous_response_id, background responses once they end) and "
+                                      "conversations (/v1/conversations), least recently used evicted first; 0 "
+                                      "stores none (and refuses background responses and conversations)",
              type=int, metavar="MB")
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,

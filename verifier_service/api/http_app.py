@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
-from verifier_service.api import messages_route, responses_route
+from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
 from verifier_service.api.http_requests import (
@@ -163,6 +163,38 @@ def build_app(state: HttpState) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def delete_response(response_id: str) -> JSONResponse:
         return await responses_route.delete(state, response_id)
+
+    @app.post("/v1/conversations", dependencies=[Depends(authorize)])
+    async def create_conversation(request: Request) -> JSONResponse:
+        return await conversations_route.create(state, request)
+
+    @app.get("/v1/conversations/{conversation_id}", dependencies=[Depends(authorize)])
+    async def get_conversation(conversation_id: str) -> JSONResponse:
+        return conversations_route.retrieve(state, conversation_id)
+
+    @app.post("/v1/conversations/{conversation_id}", dependencies=[Depends(authorize)])
+    async def update_conversation(conversation_id: str, request: Request) -> JSONResponse:
+        return await conversations_route.update(state, conversation_id, request)
+
+    @app.delete("/v1/conversations/{conversation_id}", dependencies=[Depends(authorize)])
+    async def delete_conversation(conversation_id: str) -> JSONResponse:
+        return conversations_route.delete(state, conversation_id)
+
+    @app.post("/v1/conversations/{conversation_id}/items", dependencies=[Depends(authorize)])
+    async def add_conversation_items(conversation_id: str, request: Request) -> JSONResponse:
+        return await conversations_route.add_items(state, conversation_id, request)
+
+    @app.get("/v1/conversations/{conversation_id}/items", dependencies=[Depends(authorize)])
+    async def list_conversation_items(conversation_id: str, request: Request) -> JSONResponse:
+        return conversations_route.list_items(state, conversation_id, request.query_params)
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}", dependencies=[Depends(authorize)])
+    async def get_conversation_item(conversation_id: str, item_id: str) -> JSONResponse:
+        return conversations_route.retrieve_item(state, conversation_id, item_id)
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}", dependencies=[Depends(authorize)])
+    async def delete_conversation_item(conversation_id: str, item_id: str) -> JSONResponse:
+        return conversations_route.delete_item(state, conversation_id, item_id)
 
     @app.post("/v1/messages", dependencies=[Depends(authorize_anthropic)])
     async def create_message(request: Request) -> Response:

@@ -18,16 +18,15 @@ from verifier_service.api.background_runs import BackgroundRuns
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import Choice
-from verifier_service.api.http_schema import DetokenizeRequest, GenerationBody, TokenizeRequest
+from verifier_service.api.http_schema import GenerationBody, _Body
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.api.response_store import ResponseStore
-from verifier_service.api.responses_schema import ResponsesRequest
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
 from verifier_service.tracing import Arrival
 
 T = TypeVar("T")
-Body = TypeVar("Body", GenerationBody, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+Body = TypeVar("Body", bound=_Body)
 
 
 @dataclass
@@ -85,7 +84,7 @@ async def _read_json(request: Request, limit: int) -> object:
 
 
 async def read_body(state: HttpState, request: Request, schema: type[Body]) -> Body:
-    """The request's body, checked against `schema`, naming a served model (or none)."""
+    """The request's body, checked against `schema`, naming a served model (or none, or having no `model`)."""
     data = await _read_json(request, state.max_body_bytes)
     if not isinstance(data, dict):
         raise HttpError(400, "the body must be a JSON object")
@@ -94,8 +93,9 @@ async def read_body(state: HttpState, request: Request, schema: type[Body]) -> B
     except ValidationError as exc:
         raise from_validation(exc) from None
     names = state.names()
-    if body.model is not None and names and body.model not in names:
-        raise not_served(body.model, names)
+    model = getattr(body, "model", None)
+    if model is not None and names and model not in names:
+        raise not_served(model, names)
     return body
 
 

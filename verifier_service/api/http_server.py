@@ -73,8 +73,8 @@ class HttpServer:
         state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
                           allowed_origins, serve_metrics)
         if generations.metrics is not None:
-            generations.metrics.track_responses(lambda: len(store), lambda: store.used_bytes,
-                                                lambda: len(state.background))
+            generations.metrics.track_responses(lambda: len(store), lambda: store.conversations,
+                                                lambda: store.used_bytes, lambda: len(state.background))
         config = uvicorn.Config(
             # log_config None: uvicorn's loggers go through the process's own handler and format (--log-format).
             build_app(state), lifespan="off", access_log=False, log_config=None, log_level="warning",

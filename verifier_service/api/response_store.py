@@ -1,16 +1,21 @@
-"""Stored responses of the Responses API: what GET /v1/responses/{id} (and .../input_items) returns
-and what `previous_response_id` continues, in memory, under a budget.
+"""The Responses API's state: stored responses and conversations, in memory, under one budget.
 
-Each entry holds the response object, its request's input items and the conversation it ended (the
-chat's messages without its instructions, its answer last), so that a follow-up renders the whole
-chat without walking a chain of entries, and an entry stays usable after the ones before it are
-evicted. A conversation shares its earlier messages with its predecessor's entry, but each entry is
-charged all of them (the JSON size of the response, its input items and every message, and a
-background response's events: background_runs.py), so the charge bounds the memory from above. Past
-the budget the least recently used entries go first; an entry larger than the whole budget is not
-kept. A budget of 0 keeps nothing: responses then say `store: false`, as vLLM's do without its store.
-The store is one process's: a follow-up must reach the replica that answered (a sticky session), or
-send the conversation itself as `input`.
+A stored response is what GET /v1/responses/{id} (and .../input_items) returns and what
+`previous_response_id` continues. Each entry holds the response object, its request's input items and
+the conversation it ended (the chat's messages without its instructions, its answer last), so that a
+follow-up renders the whole chat without walking a chain of entries, and an entry stays usable after
+the ones before it are evicted. A conversation shares its earlier messages with its predecessor's
+entry, but each entry is charged all of them (the JSON size of the response, its input items and
+every message, and a background response's events: background_runs.py), so the charge bounds the
+memory from above.
+
+A conversation (the Conversations API, conversations_route.py) is its object and its items, each as
+its items list shows it, charged their JSON size; it is charged again whenever items are added.
+
+Past the budget the least recently used entries of either kind go first; an entry larger than the
+whole budget is not kept. A budget of 0 keeps nothing: responses then say `store: false`, as vLLM's
+do without its store, and conversations are refused. The store is one process's: a follow-up must
+reach the replica that answered (a sticky session), or send the conversation itself as `input`.
 """
 
 from __future__ import annotations
@@ -32,43 +37,85 @@ class StoredResponse:
     events: tuple[str, ...] = ()  # a background response's stream, to be streamed again
 
 
+@dataclass(frozen=True)
+class StoredConversation:
+    body: dict[str, Any]  # the conversation object: id, created_at, metadata
+    items: tuple[dict[str, Any], ...]  # oldest first, each with its id
+    size: int  # bytes charged
+
+
 class ResponseStore:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        # Either kind under its id (resp_..., conv_...), least recently used first.
+        self._entries: OrderedDict[str, StoredResponse | StoredConversation] = OrderedDict()
+        self._responses = 0  # how many of the entries are responses
 
     @property
     def enabled(self) -> bool:
         return self.budget_bytes > 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """The responses stored."""
+        return self._responses
+
+    @property
+    def conversations(self) -> int:
+        return len(self._entries) - self._responses
 
     def put(self, response_id: str, body: dict[str, Any], conversation: tuple[ChatMessage, ...],
             input_items: tuple[dict[str, Any], ...] = (), events: tuple[str, ...] = ()) -> bool:
         """Keep the response (evicting the least recently used past the budget); False if it does not fit."""
         size = (len(json.dumps(body)) + sum(len(m.model_dump_json()) for m in conversation)
                 + len(json.dumps(input_items)) + sum(map(len, events)))
-        if size > self.budget_bytes:
-            return False
-        self.delete(response_id)
-        while self.used_bytes + size > self.budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.used_bytes -= evicted.size
-        self._entries[response_id] = StoredResponse(body, conversation, input_items, size, events)
-        self.used_bytes += size
-        return True
+        return self._keep(response_id, StoredResponse(body, conversation, input_items, size, events))
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        entry = self._use(response_id)
+        return entry if isinstance(entry, StoredResponse) else None
 
     def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+        if self.get(response_id) is None:
             return False
-        self.used_bytes -= entry.size
+        self._drop(response_id)
         return True
+
+    def put_conversation(self, body: dict[str, Any], items: tuple[dict[str, Any], ...]) -> bool:
+        """Keep the conversation, or its new state under the same id; False if it does not fit (what was
+        kept under that id then stays)."""
+        size = len(json.dumps(body)) + len(json.dumps(items))
+        return self._keep(body["id"], StoredConversation(body, items, size))
+
+    def conversation(self, conversation_id: str) -> StoredConversation | None:
+        entry = self._use(conversation_id)
+        return entry if isinstance(entry, StoredConversation) else None
+
+    def delete_conversation(self, conversation_id: str) -> bool:
+        if self.conversation(conversation_id) is None:
+            return False
+        self._drop(conversation_id)
+        return True
+
+    def _keep(self, key: str, entry: StoredResponse | StoredConversation) -> bool:
+        if entry.size > self.budget_bytes:
+            return False
+        if key in self._entries:
+            self._drop(key)
+        while self.used_bytes + entry.size > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = entry
+        self.used_bytes += entry.size
+        self._responses += isinstance(entry, StoredResponse)
+        return True
+
+    def _use(self, key: str) -> StoredResponse | StoredConversation | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self.used_bytes -= entry.size
+        self._responses -= isinstance(entry, StoredResponse)

@@ -94,6 +94,7 @@ class ResponseBuilder:
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": self.background, "error": None,
+            "conversation": {"id": r.conversation_id} if r.conversation_id is not None else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "max_tool_calls": r.max_tool_calls, "metadata": r.metadata or {},

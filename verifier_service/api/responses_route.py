@@ -2,8 +2,10 @@
 responses_schema.py; answered whole or as OpenAI's events, responses_output.py, or run in the
 background, background_runs.py), and the stored responses (response_store.py) that GET and DELETE
 /v1/responses/{id} (and GET .../input_items) read and remove and that `previous_response_id`
-continues. GET also reads a background response while it runs, and streams its events again;
-POST .../cancel stops it. POST /v1/responses/input_tokens counts a request's prompt without running it.
+continues, as `conversation` goes on from a conversation's items (conversations_route.py, which this
+response's items then join). GET also reads a background response while it runs, and streams its
+events again; POST .../cancel stops it. POST /v1/responses/input_tokens counts a request's prompt
+without running it.
 
 Under --reasoning-parser a response opens with its thinking as a reasoning item, and a stored
 conversation keeps that thinking with the answer, as a reasoning item sent back in `input` does (with
@@ -20,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import conversations_route
 from verifier_service.api.background_runs import BackgroundRun
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_errors import HttpError
@@ -32,8 +35,9 @@ from verifier_service.api.http_requests import (
     stream_events,
 )
 from verifier_service.api.http_responses import token_name
+from verifier_service.api.item_pages import page
 from verifier_service.api.request_parsing import PromptTooLong
-from verifier_service.api.response_store import StoredResponse
+from verifier_service.api.response_store import StoredConversation, StoredResponse
 from verifier_service.api.responses_output import ResponseBuilder
 from verifier_service.api.responses_schema import (
     ITEMS,
@@ -109,25 +113,10 @@ async def cancel(state: HttpState, response_id: str) -> JSONResponse:
 
 
 def input_items(state: HttpState, response_id: str, query: Mapping[str, str]) -> JSONResponse:
-    """OpenAI's list of a stored (or running) response's input items: `order` asc (as sent) or desc (the
-    default), `limit` (1-100, 20) of them after the item `after` names."""
+    """OpenAI's list of a stored (or running) response's input items, a page at a time (item_pages.py)."""
     run, entry = _found(state, response_id)
-    listed = run.input_items if run is not None else entry.input_items
-    asked, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
-    if not asked.isdigit() or not 1 <= int(asked) <= 100:
-        raise HttpError(400, f"limit must be a whole number within [1, 100], not {asked!r}", param="limit")
-    limit = int(asked)
-    if order not in ("asc", "desc"):
-        raise HttpError(400, f"order must be asc or desc, not {order!r}", param="order")
-    items = list(listed) if order == "asc" else list(reversed(listed))
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise HttpError(400, f"after names no input item of response {response_id!r}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return JSONResponse(page(run.input_items if run is not None else entry.input_items, query,
+                             f"response {response_id!r}'s input"))
 
 
 async def delete(state: HttpState, response_id: str) -> JSONResponse:
@@ -158,7 +147,9 @@ async def respond(state: HttpState, request: Request) -> Response:
             "it is off here (--responses-store-mb 0)"
         raise HttpError(400, f"a background response is read back from the response store: {where}",
                         param="background")
-    _whole_chat(state, body, rt.max_model_len)
+    conversation = _whole_chat(state, body, rt.max_model_len)
+    items = (conversations_route.new_items(conversation, body.input_items(), "input") if conversation is not None
+             else tuple(listed_item(item) for item in body.input_items()))
     tools = body.tool_plan(state.tool_call_parser)
     if why := tools.unserved():
         raise HttpError(400, why, param="tool_choice")
@@ -167,7 +158,6 @@ async def respond(state: HttpState, request: Request) -> Response:
                               token_name(rt.tokenizer, body.return_tokens_as_token_ids),
                               stored=body.store and state.responses.enabled, reasoning=rt.reasoning,
                               background=bool(body.background))
-    items = tuple(listed_item(item) for item in body.input_items()) if builder.stored else ()
     if body.background:
         run = await state.background.start(builder, items, gen.outputs(seqs[0], arrival),
                                            lambda ended: _keep(state, builder, items, tuple(ended.events)),
@@ -195,9 +185,14 @@ async def input_tokens(state: HttpState, request: Request) -> JSONResponse:
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens.token_ids)})
 
 
-def _whole_chat(state: HttpState, body: ResponsesRequest, context: int) -> None:
-    """The request's chat made whole: the stored conversation it continues first, then, under truncation
-    "auto", its earliest turns left out until it fits the context with its answer."""
+def _whole_chat(state: HttpState, body: ResponsesRequest, context: int) -> StoredConversation | None:
+    """The request's chat made whole: the stored response's conversation it continues, or the items of its
+    `conversation` (which it returns), first; then, under truncation "auto", its earliest turns left out
+    until it fits the context with its answer."""
+    conversation = None
+    if body.conversation_id is not None:
+        conversation = conversations_route.found(state, body.conversation_id, "conversation")
+        body.continues(chat_history(ITEMS.validate_python(conversation.items)))
     if body.previous_response_id is not None:
         if state.background.get(body.previous_response_id) is not None:
             raise HttpError(400, f"response {body.previous_response_id!r} is still running in the background: "
@@ -207,6 +202,7 @@ def _whole_chat(state: HttpState, body: ResponsesRequest, context: int) -> None:
             raise not_stored(body.previous_response_id, "previous_response_id")
         body.continues(list(previous.conversation))
     refusals_as_errors(lambda: body.truncate(_fits(state.generations, context, reserve=body.max_new_tokens or 1)))
+    return conversation
 
 
 def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb2.ChatMessages], bool]:
@@ -223,10 +219,15 @@ def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb
 def _keep(state: HttpState, builder: ResponseBuilder, items: tuple[dict[str, Any], ...],
           events: tuple[str, ...] = ()) -> None:
     """Store a finished response, with its conversation (its answer last), its input `items` and (in the
-    background) its `events`, where it asked to be."""
-    if not builder.stored or builder.result is None:
+    background) its `events`, where it asked to be; add its input and output items to its `conversation`
+    where it ended with an answer."""
+    result = builder.result
+    if result is None:
         return
-    answer = chat_history(ITEMS.validate_python(builder.result["output"]))
-    if not state.responses.put(builder.id, builder.result, (*builder.request.continued_chat(), *answer), items,
-                               events):
+    output = ITEMS.validate_python(result["output"])
+    conversation = builder.request.conversation_id
+    if conversation is not None and result["status"] in ("completed", "incomplete"):
+        conversations_route.add(state, conversation, items + tuple(listed_item(item) for item in output))
+    if builder.stored and not state.responses.put(
+            builder.id, result, (*builder.request.continued_chat(), *chat_history(output)), items, events):
         log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)

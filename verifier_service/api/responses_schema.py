@@ -7,7 +7,8 @@ are the chat's messages, an assistant's tool calls and the tools' results), `too
 max_completion_tokens. So the body becomes GenerationParams exactly as a chat completion's does
 (http_schema.py), and both fronts refuse the same mistakes with the same messages. With
 `previous_response_id`, the chat starts with that stored response's conversation (its instructions
-are not carried over, as OpenAI's are not): response_store.py.
+are not carried over, as OpenAI's are not): response_store.py; with `conversation`, with that
+conversation's items (conversations_route.py).
 
 A reasoning item, a reasoning model's thinking sent back from an earlier response, is the
 `reasoning` of the assistant's message after it (or of one of its own, where none follows), for the
@@ -18,7 +19,7 @@ Logprobs are returned where `include` holds "message.output_text.logprobs" (with
 alternatives). truncation "auto" leaves out the conversation's earliest turns until it fits the
 context. `reasoning.effort` reaches the chat template as chat's `reasoning_effort` does
 (reasoning_effort.py); `background` runs it apart from the request (background_runs.py). Fields this
-server does not serve (reusable prompts, conversations) are refused unless neutral; `max_tool_calls`
+server does not serve (reusable prompts, compaction) are refused unless neutral; `max_tool_calls`
 bounds calls to OpenAI's built-in tools, of which none run here, so it is echoed and changes nothing;
 vLLM's sampling fields (top_k, min_p, seed, stop, ...) are taken as in chat completions.
 """
@@ -29,7 +30,16 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, PrivateAttr, Tag, TypeAdapter, field_validator
+from pydantic import (
+    AfterValidator,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
@@ -54,8 +64,7 @@ LOGPROBS = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 # OpenAI's fields that change the answer and that this server does not serve, with their neutral values.
-UNSUPPORTED_IN_RESPONSES = {"prompt": None, "conversation": None,
-                            "context_management": None,  # compaction: what the model sees would change
+UNSUPPORTED_IN_RESPONSES = {"prompt": None, "context_management": None,  # compaction: what the model sees would change
                             "prompt_logprobs": None}  # vLLM's: a response has nowhere to put them
 # `reasoning`'s: which earlier thinking the model sees is the chat template's to say, and one mode runs.
 UNSUPPORTED_IN_REASONING = {"context": "auto", "mode": "standard"}
@@ -205,6 +214,23 @@ def chat_history(items: list[Item]) -> list[ChatMessage]:
     return messages
 
 
+def _within_openai_limits(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is not None and (len(metadata) > MAX_METADATA_PAIRS or any(
+            len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
+        raise PydanticCustomError("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+                                              f"{MAX_METADATA_KEY_CHARS} characters and values of at most "
+                                              f"{MAX_METADATA_VALUE_CHARS}")
+    return metadata
+
+
+# OpenAI's metadata, on a response or a conversation.
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_within_openai_limits)]
+
+
+class ConversationRef(_Body):
+    id: str
+
+
 class ResponsesTool(_Body):
     type: Literal["function"]
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
@@ -266,7 +292,7 @@ class ResponsesRequest(GenerationBody):
     include: list[str] | None = None  # what else to return; only LOGPROBS changes anything here
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     user: str | None = None
     n: Literal[1] = 1  # one answer per response
     # "auto": the conversation's earliest turns are left out until the chat fits the context (truncate()).
@@ -274,9 +300,10 @@ class ResponsesRequest(GenerationBody):
     reasoning: ReasoningConfig | None = None
     background: bool | None = None  # run apart from the request, polled or streamed again (background_runs.py)
     max_tool_calls: int | None = Field(None, ge=0, le=INT32)  # built-in tools' (none here): echoed only
+    # The conversation whose items the chat starts with, and that this response's items are added to.
+    conversation: str | ConversationRef | None = None
     # Refused unless neutral (UNSUPPORTED_IN_RESPONSES); never read.
     prompt: Any = None
-    conversation: Any = None
     context_management: Any = None
 
     _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
@@ -284,15 +311,16 @@ class ResponsesRequest(GenerationBody):
     _history: list[ChatMessage] = PrivateAttr(default_factory=list)
     _dropped: int = PrivateAttr(0)  # the conversation's first messages left out by truncation "auto"
 
-    @field_validator("metadata")
+    @field_validator("conversation")
     @classmethod
-    def _metadata_within_openai_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is not None and (len(metadata) > MAX_METADATA_PAIRS or any(
-                len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
-            raise PydanticCustomError("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
-                                                  f"{MAX_METADATA_KEY_CHARS} characters and values of at most "
-                                                  f"{MAX_METADATA_VALUE_CHARS}")
-        return metadata
+    def _one_history(cls, conversation: str | ConversationRef | None, info: ValidationInfo) -> object:
+        if conversation is not None and info.data.get("previous_response_id") is not None:
+            raise PydanticCustomError("conversation", "send conversation or previous_response_id, not both")
+        return conversation
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def continues(self, history: list[ChatMessage]) -> None:
         self._history = history
