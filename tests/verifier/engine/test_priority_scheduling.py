@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 
 import pytest
 from test_engine_step import CountingRunner, FakeDrafter, counting, make_engine, run_steps, sequence
@@ -269,10 +270,19 @@ def test_a_preempted_request_keeps_its_constraint_penalty_and_generator() -> Non
             engine = engine_of(v)
             alone = (await v.stub.Generate(low, timeout=WAIT_S)).output
             spy = EngineSpy(engine)
+            # Held on the model thread at the first forward after its third token, so it is mid-answer (its 11
+            # tokens take 5 at most a step) however late this loop looks: the gate closes there, once.
+            held, gated = threading.Event(), engine.runner.forward
+
+            def forward(batch):  # noqa: ANN001, ANN202
+                if not held.is_set() and any(len(s.output_ids) >= 3 for s in engine.scheduler.running):
+                    held.set()
+                    spy.gate.clear()
+                return gated(batch)
+
+            engine.runner.forward = forward
             call = asyncio.ensure_future(v.stub.Generate(low, timeout=WAIT_S))
-            await wait_until(lambda: any(len(s.output_ids) >= 3 for s in engine.scheduler.running), "it to decode",
-                             call)
-            spy.gate.clear()
+            await wait_until(held.is_set, "it to decode", call)
             first = asyncio.ensure_future(v.stub.Generate(high, timeout=WAIT_S))
             await wait_until(lambda: engine.scheduler.num_waiting == 1, "the other to queue", first)
             spy.gate.set()
