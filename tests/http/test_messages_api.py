@@ -21,6 +21,11 @@ SYSTEM = "Be brief."
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
 
 
+def prompt_tokens(usage) -> int:  # noqa: ANN001
+    """The whole prompt, as Anthropic's usage splits it (cache writes are never counted here)."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 def client(h) -> anthropic.AsyncAnthropic:  # noqa: ANN001
     return anthropic.AsyncAnthropic(base_url=h.base_url, api_key="unused", max_retries=0, timeout=WAIT_S)
 
@@ -35,7 +40,10 @@ def test_a_message_is_the_chat_it_describes_whole_and_streamed() -> None:
             assert [b.type for b in message.content] == ["text"]
             assert message.content[0].text == chat.choices[0].message.content
             assert message.stop_reason == "max_tokens" and message.id.startswith("msg_")
-            assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens, 30)
+            assert message.usage.output_tokens == 30
+            # Anthropic's split: the prompt's tokens read from the prefix cache (the chat's, just before) apart.
+            assert prompt_tokens(message.usage) == chat.usage.prompt_tokens
+            assert 0 < message.usage.cache_read_input_tokens and 0 < message.usage.input_tokens
             assert message.model_extra["speculation"]["num_drafts"] > 0  # the remote drafter drafted
 
             async with c.messages.stream(model="tiny", system=SYSTEM, max_tokens=30,
@@ -43,7 +51,7 @@ def test_a_message_is_the_chat_it_describes_whole_and_streamed() -> None:
                 kinds = [event.type async for event in stream]
                 final = await stream.get_final_message()
             assert final.content[0].text == message.content[0].text and final.stop_reason == "max_tokens"
-            assert final.usage.output_tokens == 30 and final.usage.input_tokens == message.usage.input_tokens
+            assert final.usage.output_tokens == 30 and prompt_tokens(final.usage) == chat.usage.prompt_tokens
             assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_stop" in kinds
 
             # A stop sequence ends it, and is named.
@@ -71,7 +79,7 @@ def test_a_message_is_the_chat_it_describes_whole_and_streamed() -> None:
                 model="tiny", max_tokens=12, messages=[{"role": "system", "content": SYSTEM}, *begun],
                 extra_body={"add_generation_prompt": False, "continue_final_message": True})
             assert prefilled.content[0].text == continued.choices[0].message.content
-            assert prefilled.usage.input_tokens == continued.usage.prompt_tokens
+            assert prompt_tokens(prefilled.usage) == continued.usage.prompt_tokens
 
             # A client leaving mid-stream frees its sequence.
             async with c.messages.stream(model="tiny", max_tokens=200,
@@ -124,7 +132,7 @@ def test_tool_use_blocks_and_their_results_come_back() -> None:
                         "name": use.name, "arguments": json.dumps(use.input)}}]},
                     {"role": "tool", "tool_call_id": use.id, "content": result}])
             assert back.content[0].text == chat_back.choices[0].message.content
-            assert back.usage.input_tokens == chat_back.usage.prompt_tokens
+            assert prompt_tokens(back.usage) == chat_back.usage.prompt_tokens
 
             # "auto": the text before the model's Hermes block is a text block, its call a tool_use block
             # after it, whole and streamed (a regular expression holds the random model to one block).

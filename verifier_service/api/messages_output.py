@@ -13,8 +13,11 @@ in its order: message_start (usage so far), per block content_block_start, its d
 text_delta, or input_json_delta: the arguments as they are written) and content_block_stop, then
 message_delta (stop_reason, output tokens, the thinking's included as Anthropic counts them) and
 message_stop; the client's own stream helper builds the same message from them (it needs no
-signature_delta: the block's empty signature comes with its start). Usage counts the prompt's tokens
-read from the prefix cache as cache_read_input_tokens; the speculation stats ride under vLLM's names.
+signature_delta: the block's empty signature comes with its start). Usage is split as Anthropic splits
+it: input_tokens are the prompt's tokens not read from the prefix cache, cache_read_input_tokens those
+read from it, so that their sum is the prompt (message_start's usage may go out before the prompt is
+admitted, and then counts it all as input; message_delta's has the split); the speculation stats ride
+under vLLM's names.
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ class MessageBuilder:
         return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
     def _usage(self) -> dict[str, int]:
-        return {"input_tokens": len(self.seq.prompt_ids), "output_tokens": len(self.seq.output_ids),
-                "cache_read_input_tokens": self.seq.cached_prompt_tokens, "cache_creation_input_tokens": 0}
+        cached = self.seq.cached_prompt_tokens
+        return {"input_tokens": len(self.seq.prompt_ids) - cached, "output_tokens": len(self.seq.output_ids),
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
     def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
