@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from http_support import PROMPT, WAIT_S, http_verifier, wait_until
+from test_responses_background import engine_held
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from verifier_service.api.http_schema import ChatMessage
@@ -103,6 +104,31 @@ def test_responses_go_on_from_a_conversation_and_add_their_items() -> None:
         async with http_verifier(speculate=False, responses_store_mb=0) as h:
             with pytest.raises(openai.BadRequestError, match="--responses-store-mb 0"):
                 await h.client.conversations.create()
+
+    asyncio.run(main())
+
+
+def test_responses_at_once_on_one_conversation_each_start_from_it_as_it_was() -> None:
+    async def main() -> None:
+        async with http_verifier() as h:
+            c = h.client
+            conv = (await c.conversations.create(items=[{"role": "user", "content": PROMPT}])).id
+            asks = ["first question", "second question, longer"]
+            scheduler = h.v.running.runtime.engine.scheduler
+            with engine_held(h):  # both arrive before either ends
+                calls = [asyncio.ensure_future(c.responses.create(model="tiny", conversation=conv, input=ask,
+                                                                  max_output_tokens=6)) for ask in asks]
+                await wait_until(lambda: scheduler.num_waiting + scheduler.num_running == 2, "both to arrive")
+            answers = await asyncio.gather(*calls)
+            for ask, answer in zip(asks, answers):  # neither saw the other's turn
+                counted = await c.responses.input_tokens.count(model="tiny", input=[
+                    {"role": "user", "content": PROMPT}, {"role": "user", "content": ask}])
+                assert answer.usage.input_tokens == counted.input_tokens
+            items = [i async for i in c.conversations.items.list(conv, order="asc")]
+            assert len(items) == 5 and items[0].content[0].text == PROMPT
+            for answer, ask in zip(answers, asks):  # each turn added whole: its question, then its answer
+                at = [i.id for i in items].index(answer.output[0].id)
+                assert items[at - 1].content[0].text == ask
 
     asyncio.run(main())
 
