@@ -1,5 +1,6 @@
-"""The speculative config: a file (SpeculativeConfig in protobuf's JSON mapping, as
-JSON or YAML) and/or flags, validated once at start-up, defaults filled in."""
+"""The speculative config: a file or an inline JSON object (SpeculativeConfig in protobuf's JSON
+mapping, as JSON or YAML; or vLLM's --speculative-config, vllm_config.py) and/or flags, validated once
+at start-up, defaults filled in."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from google.protobuf import json_format
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.proto import speculative_pb2
+from verifier_service.spec_decode import vllm_config
 
 Mode = speculative_pb2.SpeculativeDecodingMode
 MODE_PREFIX = "SPECULATIVE_DECODING_MODE_"
@@ -57,28 +59,37 @@ def parse_mode(text: str) -> int:
         raise ConfigError(f"unknown speculation mode {text!r}; known modes: {known}") from None
 
 
-def load_file(path: str | Path) -> speculative_pb2.SpeculativeConfig:
-    path = Path(path)
+def load(source: str | Path) -> speculative_pb2.SpeculativeConfig:
+    """The config a file holds, or `source` itself where it is a JSON object (it starts with "{"): this
+    verifier's SpeculativeConfig, or vLLM's speculative config (vllm_config.py)."""
+    inline = isinstance(source, str) and source.lstrip().startswith("{")
+    where = "the inline speculative config" if inline else str(source)
     try:
-        data: Any = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        data: Any = yaml.safe_load(source if inline else Path(source).read_text())  # YAML holds JSON
     except OSError as exc:
-        raise ConfigError(f"cannot read speculative config {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read speculative config {source}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is neither valid YAML nor JSON: {exc}") from None
+        raise ConfigError(f"{where} is neither valid YAML nor JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a SpeculativeConfig object, found {type(data).__name__}")
+        raise ConfigError(f"{where} must hold a SpeculativeConfig object, found {type(data).__name__}")
+    if vllm_config.is_vllm(data):
+        try:
+            return vllm_config.translate(data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if isinstance(data.get("mode"), str):  # accept "NGRAM" as well as the full enum name
         data["mode"] = Mode.Name(parse_mode(data["mode"]))
     try:
         return json_format.ParseDict(data, speculative_pb2.SpeculativeConfig())
     except json_format.ParseError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (flags override --speculative-config)")
-    g.add_argument("--speculative-config", metavar="FILE",
-                   help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml")
+    g.add_argument("--speculative-config", metavar="FILE|JSON",
+                   help="SpeculativeConfig in protobuf JSON mapping, as .json or .yaml, or inline as a JSON object; "
+                        "vLLM's --speculative-config JSON is read too")
     g.add_argument("--speculative-mode", metavar="MODE",
                    help="none, ngram, suffix, user_provided or draft_target (other known modes are refused)")
     g.add_argument("--max-draft-len", type=int,
@@ -114,8 +125,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
     """The config file (if any) with the flags applied over it; validated by ServerSettings."""
-    config = (load_file(args.speculative_config) if args.speculative_config
-              else speculative_pb2.SpeculativeConfig())
+    config = load(args.speculative_config) if args.speculative_config else speculative_pb2.SpeculativeConfig()
     if args.speculative_mode:
         config.mode = parse_mode(args.speculative_mode)
     if args.max_draft_len is not None:
