@@ -3,7 +3,7 @@ HTTP on port 0) with a remote SDK n-gram drafter: a message is the chat it descr
 as chat completions, which are exact against plain decoding); streamed, its events build the same message in
 the client's own stream helper; stop sequences, max_tokens and tool use map to Anthropic's stop reasons; tool
 results come back; count_tokens counts the prompt; mistakes are Anthropic's error objects; the token is read
-from x-api-key."""
+from x-api-key; the model list reads in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -193,6 +193,13 @@ def test_the_token_is_read_from_x_api_key() -> None:
             bad = anthropic.AsyncAnthropic(base_url=h.base_url, api_key="wrong", max_retries=0, timeout=WAIT_S)
             with pytest.raises(anthropic.AuthenticationError, match="missing or wrong API key"):
                 await bad.messages.create(model="tiny", max_tokens=2, messages=hi)
+            # The models, listed to Anthropic's SDK in its shape, its token read the same way.
+            (card,) = (await good.models.list()).data
+            assert (card.id, card.type, card.display_name, card.max_input_tokens) == ("tiny", "model", "tiny", 255)
+            assert card.created_at.tzinfo is not None and await good.models.retrieve("tiny") == card
+            with pytest.raises(anthropic.AuthenticationError, match="missing or wrong API key"):
+                await bad.models.list()
+            assert (await h.client.models.retrieve("tiny")).id == "tiny"  # the OpenAI client's bearer token too
             await good.close()
             await bad.close()
 

@@ -15,9 +15,9 @@ may call it from a browser (CORS, as vLLM's --allowed-origins).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hmac
 import logging
-import time
 from collections.abc import AsyncIterator
 from importlib import resources
 
@@ -111,20 +111,31 @@ def build_app(state: HttpState) -> FastAPI:
             raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
         return Response(generate_latest(state.generations.metrics.registry), media_type=TEXT_FORMAT)
 
+    def authorize_either(request: Request) -> None:
+        """Both SDKs list models at /v1/models: Anthropic's says so with its version header."""
+        (authorize_anthropic if "anthropic-version" in request.headers else authorize)(request)
+
     def model_cards() -> dict[str, dict[str, object]]:
-        """Each served name's model object, as GET /v1/models lists them."""
+        """Each served name's model object, as GET /v1/models lists them: OpenAI's fields (vLLM's
+        max_model_len among them) and Anthropic's, so that either SDK reads it."""
         rt = state.generations.runtime
         if rt is None:
             raise HttpError(503, "the model is still loading; retry shortly")
-        created = int(time.time())
-        return {name: {"id": name, "object": "model", "created": created, "owned_by": "splitspec",
-                       "root": rt.model_name, "max_model_len": rt.max_model_len} for name in state.names()}
+        since = datetime.datetime.fromtimestamp(state.started_at, datetime.timezone.utc).isoformat()
+        longest = rt.max_model_len - 1  # a prompt, or an answer, leaves room for one token of the other
+        return {name: {"id": name, "object": "model", "created": state.started_at, "owned_by": "splitspec",
+                       "root": rt.model_name, "max_model_len": rt.max_model_len,
+                       "type": "model", "display_name": name, "created_at": since, "max_input_tokens": longest,
+                       "max_tokens": longest} for name in state.names()}
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[Depends(authorize_either)])
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": list(model_cards().values())})
+        cards = list(model_cards().values())
+        return JSONResponse({"object": "list", "data": cards, "has_more": False,  # Anthropic's page, whole
+                             "first_id": cards[0]["id"] if cards else None,
+                             "last_id": cards[-1]["id"] if cards else None})
 
-    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize_either)])
     async def model(name: str) -> JSONResponse:
         """OpenAI's retrieve (`client.models.retrieve`); a name may hold slashes, as hub ids do."""
         cards = model_cards()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -43,6 +44,7 @@ class HttpState:
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
     serve_metrics: bool = False  # GET /metrics (with --metrics-port: the registry its port serves)
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # the Responses API's, while they run
+    started_at: int = field(default_factory=lambda: int(time.time()))  # the served models' `created`
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
