@@ -89,6 +89,13 @@ class VerifierMetrics:
             "from them (user_provided.share_finished): one per request and replica", registry=r)
         self.drafter_up: Gauge | None = None  # registered by `track` when there is a drafter
         self.drafter_call_cost: Gauge | None = None  # registered by `track` when calls are priced
+        # --- calls by their final status: every front's, refusals included (what the request metrics below,
+        # of the requests that started, cannot show: 400s, 401s, 429s when the queue is full, 503s while loading)
+        self.grpc_requests = Counter(f"{p}grpc_requests", "VerifierService calls by method and final status code",
+                                     ["method", "code"], registry=r)
+        self.http_requests = Counter(f"{p}http_requests", "HTTP responses by route (its path template: "
+                                     "'unmatched' for none), method and status", ["handler", "method", "status"],
+                                     registry=r)
         # --- requests (observed by the gRPC servicer)
         self.request_success = Counter(
             f"{p}request_success", "Finished requests by reason: stop, length, abort (client cancelled or "
@@ -177,6 +184,12 @@ class VerifierMetrics:
         self.conversations_stored.set_function(conversations)
         self.responses_store_bytes.set_function(charged_bytes)
         self.responses_in_background.set_function(in_background)
+
+    def count_grpc_call(self, method: str, code: str) -> None:
+        self.grpc_requests.labels(method, code).inc()
+
+    def count_http_response(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(handler, method, str(status)).inc()
 
     # --- engine -------------------------------------------------------------------------------------
 

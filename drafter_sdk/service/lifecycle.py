@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from drafter_sdk.errors import ListenError
 from drafter_sdk.service.metrics_endpoint import MetricsServer, start_metrics_server
+from drafter_sdk.service.rpc_counting import Count, RpcCounting
 from drafter_sdk.service.security import BearerTokenServerInterceptor, Tokens
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,11 @@ class GrpcService:
                     max_concurrent_rpcs: int | None = None, options: Sequence[tuple[str, object]] = (),
                     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                     metrics_registry: CollectorRegistry | None = None,
-                    metrics_port: int | None = None) -> "GrpcService":
+                    metrics_port: int | None = None, count_calls: Count | None = None) -> "GrpcService":
         """Bind and start, health NOT_SERVING. `add_servicers(server)` registers the service's own
         servicers; `service_name` is its full name, for health and reflection. With `metrics_port`
-        (0: any free port) and a registry, /metrics is served over HTTP on `host` from now on."""
+        (0: any free port) and a registry, /metrics is served over HTTP on `host` from now on. With
+        `count_calls`, every call of the service's methods is counted by its final status (rpc_counting.py)."""
         metrics_server = None
         if metrics_port is not None and metrics_registry is not None:
             # First: a taken metrics port fails start-up before gRPC binds.
@@ -77,7 +79,7 @@ class GrpcService:
         try:
             return await cls._start_grpc(service_name, add_servicers, host, port, server_credentials, auth_token,
                                          max_message_bytes, max_concurrent_rpcs, options, interceptors,
-                                         metrics_server)
+                                         metrics_server, count_calls)
         except BaseException:
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.close)
@@ -88,8 +90,10 @@ class GrpcService:
                           port: int, server_credentials: grpc.ServerCredentials | None, auth_token: Tokens | None,
                           max_message_bytes: int, max_concurrent_rpcs: int | None,
                           options: Sequence[tuple[str, object]], interceptors: Sequence[grpc.aio.ServerInterceptor],
-                          metrics_server: MetricsServer | None) -> "GrpcService":
-        chain = [*([BearerTokenServerInterceptor(auth_token)] if auth_token else []), MalformedRequestInterceptor(),
+                          metrics_server: MetricsServer | None, count_calls: Count | None) -> "GrpcService":
+        # The counting first: it sees what the others refuse.
+        chain = [*([RpcCounting(count_calls, frozenset({service_name}))] if count_calls is not None else []),
+                 *([BearerTokenServerInterceptor(auth_token)] if auth_token else []), MalformedRequestInterceptor(),
                  *interceptors]
         server = grpc.aio.server(interceptors=chain, maximum_concurrent_rpcs=max_concurrent_rpcs, options=[
             ("grpc.max_receive_message_length", max_message_bytes),

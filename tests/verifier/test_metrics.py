@@ -282,6 +282,55 @@ def test_cancelled_stream_counts_as_abort():
     asyncio.run(main())
 
 
+def test_every_call_and_http_response_is_counted_by_its_final_status():
+    """Refusals included: what the request metrics, of requests that started, cannot show."""
+    token = (("authorization", "Bearer s3cret"),)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0,
+                                auth_token="s3cret") as v:
+            stub = v.stub
+            await stub.Generate(token_request([5, 6, 7], 3), metadata=token, timeout=WAIT_S)
+            async for _ in stub.GenerateStream(stream_request([5, 6, 7], 3), metadata=token, timeout=WAIT_S):
+                pass
+            for call, code in ((stub.Generate(token_request([], 3), metadata=token), "INVALID_ARGUMENT"),
+                               (stub.Tokenize(verifier_pb2.TokenizeRequest(prompt="hi")), "UNAUTHENTICATED")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code().name == code
+            engine = engine_of(v)
+            release = hold_after_prefill(engine)  # the stream cannot end before the client leaves it
+            try:
+                stream = stub.GenerateStream(stream_request(repetitive_prompt(LOOPING_SEEDS[0]), 200),
+                                             metadata=token, timeout=WAIT_S)
+                await stream.read()
+                stream.cancel()
+                await wait_until(lambda: v.running.metrics.registry.get_sample_value(
+                    "splitspec:grpc_requests_total", {"method": "GenerateStream", "code": "CANCELLED"}) == 1,
+                    "the cancelled stream counted")
+            finally:
+                release()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=WAIT_S,
+                                         headers={"authorization": "Bearer s3cret"}) as http:
+                assert (await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200
+                assert (await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})).status_code == 400
+                assert (await http.get("/v1/conversations/conv_1")).status_code == 404
+                assert (await http.get("/v1/nowhere")).status_code == 404
+                assert (await http.get("/v1/models", headers={"authorization": "Bearer wrong"})).status_code == 401
+            samples = await scrape(v)
+        grpc_counts = {(dict(labels)["method"], dict(labels)["code"]): n for (name, labels), n in samples.items()
+                       if name == "splitspec:grpc_requests_total"}
+        assert grpc_counts == {("Generate", "OK"): 1, ("GenerateStream", "OK"): 1, ("Generate", "INVALID_ARGUMENT"): 1,
+                               ("Tokenize", "UNAUTHENTICATED"): 1, ("GenerateStream", "CANCELLED"): 1}
+        http_counts = {tuple(dict(labels)[k] for k in ("handler", "method", "status")): n
+                       for (name, labels), n in samples.items() if name == "splitspec:http_requests_total"}
+        assert http_counts == {("/v1/completions", "POST", "200"): 1, ("/v1/completions", "POST", "400"): 1,
+                               ("/v1/conversations/{conversation_id}", "GET", "404"): 1,
+                               ("unmatched", "GET", "404"): 1, ("/v1/models", "GET", "401"): 1}
+
+    asyncio.run(main())
+
+
 def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
     """Without --metrics-port nothing is served; the registry is kept for the stats lines (stats_log.py) unless
     they are off too."""

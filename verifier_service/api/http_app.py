@@ -31,6 +31,7 @@ from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
 from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
+from verifier_service.api.http_metrics import CountedResponses
 from verifier_service.api.http_requests import (
     HttpState,
     collect_unless_gone,
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 def build_app(state: HttpState) -> FastAPI:
     app = FastAPI(title="splitspec", docs_url=None, redoc_url=None, openapi_url=None)
+    if state.generations.metrics is not None:  # first added: the innermost
+        app.add_middleware(CountedResponses, count=state.generations.metrics.count_http_response)
     if state.allowed_origins:
         # A browser asks first (a preflight) before it sends a JSON body or an Authorization header from
         # another origin; the token is still checked on the request itself.

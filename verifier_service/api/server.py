@@ -119,7 +119,8 @@ async def start_server(settings: ServerSettings,
         host=settings.host, port=settings.port, server_credentials=server_credentials,
         auth_token=settings.auth_token, max_message_bytes=settings.max_message_bytes,
         max_concurrent_rpcs=settings.max_concurrent_rpcs, interceptors=interceptors,
-        metrics_registry=metrics.registry if metrics else None, metrics_port=settings.metrics_port)
+        metrics_registry=metrics.registry if metrics else None, metrics_port=settings.metrics_port,
+        count_calls=metrics.count_grpc_call if metrics else None)
     if server_credentials is not None and settings.tls_client_ca:
         log.info("clients must present a certificate (mutual TLS)")
     http = None

@@ -1,0 +1,76 @@
+"""Every call of a service's own methods counted by its final status, for the service's metrics.
+
+An interceptor, first in the server's chain, so that what the others refuse (a missing bearer token,
+a request that does not decode) is counted too. The status is the one the call ended with: the code
+an abort set, OK where the method returned, CANCELLED where the call was cancelled (the client left,
+or its deadline passed) and UNKNOWN where the method raised, as gRPC answers then. Health and
+reflection calls are not counted. Calls refused by gRPC itself before any interceptor runs (over
+--max-concurrent-rpcs) are not seen here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+Count = Callable[[str, str], None]  # (method, status code name)
+
+
+class RpcCounting(grpc.aio.ServerInterceptor):
+    def __init__(self, count: Count, services: frozenset[str]) -> None:
+        self._count = count
+        self._services = services
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service not in self._services or handler.request_streaming:
+            return handler  # a client-streaming method of a counted service: none is served today
+        count = self._count
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    response = await inner(request, context)
+                except BaseException as exc:
+                    count(method, _status(context, exc))
+                    raise
+                count(method, _status(context, None))
+                return response
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):  # writes with context.write: not ours to wrap
+            return handler
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            except BaseException as exc:
+                count(method, _status(context, exc))
+                raise
+            count(method, _status(context, None))
+
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
+def _status(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+    code = context.code()
+    if code is not None:
+        return code.name
+    if exc is None:
+        return grpc.StatusCode.OK.name
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.UNKNOWN.name
