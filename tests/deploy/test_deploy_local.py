@@ -375,7 +375,9 @@ def test_every_series_the_dashboard_and_alerts_query_is_served(stack):
 
 # A panel may show nothing on a stack that served a request and is idle: no save of what the drafter
 # learned yet (every 5 minutes), no sequence held by the drafter once its request finished.
-EMPTY_WHILE_IDLE = {"panel 'Learned state' A", "panel 'Drafter state memory' A"}
+# Nor HTTP responses, where only gRPC was called.
+EMPTY_WHILE_IDLE = {"panel 'Learned state' A", "panel 'Drafter state memory' A",
+                    "panel 'Verifier calls and HTTP responses by status' B"}
 # ... nor, with the n-gram drafter (overlay cpu), the suffix drafter's panels, and where a starting
 # drafter took its learned state from (it is given no --learned-state-file or --peers there).
 EMPTY_WITH_NGRAM = {"panel 'Suffix drafter: drafts by tree' A", "panel 'Suffix drafter: cached outputs' A",
