@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the same Generations the gRPC front uses.
 
 Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as Server-Sent
-Events with `stream: true`), GET and DELETE /v1/responses/{id} and GET .../input_items (the stored
-responses), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors in
-its shape and its x-api-key header taken for the token), POST /tokenize and /detokenize (vLLM's),
-GET /v1/models, /health, /metrics, and / (the playground). Every request has an id (request_ids.py).
+Events with `stream: true`), GET and DELETE /v1/responses/{id}, GET .../input_items and POST
+.../cancel (the stored and background responses), POST /v1/responses/input_tokens (a request's prompt
+counted), /v1/conversations and its items (conversations_route.py), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API, its errors in its shape and its x-api-key header
+taken for the token), POST /tokenize and /detokenize (vLLM's), GET /v1/models (read by either SDK),
+/health, /metrics, and / (the playground). Every request has an id (request_ids.py), and every
+response is counted by route and status (http_metrics.py).
 Bodies are read and checked (http_requests.py), not by FastAPI's own validation, so every mistake
 is an OpenAI error object (Anthropic's on its routes) with the status the issue and OpenAI's server give it
 (http_errors.py). /health and the playground page are open; everything else needs
