@@ -31,8 +31,10 @@ class RpcCounting(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or service not in self._services or handler.request_streaming:
-            return handler  # a client-streaming method of a counted service: none is served today
+        if handler is None or service not in self._services:
+            return handler
+        if handler.request_streaming:  # client streaming: no counted service has such a method
+            return handler
         count = self._count
         if not handler.response_streaming:
             inner = handler.unary_unary
