@@ -94,6 +94,10 @@ class ServerSettings:
     # Memory for the Responses API's stored responses and conversations (api/response_store.py), least
     # recently used evicted first; 0 stores none.
     responses_store_mb: int = 64
+    # Where a background response's end is announced (api/webhooks.py), signed with webhook_secret (the
+    # key of --webhook-secret-file); None: no webhooks.
+    webhook_url: str | None = None
+    webhook_secret: bytes | None = None
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.
     rank_timeout_s: float = 60.0
@@ -129,6 +133,10 @@ class ServerSettings:
             raise ConfigError(f"max_draft_nodes must be >= 0, not {self.max_draft_nodes}")
         if self.responses_store_mb < 0:
             raise ConfigError(f"responses_store_mb must be >= 0, not {self.responses_store_mb}")
+        if (self.webhook_url is None) != (self.webhook_secret is None):
+            raise ConfigError("webhooks are signed: give --webhook-url and --webhook-secret-file together")
+        if self.webhook_url is not None and not self.webhook_url.startswith(("http://", "https://")):
+            raise ConfigError(f"webhook_url must be an http:// or https:// URL, not {self.webhook_url!r}")
         if self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, not {self.max_queue_len}")
         if not self.kv_cache_memory_gb > 0:

@@ -8,8 +8,9 @@ again from any point, the live ones as they come (GET /v1/responses/{id}?stream=
 poll the response as it stands (its status, `queued` until its first tokens, then `in_progress`, and its
 output so far), or cancel it (its output so far, `cancelled`). While it runs it is held here, outside the
 store's budget, so that nothing evicts it before anyone has read it (the engine's queue bounds how many
-run); once it ends, it and its events go to the store (response_store.py) like any stored response. The
-runs are one verifier's: behind several replicas, poll the one that answered (a sticky session)."""
+run); once it ends, it and its events go to the store (response_store.py) like any stored response, and
+its end is announced where --webhook-url asks (webhooks.py). The runs are one verifier's: behind several
+replicas, poll the one that answered (a sticky session)."""
 
 from __future__ import annotations
 

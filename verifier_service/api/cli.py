@@ -16,6 +16,7 @@ from drafter_sdk.errors import ListenError
 from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
+from verifier_service.api.webhooks import read_secret
 from verifier_service.model import generation_config, host_memory
 from verifier_service.settings import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -46,7 +47,7 @@ SETTING_FLAGS = ("host", "port", "model", "dtype", "device", "prepack_weights", 
                  "max_message_bytes", "max_concurrent_rpcs", "grace_period_s", "metrics_port", "rank_timeout_s",
                  "http_port", "served_model_names", "allowed_origins", "enable_auto_tool_choice", "tool_call_parser",
                  "reasoning_parser", "otlp_traces_endpoint", "generation_config",
-                 "responses_store_mb", "max_draft_nodes", "log_stats_interval_s", "log_requests")
+                 "responses_store_mb", "max_draft_nodes", "log_stats_interval_s", "log_requests", "webhook_url")
 
 
 def _http_port(value: str) -> int | None:
@@ -93,6 +94,11 @@ def parser() -> argparse.ArgumentParser:
                                       "conversations (/v1/conversations), least recently used evicted first; 0 "
                                       "stores none (and refuses background responses and conversations)",
              type=int, metavar="MB")
+    _setting(p, "webhook_url", "where to POST OpenAI's webhook event when a background response ends "
+                               "(response.completed, .incomplete, .failed, .cancelled), signed with "
+                               "--webhook-secret-file", metavar="URL")
+    p.add_argument("--webhook-secret-file", metavar="PATH",
+                   help="the webhooks' signing secret (whsec_ and base64, as OpenAI writes it, or any text)")
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")
@@ -185,6 +191,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         token = read_token(args.auth_token_file)
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
+    try:
+        webhook_secret = read_secret(args.webhook_secret_file) if args.webhook_secret_file else None
+    except ValueError as exc:
+        raise config.ConfigError(f"--webhook-secret-file: {exc}") from None
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}
     for name in ("served_model_names", "allowed_origins"):
         if name in given:
@@ -196,8 +206,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             given["override_generation_config"] = generation_config.parse_overrides(args.override_generation_config)
         except ValueError as exc:
             raise config.ConfigError(str(exc)) from None
-    return ServerSettings(speculative=config.from_args(args), auth_token=token, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
+    return ServerSettings(speculative=config.from_args(args), auth_token=token, webhook_secret=webhook_secret,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, **given)
 
 
 def _chat_template(value: str) -> str:

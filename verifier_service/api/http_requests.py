@@ -22,6 +22,7 @@ from verifier_service.api.http_responses import Choice
 from verifier_service.api.http_schema import GenerationBody, _Body
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.api.response_store import ResponseStore
+from verifier_service.api.webhooks import Webhooks
 from verifier_service.engine.scheduler import QueueFullError
 from verifier_service.engine.sequence import Output, Sequence
 from verifier_service.tracing import Arrival
@@ -45,6 +46,7 @@ class HttpState:
     serve_metrics: bool = False  # GET /metrics (with --metrics-port: the registry its port serves)
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # the Responses API's, while they run
     started_at: int = field(default_factory=lambda: int(time.time()))  # the served models' `created`
+    webhooks: Webhooks | None = None  # announces background responses' ends (--webhook-url)
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -25,6 +25,7 @@ from verifier_service.api.generation import Generations
 from verifier_service.api.http_app import build_app
 from verifier_service.api.http_requests import HttpState
 from verifier_service.api.response_store import ResponseStore
+from verifier_service.api.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
 CLOSE_S = 1.0  # after the drain: for idle keep-alive connections to close
@@ -66,12 +67,14 @@ class HttpServer:
                     max_body_bytes: int, responses_store_bytes: int, tls_cert: str | None = None,
                     tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                    serve_metrics: bool = False) -> "HttpServer":
+                    serve_metrics: bool = False, webhook_url: str | None = None,
+                    webhook_secret: bytes | None = None) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         store = ResponseStore(responses_store_bytes)
         state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
-                          allowed_origins, serve_metrics)
+                          allowed_origins, serve_metrics,
+                          webhooks=Webhooks(webhook_url, webhook_secret) if webhook_url and webhook_secret else None)
         if generations.metrics is not None:
             generations.metrics.track_responses(lambda: len(store), lambda: store.conversations,
                                                 lambda: store.used_bytes, lambda: len(state.background))
@@ -100,5 +103,7 @@ class HttpServer:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.state.idle.wait(), grace_s)
         await self.state.background.close()
+        if self.state.webhooks is not None:  # after the runs: their ends are announced too
+            await self.state.webhooks.close()
         self._server.should_exit = True
         await asyncio.gather(self._task, return_exceptions=True)

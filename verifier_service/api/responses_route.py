@@ -160,7 +160,7 @@ async def respond(state: HttpState, request: Request) -> Response:
                               background=bool(body.background))
     if body.background:
         run = await state.background.start(builder, items, gen.outputs(seqs[0], arrival),
-                                           lambda ended: _keep(state, builder, items, tuple(ended.events)),
+                                           lambda ended: _ended(state, builder, items, tuple(ended.events)),
                                            state.request())
         return _streamed(run.follow(-1)) if body.stream else JSONResponse(run.body())
     if body.stream:  # stored before the last event goes out: a follow-up may continue it at once
@@ -214,6 +214,14 @@ def _fits(gen: Generations, context: int, reserve: int) -> Callable[[verifier_pb
             return False
         return len(ids) + reserve <= context
     return fits
+
+
+def _ended(state: HttpState, builder: ResponseBuilder, items: tuple[dict[str, Any], ...],
+           events: tuple[str, ...]) -> None:
+    """A background response has ended: kept as any response is, then announced (--webhook-url)."""
+    _keep(state, builder, items, events)
+    if state.webhooks is not None and builder.result is not None:
+        state.webhooks.response_ended(builder.result)
 
 
 def _keep(state: HttpState, builder: ResponseBuilder, items: tuple[dict[str, Any], ...],

@@ -132,7 +132,8 @@ async def start_server(settings: ServerSettings,
                 tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names,
                 tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
                 allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20,
-                serve_metrics=settings.metrics_port is not None)
+                serve_metrics=settings.metrics_port is not None, webhook_url=settings.webhook_url,
+                webhook_secret=settings.webhook_secret)
         except BaseException:
             await service.stop(0)
             if tracer is not None:
