@@ -232,10 +232,13 @@ def _keep(state: HttpState, builder: ResponseBuilder, items: tuple[dict[str, Any
     result = builder.result
     if result is None:
         return
+    # The conversation its items join: one it went on from, where it ended with an answer.
+    joined = builder.request.conversation_id if result["status"] in ("completed", "incomplete") else None
+    if not builder.stored and joined is None:
+        return
     output = ITEMS.validate_python(result["output"])
-    conversation = builder.request.conversation_id
-    if conversation is not None and result["status"] in ("completed", "incomplete"):
-        conversations_route.add(state, conversation, items + tuple(listed_item(item) for item in output))
+    if joined is not None:
+        conversations_route.add(state, joined, items + tuple(listed_item(item) for item in output))
     if builder.stored and not state.responses.put(
             builder.id, result, (*builder.request.continued_chat(), *chat_history(output)), items, events):
         log.warning("response %s not stored: larger than the whole store (--responses-store-mb)", builder.id)
