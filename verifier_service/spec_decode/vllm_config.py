@@ -107,7 +107,7 @@ def _whole(data: Mapping[str, Any], key: str, least: int) -> int | None:
 def _only_for(data: Mapping[str, Any], method: str, keys: tuple[str, ...]) -> None:
     given = [key for key in keys if key in data]
     if given:
-        raise ValueError(f"vLLM speculative config: {', '.join(given)} belong(s) to method {method!r}, not "
+        raise ValueError(f"vLLM speculative config: {', '.join(given)} apply to method {method!r} only, not "
                          f"{data.get('method', 'draft_model')!r}")
 
 
