@@ -229,8 +229,9 @@ class Scheduler:
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
         preempted = self._preempt() if self.by_priority else []
         decodes = [s for s in self.running if not s.prefilling]
+        calls = [s.prediction is None or not s.prediction.drafts(s.output_ids) for s in decodes]  # else it drafts
         sizes = self.policy.plan([s.spec for s in decodes], [s.draft_room(self.max_model_len) for s in decodes],
-                                 price)
+                                 price, calls)
         budget: float = self._prefill_budget(sum(sizes.lengths) + len(decodes))
         # Where nothing decodes, no stream waits on the step: prompt tokens count as themselves.
         cost = self.prompt_token_cost if decodes else FLAT

@@ -21,7 +21,8 @@ drafter that queries a store or runs a model takes longer. The engine
 measures it (and the step's own work around the forward) and hands the
 planner a `StepPrice` in the cost curve's unit, so that drafting must beat
 plain decoding with both counted: where the call costs more than what the drafts are expected to
-gain, no sequence drafts and the drafter is not called. Shadow drafts ride
+gain, no sequence drafts and the drafter is not called (a request whose prediction drafts for it,
+spec_decode/prediction.py, needs no call, and its drafts are priced without one). Shadow drafts ride
 along free where a step calls anyway; where none drafts, a request asks for
 one after waiting a number of steps that doubles with each shadow that
 missed or did not come and halves with each that hit (policy.py), so that
@@ -203,34 +204,48 @@ class DraftPlanner:
     costs: CostCurve  # forward cost by tokens in one forward, measured at start-up
     one_token_s: float = 0.0  # the curve's unit: a one-token forward's seconds then (0: unknown)
 
-    def plan(self, estimates: list[AcceptanceEstimate], caps: list[int], price: StepPrice = FREE_CALLS) -> list[int]:
+    def plan(self, estimates: list[AcceptanceEstimate], caps: list[int], price: StepPrice = FREE_CALLS,
+             calls: list[bool] | None = None) -> list[int]:
         """Draft lengths (each <= its cap) maximising expected tokens per step cost: the forward's, the
-        step's own work, and the drafter call where any sequence drafts (free where a fresh request
-        has the call made anyway). A draft is expected to come as often as the drafter answered one,
-        and its tokens are verified only then (where calls are free, that share changes nothing for
-        a request alone: gains and verify tokens scale alike)."""
+        step's own work, and the drafter call where a sequence drafts from it (free where a fresh request
+        has the call made anyway). `calls[i]` false: request i's draft comes without a call (its
+        prediction's); default: every draft calls. A draft is expected to come as often as the drafter
+        answered one, and its tokens are verified only then (where calls are free, that share changes
+        nothing for a request alone: gains and verify tokens scale alike)."""
         if not caps:
             return []
-        call = 0.0 if any(e.fresh and cap for e, cap in zip(estimates, caps)) else price.call
+        calls = calls if calls is not None else [True] * len(caps)
+        call = 0.0 if any(e.fresh and cap and c for e, cap, c in zip(estimates, caps, calls)) else price.call
         gains = [e.gains(cap) for e, cap in zip(estimates, caps)]
         answered = [e.answered.value for e in estimates]
+        # The drafts that need no call, then every draft with the call paid: the better of the two.
+        best = self._most_tokens([[] if c else g for g, c in zip(gains, calls)], answered, price.fixed)
+        if any(calls):
+            best = max(best, self._most_tokens(gains, answered, price.fixed, call), key=lambda b: b[0])
+        return best[1]
+
+    def _most_tokens(self, gains: list[list[float]], answered: list[float], fixed: float,
+                     call: float = 0.0) -> tuple[float, list[int]]:
+        """Draft tokens added most promising first (`gains[i]`: request i's acceptance by position) while
+        the expected tokens per step cost rise: the forward's, `fixed`, and `call` once any request
+        drafts. Returns the best rate and its lengths."""
         heap = [(-g[0], i) for i, g in enumerate(gains) if g]
         heapq.heapify(heap)
-        lengths = [0] * len(caps)
-        tokens = len(caps)
-        expected = float(len(caps))
-        best_rate, best = expected / (self.costs(tokens) + price.fixed), list(lengths)
+        lengths = [0] * len(gains)
+        tokens = len(gains)
+        expected = float(len(gains))
+        best_rate, best = expected / (self.costs(tokens) + fixed), list(lengths)
         while heap:
             gain, i = heapq.heappop(heap)
             lengths[i] += 1
             tokens += answered[i]
             expected -= answered[i] * gain
-            rate = expected / (self.costs(tokens) + price.fixed + call)
+            rate = expected / (self.costs(tokens) + fixed + call)
             if rate > best_rate:
                 best_rate, best = rate, list(lengths)
             if lengths[i] < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][lengths[i]], i))
-        return best
+        return best_rate, best
 
     def shadow_interval(self, batch: int, price: StepPrice) -> int:
         """The longest wait, in steps, between the calls made only to score shadow drafts where no

@@ -88,8 +88,10 @@ class SpeculationPolicy:
             max_draft_nodes=max_draft_nodes,
         )
 
-    def plan(self, states: list[SpecState], rooms: list[int], price: StepPrice = FREE_CALLS) -> DraftSizes:
-        """The step's draft sizes, given what a step costs beside its forward (`price`).
+    def plan(self, states: list[SpecState], rooms: list[int], price: StepPrice = FREE_CALLS,
+             calls: list[bool] | None = None) -> DraftSizes:
+        """The step's draft sizes, given what a step costs beside its forward (`price`; `calls[i]` false
+        where sequence i's draft needs no drafter call: its prediction drafts).
 
         `rooms[i]`: draft tokens sequence i can still use (drafts beyond the tokens it
         still wants, or past the context, are wasted work). With the planner, a sequence
@@ -101,7 +103,7 @@ class SpeculationPolicy:
         caps = [self._cap(state, len(states), room) for state, room in zip(states, rooms)]
         if self.planner is None:
             return DraftSizes(caps, caps)
-        lengths = self.planner.plan([s.acceptance for s in states], caps, price)
+        lengths = self.planner.plan([s.acceptance for s in states], caps, price, calls)
         asks = [k or cap for k, cap in zip(lengths, caps)]
         interval = self.planner.shadow_interval(len(states), price)
         due = any(s.steps_unasked + 1 >= min(s.shadow_wait, interval) for s, a in zip(states, asks) if a)

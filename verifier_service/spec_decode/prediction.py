@@ -41,6 +41,11 @@ class Prediction:
         self._read_output(output)
         return [] if self._cursor is None else self.tokens[self._cursor:self._cursor + k]
 
+    def drafts(self, output: Sequence[int]) -> bool:
+        """Whether it has a draft after `output`: the output follows it, and has not used it up."""
+        self._read_output(output)
+        return self._cursor is not None and self._cursor < len(self.tokens)
+
     def _read_output(self, output: Sequence[int]) -> None:
         for i in range(self._read, len(output)):
             at = self._cursor

@@ -33,6 +33,7 @@ from verifier_support import (
 
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.spec_decode.planner import StepPrice
 from verifier_service.tools.local_services import free_port
 
 PROMPTS = [repetitive_prompt(s) for s in LOOPING_SEEDS[:2]] + [
@@ -172,6 +173,27 @@ def test_the_planner_counts_the_predictions_drafts_as_answers_while_the_drafter_
             predicted = [(b, a) for p, b, a in rates if p]
             assert predicted and any(not p for p, _, _ in rates)  # after an edit, the prediction had none
             assert all(a > b or a == b == 1.0 for b, a in predicted)  # each predicted step: answered
+
+    asyncio.run(main())
+
+
+def test_a_prediction_drafts_however_dear_the_drafter_call() -> None:
+    """The planner prices a drafter call against the drafts it brings; the prediction's drafts need none, so
+    a drafter priced out of every step does not stop them."""
+    expected = list(text_chain()[1:N + 1])
+
+    async def main() -> None:
+        async with serve_drafter(NgramDrafter(max_draft_len=8)) as drafter:
+            spec = spec_config("USER_PROVIDED", 8, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000,
+                               adaptiveDraftLen=True)
+            async with run_verifier(spec, model=scripted_model(list(text_chain()))) as v:
+                engine = engine_of(v)
+                engine._clock.price = lambda: StepPrice(call=1000.0)  # a call costs a thousand forwards
+                without = await generate(v, [text_chain()[0]])
+                got = await generate(v, [text_chain()[0]], text(expected))
+                assert ids(without) == ids(got) == expected
+                assert without.output.stats.num_draft_tokens <= 8, "only its first call, made anyway, drafts"
+                assert got.output.stats.accepted_prediction_tokens >= N - 8
 
     asyncio.run(main())
 

@@ -275,6 +275,19 @@ def test_a_fresh_request_is_planned_as_if_the_call_were_free() -> None:
     assert p.plan([AcceptanceEstimate()], [0], StepPrice(call=3.0)) == [0]
 
 
+def test_a_draft_that_needs_no_call_is_not_charged_one() -> None:
+    """A request's prediction drafts for it without a drafter call: its drafts pay for their verify tokens
+    alone, whatever a call costs, and a batch whose other requests cannot pay for the call still drafts
+    for it (and only for it)."""
+    p = planner(SMOLLM2_CPU)
+    middling = trained(4, 1, 10)
+    assert p.plan([middling], [4], StepPrice(call=1.0)) == [0]
+    assert p.plan([middling], [4], StepPrice(call=1.0), calls=[False]) == [1]
+    assert p.plan([middling, trained(4, 1, 10)], [4, 4], StepPrice(call=1.0), calls=[True, False]) == [0, 1]
+    # Where a call pays for itself, the drafts from it and from the prediction go together.
+    assert p.plan([trained(8, 8, 10), middling], [8, 4], StepPrice(call=2.0), calls=[True, False]) == [8, 1]
+
+
 def shadow_steps(policy: SpeculationPolicy, states: list[SpecState], price: StepPrice, steps: int,
                  hits: set[int] = frozenset()) -> list[DraftSizes]:
     """`steps` steps of non-drafting requests: each shadow draft asked for misses, except at the steps in `hits`."""

@@ -19,6 +19,14 @@ def test_it_drafts_what_follows_the_output_in_the_prediction() -> None:
     assert p.draft(PREDICTED, 4) == []  # used up
 
 
+def test_it_tells_whether_it_has_a_draft_before_one_is_asked_for() -> None:
+    """The planner prices a draft the prediction gives without a drafter call."""
+    p = Prediction(PREDICTED)
+    assert p.drafts(PREDICTED[:10]) and p.draft(PREDICTED[:10], 2) == PREDICTED[10:12]
+    assert not p.drafts(PREDICTED[:10] + [1])  # left it
+    assert not Prediction(PREDICTED).drafts(PREDICTED)  # used up
+
+
 def test_it_comes_back_after_an_edit() -> None:
     cases = {  # the output after its edit, and where in the prediction it stands then
         "insertion": (PREDICTED[:5] + [1, 2] + PREDICTED[5:7], 7),
