@@ -97,19 +97,22 @@ class SpeculationPolicy:
         still wants, or past the context, are wasted work). With the planner, a sequence
         it keeps from drafting still asks for a shadow draft up to its cap, scored but
         never verified (observe_shadow), free where the step calls the drafter anyway;
-        where no sequence drafts, only once it waited its `shadow_wait` steps (at most the
-        planner's `shadow_interval`).
+        where no sequence drafts from a call, only once it waited its `shadow_wait` steps (at
+        most the planner's `shadow_interval`).
         """
         caps = [self._cap(state, len(states), room) for state, room in zip(states, rooms)]
         if self.planner is None:
             return DraftSizes(caps, caps)
+        calls = calls if calls is not None else [True] * len(states)
         lengths = self.planner.plan([s.acceptance for s in states], caps, price, calls)
         asks = [k or cap for k, cap in zip(lengths, caps)]
         interval = self.planner.shadow_interval(len(states), price)
-        due = any(s.steps_unasked + 1 >= min(s.shadow_wait, interval) for s, a in zip(states, asks) if a)
-        saved = not any(lengths) and any(asks) and not due
+        due = any(s.steps_unasked + 1 >= min(s.shadow_wait, interval)
+                  for s, a, c in zip(states, asks, calls) if a and c)
+        # No call where no draft verified needs one and no shadow is due (a prediction's asks need none).
+        saved = not any(k for k, c in zip(lengths, calls) if c) and any(a for a, c in zip(asks, calls) if c) and not due
         if saved:
-            asks = [0] * len(asks)
+            asks = [0 if c else a for a, c in zip(asks, calls)]
         for state, cap, ask in zip(states, caps, asks):
             state.steps_unasked = state.steps_unasked + 1 if cap and not ask else 0
         return DraftSizes(lengths, asks, saved)

@@ -340,6 +340,23 @@ def test_where_none_drafts_shadows_back_off_to_the_interval() -> None:
     assert first.lengths[0] == 0 and first.asks[0] == 8 and first.asks[1] > 0 and not first.call_saved
 
 
+def test_a_predictions_drafts_alone_do_not_have_the_call_made_for_shadows() -> None:
+    """A step whose only verified drafts are a prediction's makes no call unless a shadow is due: the shadows
+    ride along free only where the call is made anyway."""
+    policy = SpeculationPolicy(8, planner=planner(SMOLLM2_CPU))
+    predicted, unpredictable = SpecState(), SpecState()
+    predicted.acceptance, unpredictable.acceptance = trained(8, 8, 10), trained(8, 0, 10)
+    unpredictable.shadow_wait = 8  # its last shadows missed
+    price = StepPrice(fixed=0.06, call=30.0)
+    step = policy.plan([predicted, unpredictable], [8, 8], price, calls=[False, True])
+    assert step.lengths == [8, 0] and step.asks == [8, 0] and step.call_saved
+    assert unpredictable.steps_unasked == 1
+    # Once its shadow is due, it is asked for one.
+    unpredictable.steps_unasked = 7
+    step = policy.plan([predicted, unpredictable], [8, 8], price, calls=[False, True])
+    assert step.asks == [8, 8] and not step.call_saved
+
+
 def test_the_step_clock_prices_a_step_in_one_token_forwards() -> None:
     clock = StepClock(planner(SMOLLM2_CPU).costs, one_token_s=0.020)
     assert clock.price() == FREE_CALLS, "nothing measured yet"
