@@ -28,7 +28,7 @@ from pydantic import Field
 
 from verifier_service.api.http_errors import HttpError
 from verifier_service.api.http_requests import HttpState, read_body
-from verifier_service.api.http_schema import _Body
+from verifier_service.api.http_schema import RequestBody
 from verifier_service.api.item_pages import page
 from verifier_service.api.response_store import StoredConversation
 from verifier_service.api.responses_schema import InputItem, Metadata, listed_item
@@ -38,16 +38,16 @@ log = logging.getLogger(__name__)
 MAX_ITEMS_ADDED = 20  # OpenAI's: the items one request may add
 
 
-class ConversationCreate(_Body):
+class ConversationCreate(RequestBody):
     items: list[InputItem] | None = Field(None, max_length=MAX_ITEMS_ADDED)
     metadata: Metadata = None
 
 
-class ConversationUpdate(_Body):
+class ConversationUpdate(RequestBody):
     metadata: Metadata
 
 
-class ItemsCreate(_Body):
+class ItemsCreate(RequestBody):
     items: list[InputItem] = Field(min_length=1, max_length=MAX_ITEMS_ADDED)
 
 

@@ -19,7 +19,7 @@ from verifier_service.api.background_runs import BackgroundRuns
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
 from verifier_service.api.http_responses import Choice
-from verifier_service.api.http_schema import GenerationBody, _Body
+from verifier_service.api.http_schema import GenerationBody, RequestBody
 from verifier_service.api.request_parsing import RequestError
 from verifier_service.api.response_store import ResponseStore
 from verifier_service.api.webhooks import Webhooks
@@ -28,7 +28,7 @@ from verifier_service.engine.sequence import Output, Sequence
 from verifier_service.tracing import Arrival
 
 T = TypeVar("T")
-Body = TypeVar("Body", bound=_Body)
+Body = TypeVar("Body", bound=RequestBody)
 
 
 @dataclass

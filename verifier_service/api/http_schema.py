@@ -57,11 +57,13 @@ UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern
                                      "disable_additional_properties": False}
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """Every HTTP body's base: unknown fields ignored (as OpenAI's server does), NaN and infinity refused."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-def _refused_unless_neutral(neutral_values: dict[str, Any]) -> Any:
+def refused_unless_neutral(neutral_values: dict[str, Any]) -> Any:
     """The validator, for a body class that declares them, of the fields `neutral_values` names, which
     this server does not serve: each is refused unless left out, null or at its value there (the
     one that changes nothing)."""
@@ -73,23 +75,23 @@ def _refused_unless_neutral(neutral_values: dict[str, Any]) -> Any:
     return field_validator(*neutral_values, mode="before")(check)
 
 
-class SpeculationOverride(_Body):
+class SpeculationOverride(RequestBody):
     disable: bool = False
     max_draft_len: int | None = Field(None, ge=0, le=UINT32)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(RequestBody):
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # optional in OpenAI's API: then any JSON object
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """OpenAI's: free text, any JSON object (JSON mode), or JSON following a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -103,7 +105,7 @@ class ResponseFormat(_Body):
         return value
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(RequestBody):
     """vLLM's `structured_outputs` (one of them). `disable_any_whitespace` makes JSON compact; vLLM's
     options this server does not serve are refused unless neutral."""
 
@@ -118,10 +120,10 @@ class StructuredOutputs(_Body):
     whitespace_pattern: Any = None
     disable_additional_properties: Any = None
 
-    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS)
+    _check_unsupported = refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS)
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
@@ -133,7 +135,7 @@ def text_of(content: str | list[TextPart] | None) -> str:
     return content or ""
 
 
-class PredictedOutput(_Body):
+class PredictedOutput(RequestBody):
     """OpenAI's Predicted Outputs: text the answer is expected to largely repeat, which the verifier
     drafts from (GenerationParams.prediction)."""
 
@@ -145,7 +147,7 @@ class PredictedOutput(_Body):
         return text_of(self.content)
 
 
-class GenerationBody(_Body):
+class GenerationBody(RequestBody):
     """What chat and completions share."""
 
     model: str | None = None
@@ -199,7 +201,7 @@ class GenerationBody(_Body):
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
 
-    _check_unsupported = _refused_unless_neutral(UNSUPPORTED)
+    _check_unsupported = refused_unless_neutral(UNSUPPORTED)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -398,18 +400,18 @@ def _vllm_constraints(schema: dict[str, Any] | str | None, regex: str | None, ch
     return found
 
 
-class CalledFunction(_Body):
+class CalledFunction(RequestBody):
     name: str
     arguments: str  # a JSON object, as text (OpenAI's)
 
 
-class ToolCallMessage(_Body):
+class ToolCallMessage(RequestBody):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
@@ -431,23 +433,23 @@ class ChatMessage(_Body):
             tool_call_id=self.tool_call_id or "", reasoning=self.reasoning or self.reasoning_content or "")
 
 
-class FunctionTool(_Body):
+class FunctionTool(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionTool
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
@@ -485,7 +487,7 @@ class ChatCompletionRequest(GenerationBody):
     web_search_options: Any = None
     verbosity: Any = None
 
-    _check_unsupported_in_chat = _refused_unless_neutral(UNSUPPORTED_IN_CHAT)
+    _check_unsupported_in_chat = refused_unless_neutral(UNSUPPORTED_IN_CHAT)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -529,7 +531,7 @@ class CompletionRequest(GenerationBody):
     tools: Any = None
     tool_choice: Any = None
 
-    _check_unsupported_in_completions = _refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS)
+    _check_unsupported_in_completions = refused_unless_neutral(UNSUPPORTED_IN_COMPLETIONS)
 
     @field_validator("echo")
     @classmethod
@@ -581,7 +583,7 @@ class CompletionRequest(GenerationBody):
             p.token_ids.ids.extend(text_or_ids)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a `prompt`, tokenized as /v1/completions tokenizes it, or chat `messages`,
     rendered as /v1/chat/completions renders them (with or without the generation prompt, or the last
     message left open, as there). vLLM's options that would tokenize otherwise are refused unless they
@@ -600,7 +602,7 @@ class TokenizeRequest(_Body):
     chat_template: Any = None
     documents: Any = None
 
-    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE)
+    _check_unsupported = refused_unless_neutral(UNSUPPORTED_IN_TOKENIZE)
 
     @model_validator(mode="after")
     def _one_input_tokenized_as_generation_does(self) -> TokenizeRequest:
@@ -630,7 +632,7 @@ class TokenizeRequest(_Body):
         return verifier_pb2.TokenizeRequest(prompt=self.prompt, return_token_strs=self.return_token_strs)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """vLLM's /detokenize: token ids back to text."""
 
     model: str | None = None

@@ -44,12 +44,12 @@ from verifier_service.api.http_schema import (
     ChatMessage,
     GenerationBody,
     JsonSchemaFormat,
+    RequestBody,
     ResponseFormat,
     Tool,
     ToolCallMessage,
-    _Body,
-    _refused_unless_neutral,
     chat_messages,
+    refused_unless_neutral,
 )
 from verifier_service.api.reasoning_effort import AnthropicEffort, anthropic_variables
 
@@ -58,19 +58,19 @@ from verifier_service.api.reasoning_effort import AnthropicEffort, anthropic_var
 UNSUPPORTED_IN_MESSAGES = {"mcp_servers": None, "container": None, "context_management": None, "compaction": None}
 
 
-class TextBlock(_Body):
+class TextBlock(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(RequestBody):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(RequestBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: list[TextBlock] | str = ""  # (is_error has no place in a chat template: the text says it)
@@ -80,7 +80,7 @@ class ToolResultBlock(_Body):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-class ThinkingConfig(_Body):
+class ThinkingConfig(RequestBody):
     """Anthropic's `thinking` (module docstring)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
@@ -95,25 +95,25 @@ class ThinkingConfig(_Body):
         return self
 
 
-class JsonOutputFormat(_Body):
+class JsonOutputFormat(RequestBody):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(RequestBody):
     """Anthropic's `output_config` (module docstring)."""
 
     effort: AnthropicEffort | None = None
     format: JsonOutputFormat | None = None
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(RequestBody):
     type: Literal["thinking"]
     thinking: str
     signature: str = ""  # Anthropic's proof that Claude wrote it: nothing to check here
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlock(RequestBody):
     type: Literal["redacted_thinking"]
     data: str  # encrypted for Claude: unreadable here, so dropped
 
@@ -131,7 +131,7 @@ Block = Annotated[
         "here)"))]
 
 
-class AnthropicMessage(_Body):
+class AnthropicMessage(RequestBody):
     role: Literal["user", "assistant"]
     content: list[Block] | str  # the list first: a mistake in a block is named by its path
 
@@ -162,7 +162,7 @@ class AnthropicMessage(_Body):
         return [*results, *plain]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule, and Anthropic's (up to 128)
     description: str | None = None
     input_schema: dict[str, Any]
@@ -174,7 +174,7 @@ class AnthropicTool(_Body):
         return {"type": "function", "function": function}
 
 
-class AnthropicToolChoice(_Body):
+class AnthropicToolChoice(RequestBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -203,7 +203,7 @@ class MessagesRequest(GenerationBody):
     context_management: Any = None
     compaction: Any = None
 
-    _check_unsupported_in_messages = _refused_unless_neutral(UNSUPPORTED_IN_MESSAGES)
+    _check_unsupported_in_messages = refused_unless_neutral(UNSUPPORTED_IN_MESSAGES)
 
     @property
     def system_text(self) -> str | None:

@@ -50,12 +50,12 @@ from verifier_service.api.http_schema import (
     ChatMessage,
     GenerationBody,
     JsonSchemaFormat,
+    RequestBody,
     ResponseFormat,
     Tool,
     ToolCallMessage,
-    _Body,
-    _refused_unless_neutral,
     chat_messages,
+    refused_unless_neutral,
 )
 from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables
 from verifier_service.api.request_parsing import MAX_LOGPROBS
@@ -71,7 +71,7 @@ UNSUPPORTED_IN_REASONING = {"context": "auto", "mode": "standard"}
 SummaryKind = Literal["auto", "concise", "detailed"]
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     """Text, as a message's content part: input_text (what a user, system or developer says), or
     output_text and refusal (an assistant's, sent back from an earlier response)."""
 
@@ -80,7 +80,7 @@ class ContentPart(_Body):
     refusal: str = ""
 
 
-class MessageItem(_Body):
+class MessageItem(RequestBody):
     type: Literal["message"] = "message"  # OpenAI's "easy" message leaves the type out
     id: str | None = None  # an item sent back from an earlier response keeps its id
     role: Literal["user", "assistant", "system", "developer"]
@@ -93,7 +93,7 @@ class MessageItem(_Body):
         return "".join(part.text or part.refusal for part in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     id: str | None = None
     call_id: str
@@ -101,17 +101,17 @@ class FunctionCallItem(_Body):
     arguments: str  # a JSON object, as text
 
 
-class ReasoningText(_Body):
+class ReasoningText(RequestBody):
     type: Literal["reasoning_text"]
     text: str
 
 
-class SummaryText(_Body):
+class SummaryText(RequestBody):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(RequestBody):
     """A reasoning model's thinking, sent back from an earlier response (responses_output.py): its
     content's text or, without one, its summary's."""
 
@@ -137,7 +137,7 @@ class ReasoningItem(_Body):
         return "\n\n".join(part.text for part in self.summary)
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str
@@ -227,11 +227,11 @@ def _within_openai_limits(metadata: dict[str, str] | None) -> dict[str, str] | N
 Metadata = Annotated[dict[str, str] | None, AfterValidator(_within_openai_limits)]
 
 
-class ConversationRef(_Body):
+class ConversationRef(RequestBody):
     id: str
 
 
-class ResponsesTool(_Body):
+class ResponsesTool(RequestBody):
     type: Literal["function"]
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
@@ -243,12 +243,12 @@ class ResponsesTool(_Body):
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
-class NamedFunctionChoice(_Body):
+class NamedFunctionChoice(RequestBody):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Body):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -256,7 +256,7 @@ class TextFormat(_Body):
     strict: bool | None = None
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(RequestBody):
     """OpenAI's `reasoning`: its effort goes to the chat template (reasoning_effort.py). No summarizer
     runs here: a summary asked for is left empty, and a reasoning item carries the thinking whole, as
     its content (responses_output.py)."""
@@ -268,14 +268,14 @@ class ReasoningConfig(_Body):
     context: Any = None
     mode: Any = None
 
-    _check_unsupported = _refused_unless_neutral(UNSUPPORTED_IN_REASONING)
+    _check_unsupported = refused_unless_neutral(UNSUPPORTED_IN_REASONING)
 
     def echoed(self) -> dict[str, Any]:
         """As a response shows it."""
         return {"effort": self.effort, "summary": self.summary or self.generate_summary}
 
 
-class TextConfig(_Body):
+class TextConfig(RequestBody):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # OpenAI's other verbosities are for its reasoning models
 
@@ -306,7 +306,7 @@ class ResponsesRequest(GenerationBody):
     prompt: Any = None
     context_management: Any = None
 
-    _check_unsupported_in_responses = _refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
+    _check_unsupported_in_responses = refused_unless_neutral(UNSUPPORTED_IN_RESPONSES)
     # The stored conversation that previous_response_id names (responses_route.py sets it): the chat starts with it.
     _history: list[ChatMessage] = PrivateAttr(default_factory=list)
     _dropped: int = PrivateAttr(0)  # the conversation's first messages left out by truncation "auto"
