@@ -228,6 +228,19 @@ def test_bad_config_file_is_refused_at_start_up(tmp_path, capsys, config, words)
     assert all(w in err for w in words), err
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--speculative-mode", "suffix", "--drafter-target", "x:1"],
+     ["mode SUFFIX does not take a `user_provided` section", "--drafter-target", "belongs to mode USER_PROVIDED"]),
+    (["--speculative-mode", "ngram", "--draft-model", "x"], ["--draft-model", "belongs to mode DRAFT_TARGET"]),
+    (["--speculative-mode", "user_provided", "--drafter-target", "x:1", "--max-matching-ngram-size", "2"],
+     ["--max-matching-ngram-size", "belongs to mode NGRAM"]),
+])
+def test_a_flag_of_another_mode_is_refused_with_the_mode_it_belongs_to(tmp_path, capsys, args, words):
+    assert cli.main([*args, "--model", str(tmp_path / "never-loaded")]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
 
 

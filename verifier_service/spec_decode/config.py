@@ -31,6 +31,9 @@ MODE_CONFIG_FIELD = {USER_PROVIDED: "user_provided", NGRAM: "ngram", SUFFIX: "su
                      Mode.SPECULATIVE_DECODING_MODE_MEDUSA: "draft_model",
                      Mode.SPECULATIVE_DECODING_MODE_MTP: "draft_model",
                      Mode.SPECULATIVE_DECODING_MODE_LOOKAHEAD: "lookahead"}
+# The flags that fill a section, named when a mode is given a section it does not take.
+SECTION_FLAGS = {"user_provided": "--drafter-target and the other --drafter-* flags",
+                 "ngram": "--max-matching-ngram-size", "draft_model": "--draft-model and the other --draft-* flags"}
 DEFAULT_MAX_DRAFT_LEN = 8
 MAX_DRAFT_LEN_LIMIT = 64
 DEFAULT_CALL_DEADLINE_S = 0.05
@@ -167,7 +170,9 @@ def validate(config: speculative_pb2.SpeculativeConfig) -> speculative_pb2.Specu
                           f"drafter service to bring any other drafting technique)")
     which = config.WhichOneof("mode_config")
     if which is not None and which != MODE_CONFIG_FIELD.get(config.mode):
-        raise ConfigError(f"mode {name} does not take a `{which}` section")
+        owner = next(mode_name(m) for m, field in MODE_CONFIG_FIELD.items() if field == which)
+        flags = f" (set by {SECTION_FLAGS[which]})" if which in SECTION_FLAGS else ""
+        raise ConfigError(f"mode {name} does not take a `{which}` section{flags}; it belongs to mode {owner}")
     if config.mode == NONE:
         config.max_draft_len = 0
         return config
