@@ -9,7 +9,7 @@ ignored, so every run produces exactly `--max-new-tokens`).
 
 On CPU every size gets the same cores: each of N ranks runs cores / N intra-op threads
 (`--threads-per-rank` sets another number). The
-embedded SmolLM2-135M has 9 attention heads and 3 KV heads, so it cannot be split two ways;
+embedded SmolLM2-135M has 9 attention heads and 3 KV heads, so it splits three ways but not two;
 `--random-like-embedded` measures a random Llama of its size instead (8 heads of 72 dims, 4 KV
 heads) with its tokenizer: speed only, the text means nothing.
 
