@@ -126,9 +126,9 @@ class Drafter(ABC):
         """Heavy initialisation (weights, indexes). Health reports NOT_SERVING until it returns."""
 
     @abstractmethod
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
-        """Return one draft per request, in the same order: a list of token ids (a chain), or,
-        where `max_draft_nodes` allows, a `DraftTree`.
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> Sequence[Sequence[int] | DraftTree]:
+        """Return one draft per request, in the same order: a sequence of token ids (a chain: a list,
+        or a slice of `tokens`), or, where `max_draft_nodes` allows, a `DraftTree`.
 
         Drafts longer than a request's `draft_len` (or the drafter's
         `max_draft_len`) are trimmed by the SDK, trees to `max_draft_nodes`

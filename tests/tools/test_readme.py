@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from pathlib import Path
 
+from readme_blocks import readme_drafter, readme_http_blocks
 from tiny_model import tiny_model
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from verifier_service.tools.local_services import LocalService, script
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def readme_drafter() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "class RepeatLastDrafter" in b]
-    return block
 
 
 def test_readme_drafter_is_about_ten_lines_and_runs_behind_a_verifier(tmp_path: Path) -> None:
@@ -41,13 +33,6 @@ def test_readme_drafter_is_about_ten_lines_and_runs_behind_a_verifier(tmp_path: 
 
         asyncio.run(main())
         assert drafter.stop() == 0
-
-
-def readme_http_blocks() -> tuple[str, str]:
-    text = README.read_text()
-    (curl,) = [b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if "curl" in b and "/v1/" in b]
-    (client,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "from openai import" in b]
-    return curl, client
 
 
 def test_readme_curl_and_openai_examples_run_as_written(tmp_path: Path) -> None:
