@@ -29,6 +29,7 @@ const USAGE = `usage: node index.js [options]
   --port-file PATH          write the bound port to PATH once listening
   --max-ngram N             longest suffix n-gram looked up (default 3)
   --max-draft-len N         most draft tokens per sequence, 0 = no cap (default 32)
+  --no-trees                answer chains only (no token-tree capability)
   --vocab-size N            reject token ids >= N, 0 = any (default 0)
   --max-sequences N         sequences held before LRU eviction (default 100000)
   --idle-timeout-s S        drop sequences idle this long (default 600)
@@ -52,6 +53,7 @@ function parseCli(argv) {
       'port-file': { type: 'string' },
       'max-ngram': { type: 'string', default: '3' },
       'max-draft-len': { type: 'string', default: '32' },
+      'no-trees': { type: 'boolean', default: false },
       'vocab-size': { type: 'string', default: '0' },
       'max-sequences': { type: 'string', default: '100000' },
       'idle-timeout-s': { type: 'string', default: '600' },
@@ -84,6 +86,7 @@ function parseCli(argv) {
     portFile: values['port-file'],
     maxNgram: int('max-ngram', 1),
     maxDraftLen: int('max-draft-len', 0),
+    trees: !values['no-trees'],
     vocabSize: int('vocab-size', 0),
     maxSequences: int('max-sequences', 1),
     idleTimeoutS: num('idle-timeout-s', 0.01),
@@ -218,6 +221,7 @@ function main(argv) {
     vocabSize: opts.vocabSize,
     maxSequences: opts.maxSequences,
     idleTimeoutMs: opts.idleTimeoutS * 1000,
+    trees: opts.trees,
   });
 
   const maxBytes = Math.floor(opts.maxMessageMb * 1024 * 1024);
@@ -255,7 +259,8 @@ function main(argv) {
       // stream-releases: releases on PrepareDraftTokensStream reach the replica holding the state.
       // lookahead: a longer draft costs a lookup nothing, so the verifier may ask for about twice what it
       // verifies and verify the rest at the next step without waiting for a call (PROTOCOL.md section 2b).
-      capabilities: ['ngram', 'prompt-lookup', 'stream-releases', 'lookahead'],
+      // token-tree: it answers a tree where a sequence's max_draft_nodes allows one.
+      capabilities: ['ngram', 'prompt-lookup', 'stream-releases', 'lookahead', ...(opts.trees ? ['token-tree'] : [])],
     }), ctx),
     PrepareDraftTokens: unary(prepare, ctx),
     PrepareDraftTokensStream: stream({ prepare, release }, ctx, streams),
@@ -308,7 +313,7 @@ function main(argv) {
     setHealth('SERVING');
     // Always logged (even with --quiet): callers parse it to find the port.
     process.stderr.write(`${NAME} ${VERSION} listening on ${opts.host}:${port} ` +
-      `(max_ngram=${opts.maxNgram}, max_draft_len=${opts.maxDraftLen}, ` +
+      `(max_ngram=${opts.maxNgram}, max_draft_len=${opts.maxDraftLen}, trees=${opts.trees ? 'on' : 'off'}, ` +
       `auth=${token ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
   });
   return null; // keep running

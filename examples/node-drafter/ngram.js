@@ -6,8 +6,14 @@
 // followed that occurrence (up to k of them, never past the end of the
 // context). The first n that matches wins; no match means an empty draft.
 //
-// The lookup is O(maxNgram) per step: an index maps every n-gram to the
-// latest start position that has at least one follower. It is maintained
+// A token tree (when the verifier's node budget allows one) holds the
+// continuations after several earlier occurrences, merged as a trie: longest
+// n-gram first, then latest occurrence first, so its first branch begins with
+// the chain above. Siblings differ, parents come before children, and the
+// budget cuts the latest-first order, as protos/PROTOCOL.md's tree rules ask.
+//
+// The lookup is O(maxNgram) per step: an index maps every n-gram to the start
+// positions, in order, that have at least one follower. It is maintained
 // incrementally as deltas arrive, which is why drafters keep state and the
 // wire carries deltas.
 
@@ -25,7 +31,7 @@ class NgramSequence {
     }
     this.maxNgram = maxNgram;
     this.tokens = [];
-    // index[n]: n-gram key -> latest start position followed by a token.
+    // index[n]: n-gram key -> start positions followed by a token, oldest first.
     this.index = [null];
     for (let n = 1; n <= maxNgram; n++) this.index.push(new Map());
   }
@@ -42,7 +48,10 @@ class NgramSequence {
     const len = this.tokens.length;
     // The n-grams ending at the current last token gain a follower now.
     for (let n = 1; n <= this.maxNgram && n <= len; n++) {
-      this.index[n].set(ngramKey(this.tokens, len - n, n), len - n);
+      const key = ngramKey(this.tokens, len - n, n);
+      const starts = this.index[n].get(key);
+      if (starts) starts.push(len - n);
+      else this.index[n].set(key, [len - n]);
     }
     this.tokens.push(token);
   }
@@ -52,12 +61,44 @@ class NgramSequence {
     const len = this.tokens.length;
     if (k <= 0 || len < 2) return [];
     for (let n = Math.min(this.maxNgram, len - 1); n >= 1; n--) {
-      const start = this.index[n].get(ngramKey(this.tokens, len - n, n));
-      if (start !== undefined) {
+      const starts = this.index[n].get(ngramKey(this.tokens, len - n, n));
+      if (starts) {
+        const start = starts[starts.length - 1];
         return this.tokens.slice(start + n, Math.min(start + n + k, len));
       }
     }
     return [];
+  }
+
+  // A token tree of at most maxNodes nodes and depth k: { tokens, parents }, parents[i] the index
+  // of node i's parent, -1 for a child of the last token. Each n-gram length reads at most
+  // maxNodes occurrences, so a frequent n-gram costs no more than the budget.
+  tree(k, maxNodes) {
+    const tokens = [];
+    const parents = [];
+    const len = this.tokens.length;
+    if (k <= 0 || maxNodes <= 0 || len < 2) return { tokens, parents };
+    const children = [new Map()]; // children[node + 1]: token -> child node (children[0]: the root's)
+    for (let n = Math.min(this.maxNgram, len - 1); n >= 1; n--) {
+      const starts = this.index[n].get(ngramKey(this.tokens, len - n, n)) || [];
+      for (let j = starts.length - 1; j >= Math.max(0, starts.length - maxNodes); j--) {
+        let node = -1;
+        for (let at = starts[j] + n; at < Math.min(starts[j] + n + k, len); at++) {
+          const token = this.tokens[at];
+          let child = children[node + 1].get(token);
+          if (child === undefined) {
+            if (tokens.length === maxNodes) return { tokens, parents };
+            child = tokens.length;
+            tokens.push(token);
+            parents.push(node);
+            children[node + 1].set(token, child);
+            children.push(new Map());
+          }
+          node = child;
+        }
+      }
+    }
+    return { tokens, parents };
   }
 }
 

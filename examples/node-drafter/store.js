@@ -34,8 +34,10 @@ function stateKey(verifierId, requestId) {
 }
 
 class SequenceStore {
-  constructor({ maxNgram = 3, maxDraftLen = 8, maxSequences = 100000, idleTimeoutMs = 600000, vocabSize = 0 } = {}) {
+  constructor({ maxNgram = 3, maxDraftLen = 8, maxSequences = 100000, idleTimeoutMs = 600000, vocabSize = 0,
+    trees = true } = {}) {
     this.maxNgram = maxNgram;
+    this.trees = trees; // answer a token tree where a sequence's max_draft_nodes allows one
     this.maxDraftLen = maxDraftLen; // 0: no limit
     this.maxSequences = maxSequences;
     this.idleTimeoutMs = idleTimeoutMs;
@@ -121,7 +123,12 @@ class SequenceStore {
     this.enforceCapacity();
     let k = s.draft_len;
     if (this.maxDraftLen > 0) k = Math.min(k, this.maxDraftLen);
-    return { request_id: s.request_id, status: OK, draft_tokens: entry.seq.draft(k) };
+    const nodes = this.trees ? s.max_draft_nodes || 0 : 0;
+    if (nodes === 0) return { request_id: s.request_id, status: OK, draft_tokens: entry.seq.draft(k) };
+    const tree = entry.seq.tree(k, nodes);
+    // A tree without a branch goes as a chain: empty parents (PROTOCOL.md).
+    const chain = tree.parents.every((parent, i) => parent === i - 1);
+    return { request_id: s.request_id, status: OK, draft_tokens: tree.tokens, draft_parents: chain ? [] : tree.parents };
   }
 
   release(verifierId, requestIds) {

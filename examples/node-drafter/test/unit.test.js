@@ -34,6 +34,93 @@ test('hand-worked drafts', () => {
   assert.deepEqual(promptLookup([1], 3, 8), []);
 });
 
+// Every root-to-leaf path of a tree as token lists.
+function paths(tree) {
+  const leaves = tree.tokens.map((_, i) => i).filter((i) => !tree.parents.includes(i));
+  return leaves.map((leaf) => {
+    const path = [];
+    for (let node = leaf; node !== -1; node = tree.parents[node]) path.unshift(tree.tokens[node]);
+    return path;
+  });
+}
+
+// Whether `path` follows some earlier occurrence of the context's last n tokens (1 <= n <= maxNgram).
+function followsAnOccurrence(tokens, maxNgram, path) {
+  const len = tokens.length;
+  for (let n = 1; n <= Math.min(maxNgram, len - 1); n++) {
+    for (let start = n; start + path.length <= len; start++) {
+      let ok = start <= len - 1;
+      for (let i = 0; ok && i < n; i++) ok = tokens[start - n + i] === tokens[len - n + i];
+      for (let i = 0; ok && i < path.length; i++) ok = tokens[start + i] === path[i];
+      if (ok) return true;
+    }
+  }
+  return false;
+}
+
+test('trees keep the contract\'s rules, begin with the chain and hold only seen continuations', () => {
+  let seed = 777;
+  // The high bits: an LCG's low bits repeat with a short period, which made every context periodic.
+  const rand = (m) => { seed = (seed * 1103515245 + 12345) % 2147483648; return Math.floor(seed / 65536) % m; };
+  let branched = 0;
+  for (let trial = 0; trial < 300; trial++) {
+    const maxNgram = 1 + rand(3);
+    const seq = new NgramSequence(maxNgram);
+    const len = 2 + rand(60);
+    for (let i = 0; i < len; i++) seq.push(rand(2 + rand(5)));
+    const k = 1 + rand(6);
+    const budget = 1 + rand(16);
+    const tree = seq.tree(k, budget);
+    const where = `tokens=${seq.tokens} n=${maxNgram} k=${k} budget=${budget}`;
+    assert.equal(tree.tokens.length, tree.parents.length, where);
+    assert.ok(tree.tokens.length <= budget, where);
+    const depth = [];
+    const siblings = new Set();
+    tree.parents.forEach((parent, i) => {
+      assert.ok(parent >= -1 && parent < i, `parent after its child: ${where}`);
+      depth.push(parent === -1 ? 1 : depth[parent] + 1);
+      assert.ok(depth[i] <= k, `deeper than k: ${where}`);
+      const sibling = `${parent}:${tree.tokens[i]}`;
+      assert.ok(!siblings.has(sibling), `two siblings carry one token: ${where}`);
+      siblings.add(sibling);
+    });
+    // The first branch (nodes 0, 1, 2, ... while each is the previous one's child) begins with the chain, cut
+    // to the budget (where the chain stops at the context's end, an earlier occurrence may go on).
+    let first = 0;
+    while (first < tree.parents.length && tree.parents[first] === first - 1) first++;
+    const chain = seq.draft(k).slice(0, budget);
+    assert.deepEqual(tree.tokens.slice(0, Math.min(first, chain.length)), chain, where);
+    assert.ok(first >= chain.length, where);
+    for (const path of paths(tree)) assert.ok(followsAnOccurrence(seq.tokens, maxNgram, path), `${where} path=${path}`);
+    if (tree.parents.some((parent, i) => parent !== i - 1)) branched++;
+  }
+  assert.ok(branched > 30, `only ${branched} trees branched`);
+});
+
+test('hand-worked tree', () => {
+  const seq = new NgramSequence(3);
+  seq.append([1, 2, 3, 1, 2, 4, 1, 2, 5, 9, 1, 2]);
+  // [1, 2] came before 5 9 1 2, 4 1 2 5 and 3 1 2 4: latest first, merged where they agree.
+  assert.deepEqual(seq.tree(4, 16), { tokens: [5, 9, 1, 2, 4, 1, 2, 5, 3, 1, 2, 4],
+    parents: [-1, 0, 1, 2, -1, 4, 5, 6, -1, 8, 9, 10] });
+  assert.deepEqual(seq.tree(2, 5), { tokens: [5, 9, 4, 1, 3], parents: [-1, 0, -1, 2, -1] });
+  assert.deepEqual(seq.tree(0, 5), { tokens: [], parents: [] });
+});
+
+test('the store answers a tree only where the node budget allows one, and a chain as a chain', () => {
+  const request = (max_draft_nodes, new_tokens) => ({ verifier_id: 'v', sequences: [
+    { request_id: 'r', context_len: 0, new_tokens, draft_len: 2, max_draft_nodes }] });
+  const branching = [1, 2, 3, 1, 2, 4, 1, 2];
+  let [r] = new SequenceStore().prepare(request(8, branching));
+  assert.deepEqual([r.draft_tokens, r.draft_parents], [[4, 1, 3, 1], [-1, 0, -1, 2]]);
+  [r] = new SequenceStore().prepare(request(0, branching));
+  assert.deepEqual([r.draft_tokens, r.draft_parents], [[4, 1], undefined]);
+  [r] = new SequenceStore({ trees: false }).prepare(request(8, branching));
+  assert.deepEqual([r.draft_tokens, r.draft_parents], [[4, 1], undefined]);
+  [r] = new SequenceStore().prepare(request(8, [1, 2, 3, 1, 2]));
+  assert.deepEqual([r.draft_tokens, r.draft_parents], [[3, 1], []]);
+});
+
 test('delta, resync and namespacing', () => {
   const store = new SequenceStore({ maxNgram: 3, maxDraftLen: 8 });
   const call = (verifier_id, sequences) => store.prepare({ verifier_id, sequences });
