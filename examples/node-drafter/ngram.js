@@ -17,6 +17,10 @@
 // incrementally as deltas arrive, which is why drafters keep state and the
 // wire carries deltas.
 
+// Occurrences kept per n-gram, latest first: a tree reads at most this many, each adding at most one
+// branch, so memory stays bounded however often an n-gram recurs.
+const OCCURRENCES_KEPT = 64;
+
 function ngramKey(tokens, start, n) {
   if (n === 1) return String(tokens[start]);
   let key = String(tokens[start]);
@@ -31,7 +35,8 @@ class NgramSequence {
     }
     this.maxNgram = maxNgram;
     this.tokens = [];
-    // index[n]: n-gram key -> start positions followed by a token, oldest first.
+    // index[n]: n-gram key -> start positions followed by a token, oldest first (the latest
+    // OCCURRENCES_KEPT at least).
     this.index = [null];
     for (let n = 1; n <= maxNgram; n++) this.index.push(new Map());
   }
@@ -50,8 +55,12 @@ class NgramSequence {
     for (let n = 1; n <= this.maxNgram && n <= len; n++) {
       const key = ngramKey(this.tokens, len - n, n);
       const starts = this.index[n].get(key);
-      if (starts) starts.push(len - n);
-      else this.index[n].set(key, [len - n]);
+      if (!starts) {
+        this.index[n].set(key, [len - n]);
+        continue;
+      }
+      if (starts.length === 2 * OCCURRENCES_KEPT) starts.splice(0, OCCURRENCES_KEPT); // amortised O(1)
+      starts.push(len - n);
     }
     this.tokens.push(token);
   }
@@ -72,7 +81,7 @@ class NgramSequence {
 
   // A token tree of at most maxNodes nodes and depth k: { tokens, parents }, parents[i] the index
   // of node i's parent, -1 for a child of the last token. Each n-gram length reads at most
-  // maxNodes occurrences, so a frequent n-gram costs no more than the budget.
+  // maxNodes (and OCCURRENCES_KEPT) occurrences, so a frequent n-gram costs no more than the budget.
   tree(k, maxNodes) {
     const tokens = [];
     const parents = [];
@@ -81,7 +90,8 @@ class NgramSequence {
     const children = [new Map()]; // children[node + 1]: token -> child node (children[0]: the root's)
     for (let n = Math.min(this.maxNgram, len - 1); n >= 1; n--) {
       const starts = this.index[n].get(ngramKey(this.tokens, len - n, n)) || [];
-      for (let j = starts.length - 1; j >= Math.max(0, starts.length - maxNodes); j--) {
+      const oldest = Math.max(0, starts.length - Math.min(maxNodes, OCCURRENCES_KEPT));
+      for (let j = starts.length - 1; j >= oldest; j--) {
         let node = -1;
         for (let at = starts[j] + n; at < Math.min(starts[j] + n + k, len); at++) {
           const token = this.tokens[at];

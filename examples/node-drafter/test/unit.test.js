@@ -107,6 +107,15 @@ test('hand-worked tree', () => {
   assert.deepEqual(seq.tree(0, 5), { tokens: [], parents: [] });
 });
 
+test('a recurring n-gram keeps a bounded list of occurrences, and its trees the latest', () => {
+  const seq = new NgramSequence(2);
+  for (let i = 0; i < 10000; i++) seq.push(i % 5 === 0 ? 1 : 2 + (i % 3)); // 1 recurs 2,000 times
+  for (let n = 1; n <= 2; n++) for (const starts of seq.index[n].values()) assert.ok(starts.length <= 128);
+  const tree = seq.tree(3, 64);
+  assert.ok(tree.tokens.length > 1 && tree.tokens.length <= 64);
+  assert.deepEqual(tree.tokens.slice(0, 3), seq.draft(3));
+});
+
 test('the store answers a tree only where the node budget allows one, and a chain as a chain', () => {
   const request = (max_draft_nodes, new_tokens) => ({ verifier_id: 'v', sequences: [
     { request_id: 'r', context_len: 0, new_tokens, draft_len: 2, max_draft_nodes }] });
