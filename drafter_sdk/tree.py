@@ -14,7 +14,7 @@ the verifier to refuse what a remote drafter sends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 TREE_CAPABILITY = "token-tree"
@@ -37,6 +37,25 @@ class DraftTree:
     def __len__(self) -> int:
         """Its nodes: an empty tree is falsy, like an empty chain."""
         return len(self.tokens)
+
+    @classmethod
+    def from_branches(cls, branches: Iterable[Sequence[int]]) -> DraftTree:
+        """Candidate continuations, best first, merged where they share a prefix: the first branch's
+        nodes, then each later branch's new ones. So the tree's first nodes are the best candidates'
+        (what the verifier's planner assumes) and siblings never repeat a token."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        child: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for branch in branches:
+            at = ROOT
+            for token in branch:
+                node = child.get((at, token))
+                if node is None:
+                    node = child[(at, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(at)
+                at = node
+        return cls(tokens, parents)
 
 
 def depths(parents: Sequence[int]) -> list[int]:

@@ -112,7 +112,8 @@ class Branching(Drafter):
             self.seen[r.key] = len(r.tokens)
             last = r.tokens[-1]
             if r.max_draft_nodes >= 2 and r.sampling.temperature == 0.0:
-                drafts.append(DraftTree(tokens=[last, last + 1], parents=[-1, -1]))
+                drafts.append(DraftTree(tokens=[last, last + 1], parents=[-1, -1]) if last % 2 else
+                              DraftTree.from_branches([r.generated_tokens[-2:], [last]]))
             else:
                 drafts.append(r.generated_tokens[-r.draft_len:] if r.draft_len else [])
         return drafts

@@ -30,6 +30,15 @@ def test_tree_helpers():
     assert tree_problem(TREE.tokens, TREE.parents, 4, 7) == ""
 
 
+def test_a_tree_from_candidate_branches_merges_shared_prefixes_in_their_order():
+    tree = DraftTree.from_branches([[5, 9, 1], [5, 9, 2], [4, 1], [5, 7], [], [4, 1, 3]])
+    assert (tree.tokens, tree.parents) == ([5, 9, 1, 2, 4, 1, 7, 3], [-1, 0, 1, 1, -1, 4, 0, 5])
+    assert tree_problem(tree.tokens, tree.parents, max_depth=3, max_nodes=8) == ""
+    assert first_branch(tree.tokens, tree.parents) == [5, 9, 1]
+    assert trim(tree.tokens, tree.parents, max_depth=3, max_nodes=4) == ([5, 9, 1, 2], [-1, 0, 1, 1])
+    assert DraftTree.from_branches([[3, 4]]) == DraftTree([3, 4], [-1, 0]) and not DraftTree.from_branches([])
+
+
 @pytest.mark.parametrize(("tokens", "parents", "depth", "nodes", "words"), [
     ([1, 2], [-1, 2], 4, 4, "not -1 or an earlier node"),
     ([1, 2], [1, -1], 4, 4, "not -1 or an earlier node"),
