@@ -13,7 +13,6 @@ against the SDK installed from the wheel, as a user's checker sees it.
 from __future__ import annotations
 
 import configparser
-import re
 import shutil
 import subprocess
 import sys
@@ -35,8 +34,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built from a copy of the tree: setuptools writes its build folder beside the sources."""
     work = tmp_path_factory.mktemp("packaging")
     source = work / "source"
+    source.mkdir()
     for name in ("pyproject.toml", "README.md"):
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, source / name)
     for package in PACKAGES:
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -160,4 +159,4 @@ def test_a_drafter_type_checks_against_the_installed_sdk(wheel: Path, tmp_path: 
     checked = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--python-executable",
                               str(python), str(source)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert re.search(r"Success: no issues found in 1 source file", checked.stdout)
+    assert "Success: no issues found in 1 source file" in checked.stdout
