@@ -25,6 +25,8 @@ from readme_blocks import readme_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("drafter_sdk", "verifier_service")
+# Where this environment's packages are (two folders on systems whose platform packages live apart).
+INSTALLED = list(dict.fromkeys(sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")))
 SCRIPTS = {"splitspec": "verifier_service.tools.cli:main", "splitspec-verifier": "verifier_service.api.cli:main",
            "splitspec-drafter": "drafter_sdk.server.cli:main"}
 
@@ -69,7 +71,7 @@ def test_the_wheel_alone_imports_and_reads_its_data(wheel: Path, tmp_path: Path)
     with zipfile.ZipFile(wheel) as z:
         z.extractall(unpacked)
     check = (
-        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
         "import drafter_sdk, verifier_service.api.http_app\n"
         "from importlib import resources\n"
         "from verifier_service.api import cli\n"
@@ -79,7 +81,7 @@ def test_the_wheel_alone_imports_and_reads_its_data(wheel: Path, tmp_path: Path)
         "cli.parser()\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-S", "-c", check, str(unpacked), sysconfig.get_paths()["purelib"]],
+    done = subprocess.run([sys.executable, "-S", "-c", check, str(unpacked), *INSTALLED],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
@@ -153,7 +155,7 @@ def test_a_drafter_type_checks_against_the_installed_sdk(wheel: Path, tmp_path: 
                                check=True, capture_output=True, text=True, timeout=60).stdout.strip())
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "dependencies.pth").write_text("".join(f"{folder}\n" for folder in INSTALLED))
     source = tmp_path / f"{name}_drafter.py"
     source.write_text(readme_drafter() if name == "readme" else TYPED_DRAFTER)
     checked = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--python-executable",
