@@ -29,7 +29,7 @@ from pydantic import Field
 from verifier_service.api.http_errors import HttpError
 from verifier_service.api.http_requests import HttpState, read_body
 from verifier_service.api.http_schema import RequestBody
-from verifier_service.api.item_pages import page
+from verifier_service.api.item_pages import listed, page
 from verifier_service.api.response_store import StoredConversation
 from verifier_service.api.responses_schema import InputItem, Metadata, listed_item
 
@@ -127,8 +127,7 @@ async def add_items(state: HttpState, conversation_id: str, request: Request) ->
     entry = found(state, conversation_id)
     added = new_items(entry, body.items, "items")
     _kept(state, entry.body, entry.items + added)
-    return JSONResponse({"object": "list", "data": list(added), "first_id": added[0]["id"],
-                         "last_id": added[-1]["id"], "has_more": False})
+    return JSONResponse(listed(added))
 
 
 def list_items(state: HttpState, conversation_id: str, query: Mapping[str, str]) -> JSONResponse:

@@ -24,6 +24,10 @@ def page(items: Sequence[dict[str, Any]], query: Mapping[str, str], whose: str) 
         if after not in ids:
             raise HttpError(400, f"after names no item of {whose}", param="after")
         ordered = ordered[ids.index(after) + 1:]
-    shown = ordered[:limit]
-    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
-            "last_id": shown[-1]["id"] if shown else None, "has_more": len(ordered) > limit}
+    return listed(ordered[:limit], has_more=len(ordered) > limit)
+
+
+def listed(shown: Sequence[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
+    """OpenAI's list object of `shown` items."""
+    return {"object": "list", "data": list(shown), "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": has_more}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from verifier_service.api.http_schema import ChatMessage
 
@@ -42,6 +42,9 @@ class StoredConversation:
     body: dict[str, Any]  # the conversation object: id, created_at, metadata
     items: tuple[dict[str, Any], ...]  # oldest first, each with its id
     size: int  # bytes charged
+
+
+Entry = TypeVar("Entry", StoredResponse, StoredConversation)
 
 
 class ResponseStore:
@@ -72,14 +75,10 @@ class ResponseStore:
         return self._keep(response_id, StoredResponse(body, conversation, input_items, size, events))
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._use(response_id)
-        return entry if isinstance(entry, StoredResponse) else None
+        return self._use(response_id, StoredResponse)
 
     def delete(self, response_id: str) -> bool:
-        if self.get(response_id) is None:
-            return False
-        self._drop(response_id)
-        return True
+        return self._remove(response_id, StoredResponse)
 
     def put_conversation(self, body: dict[str, Any], items: tuple[dict[str, Any], ...]) -> bool:
         """Keep the conversation, or its new state under the same id; False if it does not fit (what was
@@ -88,14 +87,10 @@ class ResponseStore:
         return self._keep(body["id"], StoredConversation(body, items, size))
 
     def conversation(self, conversation_id: str) -> StoredConversation | None:
-        entry = self._use(conversation_id)
-        return entry if isinstance(entry, StoredConversation) else None
+        return self._use(conversation_id, StoredConversation)
 
     def delete_conversation(self, conversation_id: str) -> bool:
-        if self.conversation(conversation_id) is None:
-            return False
-        self._drop(conversation_id)
-        return True
+        return self._remove(conversation_id, StoredConversation)
 
     def _keep(self, key: str, entry: StoredResponse | StoredConversation) -> bool:
         if entry.size > self.budget_bytes:
@@ -109,11 +104,18 @@ class ResponseStore:
         self._responses += isinstance(entry, StoredResponse)
         return True
 
-    def _use(self, key: str) -> StoredResponse | StoredConversation | None:
+    def _use(self, key: str, kind: type[Entry]) -> Entry | None:
+        """The entry under `key` if it is of `kind`; any entry found counts as used."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-        return entry
+        return entry if isinstance(entry, kind) else None
+
+    def _remove(self, key: str, kind: type[Entry]) -> bool:
+        if self._use(key, kind) is None:
+            return False
+        self._drop(key)
+        return True
 
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
