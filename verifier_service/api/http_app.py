@@ -52,6 +52,7 @@ from verifier_service.api.http_schema import (
     GenerationBody,
     TokenizeRequest,
 )
+from verifier_service.api.item_pages import listed
 from verifier_service.api.request_ids import RequestIds
 from verifier_service.engine.sequence import Sequence
 from verifier_service.tracing import Arrival
@@ -136,10 +137,7 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorize_either)])
     async def models() -> JSONResponse:
-        cards = list(model_cards().values())
-        return JSONResponse({"object": "list", "data": cards, "has_more": False,  # Anthropic's page, whole
-                             "first_id": cards[0]["id"] if cards else None,
-                             "last_id": cards[-1]["id"] if cards else None})
+        return JSONResponse(listed(list(model_cards().values())))  # OpenAI's list, and Anthropic's page, whole
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize_either)])
     async def model(name: str) -> JSONResponse:

@@ -1,6 +1,7 @@
 """One page of a list of items, as OpenAI's item lists are paged: GET /v1/responses/{id}/input_items
 and GET /v1/conversations/{id}/items read the same query (`order` asc, as the items came, or desc, the
-default; `limit` 1-100, 20 by default; `after`: the id of the item the page starts after)."""
+default; `limit` 1-100, 20 by default; `after`: the id of the item the page starts after). The list
+object itself (`listed`) is every list route's, GET /v1/models and the items a conversation adds too."""
 
 from __future__ import annotations
 
