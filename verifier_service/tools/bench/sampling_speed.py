@@ -2,8 +2,8 @@
 
 One sequence's verify rows (a chain of 0, 4 or 16 draft tokens) on the model's vocabulary and the bench's
 device, for the sampling a request may ask or a model recommend: temperature alone, top-p alone, and
-Qwen3's temperature 0.6 / top-p 0.95 / top-k 20. The engine's sampler (engine/sampler.py: one uniform
-per draw through the inverse CDF; top-p ranking only the tokens it may keep) is timed against the
+Qwen3's temperature 0.6 / top-p 0.95 / top-k 20. The engine's sampler (engine/sampler.py: an exponential
+race, a uniform per vocabulary token a draw; top-p ranking only the tokens it may keep) is timed against the
 textbook one (top-p over the whole vocabulary sorted, torch.multinomial), which draws from the same
 distribution; the two take turns, call by call, and the medians are compared. No model and no service.
 """
@@ -76,5 +76,5 @@ def print_table(rows: list[dict], vocab: int, device: torch.device) -> None:
     for r in rows:
         print(f"{r['sampling']:<26}{r['draft_tokens']:>6}{r['engine_ms']:>11.3f}{r['textbook_ms']:>13.3f}"
               f"{r['ratio']:>16.1f}x")
-    print("engine: one uniform per draw through the inverse CDF, top-p ranking only the tokens it may keep; "
-          "textbook: the whole vocabulary sorted for top-p, torch.multinomial")
+    print("engine: an exponential race (a uniform per vocabulary token a draw), top-p ranking only the tokens it "
+          "may keep; textbook: the whole vocabulary sorted for top-p, torch.multinomial")
