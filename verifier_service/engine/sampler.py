@@ -174,7 +174,7 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     # A uniform of exactly 0 would be a clock that never rings: where it fell on the one token with mass,
     # every ratio would be 0 and token 0 would win, mass or not. The smallest float rings it late instead.
     clocks = -uniforms.clamp_(min=torch.finfo(uniforms.dtype).tiny).log_()
-    return argmax_rows((probs.float() / clocks)[None])[0]
+    return argmax_rows((probs / clocks)[None])[0]
 
 
 def verify_sampled(logits: torch.Tensor, row: VerifyRow) -> list[int]:
