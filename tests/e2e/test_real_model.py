@@ -101,6 +101,29 @@ def test_in_process_ngram_and_plain_decoding_equal_generate() -> None:
     assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
 
 
+def test_seeded_sampling_at_temperature_1_is_plain_decodings() -> None:
+    """Sampled at temperature 1 over the whole vocabulary, a seeded answer with drafts is the one without
+    (the same verifier, speculation off per request). Verify rows' logits differ from a one-row forward's in
+    their last bits, which move the sampler's exponential race only at a near tie; through the inverse CDF
+    it replaced (engine/sampler.py), seed 0 left plain decoding's answer here."""
+    model, tokenizer = smollm()
+    ids = chat_ids(PROMPTS[0])
+
+    async def body() -> list[list[verifier_pb2.GenerateResponse]]:
+        async with run_verifier(spec_config("NGRAM", 8), model=model, tokenizer=tokenizer, max_model_len=1024,
+                                kv_cache_memory_gb=0.5) as v:
+            return [[await v.stub.Generate(token_request(
+                ids, 48, sampling=verifier_pb2.SamplingParams(temperature=1.0, seed=seed),
+                speculation=verifier_pb2.SpeculationOverrides(disable=not speculate)), timeout=300)
+                for speculate in (True, False)] for seed in range(4)]
+
+    pairs = asyncio.run(body())
+    for seed, (drafted, plain) in enumerate(pairs):
+        assert list(drafted.output.token_ids) == list(plain.output.token_ids), f"seed {seed}"
+    # Drafts were verified: the sampled tokens came from rows of multi-token forwards.
+    assert all(drafted.output.stats.num_draft_tokens > 0 for drafted, _ in pairs)
+
+
 @pytest.mark.skipif(not invariant_attention.gemm_is_row_invariant(torch.bfloat16, "cpu"),
                     reason="this CPU's bfloat16 products are not row-invariant")
 def test_bfloat16_verified_rows_get_the_bits_of_plain_decoding() -> None:
