@@ -294,6 +294,9 @@ def test_bench_engine_sections_report_overhead_prefill_gaps_multi_turn_ttft_stru
         (name, k) for name in ("temperature", "top-p", "Qwen3's") for k in (0, 4, 16)]
     assert all(0 < r["engine_ms"] and 0 < r["textbook_ms"] for r in sampling)
     assert "Verifying one sampled row" in done.stdout
+    work = report["step_work"]  # the engine's own work a step, by batch size, with a stand-in forward
+    assert [r["batch"] for r in work] == [1, 16, 64, 128] and all(r["step_ms"] > 0 for r in work)
+    assert "The engine's own work a step" in done.stdout
 
 
 def test_decode_speed_leaves_the_prefill_out() -> None:

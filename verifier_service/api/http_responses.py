@@ -29,13 +29,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 
 from transformers import PreTrainedTokenizerBase
 
 from verifier_service.api.reasoning_split import ThoughtSplit, split
 from verifier_service.api.tool_calls import Call, CallStream, ToolPlan
-from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.detokenizer import Detokenizer, decoder
 from verifier_service.engine.reasoning import Phase, Reasoning
 from verifier_service.engine.sampler import TokenLogprob
 from verifier_service.engine.sequence import FinishReason, Output, Sequence
@@ -97,7 +98,8 @@ def token_name(tokenizer: PreTrainedTokenizerBase, as_ids: bool) -> Callable[[in
     that is part of a character has no text of its own to tell it apart by)."""
     if as_ids:
         return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id])
+    decode = decoder(tokenizer)
+    return lambda token_id: decode([token_id], False)
 
 
 def chat_logprob(lp: TokenLogprob, name: Callable[[int], str]) -> dict[str, object]:
@@ -164,8 +166,10 @@ class Responder:
     def _head(self, obj: str) -> dict[str, object]:
         return {"id": self._id, "object": obj, "created": self.created, "model": self.model}
 
-    def _token(self, token_id: int) -> str:
-        return token_name(self.tokenizer, self.tokens_as_ids)(token_id)
+    @cached_property
+    def _token(self) -> Callable[[int], str]:
+        """A token's name in log-probabilities (token_name), made once for the request."""
+        return token_name(self.tokenizer, self.tokens_as_ids)
 
     def _logprobs(self, out: Output, offset: int) -> dict[str, object] | None:
         if not out.logprobs:

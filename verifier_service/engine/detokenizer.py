@@ -5,11 +5,32 @@ character split over tokens decodes to U+FFFD until complete), and text that
 could be the start of a stop string is held back until it is decided. The text
 ends where the stop string begins, or where it ends when it is to be kept (vLLM's
 include_stop_str_in_output); nothing after it is released either way.
+
+Each token costs one or two decodes of a few ids. A fast tokenizer's `decode` wraps its
+Rust decode in Python (argument conversion, batching checks, the clean-up switch) that
+cost 7x the decode itself, a fifth of a 64-sequence step's work outside the forward
+(BENCHMARKS.md), so where that wrapper would add nothing the Rust decode is called directly.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+Decode = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """`tokenizer.decode` as a function of a list of ids: the fast tokenizer's own decode where the
+    tokenizer's class keeps transformers' `decode` and `_decode` and cleans up no spaces (then they
+    return exactly that), else `tokenizer.decode` itself."""
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: str(tokenizer.decode(ids, skip_special_tokens=skip))  # one list: one str
 
 
 def partial_start(text: str, marker: str) -> int:
@@ -22,7 +43,7 @@ def partial_start(text: str, marker: str) -> int:
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
                  include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._include_stop_str = include_stop_str
@@ -37,7 +58,7 @@ class Detokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decoder(ids, self._skip_special_tokens)
 
     def add(self, token: int) -> None:
         """Append one token; sets `stopped_by` when a stop string completes."""

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_model import tiny_model, tiny_tokenizer
+from transformers import PreTrainedTokenizerFast
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_support import (
     WAIT_S,
@@ -26,7 +27,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.detokenizer import Detokenizer, decoder
 
 # A model that writes "Hi 東京🙂é!" over and over, one UTF-8 byte per token
 # (the CJK characters and the emoji span 3 and 4 tokens, é two).
@@ -332,3 +333,28 @@ def test_detokenizer_streams_whole_characters_and_cuts_at_the_first_stop_string(
     assert "".join(chunks) == expected
     assert not any("\ufffd" in c for c in chunks)
     assert (detok.stopped_by is not None) == any(s in text for s in stops)
+
+
+class Shouting(PreTrainedTokenizerFast):
+    """A tokenizer class of its own decoding: its text is not the Rust decode's."""
+
+    def _decode(self, *args, **kwargs) -> str:  # noqa: ANN002, ANN003
+        return super()._decode(*args, **kwargs).upper()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ids=st.lists(st.integers(0, len(tiny_tokenizer()) - 1), max_size=12), skip=st.booleans())
+def test_the_detokenizers_decode_is_the_tokenizers(ids: list[int], skip: bool) -> None:
+    """The Rust decode the detokenizer calls directly gives what `tokenizer.decode` gives (special
+    tokens kept or skipped, bytes of a character cut anywhere), without going through it; a class
+    that decodes in its own way, or a tokenizer that cleans up spaces, is decoded through it."""
+    tok = tiny_tokenizer()
+    expected = tok.decode(ids, skip_special_tokens=skip)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<eos>")
+    fast.decode = None  # the direct path never calls it
+    assert decoder(fast)(ids, skip) == expected
+    shouting = Shouting(tokenizer_object=tok.backend_tokenizer, eos_token="<eos>")
+    assert decoder(shouting)(ids, skip) == expected.upper()
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<eos>",
+                                       clean_up_tokenization_spaces=True)
+    assert decoder(cleaning)(ids, skip) == cleaning.decode(ids, skip_special_tokens=skip)

@@ -34,7 +34,9 @@
 - logits: the logits processors alone, in this process (logits_speed.py): no verifier is started
   for it;
 - sampling: verifying a sampled row, the engine's sampler against the textbook one, in this process
-  (sampling_speed.py).
+  (sampling_speed.py);
+- step-work: the engine's own work a step (schedule, verify, commit) at 1 to 128 sequences, with a
+  stand-in for the forward, in this process (step_work.py).
 
 Verifier processes: defaults (with /metrics), and as sections need them calls awaited, unchunked, no
 prefix caching, a drafter that is down, eager, and two sequence slots in order of arrival and by priority;
@@ -61,12 +63,12 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.loading.causal_lm import pick_device
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
-from verifier_service.tools.bench import logits_speed, sampling_speed, workloads
+from verifier_service.tools.bench import logits_speed, sampling_speed, step_work, workloads
 from verifier_service.tools.local_services import LocalService, free_port, script
 
 SECTIONS = ("overhead", "prefill-gap", "multi-turn", "structured", "prediction", "priority", "cuda-graphs", "logits",
-            "sampling")
-IN_PROCESS = {"logits", "sampling"}  # sections that start no verifier
+            "sampling", "step-work")
+IN_PROCESS = {"logits", "sampling", "step-work"}  # sections that start no verifier
 UNCHUNKED = 1 << 20  # a step budget no prompt reaches
 STARTUP_TIMEOUT_S = 1200.0  # start-up measures the cost curve: slow on a busy CPU
 
@@ -130,6 +132,9 @@ def run(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, common: li
         if name in chosen:
             results[name] = section.measure(vocab, device)
             section.print_table(results[name], vocab, device)
+    if "step-work" in chosen:
+        results["step_work"] = step_work.measure(tokenizer)
+        step_work.print_table(results["step_work"], tokenizer)
     if set(chosen) - IN_PROCESS:
         results |= _with_services(chosen, args, tokenizer, common, forward_s)
     _print(results)
