@@ -65,16 +65,16 @@ class StandInRunner:
 
 
 def measure(tokenizer: PreTrainedTokenizerBase, batches: tuple[int, ...] = BATCHES) -> list[dict]:
-    return [asyncio.run(_batch(tokenizer, b)) for b in batches]
-
-
-async def _batch(tokenizer: PreTrainedTokenizerBase, batch: int) -> dict:
-    vocab, length = len(tokenizer), PROMPT_TOKENS + 4 + ROUNDS * STEPS
     text = tokenizer("\n".join(t for _, t in workloads.code(20)))["input_ids"]
+    return [asyncio.run(_batch(tokenizer, text, b)) for b in batches]
+
+
+async def _batch(tokenizer: PreTrainedTokenizerBase, text: list[int], batch: int) -> dict:
+    vocab, length = len(tokenizer), PROMPT_TOKENS + 4 + ROUNDS * STEPS
     runner = StandInRunner(vocab, text, batch, length + 8)
     scheduler = Scheduler(runner.kv_cache, SpeculationPolicy(max_draft_len=0), max_num_seqs=batch,
                           max_queue_len=batch, max_model_len=length + 4, prefix_cache=PrefixCache(runner.kv_cache))
-    thread = ModelThread()  # the engine's; its loop is not started: steps are driven from here
+    thread = ModelThread()  # the engine's, idle: its loop is not started, steps are driven from here
     engine = Engine(cast(ModelRunner, runner), scheduler, None, thread)
     sequences = [Sequence(request_id=str(i), prompt_ids=text[:PROMPT_TOKENS],
                           sampling=SamplingParams(), stopping=StoppingParams(max_new_tokens=length),
@@ -82,17 +82,22 @@ async def _batch(tokenizer: PreTrainedTokenizerBase, batch: int) -> dict:
                  for i in range(batch)]
     for seq in sequences:
         engine.submit(seq)
+
+    async def step() -> None:
+        await engine.step()
+        for seq in sequences:  # what a front would take off each request's queue
+            while not seq.outputs.empty():
+                seq.outputs.get_nowait()
+
     rounds = []
     try:
-        for step in range(3 + ROUNDS * STEPS):
-            if step >= 3 and (step - 3) % STEPS == 0:
-                started, forward_s = time.perf_counter(), runner.forward_s
-            await engine.step()
-            for seq in sequences:  # what a front would take off each request's queue
-                while not seq.outputs.empty():
-                    seq.outputs.get_nowait()
-            if step >= 3 and (step - 2) % STEPS == 0:
-                rounds.append((time.perf_counter() - started - (runner.forward_s - forward_s)) / STEPS)
+        for _ in range(3):  # the prefill and two decode steps, untimed
+            await step()
+        for _ in range(ROUNDS):
+            started, forward_s = time.perf_counter(), runner.forward_s
+            for _ in range(STEPS):
+                await step()
+            rounds.append((time.perf_counter() - started - (runner.forward_s - forward_s)) / STEPS)
     finally:
         thread.shutdown(wait=True)
     step_s = statistics.median(rounds)
