@@ -22,7 +22,7 @@ from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestError, in_vocabulary, input_ids, parse
 from verifier_service.builder import Runtime
 from verifier_service.engine.detokenizer import Detokenizer
-from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.engine.sequence import FinishReason, Output, Sequence, joined
 from verifier_service.engine.structured_output import (
     Constrained,
     ConstraintError,
@@ -171,9 +171,11 @@ class Generations:
 
     async def outputs(self, seq: Sequence, arrival: Arrival | None = None) -> AsyncIterator[Output]:
         """The sequence's outputs as the engine emits them, empty ones skipped, until the one that
-        finishes it. Leaving early (a client gone) cancels it: its KV slot and drafter state are
-        freed at the next step. Its metrics, its trace and its log line (--enable-log-requests) are recorded
-        as it ends. Raises GenerationFailed."""
+        finishes it. Those that queued while the caller was busy come joined into one: a front that falls
+        behind the engine catches up in fewer, larger messages instead of a queue that keeps growing.
+        Leaving early (a client gone) cancels it: its KV slot and drafter state are freed at the next step.
+        Its metrics, its trace and its log line (--enable-log-requests) are recorded as it ends. Raises
+        GenerationFailed."""
         rt = self.runtime
         assert rt is not None
         arrival = arrival or Arrival()
@@ -181,7 +183,10 @@ class Generations:
         reason = "abort"
         try:
             while True:
-                out = await seq.outputs.get()
+                queued = [await seq.outputs.get()]
+                while queued[-1].finish_reason is None and not queued[-1].error and not seq.outputs.empty():
+                    queued.append(seq.outputs.get_nowait())
+                out = queued[0] if len(queued) == 1 else joined(queued)
                 if out.error:
                     reason = "error"
                     raise GenerationFailed(self.failure or out.error, self.failure is not None)

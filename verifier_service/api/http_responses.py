@@ -39,7 +39,7 @@ from verifier_service.api.tool_calls import Call, CallStream, ToolPlan
 from verifier_service.engine.detokenizer import Detokenizer, decoder
 from verifier_service.engine.reasoning import Phase, Reasoning
 from verifier_service.engine.sampler import TokenLogprob
-from verifier_service.engine.sequence import FinishReason, Output, Sequence
+from verifier_service.engine.sequence import FinishReason, Output, Sequence, joined
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
@@ -116,19 +116,13 @@ def chat_logprob(lp: TokenLogprob, name: Callable[[int], str]) -> dict[str, obje
 class Choice:
     """One choice's outputs so far."""
 
-    text: list[str] = field(default_factory=list)
     outputs: list[Output] = field(default_factory=list)
 
     def add(self, out: Output) -> None:
-        self.text.append(out.text)
         self.outputs.append(out)
 
     def joined(self) -> Output:
-        outs = self.outputs
-        return Output([t for o in outs for t in o.token_ids], "".join(self.text), outs[-1].finish_reason,
-                      outs[-1].stop_reason, drafted=[d for o in outs for d in o.drafted],
-                      logprobs=[lp for o in outs for lp in o.logprobs], pieces=[p for o in outs for p in o.pieces],
-                      prompt_logprobs=outs[0].prompt_logprobs)
+        return joined(self.outputs)
 
 
 @dataclass

@@ -97,6 +97,16 @@ class Output:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def joined(outputs: list[Output]) -> Output:
+    """A request's consecutive outputs as one: its whole answer, or what queued for a front that fell
+    behind the steps (vLLM's RequestOutputCollector merges deltas the same way)."""
+    last = outputs[-1]
+    return Output([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs), last.finish_reason,
+                  last.stop_reason, last.error, drafted=[d for o in outputs for d in o.drafted],
+                  logprobs=[lp for o in outputs for lp in o.logprobs], pieces=[p for o in outputs for p in o.pieces],
+                  prompt_logprobs=outputs[0].prompt_logprobs)
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str

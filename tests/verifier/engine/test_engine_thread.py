@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,5 +91,37 @@ def test_a_step_runs_on_the_model_thread_with_a_remote_drafter() -> None:
                 assert reply.output.stats.num_draft_tokens > 0  # the drafter was called and drafted
         assert list(reply.output.token_ids) == list(cached_reference(tuple(PROMPTS[0]), 24))
         assert threads and set(threads) == {"model"}
+
+    asyncio.run(main())
+
+
+def test_a_stream_read_late_gets_what_queued_as_one_message_and_loses_nothing() -> None:
+    """The model thread steps on while the servers' loop is held (a front that fell behind); the stream
+    then sends what queued as one message (api/generation.py): every token in order with its text,
+    log-probabilities and flags, as the unary call returns them, and the finish in the last message."""
+    prompt, n = PROMPTS[0], 40
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+            engine = engine_of(v)
+            stream = v.stub.GenerateStream(stream_request(prompt, n, logprobs=2), timeout=WAIT_S)
+            messages = [await stream.read()]
+            (seq,) = engine.scheduler.running
+            deadline = time.monotonic() + WAIT_S
+            while len(seq.output_ids) < 8 and time.monotonic() < deadline:
+                time.sleep(0.005)  # blocks the servers' loop, not the model thread
+            assert len(seq.output_ids) >= 8, "the engine stopped stepping while the servers' loop was held"
+            while (message := await stream.read()) != grpc.aio.EOF:
+                messages.append(message)
+            unary = await v.stub.Generate(token_request(prompt, n, logprobs=2), timeout=WAIT_S)
+        outs = [m.output for m in messages]
+        assert max(len(o.token_ids) for o in outs) >= 6, "plain decoding's steps were not joined"
+        assert [t for o in outs for t in o.token_ids] == list(unary.output.token_ids) == list(
+            cached_reference(tuple(prompt), n))
+        assert "".join(o.text for o in outs) == unary.output.text
+        assert [lp for o in outs for lp in o.logprobs] == list(unary.output.logprobs)
+        assert all(len(o.logprobs) == len(o.drafted) == len(o.token_ids) for o in outs)
+        assert all(not o.finish_reason for o in outs[:-1]) and outs[-1].finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+        assert outs[-1].stats.num_steps == unary.output.stats.num_steps
 
     asyncio.run(main())
