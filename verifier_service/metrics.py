@@ -121,6 +121,9 @@ class VerifierMetrics:
         self.request_generation_tokens = Histogram(
             f"{p}request_generation_tokens", "Generated tokens per finished request", buckets=TOKEN_BUCKETS,
             registry=r)
+        self.outputs_joined = Counter(
+            f"{p}outputs_joined", "Steps' outputs that queued while the servers' event loop was busy and went "
+            "out joined with the next: a front behind the engine", registry=r)
         # --- scheduler and KV cache (read at scrape time once `track` is called)
         self.num_preemptions = Counter(
             f"{p}num_preemptions", "Running sequences sent back to wait for one of higher priority "

@@ -102,7 +102,7 @@ def test_a_stream_read_late_gets_what_queued_as_one_message_and_loses_nothing() 
     prompt, n = PROMPTS[0], 40
 
     async def main() -> None:
-        async with run_verifier(spec_config("NONE"), model=shared_model()) as v:
+        async with run_verifier(spec_config("NONE"), model=shared_model(), metrics_port=0) as v:
             engine = engine_of(v)
             stream = v.stub.GenerateStream(stream_request(prompt, n, logprobs=2), timeout=WAIT_S)
             messages = [await stream.read()]
@@ -114,14 +114,17 @@ def test_a_stream_read_late_gets_what_queued_as_one_message_and_loses_nothing() 
             while (message := await stream.read()) != grpc.aio.EOF:
                 messages.append(message)
             unary = await v.stub.Generate(token_request(prompt, n, logprobs=2), timeout=WAIT_S)
+            joined = v.running.metrics.registry.get_sample_value("splitspec:outputs_joined_total")
         outs = [m.output for m in messages]
         assert max(len(o.token_ids) for o in outs) >= 6, "plain decoding's steps were not joined"
+        assert joined >= max(len(o.token_ids) for o in outs) - 1  # counted: each output that went out with another
         assert [t for o in outs for t in o.token_ids] == list(unary.output.token_ids) == list(
             cached_reference(tuple(prompt), n))
         assert "".join(o.text for o in outs) == unary.output.text
         assert [lp for o in outs for lp in o.logprobs] == list(unary.output.logprobs)
         assert all(len(o.logprobs) == len(o.drafted) == len(o.token_ids) for o in outs)
-        assert all(not o.finish_reason for o in outs[:-1]) and outs[-1].finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+        assert all(not o.finish_reason for o in outs[:-1])
+        assert outs[-1].finish_reason == verifier_pb2.FINISH_REASON_LENGTH
         assert outs[-1].stats.num_steps == unary.output.stats.num_steps
 
     asyncio.run(main())
