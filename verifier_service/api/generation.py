@@ -21,7 +21,7 @@ import torch
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.request_parsing import Limits, ParsedRequest, RequestError, in_vocabulary, input_ids, parse
 from verifier_service.builder import Runtime
-from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.detokenizer import CONTEXT_TOKENS, Detokenizer
 from verifier_service.engine.sequence import FinishReason, Output, Sequence, joined
 from verifier_service.engine.structured_output import (
     Constrained,
@@ -66,7 +66,8 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Constrained | None
         request_id=uuid.uuid4().hex, prompt_ids=parsed.prompt_ids, sampling=parsed.sampling,
         stopping=parsed.stopping, spec=SpecState(parsed.speculation),
         detokenizer=Detokenizer(rt.tokenizer, parsed.stopping.stop, parsed.stopping.min_new_tokens,
-                                parsed.stopping.include_stop_str, parsed.skip_special_tokens),
+                                parsed.stopping.include_stop_str, parsed.skip_special_tokens,
+                                context=parsed.prompt_ids[-CONTEXT_TOKENS:]),
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority,
         prediction=Prediction(parsed.prediction) if parsed.prediction else None)
 

@@ -6,6 +6,11 @@ could be the start of a stop string is held back until it is decided. The text
 ends where the stop string begins, or where it ends when it is to be kept (vLLM's
 include_stop_str_in_output); nothing after it is released either way.
 
+A request's text is decoded after its prompt's last tokens (CONTEXT_TOKENS), as vLLM primes its
+detokenizer: a SentencePiece tokenizer (Llama 2, Mistral) drops the space a word's token carries where a
+decode starts ("▁Paris" alone is "Paris", after "▁is" it is " Paris"), so a text decoded alone would
+lose the space between the prompt and its first word.
+
 Each token costs one or two decodes of a few ids. A fast tokenizer's `decode` wraps its
 Rust decode in Python (argument conversion, batching checks, the clean-up switch) that
 cost 7x the decode itself, a fifth of a 64-sequence step's work outside the forward
@@ -14,11 +19,12 @@ cost 7x the decode itself, a fifth of a 64-sequence step's work outside the forw
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 Decode = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
+CONTEXT_TOKENS = 5  # the prompt's last tokens a request's text is decoded after (vLLM's initial offset)
 
 
 def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
@@ -41,16 +47,22 @@ def partial_start(text: str, marker: str) -> int:
 
 
 class Detokenizer:
+    """The text of the tokens added, released as it is decided. `context`: the tokens it follows (a prompt's
+    last CONTEXT_TOKENS), which are not part of it; one that ends inside a character is not used."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = (), min_tokens: int = 0,
-                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._decoder = decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._include_stop_str = include_stop_str
         self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
-        self._ids: list[int] = []
+        self._ids = list(context)
+        if self._ids and self._decode(self._ids).endswith("\ufffd"):
+            self._ids = []
+        self._num_context = len(self._ids)
         self._prefix = 0  # decode from here for context (merging spaces)
-        self._read = 0  # ids before this are already in _text
+        self._read = self._num_context  # ids before this are already in _text (or are the context)
         self._text = ""  # decided text, up to the stop string (or through it, when kept)
         self._released = 0  # chars of _text handed out
         self._searched = 0  # stop strings cannot start before this index
@@ -88,7 +100,7 @@ class Detokenizer:
     def _find_stop(self) -> None:
         if not self._stop or self.stopped_by is not None:
             return
-        if len(self._ids) <= self._min_tokens:
+        if len(self._ids) - self._num_context <= self._min_tokens:
             self._searched = len(self._text)
             return
         hits = [(i, s) for s in self._stop if (i := self._text.find(s, self._searched)) >= 0]
@@ -101,7 +113,7 @@ class Detokenizer:
 
     def _held_back(self) -> int:
         """Length of the text's tail that is a proper prefix of some stop string."""
-        if self.stopped_by is not None:
+        if self.stopped_by is not None or not self._stop:
             return 0
         for n in range(min(len(self._text) - self._searched, max((len(s) for s in self._stop), default=0)), 0, -1):
             tail = self._text[-n:]

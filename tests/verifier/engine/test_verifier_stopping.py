@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_model import tiny_model, tiny_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
 from verifier_support import (
@@ -27,7 +29,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.engine.detokenizer import Detokenizer, decoder
+from verifier_service.engine.detokenizer import CONTEXT_TOKENS, Detokenizer, decoder
 
 # A model that writes "Hi 東京🙂é!" over and over, one UTF-8 byte per token
 # (the CJK characters and the emoji span 3 and 4 tokens, é two).
@@ -358,3 +360,69 @@ def test_the_detokenizers_decode_is_the_tokenizers(ids: list[int], skip: bool) -
     cleaning = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<eos>",
                                        clean_up_tokenization_spaces=True)
     assert decoder(cleaning)(ids, skip) == cleaning.decode(ids, skip_special_tokens=skip)
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """Words as Llama 2's and Mistral's tokenizers write them ("▁word", the space a word's token carries
+    dropped where a decode starts), over the tiny model's 400 ids; id 0 is its end of sequence."""
+    words = {"<eos>": 0, "<unk>": 1} | {f"▁w{i}": i for i in range(2, len(tiny_tokenizer()))}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+
+
+def after_prompt(tok: PreTrainedTokenizerFast, prompt: list[int], output: list[int]) -> str:
+    """The output's text as it stands in the whole text: what follows the prompt's."""
+    return tok.decode(prompt + output)[len(tok.decode(prompt)):]
+
+
+def released(detok: Detokenizer, ids: list[int]) -> str:
+    chunks = []
+    for token in ids:
+        detok.add(token)
+        chunks.append(detok.take())
+    detok.flush()
+    return "".join(chunks) + detok.take(final=True)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(prompt=st.text(alphabet=ALPHABET, min_size=1, max_size=20), text=st.text(alphabet=ALPHABET, max_size=20),
+       cut=st.integers(0, 3))
+def test_a_text_is_decoded_after_its_prompt(prompt: str, text: str, cut: int) -> None:
+    """Property: a detokenizer given the prompt's last tokens releases the output's text as it stands
+    after the prompt in the whole text. A prompt cut inside a character (its last `cut` bytes dropped)
+    is not used as context: the text is then the output's own decode, as before."""
+    tok = tiny_tokenizer()
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = prompt_ids[:len(prompt_ids) - min(cut, len(prompt_ids) - 1)]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    got = released(Detokenizer(tok, context=prompt_ids[-CONTEXT_TOKENS:]), ids)
+    whole = tok.decode(prompt_ids[-CONTEXT_TOKENS:]).endswith("\ufffd")
+    assert got == (tok.decode(ids) if whole else after_prompt(tok, prompt_ids, ids))
+
+
+def test_the_first_word_keeps_its_space_after_the_prompt_with_a_sentencepiece_tokenizer() -> None:
+    """With Llama 2's or Mistral's kind of tokenizer, a text decoded alone would lose the space between the
+    prompt and its first word ("isParis"); decoded after the prompt, as vLLM does, it keeps it: through the
+    verifier, streamed and whole, and with the prompt echoed over HTTP."""
+    tok = sentencepiece_tokenizer()
+    prompt = [5, 17, 42, 99, 7, 250]
+    alone = Detokenizer(tok)
+    assert released(alone, [12, 13]) == "w12 w13"  # the space dropped where a decode starts
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=tiny_model(), tokenizer=tok) as v:
+            whole = await v.stub.Generate(token_request(prompt, 8), timeout=WAIT_S)
+            streamed = await stream_all(v.stub, stream_request(prompt, 8))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=WAIT_S) as http:
+                echoed = (await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+                                                                   "echo": True, "temperature": 0})).json()
+        output = list(whole.output.token_ids)
+        assert output and 0 not in output[:-1]
+        expected = after_prompt(tok, prompt, output if output[-1] else output[:-1])
+        assert expected.startswith(" ") and whole.output.text == expected
+        assert "".join(m.output.text for m in streamed) == expected
+        assert echoed["choices"][0]["text"] == tok.decode(prompt) + expected
+
+    asyncio.run(main())
