@@ -225,6 +225,28 @@ def test_eos_on_the_random_model_matches_generate() -> None:
     asyncio.run(main())
 
 
+def test_the_tokenizers_end_of_sequence_ends_an_answer_as_the_generation_configs_does() -> None:
+    """A model whose generation_config.json names another end of sequence than its tokenizer stops at either,
+    as vLLM does (it adds the generation config's ids to the tokenizer's); ignore_eos passes both."""
+    tokenizer_eos = tiny_tokenizer().eos_token_id
+    chain = [CHAIN[0], CHAIN[1], CHAIN[2], tokenizer_eos, CHAIN[3], CHAIN[4]]
+    model = scripted_model(chain)
+    model.generation_config.eos_token_id = [CHAIN[4]]
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NONE"), model=model) as v:
+            first = await v.stub.Generate(token_request([CHAIN[0]], 20), timeout=WAIT_S)
+            second = await v.stub.Generate(token_request([tokenizer_eos], 20), timeout=WAIT_S)
+            through = await v.stub.Generate(ids_request([CHAIN[0]], stopping(max_new_tokens=8, ignore_eos=True)),
+                                            timeout=WAIT_S)
+        assert list(first.output.token_ids) == [CHAIN[1], CHAIN[2], tokenizer_eos]
+        assert first.output.finish_reason == STOP
+        assert list(second.output.token_ids) == [CHAIN[3], CHAIN[4]] and second.output.finish_reason == STOP
+        assert list(through.output.token_ids) == [*chain[1:], CHAIN[0], CHAIN[1], CHAIN[2]]
+
+    asyncio.run(main())
+
+
 def held_slots(engine) -> int:  # noqa: ANN001
     """KV slots held for requests (the prefix cache's idle ones are free to evict)."""
     return engine.runner.kv_cache.num_used_slots - engine.scheduler.prefix_cache.num_idle
