@@ -335,7 +335,7 @@ class Scheduler:
                     finished.append(seq)
             # An accepted tree path's K/V reach their positions at the sequence's next forward: the
             # positions from the first move on are not yet what the tokens say, so not yet shareable.
-            valid = min([seq.kv_len, *(to for _, to in seq.kv_moves)])
+            valid = min(seq.kv_len, *(to for _, to in seq.kv_moves)) if seq.kv_moves else seq.kv_len
             self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, valid)
         for seq in finished:
             self._finish(seq)
