@@ -413,15 +413,15 @@ def released(detok: Detokenizer, ids: list[int]) -> str:
        cut=st.integers(0, 3))
 def test_a_text_is_decoded_after_its_prompt(prompt: str, text: str, cut: int) -> None:
     """Property: a detokenizer given the prompt's last tokens releases the output's text as it stands
-    after the prompt in the whole text. A prompt cut inside a character (its last `cut` bytes dropped)
-    is not used as context: the text is then the output's own decode, as before."""
+    after the prompt in the whole text. A prompt that ends inside a character (its last `cut` tokens
+    dropped may cut one) is not used as context: the text is then the output's own decode, as before."""
     tok = tiny_tokenizer()
     prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
     prompt_ids = prompt_ids[:len(prompt_ids) - min(cut, len(prompt_ids) - 1)]
     ids = tok(text, add_special_tokens=False)["input_ids"]
     got = released(Detokenizer(tok, context=prompt_ids[-CONTEXT_TOKENS:]), ids)
-    whole = tok.decode(prompt_ids[-CONTEXT_TOKENS:]).endswith("\ufffd")
-    assert got == (tok.decode(ids) if whole else after_prompt(tok, prompt_ids, ids))
+    broken = tok.decode(prompt_ids[-CONTEXT_TOKENS:]).endswith("\ufffd")
+    assert got == (tok.decode(ids) if broken else after_prompt(tok, prompt_ids, ids))
 
 
 def test_the_first_word_keeps_its_space_after_the_prompt_with_a_sentencepiece_tokenizer() -> None:
