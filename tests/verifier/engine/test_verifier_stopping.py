@@ -50,7 +50,8 @@ def stopping(**fields: object) -> verifier_pb2.StoppingCriteria:
 
 
 def ids_request(ids: list[int], stop: verifier_pb2.StoppingCriteria) -> verifier_pb2.GenerateRequest:
-    return verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids), stopping=stop))
+    return verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(token_ids=verifier_pb2.TokenIds(ids=ids),
+                                                                             stopping=stop))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def test_stream_releases_whole_characters_and_several_tokens_per_step(script_mod
         text, ids = check_stream(messages)
         assert ids == list(unary.output.token_ids) and len(ids) == n
         assert text == unary.output.text == cycle_text(n)
-        assert messages[-1].output.finish_reason == LENGTH and messages[-1].output.stats.num_steps == unary.output.stats.num_steps
+        assert messages[-1].output.finish_reason == LENGTH
+        assert messages[-1].output.stats.num_steps == unary.output.stats.num_steps
         if mode == "NGRAM":
             assert max(len(m.output.token_ids) for m in messages) > 2, "no step streamed several tokens"
             assert unary.output.stats.num_accepted_tokens > n // 2
@@ -151,13 +153,15 @@ def test_max_new_tokens_stop_token_ids_and_eos(mode: str) -> None:
             r = await gen(token_request(PROMPT, 5), timeout=WAIT_S)
             assert len(r.output.token_ids) == 5 and r.output.finish_reason == LENGTH and r.output.text == cycle_text(5)
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space, 5])), timeout=WAIT_S)
-            assert list(r.output.token_ids) == [tok_x, space] and r.output.finish_reason == STOP and r.output.stop_reason == str(space)
+            assert list(r.output.token_ids) == [tok_x, space] and r.output.finish_reason == STOP
+            assert r.output.stop_reason == str(space)
             assert r.output.text == "i"
             r = await gen(ids_request(PROMPT, stopping(max_new_tokens=30, stop_token_ids=[space],
                                                        include_stop_str_in_output=True)), timeout=WAIT_S)
             assert list(r.output.token_ids) == [tok_x, space] and r.output.text == "i "
             r = await gen(token_request(PROMPT, 30), timeout=WAIT_S)  # EOS after "é": "!" ends it
-            assert list(r.output.token_ids) == CHAIN[1:] and r.output.finish_reason == STOP and r.output.stop_reason == ""
+            assert list(r.output.token_ids) == CHAIN[1:] and r.output.finish_reason == STOP
+            assert r.output.stop_reason == ""
             assert r.output.text == TEXT[1:-1]
             streamed = await stream_all(v.stub, stream_request(PROMPT, 30))
             assert check_stream(streamed) == (TEXT[1:-1], CHAIN[1:])
