@@ -370,9 +370,9 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                       (lambda: drafter.healthy) if drafter is not None else None, spec.max_draft_len,
                       (lambda: engine.step_price.call) if drafter is not None and planner is not None else None)
     # The tokenizer's end of sequence and the generation config's (one id or a list): vLLM stops at each.
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    eos_ids = frozenset([*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-                         *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])])
+    config_eos = model.generation_config.eos_token_id if model.generation_config else None
+    listed = config_eos if isinstance(config_eos, list) else [config_eos]
+    eos_ids = frozenset(token for token in [*listed, tokenizer.eos_token_id] if token is not None)
     rt = Runtime(model_name, tokenizer, engine, settings, verifier_id, max_model_len, eos_ids, fingerprint,
                  Grammars(tokenizer, runner.vocab_size, eos_ids), reasoning, sampling_defaults or SamplingDefaults())
     if rt.sampling_defaults.sampling:

@@ -187,9 +187,11 @@ class Generations:
                 queued = [await seq.outputs.get()]
                 while queued[-1].finish_reason is None and not queued[-1].error and not seq.outputs.empty():
                     queued.append(seq.outputs.get_nowait())
-                out = queued[0] if len(queued) == 1 else joined(queued)
-                if len(queued) > 1 and self.metrics is not None:
-                    self.metrics.outputs_joined.inc(len(queued) - 1)
+                out = queued[0]
+                if len(queued) > 1:
+                    out = joined(queued)
+                    if self.metrics is not None:
+                        self.metrics.outputs_joined.inc(len(queued) - 1)
                 if out.error:
                     reason = "error"
                     raise GenerationFailed(self.failure or out.error, self.failure is not None)

@@ -58,15 +58,16 @@ class Detokenizer:
         self._include_stop_str = include_stop_str
         self._min_tokens = min_tokens  # a stop string counts only where it starts after their text
         self._ids = list(context)
-        if self._ids and self._decode(self._ids).endswith("\ufffd"):
-            self._ids = []
+        # The decode of ids[_prefix:_read], kept until they move (one decode per token): first, the context's.
+        self._before: str | None = self._decode(self._ids) if self._ids else None
+        if self._before is not None and self._before.endswith("\ufffd"):
+            self._ids, self._before = [], None
         self._num_context = len(self._ids)
         self._prefix = 0  # decode from here for context (merging spaces)
         self._read = self._num_context  # ids before this are already in _text (or are the context)
         self._text = ""  # decided text, up to the stop string (or through it, when kept)
         self._released = 0  # chars of _text handed out
         self._searched = 0  # stop strings cannot start before this index
-        self._before: str | None = None  # decode of ids[_prefix:_read], kept until they move (one decode per token)
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:

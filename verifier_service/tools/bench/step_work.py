@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from verifier_service.engine.detokenizer import Detokenizer
+from verifier_service.engine.detokenizer import CONTEXT_TOKENS, Detokenizer
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.model_thread import ModelThread
 from verifier_service.engine.prefix_cache import PrefixCache
@@ -78,7 +78,8 @@ async def _batch(tokenizer: PreTrainedTokenizerBase, text: list[int], batch: int
     engine = Engine(cast(ModelRunner, runner), scheduler, None, thread)
     sequences = [Sequence(request_id=str(i), prompt_ids=text[:PROMPT_TOKENS],
                           sampling=SamplingParams(), stopping=StoppingParams(max_new_tokens=length),
-                          detokenizer=Detokenizer(tokenizer), spec=SpecState(SpeculationParams(disable=True)))
+                          detokenizer=Detokenizer(tokenizer, context=text[:PROMPT_TOKENS][-CONTEXT_TOKENS:]),
+                          spec=SpecState(SpeculationParams(disable=True)))
                  for i in range(batch)]
     for seq in sequences:
         engine.submit(seq)
