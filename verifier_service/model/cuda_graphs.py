@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verifier_service.model import layer_attention
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.tree_attention import ancestors, is_chain_row
 
@@ -104,19 +105,35 @@ class StaticStep:
         # Where the new K/V go: cache[layer][slot, head, position], [rows, heads, length] of them.
         self.write_index = (slots[:, None, None], heads[None, :, None], self.write_positions[:, None, :])
         keys = torch.arange(key.window, device=device)
+        # Computed within the forward (so within a capture) at the first layer with its sliding window.
+        self._windowed: dict[int, torch.Tensor] = {}
         if tree is None:  # chains: causal
             self.positions = self.write_positions.reshape(1, -1)  # [1, rows * length]
             self.masks = keys[None, None, :] <= self.write_positions[:, :, None]  # [rows, length, window]
+            self.key_positions = keys[None, :]  # [1, window]
             return
         positions, seen = tree
         self.positions = positions.view(1, -1)
         # The cached context, and within the row's own new tokens its ancestors.
         offset = keys[None, :] - starts[:, None]  # [rows, window]: key position within the new tokens
+        new = (offset >= 0) & (offset < n)
         own = seen.gather(2, offset.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))  # [rows, length, window]
-        self.masks = (offset < 0)[:, None, :] | (own & (offset < n)[:, None, :])
+        self.masks = (offset < 0)[:, None, :] | (own & new[:, None, :])
+        # [rows, window]: a new node's key sits at its depth's position, not at its K/V index
+        self.key_positions = torch.where(new, positions.view(key.rows, n).gather(1, offset.clamp(0, n - 1)), keys)
+
+    def _masks(self, window: int | None) -> torch.Tensor:
+        """[rows, length, window] bool: which keys each token sees, within a sliding window where one is set."""
+        if window is None or window >= self.key.window:  # no query sees a key `window` positions back
+            return self.masks
+        if window not in self._windowed:
+            queries = self.positions.view(self.key.rows, self.key.length)
+            self._windowed[window] = self.masks & layer_attention.in_window(queries, self.key_positions, window)
+        return self._windowed[window]
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+               scaling: float | None, attention: layer_attention.LayerAttention = layer_attention.PLAIN
+               ) -> torch.Tensor:
         """Every row at once: rows are the batch of one attention, since they share a length and a window."""
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv heads, capacity, head_dim]
         rows, n, window = self.key.rows, self.key.length, self.key.window
@@ -127,10 +144,15 @@ class StaticStep:
         k_cache.index_put_(self.write_index, by_row(key))
         v_cache.index_put_(self.write_index, by_row(value))
         # Each row's window of its slot: a copy of `window` keys, the price of slots given as inputs.
-        out = F.scaled_dot_product_attention(
-            by_row(query), k_cache[:, :, :window].index_select(0, self.slots),
-            v_cache[:, :, :window].index_select(0, self.slots), attn_mask=self.masks[:, None],
-            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])  # [rows, heads, n, D]
+        keys = k_cache[:, :, :window].index_select(0, self.slots)
+        values = v_cache[:, :, :window].index_select(0, self.slots)
+        masks = self._masks(attention.window)[:, None]
+        if attention.fused:
+            out = F.scaled_dot_product_attention(by_row(query), keys, values, attn_mask=masks, scale=scaling,
+                                                 enable_gqa=query.shape[1] != key.shape[1])  # [rows, heads, n, D]
+        else:
+            out = layer_attention.attend(by_row(query), keys, values, masks,
+                                         scaling if scaling is not None else query.shape[-1] ** -0.5, attention)
         return out.transpose(1, 2).reshape(1, rows * n, out.shape[1], out.shape[3])  # [1, N, heads, D]
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verifier_service.model import layer_attention
+
 KEY_BLOCK = 64
 QUERY_BLOCK = 256
 
@@ -70,10 +72,11 @@ class QueryBlock:
     visible: torch.Tensor  # [rows, length] bool; a lone query's row twice, as the query goes in twice
 
 
-def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int,
-                 device: torch.device) -> list[QueryBlock]:
+def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int, device: torch.device,
+                 windowed: tuple[int, torch.Tensor] | None = None) -> list[QueryBlock]:
     """The blocks of `n` new queries at positions start.. in a slot of `capacity` keys: causal, or for
-    a token tree the mask `tree` [n, start + n]."""
+    a token tree the mask `tree` [n, start + n]; with `windowed`, (a sliding window, the queries'
+    positions [n]), only the keys within the window too."""
     out = []
     for first in range(0, n, QUERY_BLOCK):
         last = min(first + QUERY_BLOCK, n)
@@ -85,6 +88,11 @@ def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int,
             visible = torch.zeros(last - first, length, dtype=torch.bool, device=device)
             width = min(tree.shape[1], length)  # a node sees no key after its own
             visible[:, :width] = tree[first:last, :width]
+        if windowed is not None:
+            window, positions = windowed
+            keys = torch.arange(length, device=device)
+            keys[start:start + n] = positions[:length - start]  # a tree's nodes sit at their depth
+            visible = visible & layer_attention.in_window(positions[first:last], keys, window)
         if last - first == 1:  # one query alone would take another kernel: computed twice
             visible = visible.expand(2, -1)
         out.append(QueryBlock(first, last, length, visible))
@@ -92,20 +100,23 @@ def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int,
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: list[QueryBlock],
-           scaling: float | None) -> torch.Tensor:
+           scaling: float | None, attention: layer_attention.LayerAttention = layer_attention.PLAIN) -> torch.Tensor:
     """Attention of `n` new queries [heads, n, D] over a KV slot's keys and values [kv_heads,
-    capacity, D] (the new ones written), block by block (`query_blocks`). Returns [heads, n, D]."""
+    capacity, D] (the new ones written), block by block (`query_blocks`, which carry a sliding
+    window). Returns [heads, n, D]."""
     heads, n, dim = query.shape
     kv_heads = keys.shape[0]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     grouped = query.view(kv_heads, heads // kv_heads, n, dim)  # the query heads that share each KV head
+    sink = attention.sinks.view(kv_heads, heads // kv_heads, 1, 1) if attention.sinks is not None else None
     out = []
     for block in blocks:
         length, rows = block.length, block.visible.shape[0]
         q = grouped[:, :, block.first:block.last].expand(-1, -1, rows, -1)
         scores = torch.matmul(q.reshape(kv_heads, -1, dim), keys[:, :length].transpose(-1, -2))
         scores = scores.float().mul_(scale).view(kv_heads, -1, rows, length)
-        probs = torch.softmax(scores.masked_fill_(~block.visible, float("-inf")), -1).to(values.dtype)
+        scores = layer_attention.capped(scores, attention.softcap).masked_fill_(~block.visible, float("-inf"))
+        probs = layer_attention.softmax(scores, sink).to(values.dtype)
         result = torch.matmul(probs.view(kv_heads, -1, length), values[:, :length])
         out.append(result.view(kv_heads, -1, rows, dim)[:, :, :block.last - block.first])
     result = out[0] if len(out) == 1 else torch.cat(out, dim=2)

@@ -23,10 +23,11 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verifier_service.model import invariant_attention
+from verifier_service.model import invariant_attention, layer_attention
 from verifier_service.model.cuda_graphs import StaticStep, StepGraphs
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
+from verifier_service.model.logits_head import LogitsHead
 from verifier_service.model.tree_attention import apply_kv_moves, is_chain_row, tree_mask
 
 ATTENTION = "splitspec_packed"
@@ -63,9 +64,13 @@ class PackedStep:
 
     def __init__(self, cache: KVCache, batch: ForwardBatch, device: torch.device, invariant: bool = False) -> None:
         self.cache = cache
+        self.device = device
         self.invariant = invariant  # batch-invariant attention (model/invariant_attention.py)
         self.rows: list[tuple[int, int, int, int, torch.Tensor | None]] = []
-        self.query_blocks: list[list[invariant_attention.QueryBlock]] = []  # per row, where invariant
+        # Computed at a row's first layer that needs them, by (row, sliding window or None): its queries'
+        # view of the slot's keys, and where invariant its query blocks.
+        self._visible: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._query_blocks: dict[tuple[int, int | None], list[invariant_attention.QueryBlock]] = {}
         positions: list[int] = []
         offset = 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
@@ -85,15 +90,42 @@ class PackedStep:
                     mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
                 positions += range(start, start + n)
             self.rows.append((offset, n, slot, start, mask))
-            if invariant:
-                self.query_blocks.append(invariant_attention.query_blocks(start, n, mask, cache.shape.capacity,
-                                                                          device))
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
+    def _windowed(self, row: int, window: int | None) -> bool:
+        """Whether a sliding window hides some of the row's context from some of its queries."""
+        _, n, _, start, _ = self.rows[row]
+        return window is not None and start + n > window
+
+    def visible(self, row: int, window: int | None) -> torch.Tensor:
+        """[n, start + n] bool: which of its slot's keys each of the row's n queries sees."""
+        if (row, window) not in self._visible:
+            offset, n, _, start, mask = self.rows[row]
+            if mask is None:
+                keys = torch.arange(start + n, device=self.device)
+                mask = keys[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
+            if self._windowed(row, window):
+                assert window is not None
+                queries = self.positions[0, offset:offset + n]
+                mask = mask & layer_attention.in_window(
+                    queries, torch.cat([torch.arange(start, device=self.device), queries]), window)
+            self._visible[row, window] = mask
+        return self._visible[row, window]
+
+    def query_blocks(self, row: int, window: int | None) -> list[invariant_attention.QueryBlock]:
+        if (row, window) not in self._query_blocks:
+            offset, n, _, start, mask = self.rows[row]
+            windowed = (window, self.positions[0, offset:offset + n]) if self._windowed(row, window) else None
+            self._query_blocks[row, window] = invariant_attention.query_blocks(
+                start, n, mask, self.cache.shape.capacity, self.device, windowed)
+        return self._query_blocks[row, window]
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+               scaling: float | None, attention: layer_attention.LayerAttention = layer_attention.PLAIN
+               ) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        window = attention.window
         outputs = []
         for i, (offset, n, slot, start, mask) in enumerate(self.rows):
             # A slice copy per sequence: much cheaper than one advanced-index scatter for all.
@@ -101,8 +133,17 @@ class PackedStep:
             v_cache[slot, :, start:start + n] = value[0, :, offset:offset + n]
             if self.invariant:
                 outputs.append(invariant_attention.attend(query[0, :, offset:offset + n], k_cache[slot],
-                                                          v_cache[slot], self.query_blocks[i], scaling)[None])
+                                                          v_cache[slot], self.query_blocks(i, window), scaling,
+                                                          attention)[None])
                 continue
+            if not attention.fused:
+                outputs.append(layer_attention.attend(
+                    query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
+                    v_cache[slot:slot + 1, :, :start + n], self.visible(i, window),
+                    scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
+                continue
+            if self._windowed(i, window):
+                mask = self.visible(i, window)
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
                 v_cache[slot:slot + 1, :, :start + n], attn_mask=mask, is_causal=mask is None and n > 1,
@@ -119,7 +160,7 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    return step.attend(module.layer_idx, query, key, value, scaling), None
+    return step.attend(module.layer_idx, query, key, value, scaling, layer_attention.from_kwargs(kwargs)), None
 
 
 def _register() -> None:
@@ -150,7 +191,7 @@ class ModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         self._base = model.base_model
-        self._head = model.get_output_embeddings()
+        self.head = LogitsHead.of(model)
         self._no_mask = _NO_MASK.to(self.device, self.dtype)
         # Where this machine's products allow it (bfloat16 on CPU), every row gets the bits plain
         # decoding gives it: speculation is exact, not only up to the dtype's precision.
@@ -172,7 +213,7 @@ class ModelRunner:
 
     @property
     def vocab_size(self) -> int:
-        return self._head.out_features
+        return self.head.vocab_size
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -195,7 +236,7 @@ class ModelRunner:
             # long: may be empty (only mid-prompt chunks this step)
             index = torch.tensor(batch.logit_index, dtype=torch.long, device=self.device)
             hidden = self._run_body(ids, step)[0].index_select(0, index)
-        return self._head(hidden).float()
+        return self.head(hidden)
 
     def _run_body(self, input_ids: torch.Tensor, step: PackedStep | StaticStep) -> torch.Tensor:
         """The model without its head over packed ids [1, N]: last hidden states [1, N, hidden]."""

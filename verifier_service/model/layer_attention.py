@@ -1,0 +1,95 @@
+"""What a model's attention layer asks of the packed attention beyond causal softmax(Q K^T * scale) V.
+
+transformers' attention modules pass it as keyword arguments to the attention function
+(AttentionInterface), layer by layer: a sliding window (Mistral 7B v0.1, Phi-3, Gemma 2 and 3's local
+layers, Qwen2 with `use_sliding_window`, gpt-oss), a tanh cap on the scores (Gemma 2) and a sink logit
+per head (gpt-oss). Ignored, each of them changes the logits once a context passes the window, or at
+once; every attention path of a step (runner.PackedStep, invariant_attention, cuda_graphs.StaticStep)
+applies them. An argument this module does not know raises UnsupportedAttention, so a model whose
+attention needs more is refused at start-up (architecture_check.py), never served other tokens.
+
+A sliding window keeps the whole context's K/V (the slots' layout is one for every layer); only what a
+query sees changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+# Arguments that do not change the attention's result (inputs the packed step has its own way of giving).
+_INERT = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
+
+
+class UnsupportedAttention(ValueError):
+    """An attention layer asked for something the packed attention does not compute."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    window: int | None = None  # a query sees the keys less than `window` positions before its own
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the mask
+    sinks: torch.Tensor | None = None  # [heads]: a logit per head that joins the softmax's denominator only
+
+    @property
+    def fused(self) -> bool:
+        """Whether SDPA computes it (its masks carry the window); a cap or sinks need the scores."""
+        return self.softcap is None and self.sinks is None
+
+
+PLAIN = LayerAttention()
+
+
+def from_kwargs(kwargs: Mapping[str, object]) -> LayerAttention:
+    """The layer's attention from what transformers passed the attention function. Raises
+    UnsupportedAttention for an argument that would change the result and is not computed here."""
+    unknown = sorted(k for k, v in kwargs.items()
+                     if k not in _INERT and k not in ("sliding_window", "softcap", "s_aux") and v is not None)
+    if unknown:
+        raise UnsupportedAttention(f"the attention layers ask for {', '.join(unknown)}, which splitspec's packed "
+                                   "attention does not compute")
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None:
+        return PLAIN
+    return LayerAttention(int(window) if window is not None else None,  # type: ignore[call-overload]
+                          float(softcap) if softcap is not None else None,  # type: ignore[arg-type]
+                          sinks if isinstance(sinks, torch.Tensor) else None)
+
+
+def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., queries, keys] bool: the keys within `window` of each query (transformers' sliding-window
+    overlay, by position: a token tree's nodes sit at their depth, not at their K/V index)."""
+    return key_positions[..., None, :] > query_positions[..., :, None] - window
+
+
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap on attention scores, in place where one is set."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension of masked float32 scores, where `sink` (each head's sink logit,
+    shaped to broadcast against scores[..., :1]) adds a term of its own to the denominator (gpt-oss).
+    The keys' sum is the plain softmax's reduction, with one term added after it."""
+    if sink is None:
+        return torch.softmax(scores, -1)
+    sink = sink.float()
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+    weights = (scores - top).exp_()
+    return weights.div_(weights.sum(-1, keepdim=True) + (sink - top).exp())
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+           scale: float, attention: LayerAttention) -> torch.Tensor:
+    """Attention computed from its scores, for layers SDPA cannot run (a cap, sinks): queries [B, heads,
+    n, D] over keys and values [B, kv_heads, L, D] where `visible` [n, L] (or broadcast to [B, 1, n, L])."""
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    scores = capped(torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale), attention.softcap)
+    sink = attention.sinks.view(1, -1, 1, 1) if attention.sinks is not None else None
+    probs = softmax(scores.masked_fill_(~visible, float("-inf")), sink)
+    return torch.matmul(probs.to(values.dtype), values)
