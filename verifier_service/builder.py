@@ -29,7 +29,7 @@ from verifier_service.engine.reasoning import PARSERS, Reasoning, ReasoningUnava
 from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model import step_costs, tensor_parallel
+from verifier_service.model import architecture_check, step_costs, tensor_parallel
 from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, batch_rows, padded_length
 from verifier_service.model.generation_config import SamplingDefaults
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
@@ -133,12 +133,15 @@ def kv_cache_for(model: PreTrainedModel, settings: ServerSettings, max_model_len
 
 def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len: int,
                 peers: Peers | None = None) -> ModelRunner:
-    """The same runner on every rank of a sharded model (rank 0 passes the other ranks as `peers`)."""
+    """The same runner on every rank of a sharded model (rank 0 passes the other ranks as `peers`); an
+    unsharded model's packed forward first held to its own (raises architecture_check.UnsupportedModel)."""
     # Sharded, every rank runs eagerly: a rank capturing a step would run its collectives once more than the
     # others (the warm-up before the capture).
     graph_tokens = settings.cuda_graph_max_tokens if settings.tensor_parallel_size == 1 else 0
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers,
                          graph_tokens)
+    if settings.tensor_parallel_size == 1:
+        architecture_check.check_packed_forward(runner, model)
     if runner.graphs is not None:
         log.info("CUDA graphs: steps of up to %d tokens replay as graphs, the usual ones captured at start-up, "
                  "other shapes the second time they are seen (--enforce-eager: never)", runner.graphs.max_tokens)

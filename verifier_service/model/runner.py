@@ -93,10 +93,10 @@ class PackedStep:
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
-    def _windowed(self, row: int, window: int | None) -> bool:
-        """Whether a sliding window hides some of the row's context from some of its queries."""
+    def _binding(self, row: int, window: int | None) -> int | None:
+        """The sliding window where it hides some of the row's context from some of its queries."""
         _, n, _, start, _ = self.rows[row]
-        return window is not None and start + n > window
+        return window if window is not None and start + n > window else None
 
     def visible(self, row: int, window: int | None) -> torch.Tensor:
         """[n, start + n] bool: which of its slot's keys each of the row's n queries sees."""
@@ -105,18 +105,19 @@ class PackedStep:
             if mask is None:
                 keys = torch.arange(start + n, device=self.device)
                 mask = keys[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
-            if self._windowed(row, window):
-                assert window is not None
+            binding = self._binding(row, window)
+            if binding is not None:
                 queries = self.positions[0, offset:offset + n]
                 mask = mask & layer_attention.in_window(
-                    queries, torch.cat([torch.arange(start, device=self.device), queries]), window)
+                    queries, torch.cat([torch.arange(start, device=self.device), queries]), binding)
             self._visible[row, window] = mask
         return self._visible[row, window]
 
     def query_blocks(self, row: int, window: int | None) -> list[invariant_attention.QueryBlock]:
         if (row, window) not in self._query_blocks:
             offset, n, _, start, mask = self.rows[row]
-            windowed = (window, self.positions[0, offset:offset + n]) if self._windowed(row, window) else None
+            binding = self._binding(row, window)
+            windowed = (binding, self.positions[0, offset:offset + n]) if binding is not None else None
             self._query_blocks[row, window] = invariant_attention.query_blocks(
                 start, n, mask, self.cache.shape.capacity, self.device, windowed)
         return self._query_blocks[row, window]
@@ -142,7 +143,7 @@ class PackedStep:
                     v_cache[slot:slot + 1, :, :start + n], self.visible(i, window),
                     scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
                 continue
-            if self._windowed(i, window):
+            if self._binding(i, window) is not None:
                 mask = self.visible(i, window)
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],

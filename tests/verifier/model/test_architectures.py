@@ -1,0 +1,192 @@
+"""Architectures beside Llama: splitspec's packed forward gives what each model's own forward gives.
+
+A step runs the base model with splitspec's attention and the head apart (model/runner.py), so what a
+model's layers pass its attention (a sliding window, a cap on the scores, sink logits:
+model/layer_attention.py) and what its forward does after the head (scaled or capped logits:
+model/logits_head.py) are computed here. Checked against transformers' own forward with eager attention,
+for tiny random models of each architecture, through every row a step carries (prompt chunks, decode,
+verify, a token tree) on every attention path (SDPA, batch-invariant, the CUDA graphs' shapes), with
+contexts well past the window; and a verifier speculating on them gives their own greedy output. A model
+that computes something else (a recurrent hybrid, a forward of its own) is refused at start-up
+(model/architecture_check.py), with a message that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+import torch
+import transformers
+from tiny_model import tiny_tokenizer
+from verifier_harness import reference_greedy, run_verifier, spec_config, token_request
+from verifier_support import (
+    WAIT_S,
+    OracleDrafter,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+    run_together,
+    serve_drafter,
+)
+
+from verifier_service.model.architecture_check import UnsupportedModel
+from verifier_service.model.cuda_graphs import StepGraphs
+from verifier_service.model.kv_cache import KVCache, KVCacheShape
+from verifier_service.model.layer_attention import UnsupportedAttention, from_kwargs
+from verifier_service.model.runner import ForwardBatch, ModelRunner
+from verifier_service.model.tree_attention import is_chain_row
+from verifier_service.settings import DEFAULTS
+
+VOCAB = len(tiny_tokenizer())
+WINDOW = 8  # sliding windows far shorter than the contexts: most keys are out of them
+SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+              eos_token_id=tiny_tokenizer().eos_token_id, bos_token_id=None, pad_token_id=None)
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral (sliding window)": (transformers.MistralConfig, {"sliding_window": WINDOW}),
+    "qwen2 (sliding window above layer 1)": (transformers.Qwen2Config, {
+        "sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1}),
+    "phi3 (sliding window)": (transformers.Phi3Config, {"sliding_window": WINDOW}),
+    "gemma2 (window, capped scores and logits)": (transformers.Gemma2Config, {
+        "sliding_window": WINDOW, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3 (window)": (transformers.Gemma3TextConfig, {"sliding_window": WINDOW}),
+    "cohere (scaled logits)": (transformers.CohereConfig, {"logit_scale": 0.5}),
+    "granite (scaled logits)": (transformers.GraniteConfig, {"logits_scaling": 4.0}),
+    "gpt-oss (sink logits, window, experts)": (transformers.GptOssConfig, {
+        "sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+def tiny(architecture: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_class, fields = ARCHITECTURES[architecture]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**SHAPES, **fields),
+                                                          attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = SHAPES["eos_token_id"]
+    return model
+
+
+def own_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """The model's own forward over `ids` (transformers' eager attention): logits [len(ids), vocab]."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root (indices into the row)."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    return paths
+
+
+@pytest.mark.parametrize("path", ["sdpa", "batch-invariant", "graph shapes"])
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_the_packed_forward_gives_the_models_own_logits_through_every_kind_of_row(architecture: str,
+                                                                                  path: str) -> None:
+    model = tiny(architecture)
+    reference = copy.deepcopy(model)  # keeps transformers' eager attention
+    runner = ModelRunner(model, KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=300),
+                                        torch.float32, torch.device("cpu")))
+    runner.batch_invariant = path == "batch-invariant"  # its math is the dtype's own on any dtype
+    if path == "graph shapes":  # as a GPU replays them, without capture (tests/verifier/model/test_cuda_graphs.py)
+        runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, DEFAULTS.cuda_graph_max_tokens, capture=False)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(1, VOCAB) for _ in range(30)], [rng.randrange(1, VOCAB) for _ in range(26)]]
+    committed = [0, 0]
+
+    def step(rows: list[tuple[int, list[int]]], parents: list[list[int]] | None = None) -> None:
+        """Rows of (slot, new tokens), every token's logits checked against the model's own forward
+        over its path; chain rows then commit their tokens."""
+        ids = [t for _, new in rows for t in new]
+        batch = ForwardBatch(ids, [s for s, _ in rows], [committed[s] for s, _ in rows], [len(n) for _, n in rows],
+                             list(range(len(ids))), parents=[p for ps in parents for p in ps] if parents else [])
+        got = runner.forward(batch)
+        if runner.graphs is not None:  # first sighting eager, then at its graph's shapes (the same K/V again)
+            assert torch.allclose(runner.forward(batch), got, atol=1e-5)
+        offset = 0
+        for r, (slot, new) in enumerate(rows):
+            context = seqs[slot][:committed[slot]]
+            if parents and not is_chain_row(parents[r]):
+                paths = tree_paths(parents[r])
+                expected = torch.stack([own_logits(reference, context + [new[i] for i in p])[-1] for p in paths])
+            else:
+                expected = own_logits(reference, context + new)[-len(new):]
+                seqs[slot][committed[slot]:committed[slot] + len(new)] = new
+                committed[slot] += len(new)
+            assert torch.allclose(got[offset:offset + len(new)], expected, atol=1e-4), \
+                f"row {r}: off by {(got[offset:offset + len(new)] - expected).abs().max():.2e}"
+            offset += len(new)
+
+    step([(0, seqs[0][:12]), (1, seqs[1][:20])])  # prompts, the first in chunks
+    step([(0, seqs[0][12:28]), (1, seqs[1][20:21])])  # a chunk beside a decode row
+    step([(0, seqs[0][28:29]), (1, seqs[1][21:26])])  # decode beside verify
+    step([(0, [seqs[0][29], 5, 6, 7, 8, 9]), (1, [11, 12])],  # a token tree beside a verify row
+         parents=[[-1, 0, 0, 1, 2, 3], [-1, 0]])
+    if runner.graphs is not None:
+        assert runner.graphs.replays >= 4
+
+
+@pytest.mark.parametrize("architecture", ["mistral (sliding window)", "gemma2 (window, capped scores and logits)",
+                                          "gpt-oss (sink logits, window, experts)"])
+def test_a_verifier_speculating_on_the_model_gives_its_own_greedy_output(architecture: str) -> None:
+    """Drafts from an oracle that corrupts some, over contexts five times the window."""
+    model = tiny(architecture)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(12, 20))] for _ in range(4)]
+    refs = [reference_greedy(model, p, 24) for p in prompts]  # before the verifier takes the model
+    oracle = OracleDrafter({tuple(p): r for p, r in zip(prompts, refs)}, corrupt=0.3, seed=5, vocab_size=VOCAB)
+
+    async def main() -> list[list[int]]:
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=model) as v:
+                calls = [lambda p=p: v.stub.Generate(token_request(p, 24), timeout=WAIT_S) for p in prompts]
+                responses = await run_together(v, calls)
+        return [list(r.output.token_ids) for r in responses]
+
+    assert asyncio.run(main()) == refs
+    assert oracle.accepted_at and oracle.rejected_at and not oracle.feedback_errors
+
+
+class ScaledLlama(transformers.LlamaForCausalLM):
+    """A forward of its own: logits tripled after the head, which the packed forward cannot know."""
+
+    def forward(self, *args: object, **kwargs: object) -> transformers.modeling_outputs.CausalLMOutputWithPast:
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3
+        return out
+
+
+def hybrid() -> transformers.PreTrainedModel:
+    """A Mamba layer under an attention layer (Granite 4's hybrid shape)."""
+    torch.manual_seed(0)
+    shapes = {k: v for k, v in SHAPES.items() if k != "head_dim"}  # its own rule: hidden size / heads
+    config = transformers.GraniteMoeHybridConfig(**shapes, layer_types=["mamba", "attention"], mamba_d_head=16,
+                                                 mamba_n_heads=8, mamba_d_state=16, num_local_experts=2,
+                                                 num_experts_per_tok=1)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(("make", "reason"), [
+    (hybrid, r"layers \[0\] keep no keys \(not attention layers"),
+    (lambda: ScaledLlama(transformers.LlamaConfig(**SHAPES)).eval(), "other logits than the model's own"),
+    (lambda: transformers.AutoModelForCausalLM.from_config(transformers.StableLmConfig(**SHAPES)).eval(),
+     "its layers fail under splitspec's packed attention"),
+], ids=["recurrent hybrid", "own forward", "attention that needs its mask"])
+def test_a_model_that_computes_something_else_is_refused_at_start_up_saying_why(make, reason: str) -> None:  # noqa: ANN001
+    async def main() -> None:
+        with pytest.raises(UnsupportedModel, match=reason):
+            async with run_verifier(model=make()):
+                pass
+
+    asyncio.run(main())
+
+
+def test_an_attention_argument_not_computed_is_refused_and_inert_ones_are_not() -> None:
+    with pytest.raises(UnsupportedAttention, match="chunk_size"):
+        from_kwargs({"sliding_window": None, "chunk_size": 64})
+    attention = from_kwargs({"position_ids": torch.zeros(3), "use_cache": False, "sliding_window": 8, "softcap": None})
+    assert (attention.window, attention.softcap, attention.sinks, attention.fused) == (8, None, None, True)
