@@ -17,6 +17,7 @@ import textwrap
 import grpc
 import pytest
 import torch
+import transformers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_support import VerifierThread, idle, reference
 from tiny_model import tiny_model, tiny_tokenizer
@@ -253,12 +254,16 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU
     (["--device", "tpu"], ["unknown device 'tpu'"]),
     # The embedded model's config, read from its GGUF's header: one 2,048-token sequence needs 0.09 GiB.
     (["--kv-cache-memory-gb", "0.001"], ["--kv-cache-memory-gb 0.001 is too small", "lower --max-model-len"]),
+    # A config alone, no weights: a recurrent hybrid (tests/verifier/model/test_architectures.py).
+    (["--model", "{tmp}/hybrid"], ["hybrid cannot be served: it has linear_attention layers"]),
 ])
 def test_a_model_that_cannot_be_served_as_asked_is_refused_before_serving(tmp_path, capsys, args, words):
     """One line and status 2, before any port is bound or any weight loads: no port file appears."""
     (tmp_path / "weights.bin").write_bytes(b"\0")
     (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
     (tmp_path / "empty").mkdir()
+    transformers.GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["mamba", "attention"]).save_pretrained(
+        tmp_path / "hybrid")
     port_file = tmp_path / "port"
     assert cli.main([*(a.format(tmp=tmp_path) for a in args), "--port", "0", "--port-file", str(port_file)]) == 2
     err = capsys.readouterr().err

@@ -223,17 +223,19 @@ def _chat_template(value: str) -> str:
 
 def check_start(settings: ServerSettings, rank: Ranks) -> None:
     """Before any server listens, any weight loads or any other rank starts, from the model's config
-    alone: the model is there, torch has the device and the dtype, the KV budget holds one sequence,
-    the model splits that many ways, and its sampling defaults hold. Raises ModelLoadError, ConfigError
+    alone: the model is there, torch has the device and the dtype, its layers are ones splitspec
+    computes, the KV budget holds one sequence, the model splits that many ways, and its sampling
+    defaults hold. Raises ModelLoadError, ConfigError
     or ShardingError."""
     from verifier_service import builder
     from verifier_service.api import request_parsing
-    from verifier_service.model import loader, ranks
+    from verifier_service.model import architecture_check, loader, ranks
 
     source = loader.resolve_source(settings.model)
     sharded = settings.tensor_parallel_size > 1
     device = ranks.rank_device(settings.device, rank) if sharded else loader.pick_device(settings.device)
     model_config = loader.load_config(source)
+    architecture_check.check_config(model_config, source.name)
     ranks.check_split(model_config, settings.tensor_parallel_size, source.name, device)
     builder.kv_cache_shape(model_config, loader.pick_dtype(settings.dtype, device), settings,
                            builder.model_len(model_config, settings))

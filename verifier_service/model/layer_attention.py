@@ -45,6 +45,8 @@ PLAIN = LayerAttention()
 def from_kwargs(kwargs: Mapping[str, object]) -> LayerAttention:
     """The layer's attention from what transformers passed the attention function. Raises
     UnsupportedAttention for an argument that would change the result and is not computed here."""
+    if kwargs.keys() <= _INERT:  # most models' every layer, every step: kept to a set comparison
+        return PLAIN
     unknown = sorted(k for k, v in kwargs.items()
                      if k not in _INERT and k not in ("sliding_window", "softcap", "s_aux") and v is not None)
     if unknown:

@@ -30,7 +30,8 @@ from verifier_support import (
     serve_drafter,
 )
 
-from verifier_service.model.architecture_check import UnsupportedModel
+from verifier_service.model import architecture_check
+from verifier_service.model.architecture_check import UnsupportedModel, check_config
 from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.layer_attention import UnsupportedAttention, from_kwargs
@@ -82,17 +83,21 @@ def tree_paths(parents: list[int]) -> list[list[int]]:
     return paths
 
 
-@pytest.mark.parametrize("path", ["sdpa", "batch-invariant", "graph shapes"])
+@pytest.mark.parametrize("path", ["sdpa", "batch-invariant", "graph shapes", pytest.param("cuda graphs", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_the_packed_forward_gives_the_models_own_logits_through_every_kind_of_row(architecture: str,
                                                                                   path: str) -> None:
+    device = torch.device("cuda" if path == "cuda graphs" else "cpu")
     model = tiny(architecture)
-    reference = copy.deepcopy(model)  # keeps transformers' eager attention
+    reference = copy.deepcopy(model)  # keeps transformers' eager attention, on the CPU
+    model.to(device)
     runner = ModelRunner(model, KVCache(KVCacheShape.for_model(model.config, num_slots=2, capacity=300),
-                                        torch.float32, torch.device("cpu")))
+                                        torch.float32, device))
     runner.batch_invariant = path == "batch-invariant"  # its math is the dtype's own on any dtype
-    if path == "graph shapes":  # as a GPU replays them, without capture (tests/verifier/model/test_cuda_graphs.py)
-        runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, DEFAULTS.cuda_graph_max_tokens, capture=False)
+    if "graph" in path:  # on a CPU at the graphs' shapes without capture (tests/verifier/model/test_cuda_graphs.py)
+        runner.graphs = StepGraphs(runner._run_body, runner.kv_cache, DEFAULTS.cuda_graph_max_tokens,
+                                   capture=device.type == "cuda")
     rng = random.Random(1)
     seqs = [[rng.randrange(1, VOCAB) for _ in range(30)], [rng.randrange(1, VOCAB) for _ in range(26)]]
     committed = [0, 0]
@@ -106,6 +111,7 @@ def test_the_packed_forward_gives_the_models_own_logits_through_every_kind_of_ro
         got = runner.forward(batch)
         if runner.graphs is not None:  # first sighting eager, then at its graph's shapes (the same K/V again)
             assert torch.allclose(runner.forward(batch), got, atol=1e-5)
+        got = got.cpu()
         offset = 0
         for r, (slot, new) in enumerate(rows):
             context = seqs[slot][:committed[slot]]
@@ -126,7 +132,7 @@ def test_the_packed_forward_gives_the_models_own_logits_through_every_kind_of_ro
     step([(0, [seqs[0][29], 5, 6, 7, 8, 9]), (1, [11, 12])],  # a token tree beside a verify row
          parents=[[-1, 0, 0, 1, 2, 3], [-1, 0]])
     if runner.graphs is not None:
-        assert runner.graphs.replays >= 4
+        assert runner.graphs.replays >= 4 and (runner.graphs.captures > 0) == (device.type == "cuda")
 
 
 @pytest.mark.parametrize("architecture", ["mistral (sliding window)", "gemma2 (window, capped scores and logits)",
@@ -160,18 +166,21 @@ class ScaledLlama(transformers.LlamaForCausalLM):
         return out
 
 
-def hybrid() -> transformers.PreTrainedModel:
+def hybrid_config() -> transformers.PretrainedConfig:
     """A Mamba layer under an attention layer (Granite 4's hybrid shape)."""
-    torch.manual_seed(0)
     shapes = {k: v for k, v in SHAPES.items() if k != "head_dim"}  # its own rule: hidden size / heads
-    config = transformers.GraniteMoeHybridConfig(**shapes, layer_types=["mamba", "attention"], mamba_d_head=16,
-                                                 mamba_n_heads=8, mamba_d_state=16, num_local_experts=2,
-                                                 num_experts_per_tok=1)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return transformers.GraniteMoeHybridConfig(**shapes, layer_types=["mamba", "attention"], mamba_d_head=16,
+                                               mamba_n_heads=8, mamba_d_state=16, num_local_experts=2,
+                                               num_experts_per_tok=1)
+
+
+def hybrid() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hybrid_config()).eval()
 
 
 @pytest.mark.parametrize(("make", "reason"), [
-    (hybrid, r"layers \[0\] keep no keys \(not attention layers"),
+    (hybrid, "it has linear_attention layers; splitspec's packed attention computes full and sliding-window"),
     (lambda: ScaledLlama(transformers.LlamaConfig(**SHAPES)).eval(), "other logits than the model's own"),
     (lambda: transformers.AutoModelForCausalLM.from_config(transformers.StableLmConfig(**SHAPES)).eval(),
      "its layers fail under splitspec's packed attention"),
@@ -183,6 +192,49 @@ def test_a_model_that_computes_something_else_is_refused_at_start_up_saying_why(
                 pass
 
     asyncio.run(main())
+
+
+def test_the_probe_alone_refuses_a_recurrent_hybrid_naming_the_layers_that_never_attend(monkeypatch) -> None:  # noqa: ANN001
+    """A hybrid whose config did not list its layers: its Mamba layer's state is lost between the probe's rows."""
+    monkeypatch.setattr(architecture_check, "COMPUTED_LAYER_TYPES",
+                        architecture_check.COMPUTED_LAYER_TYPES | {"linear_attention"})
+
+    async def main() -> None:
+        with pytest.raises(UnsupportedModel, match=r"other logits than the model's own .*; layers \[0\] never "
+                                                   "attend: a recurrent layer's state is not kept between steps"):
+            async with run_verifier(model=hybrid()):
+                pass
+
+    asyncio.run(main())
+
+
+class MlpOnlyLayer(torch.nn.Module):
+    """In place of a layer's attention: adds nothing and never calls the attention function (Nemotron-H's
+    MLP-only layers, whose `layer_types` the config check does not accept, are this with a list)."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, None]:
+        return torch.zeros_like(hidden_states), None
+
+
+def test_a_layer_that_never_attends_but_keeps_no_state_is_served_exactly() -> None:
+    model = tiny("llama")
+    model.model.layers[0].self_attn = MlpOnlyLayer()
+    reference = copy.deepcopy(model)
+    prompt = [5, 9, 13, 17, 21, 25]
+
+    async def main() -> list[int]:
+        async with run_verifier(model=model) as v:
+            return list((await v.stub.Generate(token_request(prompt, 12), timeout=WAIT_S)).output.token_ids)
+
+    assert asyncio.run(main()) == reference_greedy(reference, prompt, 12)
+
+
+def test_layer_kinds_the_packed_step_does_not_compute_are_refused_from_the_config_alone() -> None:
+    """Llama 4's chunked attention lives in its mask alone: no argument of the attention function says it."""
+    llama4 = transformers.Llama4TextConfig(**{**SHAPES, "num_hidden_layers": 4})
+    with pytest.raises(UnsupportedModel, match="llama4 cannot be served: it has chunked_attention layers"):
+        check_config(llama4, "llama4")
+    check_config(transformers.Gemma3TextConfig(**SHAPES, sliding_window=WINDOW), "gemma3")  # full and sliding
 
 
 def test_an_attention_argument_not_computed_is_refused_and_inert_ones_are_not() -> None:
