@@ -29,7 +29,7 @@ from verifier_service.engine.reasoning import PARSERS, Reasoning, ReasoningUnava
 from verifier_service.engine.scheduler import FLAT, PromptTokenCost, Scheduler
 from verifier_service.engine.structured_output import Grammars
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model import architecture_check, step_costs, tensor_parallel
+from verifier_service.model import architecture_check, rotary_pinning, step_costs, tensor_parallel
 from verifier_service.model.cuda_graphs import MIN_DRAFT_STEP_LENGTH, batch_rows, padded_length
 from verifier_service.model.generation_config import SamplingDefaults
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
@@ -138,6 +138,8 @@ def make_runner(model: PreTrainedModel, settings: ServerSettings, max_model_len:
     # Sharded, every rank runs eagerly: a rank capturing a step would run its collectives once more than the
     # others (the warm-up before the capture).
     graph_tokens = settings.cuda_graph_max_tokens if settings.tensor_parallel_size == 1 else 0
+    for pinned in rotary_pinning.pin_rotary_frequencies(model, max_model_len):
+        log.info("%s: a token's logits do not depend on its batch (model/rotary_pinning.py)", pinned)
     runner = ModelRunner(model, kv_cache_for(model, settings, max_model_len), settings.prepack_weights, peers,
                          graph_tokens)
     if settings.tensor_parallel_size == 1:

@@ -35,6 +35,7 @@ from verifier_service.model.architecture_check import UnsupportedModel, check_co
 from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.layer_attention import UnsupportedAttention, from_kwargs
+from verifier_service.model.rotary_pinning import pin_rotary_frequencies
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.model.tree_attention import is_chain_row
 from verifier_service.settings import DEFAULTS
@@ -155,6 +156,43 @@ def test_a_verifier_speculating_on_the_model_gives_its_own_greedy_output(archite
 
     assert asyncio.run(main()) == refs
     assert oracle.accepted_at and oracle.rejected_at and not oracle.feedback_errors
+
+
+def test_longrope_frequencies_are_fixed_so_that_a_tokens_logits_never_depend_on_its_batch() -> None:
+    """Phi-3's LongRoPE switches to long frequencies once a forward's largest position passes the original
+    context (16 here, against the 256 served): batched with a longer sequence, or verified in a draft that
+    crosses it, a token would get other logits than alone. Fixed at the long ones (model/rotary_pinning.py),
+    each request alone, all together and all speculated give transformers' generate() with those."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(
+        **SHAPES, original_max_position_embeddings=16, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 8, "long_factor": [8.0] * 8})).eval()
+    reference = copy.deepcopy(model)
+    assert pin_rotary_frequencies(reference, 256) == [
+        "LongRoPE: its long frequencies for every sequence (served length 256, original 16)"]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (6, 10, 30, 12)]
+    refs = [reference_greedy(reference, p, 24) for p in prompts]
+    oracle = OracleDrafter({tuple(p): r for p, r in zip(prompts, refs)}, corrupt=0.3, seed=5, vocab_size=VOCAB)
+
+    async def main() -> tuple[list[list[int]], ...]:
+        async def together(v) -> list[list[int]]:  # noqa: ANN001
+            calls = [lambda p=p: v.stub.Generate(token_request(p, 24), timeout=WAIT_S) for p in prompts]
+            return [list(r.output.token_ids) for r in await run_together(v, calls)]
+
+        async with run_verifier(model=model) as v:
+            alone = [list((await v.stub.Generate(token_request(p, 24), timeout=WAIT_S)).output.token_ids)
+                     for p in prompts]
+            batched = await together(v)
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            async with run_verifier(spec, model=model) as v:
+                speculated = await together(v)
+        return alone, batched, speculated
+
+    assert all(outputs == refs for outputs in asyncio.run(main()))
+    assert oracle.accepted_at and oracle.rejected_at
 
 
 class ScaledLlama(transformers.LlamaForCausalLM):
