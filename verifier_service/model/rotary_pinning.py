@@ -41,6 +41,7 @@ def pin_rotary_frequencies(model: PreTrainedModel, max_model_len: int) -> list[s
                 rope_types[kind] = PINNED
             parameters = module.config.rope_parameters
             original = (parameters[kind] if kind is not None else parameters)["original_max_position_embeddings"]
-            pinned.append(f"LongRoPE{f' ({kind})' if kind else ''}: its {'long' if max_model_len > original else 'short'}"
-                          f" frequencies for every sequence (served length {max_model_len}, original {original})")
+            which = "long" if max_model_len > original else "short"
+            pinned.append(f"LongRoPE{f' ({kind})' if kind else ''}: its {which} frequencies for every sequence "
+                          f"(served length {max_model_len}, original {original})")
     return pinned
