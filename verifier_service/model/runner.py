@@ -143,7 +143,7 @@ class PackedStep:
                     v_cache[slot:slot + 1, :, :start + n], self.visible(i, window),
                     scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
                 continue
-            if self._binding(i, window) is not None:
+            if window is not None and start + n > window:  # the window hides some of the row's keys
                 mask = self.visible(i, window)
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
