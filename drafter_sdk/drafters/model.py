@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from drafter_sdk.drafter import Drafter, DraftRequest, Key
-from drafter_sdk.loading import causal_lm
+from drafter_sdk.loading import causal_lm, layer_attention
 from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -106,23 +106,33 @@ class _PackedStep:
         self.rows: list[tuple[int, int, _Sequence, int, torch.Tensor | None]] = []
         positions: list[int] = []
         offset = 0
+        self.device = device
+        self._visible: dict[tuple[int, int | None], torch.Tensor] = {}  # by (row, window), for the layers that need it
         for seq, start, n in rows:
-            mask = None
-            if n > 1:  # queries see keys up to their own position
-                keys = torch.arange(start + n, device=device)
-                mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+            # queries see keys up to their own position
+            mask = layer_attention.chain_visible(start, n, None, device) if n > 1 else None
             self.rows.append((offset, n, seq, start, mask))
             positions += range(start, start + n)
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+               scaling: float | None, attention: layer_attention.LayerAttention) -> torch.Tensor:
         outputs = []
-        for offset, n, seq, start, mask in self.rows:
+        window = attention.window
+        for row, (offset, n, seq, start, mask) in enumerate(self.rows):
             k_cache, v_cache = seq.k[layer], seq.v[layer]
             k_cache[:, start:start + n] = key[0, :, offset:offset + n]
             v_cache[:, start:start + n] = value[0, :, offset:offset + n]
+            if window is not None and start + n > window or not attention.fused:
+                if (row, window) not in self._visible:
+                    self._visible[row, window] = layer_attention.chain_visible(start, n, window, self.device)
+                mask = self._visible[row, window]
+            if not attention.fused:
+                outputs.append(layer_attention.attend(
+                    query[:, :, offset:offset + n], k_cache[None, :, :start + n], v_cache[None, :, :start + n],
+                    mask, scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
+                continue
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[None, :, :start + n], v_cache[None, :, :start + n],
                 attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
@@ -137,7 +147,7 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if not isinstance(step, _PackedStep):  # called outside a drafter forward, e.g. by generate()
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    return step.attend(module.layer_idx, query, key, value, scaling), None
+    return step.attend(module.layer_idx, query, key, value, scaling, layer_attention.from_kwargs(kwargs)), None
 
 
 def _log_failure(future: Future[None]) -> None:

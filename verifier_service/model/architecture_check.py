@@ -26,7 +26,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from drafter_sdk.errors import ModelLoadError
-from verifier_service.model.layer_attention import UnsupportedAttention
+from drafter_sdk.loading.layer_attention import UnsupportedAttention
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 
 # The probe's forwards, each one row of (first token, tokens): a prompt from position 0, a verify row

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verifier_service.model import layer_attention
+from drafter_sdk.loading import layer_attention
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.tree_attention import ancestors, is_chain_row
 

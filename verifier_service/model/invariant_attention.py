@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.model import layer_attention
+from drafter_sdk.loading import layer_attention
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 256

@@ -23,7 +23,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verifier_service.model import invariant_attention, layer_attention
+from drafter_sdk.loading import layer_attention
+from verifier_service.model import invariant_attention
 from verifier_service.model.cuda_graphs import StaticStep, StepGraphs
 from verifier_service.model.kv_cache import KVCache
 from verifier_service.model.linear_layout import LinearLayouts
@@ -86,8 +87,7 @@ class PackedStep:
                 # from position 0 needs no mask: SDPA's own causal attention skips the masked blocks (an
                 # 1,800-token prompt's attention took half the time, same bits).
                 if n > 1 and start > 0 and not invariant:
-                    keys = torch.arange(start + n, device=device)
-                    mask = keys[None, :] <= (start + torch.arange(n, device=device))[:, None]
+                    mask = layer_attention.chain_visible(start, n, None, device)
                 positions += range(start, start + n)
             self.rows.append((offset, n, slot, start, mask))
             offset += n
@@ -102,15 +102,16 @@ class PackedStep:
         """[n, start + n] bool: which of its slot's keys each of the row's n queries sees."""
         if (row, window) not in self._visible:
             offset, n, _, start, mask = self.rows[row]
-            if mask is None:
-                keys = torch.arange(start + n, device=self.device)
-                mask = keys[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
             binding = self._binding(row, window)
-            if binding is not None:
+            if mask is None:  # causal, left to SDPA
+                visible = layer_attention.chain_visible(start, n, binding, self.device)
+            elif binding is None:
+                visible = mask
+            else:  # by position: a tree's node sits at its depth, not at its K/V index
                 queries = self.positions[0, offset:offset + n]
-                mask = mask & layer_attention.in_window(
+                visible = mask & layer_attention.in_window(
                     queries, torch.cat([torch.arange(start, device=self.device), queries]), binding)
-            self._visible[row, window] = mask
+            self._visible[row, window] = visible
         return self._visible[row, window]
 
     def query_blocks(self, row: int, window: int | None) -> list[invariant_attention.QueryBlock]:

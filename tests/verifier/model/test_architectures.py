@@ -30,11 +30,13 @@ from verifier_support import (
     serve_drafter,
 )
 
+from drafter_sdk.drafter import DraftRequest, SamplingHints
+from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.loading.layer_attention import UnsupportedAttention, from_kwargs
 from verifier_service.model import architecture_check
 from verifier_service.model.architecture_check import UnsupportedModel, check_config
 from verifier_service.model.cuda_graphs import StepGraphs
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
-from verifier_service.model.layer_attention import UnsupportedAttention, from_kwargs
 from verifier_service.model.rotary_pinning import pin_rotary_frequencies
 from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.model.tree_attention import is_chain_row
@@ -156,6 +158,31 @@ def test_a_verifier_speculating_on_the_model_gives_its_own_greedy_output(archite
 
     assert asyncio.run(main()) == refs
     assert oracle.accepted_at and oracle.rejected_at and not oracle.feedback_errors
+
+
+@pytest.mark.parametrize("architecture", ["mistral (sliding window)", "gemma2 (window, capped scores and logits)",
+                                          "gpt-oss (sink logits, window, experts)"])
+def test_the_sdks_draft_model_drafts_the_models_own_greedy_continuation(architecture: str) -> None:
+    """The SDK's draft model runs a packed forward of its own (drafter_sdk/drafters/model.py), past the window
+    too: prompts in one forward, then a context that left its draft (rolled back, caught up from mid-row)."""
+    model = tiny(architecture)
+    reference = copy.deepcopy(model)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (20, 13, 30)]
+    drafter = ModelDrafter(loaded=(model, tiny_tokenizer()), max_draft_len=6, draft_ahead=False)
+    drafter.load()
+
+    def ask(contexts: list[list[int]]) -> list[list[int]]:
+        return drafter.prepare_draft_tokens([DraftRequest("v", str(i), c, len(prompts[i]), 6, 0, 0, SamplingHints())
+                                             for i, c in enumerate(contexts)])
+
+    try:
+        drafts = ask(prompts)
+        assert drafts == [reference_greedy(reference, p, 6) for p in prompts]
+        left = [p + d[:3] + [(d[3] + 1) % VOCAB] for p, d in zip(prompts, drafts)]  # the 4th draft token rejected
+        assert ask(left) == [reference_greedy(reference, c, 6) for c in left]
+    finally:
+        drafter.close()
 
 
 def test_longrope_frequencies_are_fixed_so_that_a_tokens_logits_never_depend_on_its_batch() -> None:

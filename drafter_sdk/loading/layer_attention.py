@@ -1,15 +1,15 @@
-"""What a model's attention layer asks of the packed attention beyond causal softmax(Q K^T * scale) V.
+"""What a model's attention layer asks of a packed attention beyond causal softmax(Q K^T * scale) V.
 
 transformers' attention modules pass it as keyword arguments to the attention function
 (AttentionInterface), layer by layer: a sliding window (Mistral 7B v0.1, Phi-3, Gemma 2 and 3's local
 layers, Qwen2 with `use_sliding_window`, gpt-oss), a tanh cap on the scores (Gemma 2) and a sink logit
 per head (gpt-oss). Ignored, each of them changes the logits once a context passes the window, or at
-once; every attention path of a step (runner.PackedStep, invariant_attention, cuda_graphs.StaticStep)
-applies them. An argument this module does not know raises UnsupportedAttention, so a model whose
-attention needs more is refused at start-up (architecture_check.py), never served other tokens.
+once. Both packed forwards apply them: the verifier's (every attention path of its step: runner,
+invariant_attention, cuda_graphs) and the SDK's draft model's (drafters/model.py). An argument this
+module does not know raises UnsupportedAttention: the verifier then refuses the model at start-up
+(verifier_service/model/architecture_check.py), never serving other tokens.
 
-A sliding window keeps the whole context's K/V (the slots' layout is one for every layer); only what a
-query sees changes.
+A sliding window keeps the whole context's K/V; only what a query sees changes.
 """
 
 from __future__ import annotations
@@ -58,6 +58,15 @@ def from_kwargs(kwargs: Mapping[str, object]) -> LayerAttention:
     return LayerAttention(int(window) if window is not None else None,  # type: ignore[call-overload]
                           float(softcap) if softcap is not None else None,  # type: ignore[arg-type]
                           sinks if isinstance(sinks, torch.Tensor) else None)
+
+
+def chain_visible(start: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n, start + n] bool: which keys the n queries of a row at positions start.. see (causal, and within
+    `window` where one is set)."""
+    keys = torch.arange(start + n, device=device)
+    queries = start + torch.arange(n, device=device)
+    visible = keys[None, :] <= queries[:, None]
+    return visible & in_window(queries, keys, window) if window is not None else visible
 
 
 def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
