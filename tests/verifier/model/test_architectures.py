@@ -1,16 +1,16 @@
-"""Architectures beside Llama: splitspec's packed forward gives what each model's own forward gives.
+"""Architectures beside Llama: splitspec's packed forwards give what each model's own forward gives.
 
 A step runs the base model with splitspec's attention and the head apart (model/runner.py), so what a
 model's layers pass its attention (a sliding window, a cap on the scores, sink logits:
-model/layer_attention.py) and what its forward does after the head (scaled or capped logits:
+drafter_sdk/loading/layer_attention.py) and what its forward does after the head (scaled or capped logits:
 model/logits_head.py) are computed here. Checked against transformers' own forward with eager attention,
 for tiny random models of each architecture, through every row a step carries (prompt chunks, decode,
 verify, a token tree) on every attention path (SDPA, batch-invariant, the CUDA graphs' shapes), with
-contexts well past the window; and a verifier speculating on them gives their own greedy output. A model
-that computes something else (a recurrent hybrid, a forward of its own) is refused at start-up
-(model/architecture_check.py), with a message that says why.
+contexts well past the window; a verifier speculating on them gives their own greedy output, and so does
+the SDK's draft model (its own packed forward) draft it. LongRoPE's frequencies are fixed so that batching
+and drafting change no token (model/rotary_pinning.py). A model that computes something else (a recurrent
+hybrid, a forward of its own) is refused at start-up (model/architecture_check.py), saying why.
 """
-
 from __future__ import annotations
 
 import asyncio
