@@ -11,6 +11,7 @@ the SDK's draft model (its own packed forward) draft it. LongRoPE's frequencies 
 and drafting change no token (model/rotary_pinning.py). A model that computes something else (a recurrent
 hybrid, a forward of its own) is refused at start-up (model/architecture_check.py), saying why.
 """
+
 from __future__ import annotations
 
 import asyncio
