@@ -189,7 +189,7 @@ class ModelDrafter(Drafter):
         self._model: PreTrainedModel | None = None
         self._sequences: dict[Key, _Sequence] = {}
         self._used_bytes = 0
-        self._kv_shape = (0, 0, 0)  # layers, KV heads, head dim: known once loaded
+        self._kv_shape = (0, 0, 0, 0)  # layers, KV heads, key and value head sizes: known once loaded
         self._bytes_per_token = 0
         self._host_kv = True
         self._max_positions = 0
@@ -254,9 +254,9 @@ class ModelDrafter(Drafter):
         cfg = model.config.get_text_config()
         heads = cfg.num_attention_heads
         self._kv_shape = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads,
-                          getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        layers, kv_heads, head_dim = self._kv_shape
-        self._bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+                          *layer_attention.kv_head_dims(cfg))
+        layers, kv_heads, k_dim, v_dim = self._kv_shape
+        self._bytes_per_token = layers * kv_heads * (k_dim + v_dim) * torch.empty((), dtype=model.dtype).element_size()
         # The SDK's state budget protects host memory: a GPU's KV is bounded by --kv-cache-memory-gb alone.
         self._host_kv = model.device.type == "cpu"
         self._max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 30
@@ -378,10 +378,10 @@ class ModelDrafter(Drafter):
         if capacity == 0:
             return None
         assert self._model is not None
-        layers, kv_heads, head_dim = self._kv_shape
-        size = (layers, kv_heads, capacity, head_dim)
-        seq = _Sequence(torch.zeros(size, dtype=self._model.dtype, device=self._model.device),
-                        torch.zeros(size, dtype=self._model.dtype, device=self._model.device))
+        layers, kv_heads, k_dim, v_dim = self._kv_shape
+        like = {"dtype": self._model.dtype, "device": self._model.device}
+        seq = _Sequence(torch.zeros(layers, kv_heads, capacity, k_dim, **like),
+                        torch.zeros(layers, kv_heads, capacity, v_dim, **like))
         self._used_bytes += capacity * self._bytes_per_token
         self._sequences[key] = seq
         return seq
@@ -394,7 +394,7 @@ class ModelDrafter(Drafter):
         if capacity == 0:
             return False
         grown_k = seq.k.new_zeros(seq.k.shape[:2] + (capacity,) + seq.k.shape[3:])
-        grown_v = torch.zeros_like(grown_k)
+        grown_v = seq.v.new_zeros(seq.v.shape[:2] + (capacity,) + seq.v.shape[3:])
         n = len(seq.tokens)
         grown_k[:, :, :n] = seq.k[:, :, :n]
         grown_v[:, :, :n] = seq.v[:, :, :n]

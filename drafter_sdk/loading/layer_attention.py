@@ -9,7 +9,9 @@ invariant_attention, cuda_graphs) and the SDK's draft model's (drafters/model.py
 module does not know raises UnsupportedAttention: the verifier then refuses the model at start-up
 (verifier_service/model/architecture_check.py), never serving other tokens.
 
-A sliding window keeps the whole context's K/V; only what a query sees changes.
+A sliding window keeps the whole context's K/V; only what a query sees changes. Multi-head latent
+attention (DeepSeek V2 and V3) reaches the attention function decompressed, as keys and values of
+different sizes (`kv_head_dims`), and is cached so: far more memory than its latent form, but exact.
 """
 
 from __future__ import annotations
@@ -18,9 +20,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 # Arguments that do not change the attention's result (inputs the packed step has its own way of giving).
 _INERT = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
+
+
+def kv_head_dims(config: PretrainedConfig) -> tuple[int, int]:
+    """The sizes of one head's key and value as a model's attention layers write them: `head_dim` (or
+    hidden size / heads) for both, or for multi-head latent attention keys of its no-rope and rope parts
+    and values of their own size."""
+    cfg = config.get_text_config()
+    if getattr(cfg, "qk_nope_head_dim", None) and getattr(cfg, "v_head_dim", None):
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return head_dim, head_dim
 
 
 class UnsupportedAttention(ValueError):

@@ -101,9 +101,9 @@ def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int, d
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: list[QueryBlock],
            scaling: float | None, attention: layer_attention.LayerAttention = layer_attention.PLAIN) -> torch.Tensor:
-    """Attention of `n` new queries [heads, n, D] over a KV slot's keys and values [kv_heads,
-    capacity, D] (the new ones written), block by block (`query_blocks`, which carry a sliding
-    window). Returns [heads, n, D]."""
+    """Attention of `n` new queries [heads, n, D] over a KV slot's keys [kv_heads, capacity, D] and
+    values [kv_heads, capacity, Dv] (the new ones written), block by block (`query_blocks`, which carry
+    a sliding window). Returns [heads, n, Dv]."""
     heads, n, dim = query.shape
     kv_heads = keys.shape[0]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
@@ -118,6 +118,6 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks
         scores = layer_attention.capped(scores, attention.softcap).masked_fill_(~block.visible, float("-inf"))
         probs = layer_attention.softmax(scores, sink).to(values.dtype)
         result = torch.matmul(probs.view(kv_heads, -1, length), values[:, :length])
-        out.append(result.view(kv_heads, -1, rows, dim)[:, :, :block.last - block.first])
+        out.append(result.view(kv_heads, -1, rows, values.shape[-1])[:, :, :block.last - block.first])
     result = out[0] if len(out) == 1 else torch.cat(out, dim=2)
-    return result.reshape(heads, n, dim)
+    return result.reshape(heads, n, values.shape[-1])

@@ -61,13 +61,17 @@ ARCHITECTURES = {
     "granite (scaled logits)": (transformers.GraniteConfig, {"logits_scaling": 4.0}),
     "gpt-oss (sink logits, window, experts)": (transformers.GptOssConfig, {
         "sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek-v3 (latent attention: values narrower than keys)": (transformers.DeepseekV3Config, {
+        "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "moe_intermediate_size": 32, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}),
 }
 
 
 def tiny(architecture: str, seed: int = 0) -> transformers.PreTrainedModel:
     config_class, fields = ARCHITECTURES[architecture]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**SHAPES, **fields),
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SHAPES, **fields}),
                                                           attn_implementation="eager").eval()
     model.generation_config.eos_token_id = SHAPES["eos_token_id"]
     return model
@@ -140,7 +144,8 @@ def test_the_packed_forward_gives_the_models_own_logits_through_every_kind_of_ro
 
 
 @pytest.mark.parametrize("architecture", ["mistral (sliding window)", "gemma2 (window, capped scores and logits)",
-                                          "gpt-oss (sink logits, window, experts)"])
+                                          "gpt-oss (sink logits, window, experts)",
+                                          "deepseek-v3 (latent attention: values narrower than keys)"])
 def test_a_verifier_speculating_on_the_model_gives_its_own_greedy_output(architecture: str) -> None:
     """Drafts from an oracle that corrupts some, over contexts five times the window."""
     model = tiny(architecture)
@@ -162,7 +167,8 @@ def test_a_verifier_speculating_on_the_model_gives_its_own_greedy_output(archite
 
 
 @pytest.mark.parametrize("architecture", ["mistral (sliding window)", "gemma2 (window, capped scores and logits)",
-                                          "gpt-oss (sink logits, window, experts)"])
+                                          "gpt-oss (sink logits, window, experts)",
+                                          "deepseek-v3 (latent attention: values narrower than keys)"])
 def test_the_sdks_draft_model_drafts_the_models_own_greedy_continuation(architecture: str) -> None:
     """The SDK's draft model runs a packed forward of its own (drafter_sdk/drafters/model.py), past the window
     too: prompts in one forward, then a context that left its draft (rolled back, caught up from mid-row)."""
