@@ -162,8 +162,9 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
         if source.gguf_file is not None:
             model = gguf_reading.load_model(gguf_path(source), dtype, **from_pretrained)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
+            # transformers' default attention: SDPA where the architecture has it, else eager (Gemma 2 has
+            # none); the verifier and the draft model run their packed attention in its place anyway.
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **from_pretrained)
     if device is not None:
         model.to(device)
     model.eval()

@@ -191,14 +191,14 @@ def load_model(path: str, dtype: torch.dtype, **from_pretrained: Any) -> PreTrai
     if from_pretrained or header is None:
         folder, name = _folder_and_file(path)
         return AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=dtype, attn_implementation="sdpa", **from_pretrained)
+            folder, gguf_file=name, dtype=dtype, **from_pretrained)
     started = time.monotonic()
     config = _config(header)
     with torch.device("meta"):  # only for the class and its parameter names
         skeleton = AutoModelForCausalLM.from_config(config)
     weights = load_weights(header, config_values(header), list(skeleton.state_dict()), dtype)
     model = type(skeleton).from_pretrained(
-        None, config=config, state_dict=weights, dtype=dtype, attn_implementation="sdpa")
+        None, config=config, state_dict=weights, dtype=dtype)
     model.config.name_or_path = config.name_or_path
     log.info("read %s in one pass (%d tensors) in %.1f s", path, len(weights), time.monotonic() - started)
     return model

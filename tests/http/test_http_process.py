@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import torch
+import transformers
 from tiny_model import tiny_model, tiny_tokenizer
 
 from verifier_service.api import cli
@@ -183,3 +186,32 @@ def test_the_models_generation_config_sets_what_requests_leave_out(model_dir: Pa
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"{model / 'generation_config.json'}: temperature must be within [0, 100]" in refused.stderr
     assert "serving" not in refused.stderr
+
+
+def test_a_gemma_2_folder_served_by_a_real_process_answers_what_its_own_generate_decodes(tmp_path: Path) -> None:
+    """A model whose layers ask for more than causal attention (Gemma 2: a sliding window of 8 tokens, capped
+    scores, capped logits) from a --model folder, with the n-gram drafter, to the official client: the text
+    transformers' generate() decodes (tests/verifier/model/test_architectures.py holds every row and path)."""
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    config = transformers.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=0.2, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    prompt = "def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i * i)\n"
+    ids = tokenizer(prompt)["input_ids"]
+    expected = tokenizer.decode(model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):],
+                                skip_special_tokens=True)
+    http_port_file = tmp_path / "http.port"
+    verifier = LocalService([script("splitspec-verifier"), "--model", str(tmp_path / "gemma2"), "--max-model-len",
+                             "256", "--kv-cache-memory-gb", "0.1", "--speculative-mode", "ngram", "--host", "127.0.0.1",
+                             "--http-port", "0", "--http-port-file", str(http_port_file)], name="verifier", env=ENV,
+                            startup_timeout_s=WAIT_S)
+    with verifier:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{int(http_port_file.read_text())}/v1", api_key="-",
+                               timeout=WAIT_S)
+        answer = client.completions.create(model="gemma2", prompt=prompt, max_tokens=32, temperature=0)
+    assert len(ids) + 32 > 5 * config.sliding_window and answer.choices[0].text == expected
