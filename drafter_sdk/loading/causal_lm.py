@@ -115,18 +115,27 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     with _loading(source, ValueError, struct.error):
         if source.gguf_file is not None:
             return gguf_reading.load_config(gguf_path(source))
-        return AutoConfig.from_pretrained(source.path)
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=False)
 
 
 @contextlib.contextmanager
 def _loading(source: ModelSource, *unreadable: type[Exception]) -> Iterator[None]:
-    """Files missing or unreadable, or a hub name that cannot be fetched, raised as ModelLoadError; so
-    are the `unreadable` errors, where only a file that is not what it claims raises them (a config:
-    a GGUF without its magic bytes or cut short, an architecture transformers does not know)."""
+    """Files missing or unreadable, a hub name that cannot be fetched, or a model that needs code of its
+    own, raised as ModelLoadError; so are the `unreadable` errors, where only a file that is not what it
+    claims raises them (a config: a GGUF without its magic bytes or cut short, an architecture
+    transformers does not know)."""
+    where = gguf_path(source) if source.gguf_file is not None else source.path
     try:
         yield
-    except (OSError, *unreadable) as exc:
-        where = gguf_path(source) if source.gguf_file is not None else source.path
+    except (OSError, ValueError, *unreadable) as exc:
+        # Code of the model's own (its config's auto_map): every load passes trust_remote_code=False, so that
+        # transformers raises rather than asking on a terminal whether to run it.
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(f"cannot load {source.name} from {where}: it needs code of its own (its config's "
+                                 "auto_map), which splitspec does not run; serve a model whose architecture "
+                                 "transformers implements") from None
+        if not isinstance(exc, (OSError, *unreadable)):
+            raise
         raise ModelLoadError(f"cannot load {source.name} from {where}: {exc}") from exc
 
 
@@ -149,7 +158,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     with _loading(source):
         if source.gguf_file is not None:
             return gguf_reading.load_tokenizer(gguf_path(source))
-        return AutoTokenizer.from_pretrained(source.path)
+        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
 
 
 def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device | None,
@@ -164,7 +173,8 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype, device: torch.device
         else:
             # transformers' default attention: SDPA where the architecture has it, else eager (Gemma 2 has
             # none); the verifier and the draft model run their packed attention in its place anyway.
-            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **from_pretrained)
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, trust_remote_code=False,
+                                                         **from_pretrained)
     if device is not None:
         model.to(device)
     model.eval()

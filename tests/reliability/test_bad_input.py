@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import math
 import socket
 import subprocess
@@ -256,6 +257,9 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU
     (["--kv-cache-memory-gb", "0.001"], ["--kv-cache-memory-gb 0.001 is too small", "lower --max-model-len"]),
     # A config alone, no weights: a recurrent hybrid (tests/verifier/model/test_architectures.py).
     (["--model", "{tmp}/hybrid"], ["hybrid cannot be served: it has linear_attention layers"]),
+    # A model that needs code of its own: refused, never asked on a terminal whether to run it.
+    (["--model", "{tmp}/custom"], ["cannot load custom from {tmp}/custom: it needs code of its own (its config's "
+                                   "auto_map), which splitspec does not run"]),
 ])
 def test_a_model_that_cannot_be_served_as_asked_is_refused_before_serving(tmp_path, capsys, args, words):
     """One line and status 2, before any port is bound or any weight loads: no port file appears."""
@@ -264,6 +268,9 @@ def test_a_model_that_cannot_be_served_as_asked_is_refused_before_serving(tmp_pa
     (tmp_path / "empty").mkdir()
     transformers.GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["mamba", "attention"]).save_pretrained(
         tmp_path / "hybrid")
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "config.json").write_text(json.dumps({
+        "model_type": "internlm2", "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}}))
     port_file = tmp_path / "port"
     assert cli.main([*(a.format(tmp=tmp_path) for a in args), "--port", "0", "--port-file", str(port_file)]) == 2
     err = capsys.readouterr().err
