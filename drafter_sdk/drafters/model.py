@@ -124,7 +124,7 @@ class _PackedStep:
             k_cache, v_cache = seq.k[layer], seq.v[layer]
             k_cache[:, start:start + n] = key[0, :, offset:offset + n]
             v_cache[:, start:start + n] = value[0, :, offset:offset + n]
-            if window is not None and start + n > window or not attention.fused:
+            if (window is not None and start + n > window) or not attention.fused:
                 if (row, window) not in self._visible:
                     self._visible[row, window] = layer_attention.chain_visible(start, n, window, self.device)
                 mask = self._visible[row, window]

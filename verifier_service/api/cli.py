@@ -225,8 +225,7 @@ def check_start(settings: ServerSettings, rank: Ranks) -> None:
     """Before any server listens, any weight loads or any other rank starts, from the model's config
     alone: the model is there, torch has the device and the dtype, its layers are ones splitspec
     computes, the KV budget holds one sequence, the model splits that many ways, and its sampling
-    defaults hold. Raises ModelLoadError, ConfigError
-    or ShardingError."""
+    defaults hold. Raises ModelLoadError, ConfigError or ShardingError."""
     from verifier_service import builder
     from verifier_service.api import request_parsing
     from verifier_service.model import architecture_check, loader, ranks
