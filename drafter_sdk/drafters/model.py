@@ -116,6 +116,13 @@ class _PackedStep:
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
+    def _visible_mask(self, row: int, window: int | None) -> torch.Tensor:
+        """[n, start + n] bool: which keys the row's queries see, within `window` where one is set."""
+        if (row, window) not in self._visible:
+            _, n, _, start, _ = self.rows[row]
+            self._visible[row, window] = layer_attention.chain_visible(start, n, window, self.device)
+        return self._visible[row, window]
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, attention: layer_attention.LayerAttention) -> torch.Tensor:
         outputs = []
@@ -124,15 +131,15 @@ class _PackedStep:
             k_cache, v_cache = seq.k[layer], seq.v[layer]
             k_cache[:, start:start + n] = key[0, :, offset:offset + n]
             v_cache[:, start:start + n] = value[0, :, offset:offset + n]
-            if (window is not None and start + n > window) or not attention.fused:
-                if (row, window) not in self._visible:
-                    self._visible[row, window] = layer_attention.chain_visible(start, n, window, self.device)
-                mask = self._visible[row, window]
+            bound = layer_attention.binding(window, start + n)
             if not attention.fused:
                 outputs.append(layer_attention.attend(
                     query[:, :, offset:offset + n], k_cache[None, :, :start + n], v_cache[None, :, :start + n],
-                    mask, scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
+                    self._visible_mask(row, bound), scaling if scaling is not None else query.shape[-1] ** -0.5,
+                    attention))
                 continue
+            if bound is not None:
+                mask = self._visible_mask(row, bound)
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[None, :, :start + n], v_cache[None, :, :start + n],
                 attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
@@ -379,9 +386,9 @@ class ModelDrafter(Drafter):
             return None
         assert self._model is not None
         layers, kv_heads, k_dim, v_dim = self._kv_shape
-        like = {"dtype": self._model.dtype, "device": self._model.device}
-        seq = _Sequence(torch.zeros(layers, kv_heads, capacity, k_dim, **like),
-                        torch.zeros(layers, kv_heads, capacity, v_dim, **like))
+        dtype, device = self._model.dtype, self._model.device
+        seq = _Sequence(torch.zeros(layers, kv_heads, capacity, k_dim, dtype=dtype, device=device),
+                        torch.zeros(layers, kv_heads, capacity, v_dim, dtype=dtype, device=device))
         self._used_bytes += capacity * self._bytes_per_token
         self._sequences[key] = seq
         return seq

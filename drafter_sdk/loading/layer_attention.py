@@ -74,6 +74,20 @@ def from_kwargs(kwargs: Mapping[str, object]) -> LayerAttention:
                           sinks if isinstance(sinks, torch.Tensor) else None)
 
 
+def binding(window: int | None, end: int) -> int | None:
+    """`window` where it hides some keys from some queries of a row whose last position is end - 1; None
+    where it hides none (then the causal mask alone is the row's)."""
+    return window if window is not None and end > window else None
+
+
+def key_positions(start: int, queries: torch.Tensor, length: int) -> torch.Tensor:
+    """[length]: the positions of a slot's first `length` keys, their indices but for the row's new
+    tokens from `start`, which sit at their queries' positions (a token tree's nodes at their depth)."""
+    keys = torch.arange(length, device=queries.device)
+    keys[start:start + len(queries)] = queries[:length - start]
+    return keys
+
+
 def chain_visible(start: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[n, start + n] bool: which keys the n queries of a row at positions start.. see (causal, and within
     `window` where one is set)."""

@@ -90,8 +90,7 @@ def query_blocks(start: int, n: int, tree: torch.Tensor | None, capacity: int, d
             visible[:, :width] = tree[first:last, :width]
         if windowed is not None:
             window, positions = windowed
-            keys = torch.arange(length, device=device)
-            keys[start:start + n] = positions[:length - start]  # a tree's nodes sit at their depth
+            keys = layer_attention.key_positions(start, positions, length)
             visible = visible & layer_attention.in_window(positions[first:last], keys, window)
         if last - first == 1:  # one query alone would take another kernel: computed twice
             visible = visible.expand(2, -1)

@@ -26,7 +26,7 @@ class KVCacheShape:
     head_dim: int
     num_slots: int
     capacity: int  # tokens per slot
-    v_head_dim: int | None = None  # where values are narrower than keys; None: head_dim
+    v_head_dim: int | None = None  # the values' head size (narrower than the keys' in latent attention); None: head_dim
 
     @property
     def value_dim(self) -> int:
@@ -43,8 +43,7 @@ class KVCacheShape:
         head_dim, v_head_dim = layer_attention.kv_head_dims(cfg)
         return cls(num_layers=cfg.num_hidden_layers,
                    num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or heads) // tensor_parallel_size,
-                   head_dim=head_dim, num_slots=num_slots, capacity=capacity,
-                   v_head_dim=v_head_dim if v_head_dim != head_dim else None)
+                   head_dim=head_dim, num_slots=num_slots, capacity=capacity, v_head_dim=v_head_dim)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         elements = self.num_layers * self.num_kv_heads * self.capacity * (self.head_dim + self.value_dim)

@@ -25,21 +25,22 @@ def pin_rotary_frequencies(model: PreTrainedModel, max_model_len: int) -> list[s
     for module in model.modules():
         rope_types = getattr(module, "rope_type", None)
         # One rope type, or one per kind of layer (then each its own buffers, prefixed with the kind).
-        kinds = rope_types.items() if isinstance(rope_types, dict) else [(None, rope_types)]
-        for kind, rope_type in list(kinds):
+        kinds: dict[str | None, object] = dict(rope_types) if isinstance(rope_types, dict) else {None: rope_types}
+        for kind, rope_type in kinds.items():
             prefix = f"{kind}_" if kind is not None else ""
             buffer = getattr(module, f"{prefix}inv_freq", None)
             if buffer is None or rope_type != "longrope":
                 continue
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](module.config, buffer.device, seq_len=max_model_len,
-                                                               **({"layer_type": kind} if kind is not None else {}))
+            config = getattr(module, "config")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, buffer.device, seq_len=max_model_len,
+                                                                **({"layer_type": kind} if kind is not None else {}))
             buffer.copy_(inv_freq)
             setattr(module, f"{prefix}attention_scaling", scaling)
-            if kind is None:
-                module.rope_type = PINNED
-            else:
+            if isinstance(rope_types, dict):
                 rope_types[kind] = PINNED
-            parameters = module.config.rope_parameters
+            else:
+                setattr(module, "rope_type", PINNED)
+            parameters = config.rope_parameters
             original = (parameters[kind] if kind is not None else parameters)["original_max_position_embeddings"]
             which = "long" if max_model_len > original else "short"
             pinned.append(f"LongRoPE{f' ({kind})' if kind else ''}: its {which} frequencies for every sequence "

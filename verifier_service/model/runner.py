@@ -93,16 +93,11 @@ class PackedStep:
             offset += n
         self.positions = torch.tensor([positions], device=device)
 
-    def _binding(self, row: int, window: int | None) -> int | None:
-        """The sliding window where it hides some of the row's context from some of its queries."""
-        _, n, _, start, _ = self.rows[row]
-        return window if window is not None and start + n > window else None
-
     def visible(self, row: int, window: int | None) -> torch.Tensor:
         """[n, start + n] bool: which of its slot's keys each of the row's n queries sees."""
         if (row, window) not in self._visible:
             offset, n, _, start, mask = self.rows[row]
-            binding = self._binding(row, window)
+            binding = layer_attention.binding(window, start + n)
             if mask is None:  # causal, left to SDPA
                 visible = layer_attention.chain_visible(start, n, binding, self.device)
             elif binding is None:
@@ -110,14 +105,14 @@ class PackedStep:
             else:  # by position: a tree's node sits at its depth, not at its K/V index
                 queries = self.positions[0, offset:offset + n]
                 visible = mask & layer_attention.in_window(
-                    queries, torch.cat([torch.arange(start, device=self.device), queries]), binding)
+                    queries, layer_attention.key_positions(start, queries, start + n), binding)
             self._visible[row, window] = visible
         return self._visible[row, window]
 
     def query_blocks(self, row: int, window: int | None) -> list[invariant_attention.QueryBlock]:
         if (row, window) not in self._query_blocks:
             offset, n, _, start, mask = self.rows[row]
-            binding = self._binding(row, window)
+            binding = layer_attention.binding(window, start + n)
             windowed = (binding, self.positions[0, offset:offset + n]) if binding is not None else None
             self._query_blocks[row, window] = invariant_attention.query_blocks(
                 start, n, mask, self.cache.shape.capacity, self.device, windowed)
@@ -144,7 +139,7 @@ class PackedStep:
                     v_cache[slot:slot + 1, :, :start + n], self.visible(i, window),
                     scaling if scaling is not None else query.shape[-1] ** -0.5, attention))
                 continue
-            if window is not None and start + n > window:  # the window hides some of the row's keys
+            if layer_attention.binding(window, start + n) is not None:
                 mask = self.visible(i, window)
             outputs.append(F.scaled_dot_product_attention(
                 query[:, :, offset:offset + n], k_cache[slot:slot + 1, :, :start + n],
