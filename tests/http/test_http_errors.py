@@ -32,6 +32,13 @@ BAD = [
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard'"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    # An image (or audio, or a file) for a model that reads text: one problem, named by its part's path.
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe:"}, {
+        "type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400,
+     "messages.0.content.1: 'image_url' parts are not served here: the model reads text only (text parts)"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content.0.text: Field required"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content: neither a text nor a list"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),
     (CHAT, {"messages": MSG, "temperature": 1e300}, 400, "temperature"),
@@ -124,7 +131,10 @@ BAD = [
     (RESPONSES, {"input": "x " * 2000}, 400, "context"),
     (RESPONSES, {"input": "hi", "temperature": float("nan")}, 400, "temperature"),
     (RESPONSES, {"input": [{"role": "wizard", "content": "hi"}]}, 400, "input.0.message.role"),
-    (RESPONSES, {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "web_search"}]}, 400,
+     "tools.0: 'web_search' tools are not served here: only function tools, which the model calls"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, 400,
+     "tools.0: 'custom' tools are not served here"),
     (RESPONSES, {"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     (RESPONSES, {"input": "hi", "reasoning": {"context": "all_turns"}}, 400,
      'reasoning.context: not supported by this server (leave it out or send "auto")'),
@@ -146,6 +156,7 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
                     assert r.status_code == status, (body, r.text)
                     error = r.json()["error"]
                     assert words in error["message"], (body, error)
+                    assert "more problems" not in error["message"], (body, error)  # one mistake, one problem
                     assert set(error) == {"message", "type", "param", "code"}
                 r = await http.get(CHAT)
                 assert r.status_code == 405 and "error" in r.json()

@@ -155,7 +155,10 @@ def test_tool_use_blocks_and_their_results_come_back() -> None:
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 4, "messages": []}, 400, "invalid_request_error", "messages"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "invalid_request_error", "only text is served"),
+     "invalid_request_error", "messages.0.content.0: a content block is text, tool_use, tool_result, thinking or "
+     "redacted_thinking (only text is served here)"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "system": 5}, 400, "invalid_request_error",
+     "system: neither a text nor a list"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}}, 400,
      "invalid_request_error", 'thinking: budget_tokens goes with "type": "enabled", and only with it'),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"},
@@ -179,6 +182,7 @@ def test_mistakes_are_anthropic_error_objects(body: dict, status: int, kind: str
             assert answer.status_code == status, answer.text
             assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == kind
             assert words in answer.json()["error"]["message"], answer.json()
+            assert "more problems" not in answer.json()["error"]["message"]  # one mistake, one problem
 
     asyncio.run(main())
 

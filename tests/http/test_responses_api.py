@@ -323,7 +323,10 @@ def test_truncation_auto_leaves_out_the_fewest_earliest_turns_that_make_it_fit()
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0", "function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
-     "input.0.message.content.0.type", "input_text"),
+     "input.0.message.content.0", "'input_image' parts are not served here: the model reads text only"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]}, 400,
+     "input.0.function_call_output.output.0", "'input_file' parts are not served here"),
+    ({"input": 7}, 400, "input", "neither a text nor a list"),
     ({"input": "hi", "conversation": "conv_1"}, 404, "conversation", "no conversation"),
     ({"input": "hi", "conversation": {"id": "conv_1"}, "previous_response_id": "resp_1"}, 400, "conversation",
      "not both"),

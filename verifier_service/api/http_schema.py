@@ -19,9 +19,9 @@ A per-request speculation override rides in `speculation: {disable, max_draft_le
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
@@ -55,6 +55,8 @@ UNSUPPORTED_IN_TOKENIZE = CHAT_RENDERING
 # vLLM's structured_outputs options that llguidance's constraints here do not take.
 UNSUPPORTED_IN_STRUCTURED_OUTPUTS = {"structural_tag": None, "whitespace_pattern": None,
                                      "disable_additional_properties": False}
+# What a tool of another type than "function" (a hosted tool: web search, file search, MCP) is told.
+FUNCTIONS_ONLY = "only function tools, which the model calls and the client runs"
 
 
 class RequestBody(BaseModel):
@@ -123,9 +125,38 @@ class StructuredOutputs(RequestBody):
     _check_unsupported = refused_unless_neutral(UNSUPPORTED_IN_STRUCTURED_OUTPUTS)
 
 
+def served_types(value: Any, served: tuple[str, ...], noun: str, instead: str) -> Any:
+    """`value` (a dict, before its fields are read), refused by its `type` where that is not one of `served`:
+    an image sent to a model that reads text, or a hosted tool, is named as such (with `instead`, what is
+    served), rather than as a `type` that is not 'text' and the fields a text part would have."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind not in served:
+        raise PydanticCustomError("not_served", "'{kind}' {noun} are not served here: {instead}",
+                                  {"kind": kind, "noun": noun, "instead": instead})
+    return value
+
+
+def _str_or_list(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+Part = TypeVar("Part")
+# A field that is a text or a list (of content parts, blocks, items), read as the one its JSON is: a mistake
+# inside the list is named by its path alone, not also as a field that is not a text (from_validation leaves
+# the tags out of the path, as it does type names).
+TextOrList = Annotated[Annotated[str, Tag("str")] | Annotated[list[Part], Tag("list")],
+                       Discriminator(_str_or_list, custom_error_type="text_or_list",
+                                     custom_error_message="neither a text nor a list")]
+
+
 class TextPart(RequestBody):
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        return served_types(part, ("text",), "parts", "the model reads text only (text parts)")
 
 
 def text_of(content: str | list[TextPart] | None) -> str:
@@ -140,7 +171,7 @@ class PredictedOutput(RequestBody):
     drafts from (GenerationParams.prediction)."""
 
     type: Literal["content"]
-    content: str | list[TextPart]
+    content: TextOrList[TextPart]
 
     @property
     def text(self) -> str:
@@ -413,7 +444,7 @@ class ToolCallMessage(RequestBody):
 
 class ChatMessage(RequestBody):
     role: str
-    content: str | list[TextPart] | None = None
+    content: TextOrList[TextPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's result
     # An assistant's earlier thinking, sent back (vLLM's `reasoning`; its older name `reasoning_content`).
@@ -443,6 +474,11 @@ class FunctionTool(RequestBody):
 class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionTool
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: Any) -> Any:
+        return served_types(tool, ("function",), "tools", FUNCTIONS_ONLY)
 
 
 class NamedFunction(RequestBody):
@@ -517,10 +553,25 @@ class ChatCompletionRequest(GenerationBody):
         return tool_calls.plan([t.model_dump() for t in self.tools or []], choice, self.parallel_tool_calls, parser)
 
 
+def _prompt_kind(prompt: Any) -> str | None:
+    """Which of a completion's prompt shapes its JSON is, told by its first item; None: none (an empty list)."""
+    if isinstance(prompt, str):
+        return "str"
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    return {str: "list[str]", list: "list[list[int]]"}.get(type(prompt[0]), "list[int]")
+
+
 class CompletionRequest(GenerationBody):
     # Text, token ids, or a batch of either (OpenAI's and vLLM's); each prompt is answered as if sent alone.
-    prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    # Read as the shape its JSON is, so that a mistake is one problem, named by its path (tags are type names,
+    # which from_validation leaves out of it).
+    prompt: Annotated[
+        Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list[int]")]
+        | Annotated[list[str], Tag("list[str]")]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Tag("list[list[int]]")],
+        Discriminator(_prompt_kind, custom_error_type="prompt", custom_error_message=(
+            "a prompt is a text, token ids, or a list of texts or of token-id lists, none of them empty"))]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=0, le=UINT32)  # 0, with echo: the prompt alone (vLLM's)
     # The prompt before each choice's text; with logprobs, its tokens' log-probabilities too (the first

@@ -46,6 +46,7 @@ from verifier_service.api.http_schema import (
     JsonSchemaFormat,
     RequestBody,
     ResponseFormat,
+    TextOrList,
     Tool,
     ToolCallMessage,
     chat_messages,
@@ -73,7 +74,7 @@ class ToolUseBlock(RequestBody):
 class ToolResultBlock(RequestBody):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: list[TextBlock] | str = ""  # (is_error has no place in a chat template: the text says it)
+    content: TextOrList[TextBlock] = ""  # (is_error has no place in a chat template: the text says it)
 
     @property
     def text(self) -> str:
@@ -133,7 +134,7 @@ Block = Annotated[
 
 class AnthropicMessage(RequestBody):
     role: Literal["user", "assistant"]
-    content: list[Block] | str  # the list first: a mistake in a block is named by its path
+    content: TextOrList[Block]
 
     @model_validator(mode="after")
     def _thought_by_the_assistant(self) -> AnthropicMessage:
@@ -188,7 +189,7 @@ class AnthropicToolChoice(RequestBody):
 
 class MessagesRequest(GenerationBody):
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: list[TextBlock] | str | None = None
+    system: TextOrList[TextBlock] | None = None
     max_tokens: int = Field(ge=1, le=INT32)  # required, as Anthropic's
     stop_sequences: list[str] | None = None
     tools: list[AnthropicTool] | None = None

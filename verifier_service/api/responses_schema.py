@@ -39,12 +39,14 @@ from pydantic import (
     TypeAdapter,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api import tool_calls
 from verifier_service.api.http_schema import (
+    FUNCTIONS_ONLY,
     INT32,
     CalledFunction,
     ChatMessage,
@@ -52,10 +54,12 @@ from verifier_service.api.http_schema import (
     JsonSchemaFormat,
     RequestBody,
     ResponseFormat,
+    TextOrList,
     Tool,
     ToolCallMessage,
     chat_messages,
     refused_unless_neutral,
+    served_types,
 )
 from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables
 from verifier_service.api.request_parsing import MAX_LOGPROBS
@@ -79,12 +83,18 @@ class ContentPart(RequestBody):
     text: str = ""
     refusal: str = ""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        return served_types(part, ("input_text", "output_text", "refusal"), "parts",
+                            "the model reads text only (input_text, output_text and refusal parts)")
+
 
 class MessageItem(RequestBody):
     type: Literal["message"] = "message"  # OpenAI's "easy" message leaves the type out
     id: str | None = None  # an item sent back from an earlier response keeps its id
     role: Literal["user", "assistant", "system", "developer"]
-    content: list[ContentPart] | str  # the list first, as for `input`
+    content: TextOrList[ContentPart]
 
     @property
     def text(self) -> str:
@@ -141,7 +151,7 @@ class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str
-    output: list[ContentPart] | str
+    output: TextOrList[ContentPart]
 
     @property
     def text(self) -> str:
@@ -238,6 +248,11 @@ class ResponsesTool(RequestBody):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: Any) -> Any:
+        return served_types(tool, ("function",), "tools", FUNCTIONS_ONLY)
+
     def chat(self) -> dict[str, Any]:
         """The tool as chat completions write it."""
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
@@ -281,7 +296,7 @@ class TextConfig(RequestBody):
 
 
 class ResponsesRequest(GenerationBody):
-    input: list[InputItem] | str  # the list first: a mistake in an item is named by its path
+    input: TextOrList[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32)
     tools: list[ResponsesTool] | None = None
@@ -400,4 +415,4 @@ class InputTokensRequest(ResponsesRequest):
     """POST /v1/responses/input_tokens: a response's request, counted and not run. Its `input` may be left
     out, where `previous_response_id` or `instructions` hold the whole chat."""
 
-    input: list[InputItem] | str = Field(default_factory=list)
+    input: TextOrList[InputItem] = Field(default_factory=list)
