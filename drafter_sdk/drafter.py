@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,9 @@ TOKEN_TYPECODE = "i"  # the `array` type of DraftRequest.tokens: int32, as token
 
 Key = tuple[str, str]
 """(verifier_id, request_id): request ids are only unique within one verifier."""
+
+Drafts = Sequence[Sequence[int] | DraftTree]
+"""What `Drafter.prepare_draft_tokens` returns: one draft per request, in the requests' order."""
 
 LEARNS_FROM_FINISHED = "learns-from-finished"
 """A capability tag (put it in `Drafter.capabilities`): before releasing a finished request, the
@@ -100,6 +104,12 @@ class Drafter(ABC):
     `*_learned` hooks) runs one call at a time, so drafter state needs no locks: in one
     dedicated worker thread, or, for a `runs_inline` drafter once it has loaded, on the
     server's event loop. (`register_metrics` runs once, before any of them.)
+
+    `prepare_draft_tokens` (and `load`) may be `async def`, for a drafter that awaits other services
+    through asyncio clients (a retrieval index, a remote model): the server awaits it on its event loop,
+    where the drafter's other hooks then run too (keep them quick, as a `runs_inline` drafter's). Calls
+    still run one at a time, each from its deltas to its answer, so state still needs no locks; health
+    checks are answered while a call awaits.
     """
 
     name: str  # defaults to the class name, see __init_subclass__
@@ -122,13 +132,21 @@ class Drafter(ABC):
         if "name" not in cls.__dict__:
             cls.name = cls.__name__
 
-    def load(self) -> None:
-        """Heavy initialisation (weights, indexes). Health reports NOT_SERVING until it returns."""
+    @property
+    def is_async(self) -> bool:
+        """Whether `prepare_draft_tokens` is `async def`: the server then awaits it on its event loop."""
+        return inspect.iscoroutinefunction(self.prepare_draft_tokens)
+
+    def load(self) -> Awaitable[None] | None:
+        """Heavy initialisation (weights, indexes, clients). Health reports NOT_SERVING until it returns.
+        May be `async def` (awaited on the server's event loop)."""
+        return None
 
     @abstractmethod
-    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> Sequence[Sequence[int] | DraftTree]:
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> Drafts | Awaitable[Drafts]:
         """Return one draft per request, in the same order: a sequence of token ids (a chain: a list,
-        or a slice of `tokens`), or, where `max_draft_nodes` allows, a `DraftTree`.
+        or a slice of `tokens`), or, where `max_draft_nodes` allows, a `DraftTree`. May be `async def`
+        (see the class's docstring).
 
         Drafts longer than a request's `draft_len` (or the drafter's
         `max_draft_len`) are trimmed by the SDK, trees to `max_draft_nodes`

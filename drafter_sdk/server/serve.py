@@ -104,7 +104,7 @@ class RunningDrafter:
         name = self.servicer.drafter.name
         restore = self._restore if self.peers is not None or self.learned is not None else None
         try:
-            await self.servicer.run_in_worker(self.servicer.load, restore)
+            await self.servicer.load_async(restore)
         except Exception as exc:
             # A drafter that cannot load can never serve: stop rather than linger NOT_SERVING.
             log.exception("%s.load() failed", name)

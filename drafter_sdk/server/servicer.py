@@ -6,21 +6,29 @@ exactly the code a remote one runs. Those methods are not thread-safe: call
 them from one thread at a time. `run` does so: on a single dedicated worker
 thread, which keeps slow user code off the event loop that answers health
 checks, or, for a loaded drafter that `runs_inline`, on the event loop itself,
-which saves the thread hop each way. `load` always runs on the worker, and no
+which saves the thread hop each way. `load` runs on the worker, and no
 drafter code runs on the worker once an inline drafter has loaded.
+
+An async drafter (`async def prepare_draft_tokens`) is served by `prepare_async`
+and `load_async` on the event loop, where its other hooks run too, each call
+in its turn (an asyncio lock held from a call's deltas to its answer, and by
+`run`), so that its calls still run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import itertools
 import logging
 import operator
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -70,14 +78,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._release_takes_reason = _takes_reason(drafter)
         self._finished: OrderedDict[Key, None] = OrderedDict()  # RECENT_FINISHED_KEYS, oldest first
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        # An async drafter's code runs on the event loop, one call at a time from its deltas to its answer
+        # (`run`): a call awaiting the drafter holds the turn.
+        self._async = drafter.is_async
+        self._turn = asyncio.Lock()
         self._draining = asyncio.Event()  # the server stops: draft streams end (`drain`)
 
     # --- synchronous core (also the in-process API) ---
 
     def load(self, then: Callable[[], None] | None = None) -> None:
         """Run the drafter's `load()`, then `then` (a learned state's restore, learned_state.py); calls
-        are refused with UNAVAILABLE until both returned."""
-        self.drafter.load()
+        are refused with UNAVAILABLE until both returned. An `async def load()` is the server's to await
+        (`load_async`)."""
+        loading = self.drafter.load()
+        if isinstance(loading, Awaitable):
+            _close(loading)
+            raise TypeError(f"{self.drafter.name}.load is async: only the SDK's server (load_async) awaits it")
         if then is not None:
             then()
         self.loaded = True
@@ -134,8 +150,39 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
         Raises DrafterError: INVALID_ARGUMENT for a malformed request (no state
         is touched then), INTERNAL when the drafter's code fails or answers
-        nonsense, UNAVAILABLE before `load()` finished.
+        nonsense (an async drafter too: only `prepare_async` awaits it),
+        UNAVAILABLE before `load()` finished.
         """
+        call = self._synced(request, caller)
+        try:
+            with self._drafter_code("prepare_draft_tokens"):
+                drafts = self.drafter.prepare_draft_tokens(call.batch) if call.batch else []
+            if isinstance(drafts, Awaitable):
+                _close(drafts)
+                raise DrafterError(grpc.StatusCode.INTERNAL, f"{self.drafter.name} is an async drafter: only "
+                                                             "the SDK's server (prepare_async) awaits it")
+            return call.answer(self._checked_drafts(call.batch, drafts))
+        finally:  # the deltas are applied even when the drafter fails: the budget holds either way
+            self._enforce_budget([req.key for req in call.batch])
+
+    async def prepare_async(self, request: drafter_pb2.PrepareDraftTokensRequest,
+                            caller: str = "") -> drafter_pb2.PrepareDraftTokensResponse:
+        """`prepare` for an async drafter, on the event loop: its `prepare_draft_tokens` awaited. The
+        caller holds the drafter's turn (`run`) from the deltas to the answer."""
+        call = self._synced(request, caller)
+        try:
+            drafts: Any = []
+            if call.batch:
+                with self._drafter_code("prepare_draft_tokens"):
+                    drafts = self.drafter.prepare_draft_tokens(call.batch)
+                    if isinstance(drafts, Awaitable):
+                        drafts = await drafts
+            return call.answer(self._checked_drafts(call.batch, drafts))
+        finally:
+            self._enforce_budget([req.key for req in call.batch])
+
+    def _synced(self, request: drafter_pb2.PrepareDraftTokensRequest, caller: str) -> _Call:
+        """The call's deltas applied: its answers so far, and the requests to draft for."""
         self._require_loaded()
         self._validate(request)
         verifier_id = namespace(request.verifier_id, caller)
@@ -163,14 +210,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
                 sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k),
                 max_draft_nodes=seq.max_draft_nodes))
-        try:
-            drafts = self._draft(batch)
-        finally:  # the deltas are applied even when the drafter fails: the budget holds either way
-            self._enforce_budget([req.key for req in batch])
-        for slot, req, (draft, parents) in zip(slots, batch, drafts):
-            results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft,
-                                                    draft_parents=parents)
-        return drafter_pb2.PrepareDraftTokensResponse(results=results)
+        return _Call(results, batch, slots)
 
     def release(self, request: drafter_pb2.ReleaseRequestsRequest,
                 caller: str = "") -> drafter_pb2.ReleaseRequestsResponse:
@@ -228,7 +268,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def PrepareDraftTokens(self, request: drafter_pb2.PrepareDraftTokensRequest,
                                  context: grpc.aio.ServicerContext) -> drafter_pb2.PrepareDraftTokensResponse:
-        response = await self._handle("PrepareDraftTokens", self.prepare, request, context)
+        response = await self._handle("PrepareDraftTokens", self._prepare, request, context)
         if self.metrics is not None:
             self.metrics.record_drafts(response)
         return response
@@ -259,21 +299,36 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def ReleaseRequests(self, request: drafter_pb2.ReleaseRequestsRequest,
                               context: grpc.aio.ServicerContext) -> drafter_pb2.ReleaseRequestsResponse:
-        return await self._handle("ReleaseRequests", self.release, request, context)
+        return await self._handle("ReleaseRequests", functools.partial(self.run, self.release), request, context)
 
     async def GetLearnedState(self, request: drafter_pb2.GetLearnedStateRequest,
                               context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.GetLearnedStateResponse]:
         """What the drafter learned (`learned_state`), in pieces, for a peer replica that starts."""
-        data = await self._handle("GetLearnedState", self.learned_state, request, context)
+        data = await self._handle("GetLearnedState", functools.partial(self.run, self.learned_state), request,
+                                  context)
         for piece in pieces(data):
             yield drafter_pb2.GetLearnedStateResponse(chunk=piece)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run drafter code `fn` (not `load`): inline for a loaded drafter that `runs_inline`,
-        else on the worker thread."""
+        """Run drafter code `fn` (not `load`): inline for a loaded drafter that `runs_inline`, and for a
+        loaded async drafter in its turn (no call of it awaiting meanwhile); else on the worker thread."""
+        if self.loaded and self._async:
+            async with self._turn:
+                return fn(*args)
         if self.loaded and self.drafter.runs_inline:
             return fn(*args)
         return await self.run_in_worker(fn, *args)
+
+    async def load_async(self, then: Callable[[], None] | None = None) -> None:
+        """`load` as the server runs it: an `async def load()` awaited on the event loop, any other on the
+        worker thread; `then` (a learned state's restore) on the worker thread after it."""
+        if not inspect.iscoroutinefunction(self.drafter.load):
+            await self.run_in_worker(self.load, then)
+            return
+        await self.drafter.load()
+        if then is not None:
+            await self.run_in_worker(then)
+        self.loaded = True
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the drafter's worker thread, after whatever is queued there."""
@@ -285,14 +340,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # --- helpers ---
 
-    async def _handle(self, name: str, method: Callable[[Any, str], T], request: Any,
+    async def _prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
+                       caller: str) -> drafter_pb2.PrepareDraftTokensResponse:
+        if not self._async:
+            return await self.run(self.prepare, request, caller)
+        async with self._turn:
+            return await self.prepare_async(request, caller)
+
+    async def _handle(self, name: str, method: Callable[[Any, str], Awaitable[T]], request: Any,
                       context: grpc.aio.ServicerContext) -> T:
         start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
         try:
             # Checked here too so calls during a long load() fail fast instead of queueing behind it.
             self._require_loaded()
             caller = self._identify(context) if self._identify is not None else ""
-            response = await self.run(method, request, caller)
+            response = await method(request, caller)
             code = grpc.StatusCode.OK
             return response
         except DrafterError as err:
@@ -335,17 +397,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 raise invalid(f"request {rid!r}: prompt_len {seq.prompt_len} exceeds the context length "
                               f"{seq.context_len + len(seq.new_tokens)}")
 
-    def _draft(self, batch: list[DraftRequest]) -> list[tuple[list[int], list[int]]]:
-        """Call the user's drafter and return its drafts trimmed and checked, as (tokens, parents);
-        parents are empty for a chain."""
-        if not batch:
-            return []
+    @contextlib.contextmanager
+    def _drafter_code(self, hook: str) -> Iterator[None]:
+        """The drafter's `hook` failing (a bug in it) is INTERNAL, logged whole."""
         try:
-            drafts = self.drafter.prepare_draft_tokens(batch)
+            yield
         except Exception as exc:
-            log.exception("%s.prepare_draft_tokens failed", type(self.drafter).__name__)
-            raise DrafterError(grpc.StatusCode.INTERNAL,
-                               f"prepare_draft_tokens raised {type(exc).__name__}: {exc}") from exc
+            log.exception("%s.%s failed", type(self.drafter).__name__, hook)
+            raise DrafterError(grpc.StatusCode.INTERNAL, f"{hook} raised {type(exc).__name__}: {exc}") from exc
+
+    def _checked_drafts(self, batch: list[DraftRequest], drafts: Any) -> list[tuple[list[int], list[int]]]:
+        """The drafter's answer to `batch`, trimmed and checked, as (tokens, parents) per request; parents
+        are empty for a chain."""
         count = len(drafts) if hasattr(drafts, "__len__") else f"a {type(drafts).__name__}, not a list of"
         if count != len(batch):
             details = f"prepare_draft_tokens returned {count} drafts for {len(batch)} requests"
@@ -424,6 +487,27 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except Exception:
             # The SDK's state is gone either way; a failing cleanup must not fail the call.
             log.exception("%s.on_release(%r) failed", type(self.drafter).__name__, key)
+
+
+@dataclass
+class _Call:
+    """A PrepareDraftTokens call with its deltas applied, waiting for its drafts."""
+
+    results: list[drafter_pb2.DraftResult | None]  # one a sequence; None where a draft is to come
+    batch: list[DraftRequest]  # the sequences in sync, to draft for
+    slots: list[int]  # where each of batch's drafts goes in results
+
+    def answer(self, drafts: list[tuple[list[int], list[int]]]) -> drafter_pb2.PrepareDraftTokensResponse:
+        for slot, req, (draft, parents) in zip(self.slots, self.batch, drafts):
+            self.results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft,
+                                                         draft_parents=parents)
+        return drafter_pb2.PrepareDraftTokensResponse(results=self.results)
+
+
+def _close(awaitable: Awaitable[Any]) -> None:
+    """Drop an awaitable that will never be awaited (a coroutine would warn that it was not)."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()
 
 
 async def _until(stop: asyncio.Future[Any], items: AsyncIterator[T]) -> AsyncIterator[T]:

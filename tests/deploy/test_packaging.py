@@ -88,6 +88,7 @@ def test_the_wheel_alone_imports_and_reads_its_data(wheel: Path, tmp_path: Path)
 
 # The rest of the public API, as a drafter author types it: trees and chains, the hooks, serve's options.
 TYPED_DRAFTER = """
+import asyncio
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter
@@ -137,9 +138,20 @@ class Slow(NgramDrafter):
         return super().prepare_draft_tokens(requests)
 
 
+class Fetching(Drafter):  # awaits another service, through an asyncio client
+
+    async def load(self) -> None:
+        await asyncio.sleep(0)
+
+    async def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        await asyncio.sleep(0)
+        return [list(r.tokens[-r.draft_len:]) if r.draft_len else [] for r in requests]
+
+
 if __name__ == "__main__":
     serve(Branching(), port=0, port_file="port", max_state_mib=64.0)
     serve(Slow(max_draft_len=4))
+    serve(Fetching())
 """
 
 

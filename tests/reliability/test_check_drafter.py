@@ -1,7 +1,8 @@
 """`splitspec check-drafter`, a real process, against real drafter services: the SDK's n-gram drafter passes
-every check, its bearer token included; a raw gRPC drafter that breaks the protocol on the wire
-(faulty_drafter_server.py) fails exactly the checks its fault breaks, each saying what was expected and what
-came, with exit status 1. (The Node.js example is checked in tests/examples/test_node_drafter.py.)"""
+every check, its bearer token included, and so does it served as an async drafter; a raw gRPC drafter that
+breaks the protocol on the wire (faulty_drafter_server.py) fails exactly the checks its fault breaks, each
+saying what was expected and what came, with exit status 1. (The Node.js example is checked in
+tests/examples/test_node_drafter.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from reliability_support import WAIT_S, RawFaultyDrafter
 
+from drafter_sdk.drafter import DraftRequest, Drafts
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.server.serve import start_server
 
@@ -31,12 +33,25 @@ def outcomes(printed: str) -> dict[str, str]:
     return {name: outcome for outcome, name in re.findall(r"^(PASS|FAIL|SKIP)  (\S+)", printed, re.MULTILINE)}
 
 
-def test_the_sdk_drafter_passes_every_check(tmp_path: Path) -> None:
+class AsyncNgram(NgramDrafter):
+    """The n-gram drafter, loaded and answering as an async drafter (awaited on the server's event loop)."""
+
+    async def load(self) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().load()
+
+    async def prepare_draft_tokens(self, requests: list[DraftRequest]) -> Drafts:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return super().prepare_draft_tokens(requests)
+
+
+@pytest.mark.parametrize("drafter", [NgramDrafter, AsyncNgram])
+def test_the_sdk_drafter_passes_every_check(tmp_path: Path, drafter: type[NgramDrafter]) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
 
     async def main() -> None:
-        running = await start_server(NgramDrafter(), host="127.0.0.1", port=0, grace_period_s=0.0,
+        running = await start_server(drafter(), host="127.0.0.1", port=0, grace_period_s=0.0,
                                      auth_token="s3cret")
         try:
             await running.wait_loaded()
