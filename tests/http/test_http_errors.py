@@ -35,9 +35,10 @@ BAD = [
     # An image (or audio, or a file) for a model that reads text: one problem, named by its part's path.
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe:"}, {
         "type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400,
-     "messages.0.content.1: 'image_url' parts are not served here: the model reads text only (text parts)"),
+     "messages.0.content.1: 'image_url' parts are not served here: the model reads text only (text, input_text, "
+     "output_text and refusal parts)"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
-     "messages.0.content.0.text: Field required"),
+     "messages.0.content.0: a text part holds its text"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content: neither a text nor a list"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),

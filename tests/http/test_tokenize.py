@@ -228,3 +228,38 @@ def test_chat_template_kwargs_reach_the_template_on_every_front(capsys: pytest.C
             assert r.status_code == 400 and "chat template refused these messages: start with the user" in r.text
 
     asyncio.run(main())
+
+
+def test_a_message_sent_in_parts_is_its_parts_joined_by_newlines_as_vllm_joins_them() -> None:
+    """vLLM (and TensorRT-LLM) join a message's text parts with a newline, an assistant's refusal among them;
+    so do chat completions, Responses and Anthropic's Messages API here: a chat sent in parts renders the
+    prompt it renders there."""
+    joined = [{"role": "user", "content": "Name three primes.\nBe brief."},
+              {"role": "assistant", "content": "No.\nI will not."}, {"role": "user", "content": "Why?"}]
+    asked = [{"type": "text", "text": "Name three primes."}, {"type": "input_text", "text": "Be brief."}]
+    refused = [{"type": "output_text", "text": "No."}, {"type": "refusal", "refusal": "I will not."}]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            want = (await http.post("/tokenize", json={"messages": joined})).json()["tokens"]
+            parts = [{"role": "user", "content": asked}, {"role": "assistant", "content": refused}, joined[2]]
+            assert (await http.post("/tokenize", json={"messages": parts})).json()["tokens"] == want
+            items = [{"role": "user", "content": [{**asked[0], "type": "input_text"}, asked[1]]},
+                     {"role": "assistant", "content": refused}, {"role": "user", "content": "Why?"}]
+            counted = await http.post("/v1/responses/input_tokens", json={"model": "tiny", "input": items})
+            assert counted.json()["input_tokens"] == len(want), counted.text
+            # Anthropic's blocks: the empty ones left out, as vLLM's Messages API leaves them.
+            blocks = [{"role": "user", "content": [{"type": "text", "text": "Name three primes."},
+                                                   {"type": "text", "text": ""},
+                                                   {"type": "text", "text": "Be brief."}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "No."},
+                                                        {"type": "text", "text": "I will not."}]},
+                      {"role": "user", "content": "Why?"}]
+            counted = await http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": blocks})
+            assert counted.json()["input_tokens"] == len(want), counted.text
+            # One text, or the same text in one part: the same ids.
+            one = [{"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+            assert ((await http.post("/tokenize", json={"messages": one})).json()["tokens"]
+                    == (await http.post("/tokenize", json={"messages": joined[2:]})).json()["tokens"])
+
+    asyncio.run(main())

@@ -150,19 +150,40 @@ TextOrList = Annotated[Annotated[str, Tag("str")] | Annotated[list[Part], Tag("l
 
 
 class TextPart(RequestBody):
-    type: Literal["text"]
-    text: str
+    """A content part the model reads: OpenAI's text, and, as vLLM reads them in a chat, the Responses API's
+    input_text and output_text and an assistant's refusal sent back (its `refusal` is its text)."""
+
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, part: Any) -> Any:
-        return served_types(part, ("text",), "parts", "the model reads text only (text parts)")
+        return served_types(part, ("text", "input_text", "output_text", "refusal"), "parts",
+                            "the model reads text only (text, input_text, output_text and refusal parts)")
+
+    @model_validator(mode="after")
+    def _holds_its_text(self) -> TextPart:
+        if self.value is None:
+            raise PydanticCustomError("missing", "a {kind} part holds its {field}", {
+                "kind": self.type, "field": "refusal" if self.type == "refusal" else "text"})
+        return self
+
+    @property
+    def value(self) -> str | None:
+        return self.refusal if self.type == "refusal" else self.text
 
 
-def text_of(content: str | list[TextPart] | None) -> str:
-    """A message's or a prediction's content as one text: its parts joined."""
+# How a message's text parts (and blocks) join into its one text: with a newline, as vLLM joins them (and
+# TensorRT-LLM), so that a chat sent in parts renders the prompt it renders there.
+PART_SEPARATOR = "\n"
+
+
+def text_of(content: str | list[TextPart] | None, separator: str = PART_SEPARATOR) -> str:
+    """A message's content as one text: its parts joined with `separator`."""
     if isinstance(content, list):
-        return "".join(part.text for part in content)
+        return separator.join(part.value or "" for part in content)
     return content or ""
 
 
@@ -175,7 +196,7 @@ class PredictedOutput(RequestBody):
 
     @property
     def text(self) -> str:
-        return text_of(self.content)
+        return text_of(self.content, "")  # pieces of one text the answer repeats, not a message's parts
 
 
 class GenerationBody(RequestBody):
@@ -559,7 +580,8 @@ def _prompt_kind(prompt: Any) -> str | None:
         return "str"
     if not isinstance(prompt, list) or not prompt:
         return None
-    return {str: "list[str]", list: "list[list[int]]"}.get(type(prompt[0]), "list[int]")
+    first = prompt[0]
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
 
 
 class CompletionRequest(GenerationBody):

@@ -39,6 +39,7 @@ from drafter_sdk.proto import verifier_pb2
 from verifier_service.api import tool_calls
 from verifier_service.api.http_schema import (
     INT32,
+    PART_SEPARATOR,
     UINT32,
     CalledFunction,
     ChatMessage,
@@ -78,7 +79,7 @@ class ToolResultBlock(RequestBody):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return self.content if isinstance(self.content, str) else PART_SEPARATOR.join(b.text for b in self.content)
 
 
 class ThinkingConfig(RequestBody):
@@ -150,7 +151,8 @@ class AnthropicMessage(RequestBody):
         """The chat messages this message stands for: a user's tool results first (as tool messages),
         then its text; an assistant's text with its tool calls and its thinking."""
         blocks = self.blocks
-        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        # Joined as a chat's text parts (vLLM's Messages API passes the non-empty ones on as such).
+        text = PART_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock) and b.text)
         if self.role == "assistant":
             calls = [ToolCallMessage(id=b.id, function=CalledFunction(name=b.name, arguments=json.dumps(b.input)))
                      for b in blocks if isinstance(b, ToolUseBlock)]
@@ -210,7 +212,7 @@ class MessagesRequest(GenerationBody):
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
-        return "".join(b.text for b in self.system)
+        return "".join(b.text for b in self.system)  # one system prompt, as vLLM's Messages API joins it
 
     @property
     def shows_thinking(self) -> bool:

@@ -55,11 +55,13 @@ from verifier_service.api.http_schema import (
     RequestBody,
     ResponseFormat,
     TextOrList,
+    TextPart,
     Tool,
     ToolCallMessage,
     chat_messages,
     refused_unless_neutral,
     served_types,
+    text_of,
 )
 from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables
 from verifier_service.api.request_parsing import MAX_LOGPROBS
@@ -75,32 +77,15 @@ UNSUPPORTED_IN_REASONING = {"context": "auto", "mode": "standard"}
 SummaryKind = Literal["auto", "concise", "detailed"]
 
 
-class ContentPart(RequestBody):
-    """Text, as a message's content part: input_text (what a user, system or developer says), or
-    output_text and refusal (an assistant's, sent back from an earlier response)."""
-
-    type: Literal["input_text", "output_text", "refusal"]
-    text: str = ""
-    refusal: str = ""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, part: Any) -> Any:
-        return served_types(part, ("input_text", "output_text", "refusal"), "parts",
-                            "the model reads text only (input_text, output_text and refusal parts)")
-
-
 class MessageItem(RequestBody):
     type: Literal["message"] = "message"  # OpenAI's "easy" message leaves the type out
     id: str | None = None  # an item sent back from an earlier response keeps its id
     role: Literal["user", "assistant", "system", "developer"]
-    content: TextOrList[ContentPart]
+    content: TextOrList[TextPart]
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text or part.refusal for part in self.content)
+        return text_of(self.content)
 
 
 class FunctionCallItem(RequestBody):
@@ -151,13 +136,11 @@ class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str
-    output: TextOrList[ContentPart]
+    output: TextOrList[TextPart]
 
     @property
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return text_of(self.output)
 
 
 def _item_type(item: Any) -> str | None:
