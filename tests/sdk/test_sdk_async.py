@@ -98,9 +98,11 @@ def test_a_failing_or_cancelled_async_call_costs_that_call_only():
             assert failed.value.code() == grpc.StatusCode.INTERNAL
             assert failed.value.details() == "prepare_draft_tokens raised ValueError: the index is down"
             # A call whose deadline passes while the drafter awaits is cancelled, and gives the turn back.
+            held = asyncio.ensure_future(c.stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(
+                verifier_id="v", sequences=[seq("slow", 0, [1, 2])]), timeout=2.0))
+            await until(lambda: drafter.inside == 1)
             with pytest.raises(grpc.aio.AioRpcError) as late:
-                await c.stub.PrepareDraftTokens(pb.PrepareDraftTokensRequest(
-                    verifier_id="v", sequences=[seq("slow", 0, [1, 2])]), timeout=0.3)
+                await held
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: drafter.inside == 0)
             await still_serving(c)
