@@ -90,10 +90,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """Run the drafter's `load()`, then `then` (a learned state's restore, learned_state.py); calls
         are refused with UNAVAILABLE until both returned. An `async def load()` is the server's to await
         (`load_async`)."""
-        loading = self.drafter.load()
-        if isinstance(loading, Awaitable):
-            _close(loading)
+        if inspect.iscoroutinefunction(self.drafter.load):
             raise TypeError(f"{self.drafter.name}.load is async: only the SDK's server (load_async) awaits it")
+        self.drafter.load()
         if then is not None:
             then()
         self.loaded = True
@@ -155,12 +154,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """
         call = self._synced(request, caller)
         try:
-            with self._drafter_code("prepare_draft_tokens"):
-                drafts = self.drafter.prepare_draft_tokens(call.batch) if call.batch else []
-            if isinstance(drafts, Awaitable):
-                _close(drafts)
-                raise DrafterError(grpc.StatusCode.INTERNAL, f"{self.drafter.name} is an async drafter: only "
-                                                             "the SDK's server (prepare_async) awaits it")
+            drafts: Any = []
+            if call.batch:
+                if self._async:
+                    raise DrafterError(grpc.StatusCode.INTERNAL, f"{self.drafter.name} is an async drafter: only "
+                                                                 "the SDK's server (prepare_async) awaits it")
+                with self._drafter_code("prepare_draft_tokens"):
+                    drafts = self.drafter.prepare_draft_tokens(call.batch)
             return call.answer(self._checked_drafts(call.batch, drafts))
         finally:  # the deltas are applied even when the drafter fails: the budget holds either way
             self._enforce_budget([req.key for req in call.batch])
@@ -502,12 +502,6 @@ class _Call:
             self.results[slot] = drafter_pb2.DraftResult(request_id=req.request_id, status=_OK, draft_tokens=draft,
                                                          draft_parents=parents)
         return drafter_pb2.PrepareDraftTokensResponse(results=self.results)
-
-
-def _close(awaitable: Awaitable[Any]) -> None:
-    """Drop an awaitable that will never be awaited (a coroutine would warn that it was not)."""
-    if inspect.iscoroutine(awaitable):
-        awaitable.close()
 
 
 async def _until(stop: asyncio.Future[Any], items: AsyncIterator[T]) -> AsyncIterator[T]:
