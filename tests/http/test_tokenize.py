@@ -263,3 +263,33 @@ def test_a_message_sent_in_parts_is_its_parts_joined_by_newlines_as_vllm_joins_t
                     == (await http.post("/tokenize", json={"messages": joined[2:]})).json()["tokens"])
 
     asyncio.run(main())
+
+
+def test_a_speakers_name_reaches_the_template_as_vllm_passes_it() -> None:
+    """OpenAI's `name` on a message (a multi-agent chat's speakers) is the template's `name`, over HTTP and gRPC;
+    a template that does not write it renders the same prompt as without it."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("|>{{", "|>{% if m['name'] is defined %}[{{ m['name'] }}] "
+                                                    "{% endif %}{{", 1)
+    assert tokenizer.chat_template != CHAT_TEMPLATE
+    named = [{"role": "user", "content": "Name three primes.", "name": "alice"},
+             {"role": "assistant", "content": "2, 3, 5.", "name": "solver"}, {"role": "user", "content": PROMPT}]
+    rendered = tokenizer.apply_chat_template(named, add_generation_prompt=True, tokenize=False)
+    assert "[alice] Name three primes." in rendered and "[solver] 2, 3, 5." in rendered
+    expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    unnamed = [{k: v for k, v in m.items() if k != "name"} for m in named]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False, tokenizer=tokenizer) as h, \
+                httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            assert (await http.post("/tokenize", json={"messages": named})).json()["tokens"] == expected
+            assert (await http.post("/tokenize", json={"messages": unnamed})).json()["tokens"] != expected
+            completion = await h.client.chat.completions.create(model="tiny", messages=named, max_tokens=1)
+            assert completion.usage.prompt_tokens == len(expected)
+            chat = verifier_pb2.ChatMessages(messages=[verifier_pb2.ChatMessage(**m) for m in named])
+            assert list((await h.v.stub.Tokenize(verifier_pb2.TokenizeRequest(chat=chat))).token_ids) == expected
+        async with http_verifier(speculate=False) as h, httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+            plain = [(await http.post("/tokenize", json={"messages": m})).json()["tokens"] for m in (named, unnamed)]
+            assert plain[0] == plain[1]
+
+    asyncio.run(main())

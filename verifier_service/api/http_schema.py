@@ -468,6 +468,7 @@ class ChatMessage(RequestBody):
     content: TextOrList[TextPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's result
+    name: str | None = None  # the participant's, for templates that write it
     # An assistant's earlier thinking, sent back (vLLM's `reasoning`; its older name `reasoning_content`).
     reasoning: str | None = None
     reasoning_content: str | None = None
@@ -482,7 +483,8 @@ class ChatMessage(RequestBody):
             role="system" if self.role == "developer" else self.role, content=self.text,
             tool_calls=[verifier_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                         for c in self.tool_calls or []],
-            tool_call_id=self.tool_call_id or "", reasoning=self.reasoning or self.reasoning_content or "")
+            tool_call_id=self.tool_call_id or "", reasoning=self.reasoning or self.reasoning_content or "",
+            name=self.name or "")
 
 
 class FunctionTool(RequestBody):

@@ -294,6 +294,8 @@ def _message(i: int, m: verifier_pb2.ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: a tool's result names its call; an assistant's calls carry
     their arguments as an object (templates write them with `tojson`)."""
     message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
     if m.reasoning:
