@@ -165,6 +165,8 @@ def test_tool_use_blocks_and_their_results_come_back() -> None:
       "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error", 'type "tool"'),
     ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",
      "exceeds the context"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "invalid_request_error",
+     "top_p must be within (0, 1]"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "context_management": {"edits": []}}, 400,
      "invalid_request_error", "context_management: not supported"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": "none"}}, 400,

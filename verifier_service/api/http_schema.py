@@ -255,6 +255,16 @@ class GenerationBody(RequestBody):
 
     _check_unsupported = refused_unless_neutral(UNSUPPORTED)
 
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_keeps_a_token(cls, top_p: float | None) -> float | None:
+        # gRPC's explicit 0 means no filtering (from before the field was optional); here it would be read
+        # as OpenAI's narrowest nucleus and answered from the whole distribution. vLLM refuses it too.
+        if top_p is not None and top_p <= 0:
+            raise PydanticCustomError("top_p", "top_p must be within (0, 1]; 0 keeps no token (leave it out or "
+                                               "send 1 for no filtering, or send temperature 0 for greedy decoding)")
+        return top_p
+
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs_not_streamed(cls, count: int | None, info: ValidationInfo) -> int | None:
@@ -527,7 +537,7 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs (as vLLM and OpenAI require)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -547,6 +557,14 @@ class ChatCompletionRequest(GenerationBody):
     verbosity: Any = None
 
     _check_unsupported_in_chat = refused_unless_neutral(UNSUPPORTED_IN_CHAT)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, count: int | None, info: ValidationInfo) -> int | None:
+        if count and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true (without it no "
+                                                      "log-probabilities are returned)")
+        return count
 
     @property
     def max_new_tokens(self) -> int | None:
