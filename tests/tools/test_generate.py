@@ -27,10 +27,11 @@ def parse(*flags: str) -> argparse.Namespace:
 def test_each_flag_sets_the_field_it_names() -> None:
     args = parse("--raw", "--max-new-tokens", "12", "--min-new-tokens", "2", "--stop", "fox", "--stop-token-id", "7",
                  "--stop-token-id", "9", "--ignore-eos", "--bad-word", "lazy dog", "--bad-word", "quick",
-                 "--truncate-prompt-tokens", "-1", "--max-draft-len", "2", "--temperature", "0.5", "--seed", "3")
+                 "--truncate-prompt-tokens", "-1", "--max-draft-len", "2", "--temperature", "0.5", "--top-p", "0.9",
+                 "--seed", "3")
     expected = pb.GenerationParams(
         prompt=PROMPT,
-        sampling=pb.SamplingParams(temperature=0.5, seed=3, bad_words=["lazy dog", "quick"]),
+        sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, seed=3, bad_words=["lazy dog", "quick"]),
         stopping=pb.StoppingCriteria(max_new_tokens=12, min_new_tokens=2, stop=["fox"], stop_token_ids=[7, 9],
                                      ignore_eos=True),
         speculation=pb.SpeculationOverrides(max_draft_len=2),
@@ -64,6 +65,10 @@ def test_a_prediction_file_is_sent_as_the_prediction(tmp_path, capsys: pytest.Ca
     ("--truncate-prompt-tokens", str(2**31), "must be within [-2147483648, 2147483647], not 2147483648"),
     ("--top-k", str(2**40), "must be within [-2147483648, 2147483647]"),
     ("--seed", "-1", "must be within [0, 18446744073709551615], not -1"),
+    # gRPC would read an explicit 0 as no filtering, not as the narrowest nucleus.
+    ("--top-p", "0", "must be within (0, 1] (1 = no filtering), not 0"),
+    ("--top-p", "1.5", "must be within (0, 1] (1 = no filtering), not 1.5"),
+    ("--top-p", "half", "not a number: 'half'"),
 ])
 def test_a_number_its_field_cannot_hold_is_the_command_lines_error(flag: str, value: str, words: str,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:

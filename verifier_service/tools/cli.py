@@ -79,6 +79,18 @@ uint32 = whole_number(0, 2**32 - 1)
 int32 = whole_number(-(2**31), 2**31 - 1)
 
 
+def nucleus(text: str) -> float:
+    """An argparse type for --top-p: within (0, 1]. gRPC reads an explicit 0 as no filtering, which a user
+    asking for the narrowest nucleus would not expect (the HTTP API refuses it, as vLLM does)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1] (1 = no filtering), not {text}")
+    return value
+
+
 def json_object(text: str) -> str:
     """An argparse type: text that parses as a JSON object, passed on as it is."""
     try:
@@ -167,7 +179,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="0 = greedy; left out, the server's default: the model's "
                                                       "generation config's, else greedy (as --top-p, --top-k, "
                                                       "--min-p and --repetition-penalty)")
-    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-p", type=nucleus, help="in (0, 1]; 1 = no filtering")
     p.add_argument("--top-k", type=int32)
     p.add_argument("--min-p", type=float, help="0 = off")
     p.add_argument("--seed", type=whole_number(0, 2**64 - 1))
