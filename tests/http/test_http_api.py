@@ -329,8 +329,15 @@ def test_echo_with_logprobs_scores_each_prompt_as_an_evaluation_harness_asks() -
                 assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
                 # Within the README's 1e-4: batched with another prompt, a forward may take other CPU kernels.
                 assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected], abs=1e-4)
-                assert [list(top) for top in lp.top_logprobs[1:]] == [  # (two tokens may spell the same text)
-                    list(dict.fromkeys(h.tokenizer.decode([t.token_id]) for t in e.top)) for e in expected]
+                # The most likely tokens, then the token there (OpenAI's up to logprobs + 1; two tokens may
+                # spell the same text), whose entry is its own log-probability.
+                there = [*prompt[1:], *alone.token_ids]
+                assert [list(top) for top in lp.top_logprobs[1:]] == [
+                    list(dict.fromkeys(h.tokenizer.decode([t]) for t in (*(x.token_id for x in e.top), token)))
+                    for e, token in zip(expected, there, strict=True)]
+                assert any(len(top) == 3 for top in lp.top_logprobs[1:])  # a prompt token outside the top 2
+                assert all(top[name] == value for top, name, value in
+                           zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:], strict=True))
                 assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt)] == len(h.tokenizer.decode(prompt))
                 assert lp.text_offset == sorted(lp.text_offset)
             # Streamed: the prompt comes first in each choice's first chunk; the same text and log-probabilities.

@@ -175,10 +175,13 @@ class Responder:
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None], pieces: list[str],
                              offset: int) -> dict[str, list]:
         """Completions' log-probabilities of tokens (None: a token without one) that released `pieces`,
-        the first `offset` characters into the choice's text."""
+        the first `offset` characters into the choice's text. Each position's `top_logprobs` holds the most
+        likely tokens and the token there, up to logprobs + 1 entries, as OpenAI defines them and vLLM answers
+        (the token there last: where another token spells the same text, the entry is the token's own)."""
         return {"tokens": [self._token(t) for t in token_ids],
                 "token_logprobs": [lp and lp.logprob for lp in logprobs],
-                "top_logprobs": [lp and {self._token(t): v for t, v in lp.top} for lp in logprobs],
+                "top_logprobs": [lp and {self._token(t): v for t, v in (*lp.top, (token, lp.logprob))}
+                                 for token, lp in zip(token_ids, logprobs, strict=True)],
                 "text_offset": list(accumulate((len(p) for p in pieces[:-1]), initial=offset))}
 
     def _prompt(self, seq: Sequence, out: Output) -> tuple[str, dict[str, list] | None]:
