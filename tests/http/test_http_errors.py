@@ -40,6 +40,18 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages.0.content.0: a text part holds its text"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content: neither a text nor a list"),
+    # Half a surrogate pair, which JSON can spell and no text can hold: a 400 naming where, not a 500 (and the
+    # connection stays: this loop's next request goes over it).
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400,
+     "messages.0.content: a lone UTF-16 surrogate (\\ud800) is not text"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"\\uDC00": 1}}', 400,
+     "chat_template_kwargs: a lone UTF-16 surrogate (\\udc00) is not text"),
+    (COMPLETIONS, b'{"prompt": ["ok", "x\\udbff"]}', 400, "prompt.1: a lone UTF-16 surrogate (\\udbff)"),
+    (COMPLETIONS, b'{"prompt": "x\xed\xa0\x80"}', 400, "not valid JSON: 'utf-8' codec can't decode"),  # encoded
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"}]}, 400,
+     "chat message 1 tool call 0 arguments is not valid JSON: x: a lone UTF-16 surrogate (\\ud800)"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),
     (CHAT, {"messages": MSG, "temperature": 1e300}, 400, "temperature"),
@@ -179,6 +191,10 @@ def test_bad_requests_get_openai_errors_with_the_right_status() -> None:
                     "best_of": 1, "guided_json": None, "echo": False, "add_generation_prompt": True,
                     "add_special_tokens": False, "include_stop_str_in_output": False, "chat_template_kwargs": None,
                     "modalities": ["text"], "verbosity": "medium", "audio": None})
+                assert r.status_code == 200, r.text
+                # A character outside the BMP as its pair of escapes is text.
+                r = await http.post(CHAT, content=b'{"messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}],'
+                                                  b' "max_tokens": 2}', headers={"content-type": "application/json"})
                 assert r.status_code == 200, r.text
                 # The server kept serving through all of it, and nothing is left in the engine.
                 await wait_until(h.idle, "the engine idle")

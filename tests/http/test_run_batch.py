@@ -121,7 +121,8 @@ def test_a_file_with_mistakes_is_refused_whole_before_anything_is_sent(tmp_path:
              json.dumps({"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {}}),
              json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}}),
              json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions",
-                         "body": {**COMPLETION, "stream": True}}), "", json.dumps(["e"])]
+                         "body": {**COMPLETION, "stream": True}}), "", json.dumps(["e"]),
+             '{"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\ud800"}}']
     source.write_text("\n".join(lines) + "\n")
 
     async def main() -> None:
@@ -134,7 +135,7 @@ def test_a_file_with_mistakes_is_refused_whole_before_anything_is_sent(tmp_path:
             assert code == 2 and not submitted and not output.exists(), printed
             for words in ("line 2: not JSON", "line 3: custom_id 'a' is used by an earlier line",
                           "line 4: method must be POST", "line 5: url must be one of", "line 6: body.stream",
-                          "line 8: not a JSON object"):
+                          "line 8: not a JSON object", "line 9: body.prompt: a lone UTF-16 surrogate (\\ud800)"):
                 assert words in printed, printed
             empty = tmp_path / "empty.jsonl"
             empty.write_text("\n")

@@ -340,3 +340,14 @@ def test_calls_already_streamed_stand_where_the_whole_answer_is_text() -> None:
     bad = 'x <tool_call>{"name": "\\q", "arguments": {}}</tool_call>'  # a name that is no JSON string
     assert auto.answer(bad, "stop") == (bad, [], "stop")
     assert _streamed_offline(auto, [bad[:30], bad[30:]], "stop") == (bad, [], "stop", 0)
+    # Half a surrogate pair, in a name or in arguments: not a call, as a bad escape is not (json_text.py).
+    bad = 'x <tool_call>{"name": "a\\ud800", "arguments": {}}</tool_call>'
+    assert auto.answer(bad, "stop") == (bad, [], "stop")
+    assert _streamed_offline(auto, [bad[:30], bad[30:]], "stop") == (bad, [], "stop", 0)  # never read as a name
+    bad = 'x <tool_call>{"name": "a", "arguments": {"x": "\\udc00"}}</tool_call>'
+    assert auto.answer(bad, "stop") == (bad, [], "stop")
+    # Streamed, the arguments went out as written (escapes, which JSON carries) before the end was read.
+    assert _streamed_offline(auto, [bad[:30], bad[30:]], "stop")[:3] == (
+        "x ", [("a", '{"x": "\\udc00"}')], "tool_calls")
+    lone = '[{"name":"a","parameters":{"x":"\\udfff"}}]'
+    assert required.answer(lone, "stop") == (lone, [], "stop")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
+from verifier_service.api import json_text
 from verifier_service.api.background_runs import BackgroundRuns
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
 from verifier_service.api.http_errors import GRPC_TO_HTTP, HttpError, from_validation
@@ -82,7 +82,9 @@ async def _read_json(request: Request, limit: int) -> object:
         if len(body) > limit:
             raise HttpError(413, f"the body is over the limit of {limit} bytes (--max-message-bytes)")
     try:
-        return json.loads(body)
+        return json_text.loads(body)
+    except json_text.NotText as exc:
+        raise HttpError(400, str(exc), param=exc.path or None) from None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise HttpError(400, f"the body is not valid JSON: {exc}") from None
 

@@ -15,6 +15,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import json_text
 from verifier_service.builder import Runtime
 from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sampler import SamplingParams
@@ -175,7 +176,7 @@ def _constraint(request: verifier_pb2.GenerationParams) -> Constraint | None:
         raise _invalid(f"structured_output.{kind} is empty")
     if kind == "json_schema":
         try:
-            json.loads(text)
+            json_text.loads(text)
         except ValueError as e:
             raise _invalid(f"structured_output.json_schema is not valid JSON: {e}") from None
     return Constraint(kind, text)
@@ -315,7 +316,7 @@ def _tools(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) 
     if not chat.tools:
         return []
     try:
-        tools = json.loads(chat.tools)
+        tools = json_text.loads(chat.tools)
     except ValueError as e:
         raise _invalid(f"chat.tools is not valid JSON: {e}") from None
     if not isinstance(tools, list) or not all(
@@ -330,7 +331,7 @@ def _tools(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBase) 
 
 def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)
     except ValueError as e:
         raise _invalid(f"{what} is not valid JSON: {e}") from None
     if not isinstance(value, dict):

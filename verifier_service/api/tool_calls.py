@@ -17,8 +17,9 @@ A call's arguments are the JSON text the model wrote for them, whole and streame
 call without arguments has "{}"). Streamed, every call goes out as it is generated, as vLLM streams
 them: its first delta (id, name) once its name has been read, then its arguments as they come. An
 auto answer's text goes out as it comes, up to where a call may begin. Where the whole answer would
-stay text (auto: a block that is not a call; required: JSON cut short by max_tokens), what was
-already streamed stands: the calls sent so far, and no more of the text.
+stay text (auto: a block that is not a call; required: JSON cut short by max_tokens; either: a call
+holding a lone surrogate, json_text.py), what was already streamed stands: the calls sent so far, and
+no more of the text.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.api import json_text
 from verifier_service.engine.detokenizer import partial_start
 
 START, END = "<tool_call>", "</tool_call>"
@@ -132,7 +134,7 @@ def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _required_calls(text: str) -> list[Call] | None:
     try:
-        items = json.loads(text)
+        items = json_text.loads(text)
     except ValueError:
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and {"name", "parameters"} <= i.keys()
@@ -149,7 +151,7 @@ def hermes(text: str) -> tuple[str | None, list[Call]]:
     calls = []
     for block in _BLOCK.finditer(text):
         try:
-            call = json.loads(block.group(1))
+            call = json_text.loads(block.group(1))
         except ValueError:
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
@@ -177,8 +179,8 @@ def _head(text: str, start: int, key: str) -> tuple[str, int] | None:
     if head is None or head.group(2) != key or not text.startswith("{", head.end()):
         return None
     try:
-        return json.loads(f'"{head.group(1)}"'), head.end()
-    except ValueError:  # not a JSON string (a bad escape): not a call, as the whole answer will read it
+        return json_text.loads(f'"{head.group(1)}"'), head.end()
+    except ValueError:  # not a JSON string (a bad escape, a lone surrogate): not a call, as the whole answer reads
         return None
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
+from verifier_service.api import json_text
 from verifier_service.tools.cli import whole_number
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -67,7 +68,10 @@ def read_requests(path: Path) -> list[BatchRequest]:
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
+                item = json_text.loads(line)
+            except json_text.NotText as exc:
+                mistakes.append(f"line {number}: {exc}")
+                continue
             except ValueError as exc:
                 mistakes.append(f"line {number}: not JSON ({exc})")
                 continue
