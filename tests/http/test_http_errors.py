@@ -48,6 +48,11 @@ BAD = [
      "chat_template_kwargs: a lone UTF-16 surrogate (\\udc00) is not text"),
     (COMPLETIONS, b'{"prompt": ["ok", "x\\udbff"]}', 400, "prompt.1: a lone UTF-16 surrogate (\\udbff)"),
     (COMPLETIONS, b'{"prompt": "x\xed\xa0\x80"}', 400, "not valid JSON: 'utf-8' codec can't decode"),  # encoded
+    # Nested deeper than can be read, or than the chat template's rendering can take (both were 500s).
+    (COMPLETIONS, b'{"prompt": "x", "x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}", 400,
+     "not valid JSON: nested deeper than Python's recursion limit"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ' + b'{"a": ' * 600 + b"1"
+     + b"}" * 601, 400, "chat template cannot render these messages: their tools or template variables are nested"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "1"}]}, 400,

@@ -1,6 +1,7 @@
 """Half a UTF-16 surrogate pair, which JSON can spell (`"\\ud800"`) and no text can hold, is refused where
 JSON is read (api/json_text.py), by the path of the string holding it: in an HTTP body, and in the JSON
-texts gRPC carries (tool calls' arguments, template variables, a JSON schema), as INVALID_ARGUMENT."""
+texts gRPC carries (tool calls' arguments, template variables, a JSON schema), as INVALID_ARGUMENT; so is
+JSON nested deeper than it can be read or rendered."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def test_a_lone_surrogate_is_named_by_its_path_and_a_pair_is_text() -> None:
     with pytest.raises(UnicodeDecodeError):
         json_text.loads(b'{"a": "x\xed\xa0\x80"}')
     assert json_text.loads('{"a": 1}'.encode("utf-16")) == {"a": 1}  # as json.loads reads bytes: any UTF
+    # Nesting: past the decoder's recursion, a ValueError like any mistake; below it, walked without recursion.
+    with pytest.raises(ValueError, match="nested deeper than Python's recursion limit"):
+        json_text.loads("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(json_text.NotText) as refused:
+        json_text.loads('{"a": ' * 900 + '["\\ud800"]' + "}" * 900)
+    assert refused.value.path == ".".join(["a"] * 900 + ["0"])
 
 
 def test_grpc_json_texts_holding_one_are_invalid_argument() -> None:
@@ -47,6 +54,13 @@ def test_grpc_json_texts_holding_one_are_invalid_argument() -> None:
             chat=verifier_pb2.ChatMessages(messages=[user], template_kwargs=f'{{"enable_thinking": {lone}}}')),
         "structured_output.json_schema is not valid JSON: enum.0: a lone": verifier_pb2.GenerationParams(
             prompt=PROMPT, structured_output=verifier_pb2.StructuredOutput(json_schema=f'{{"enum": [{lone}]}}')),
+        # Nested past the decoder's recursion (it was UNKNOWN, a RecursionError).
+        "structured_output.json_schema is not valid JSON: nested deeper": verifier_pb2.GenerationParams(
+            prompt=PROMPT, structured_output=verifier_pb2.StructuredOutput(json_schema="[" * 10**5 + "]" * 10**5)),
+        # Nested within it, and past what rendering the chat template takes (transformers recurses through it).
+        "chat template cannot render these messages: their tools or template variables are nested too deeply":
+            verifier_pb2.GenerationParams(chat=verifier_pb2.ChatMessages(
+                messages=[user], template_kwargs='{"a": ' * 600 + "1" + "}" * 600)),
     }
 
     async def main() -> None:

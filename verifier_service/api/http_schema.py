@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from pydantic_core import PydanticCustomError
 
 from drafter_sdk.proto import verifier_pb2
-from verifier_service.api import tool_calls
+from verifier_service.api import json_text, tool_calls
 from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables, with_explicit
 from verifier_service.api.request_parsing import MAX_LOGPROBS
 
@@ -435,7 +435,7 @@ def _json_schema(schema: dict[str, Any] | str, compact: bool = False) -> verifie
     if compact:
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = json_text.loads(schema)
             except ValueError:  # request_parsing names the mistake
                 return verifier_pb2.StructuredOutput(json_schema=schema)
         if isinstance(schema, dict):

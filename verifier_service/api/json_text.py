@@ -31,20 +31,26 @@ def loads(data: str | bytes | bytearray) -> Any:
     """`json.loads(data)`; raises ValueError where it is not JSON, NotText where it holds a lone surrogate.
     Bytes are decoded strictly: `json.loads` would let an encoded surrogate through ("surrogatepass")."""
     text = data if isinstance(data, str) else bytes(data).decode(json.detect_encoding(data))
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except RecursionError:  # the decoder recurses once a level: a ValueError like any other mistake
+        raise ValueError("nested deeper than Python's recursion limit") from None
     if _ESCAPED_SURROGATE.search(text):  # else no string can hold one: the walk is skipped
-        _check(value, [])
+        _check(value)
     return value
 
 
-def _check(value: Any, path: list[str]) -> None:
-    if isinstance(value, str):
-        if found := _SURROGATE.search(value):
-            raise NotText(".".join(path), ord(found.group()))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check(key, path)  # a key is named by the object that holds it
-            _check(item, [*path, key])
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check(item, [*path, str(i)])
+def _check(value: Any) -> None:
+    """Every string of `value` (keys included) is text; walked without recursion, as deep as JSON came."""
+    pending: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if found := _SURROGATE.search(item):
+                raise NotText(".".join(path), ord(found.group()))
+        elif isinstance(item, dict):
+            # A key is named by the object that holds it. Reversed: the first mistake is the one named.
+            for key, child in reversed(item.items()):
+                pending += [(child, (*path, key)), (key, path)]
+        elif isinstance(item, list):
+            pending += [(child, (*path, str(i))) for i, child in reversed(list(enumerate(item)))]

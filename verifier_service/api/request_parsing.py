@@ -283,6 +283,9 @@ def _chat_ids(chat: verifier_pb2.ChatMessages, tokenizer: PreTrainedTokenizerBas
                                              **({"tools": tools} if tools else {}), **_template_kwargs(chat, tokenizer))
     except jinja2.TemplateError as e:  # a template's raise_exception: roles out of order, and the like
         raise _invalid(f"the model's chat template refused these messages: {e}") from None
+    except RecursionError:  # tools or template variables nested hundreds deep (JSON lets them)
+        raise _invalid("the model's chat template cannot render these messages: their tools or template "
+                       "variables are nested too deeply") from None
     except ValueError as e:  # continue_final_message: the template does not write the last message as sent
         if not chat.continue_final_message:
             raise
