@@ -110,6 +110,11 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "guided_regex": "(unclosed"}, 400, "structured_output.regex: "),
     (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "structured_output.choice needs at least one"),
     (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: undefined_rule"}, 400, "structured_output.grammar: "),
+    # One that compiles and matches nothing: refused, not answered with an empty text as if it had matched.
+    (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: start"}, 400,
+     "structured_output.grammar: matches no text (no first token can begin a match)"),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "[^\\s\\S]"}, 400, "structured_output.regex: matches no text"),
+    (CHAT, {"messages": MSG, "guided_json": {"$ref": "#"}}, 400, "structured_output.json_schema: matches no text"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, 400,
      "structured_output cannot be combined with ignore_eos"),
     (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, 400,

@@ -85,6 +85,13 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
         if matcher.is_error():
             raise ConstraintError(f"structured_output.{constraint.kind}: {matcher.get_error()}")
+        # One that compiles may still match nothing ("start: start", a regex of an empty class, a schema that
+        # is only its own $ref): llguidance finds out at the first mask, then allows only the end, which
+        # would answer an empty text as if it had matched. Refused here instead.
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ConstraintError(f"structured_output.{constraint.kind}: matches no text (no first token "
+                                  "can begin a match)")
         return Grammar(matcher, self.vocab_size, self._eos)
 
 
