@@ -30,7 +30,7 @@ class NotText(ValueError):
 def loads(data: str | bytes | bytearray) -> Any:
     """`json.loads(data)`; raises ValueError where it is not JSON, NotText where it holds a lone surrogate.
     Bytes are decoded strictly: `json.loads` would let an encoded surrogate through ("surrogatepass")."""
-    text = data if isinstance(data, str) else bytes(data).decode(json.detect_encoding(data))
+    text = data if isinstance(data, str) else data.decode(json.detect_encoding(data))
     try:
         value = json.loads(text)
     except RecursionError:  # the decoder recurses once a level: a ValueError like any other mistake
