@@ -19,7 +19,7 @@ A per-request speculation override rides in `speculation: {disable, max_draft_le
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -149,18 +149,21 @@ TextOrList = Annotated[Annotated[str, Tag("str")] | Annotated[list[Part], Tag("l
                                      custom_error_message="neither a text nor a list")]
 
 
+TextPartType = Literal["text", "input_text", "output_text", "refusal"]
+
+
 class TextPart(RequestBody):
     """A content part the model reads: OpenAI's text, and, as vLLM reads them in a chat, the Responses API's
     input_text and output_text and an assistant's refusal sent back (its `refusal` is its text)."""
 
-    type: Literal["text", "input_text", "output_text", "refusal"]
+    type: TextPartType
     text: str | None = None
     refusal: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, part: Any) -> Any:
-        return served_types(part, ("text", "input_text", "output_text", "refusal"), "parts",
+        return served_types(part, get_args(TextPartType), "parts",
                             "the model reads text only (text, input_text, output_text and refusal parts)")
 
     @model_validator(mode="after")
