@@ -35,7 +35,7 @@ from verifier_service.model.generation_config import SamplingDefaults
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ModelRunner, Peers
 from verifier_service.model.timing_cache import TimingCache
-from verifier_service.settings import DEFAULT_MAX_NEW_TOKENS, ServerSettings
+from verifier_service.settings import ServerSettings
 from verifier_service.spec_decode.config import ConfigError
 from verifier_service.spec_decode.drafter_client import DrafterClient
 from verifier_service.spec_decode.drafters import build_drafter_client
@@ -76,10 +76,10 @@ class Runtime:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
-    def default_max_new_tokens(self) -> int:
-        """A request's max_new_tokens when it sets none: the flag's, else the generation config's, else 256."""
-        return (self.settings.default_max_new_tokens or self.sampling_defaults.max_new_tokens
-                or DEFAULT_MAX_NEW_TOKENS)
+    def default_max_new_tokens(self) -> int | None:
+        """A request's max_new_tokens when it sets none: the flag's, else the generation config's, else None:
+        the rest of the context."""
+        return self.settings.default_max_new_tokens or self.sampling_defaults.max_new_tokens
 
     @property
     def drafter(self) -> DrafterClient | None:
@@ -385,5 +385,8 @@ async def build_runtime(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                  rt.sampling_defaults.describe(), rt.sampling_defaults.origin)
     else:
         log.info("sampling defaults: none, a request without a temperature is greedy (--generation-config)")
-    log.info("default max_new_tokens: %d", rt.default_max_new_tokens)
+    if rt.default_max_new_tokens is None:
+        log.info("default max_new_tokens: the rest of the context (--default-max-new-tokens sets one)")
+    else:
+        log.info("default max_new_tokens: %d", rt.default_max_new_tokens)
     return rt

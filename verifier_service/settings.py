@@ -23,8 +23,6 @@ EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 TOOL_CALL_PARSERS = ("hermes",)
 # vLLM's --scheduling-policy: first come first served, or by each request's priority (with preemption).
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# A request's max_new_tokens where neither it, --default-max-new-tokens nor the model's generation config sets one.
-DEFAULT_MAX_NEW_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ class ServerSettings:
     max_queue_len: int = 64
     kv_cache_memory_gb: float = 4.0  # per rank: each holds its shard of the KV heads
     # A request's max_new_tokens when it sets none. None: the model's generation config's (below), else
-    # DEFAULT_MAX_NEW_TOKENS.
+    # the rest of the context, as vLLM's chat route and OpenAI's chat API answer until the model stops.
     default_max_new_tokens: int | None = None
     # Tokens one step's forward carries (decode and verify rows first, then prompt chunks).
     # None: the most a step can carry at PREFILL_STEP_COST times a one-token step's measured cost,

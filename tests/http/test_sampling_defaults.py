@@ -95,7 +95,7 @@ def test_vllm_reads_none_and_overrides_set_keys_on_top(config_dir: Path) -> None
         ids = tiny_tokenizer()(PROMPT)["input_ids"]
         async with http_verifier(generation_config="vllm", speculate=False) as h:  # the file is not read
             info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
-            assert info.default_sampling == verifier_pb2.SamplingParams() and info.default_max_new_tokens == 256
+            assert info.default_sampling == verifier_pb2.SamplingParams()
             out = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
             assert out.choices[0].text == tiny_tokenizer().decode(reference_greedy(shared_model(), ids, 6))
         # The flag's max_new_tokens wins over the file's; an override's temperature over the file's.
@@ -106,5 +106,51 @@ def test_vllm_reads_none_and_overrides_set_keys_on_top(config_dir: Path) -> None
             assert info.default_sampling.temperature == 0 and info.default_sampling.top_k == 8
             out = await h.client.completions.create(model="tiny", prompt=PROMPT)
             assert out.choices[0].text == tiny_tokenizer().decode(reference_greedy(shared_model(), ids, 3))
+
+    asyncio.run(main())
+
+
+def test_a_length_left_out_is_the_rest_of_the_context_and_a_completions_at_most_16_tokens() -> None:
+    """As vLLM: with no length set anywhere, an answer may run to the end of the context (OpenAI's chat and
+    Responses APIs answer until the model stops); a completion whose max_tokens is left out takes OpenAI's
+    16, within what the context leaves, and an explicit null the server's length."""
+    max_model_len = 64
+
+    async def main() -> None:
+        ids = tiny_tokenizer()(PROMPT)["input_ids"]
+        room = max_model_len - len(ids)
+        async with http_verifier(generation_config="vllm", max_model_len=max_model_len) as h:
+            info = await h.v.stub.GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=WAIT_S)
+            assert info.default_max_new_tokens == max_model_len  # "within what the context leaves": all of it
+            c, forever = h.client, {"ignore_eos": True}
+            chat = await c.chat.completions.create(model="tiny", messages=CHAT, extra_body=forever)
+            assert chat.choices[0].finish_reason == "length"
+            assert chat.usage.prompt_tokens + chat.usage.completion_tokens == max_model_len
+            answer = await c.responses.create(model="tiny", input=PROMPT, extra_body=forever)
+            assert answer.usage.input_tokens + answer.usage.output_tokens == max_model_len
+            grpc_out = (await h.v.stub.Generate(verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
+                token_ids=verifier_pb2.TokenIds(ids=ids), stopping=verifier_pb2.StoppingCriteria(ignore_eos=True))),
+                timeout=WAIT_S)).output
+            assert len(grpc_out.token_ids) == room
+            # Completions: 16 left out (even where that is all the room there is), the rest with null.
+            short = await c.completions.create(model="tiny", prompt=ids, extra_body=forever)
+            assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"
+            assert short.choices[0].text == tiny_tokenizer().decode(
+                reference_greedy(shared_model(), ids, 16), skip_special_tokens=True)
+            tight = [*ids] * ((max_model_len - 5) // len(ids)) + ids[:(max_model_len - 5) % len(ids)]
+            assert len(tight) == max_model_len - 5
+            five = await c.completions.create(model="tiny", prompt=tight, extra_body=forever)
+            assert five.usage.completion_tokens == 5  # 16 did not fit: what does, not a 400
+            rest = await c.completions.create(model="tiny", prompt=ids, max_tokens=None, extra_body=forever)
+            assert rest.usage.completion_tokens == room
+            # Truncated to fit (-1) with no length anywhere: the prompt keeps all but one token of the context.
+            long = await c.completions.create(model="tiny", prompt=ids * 20, max_tokens=None,
+                                              extra_body={"truncate_prompt_tokens": -1, **forever})
+            assert (long.usage.prompt_tokens, long.usage.completion_tokens) == (max_model_len - 1, 1)
+            await wait_until(h.idle, "the engine idle")
+        # The server's own length, where shorter, caps a completion's 16.
+        async with http_verifier(default_max_new_tokens=3, speculate=False, max_model_len=max_model_len) as h:
+            out = await h.client.completions.create(model="tiny", prompt=ids, extra_body={"ignore_eos": True})
+            assert out.usage.completion_tokens == 3
 
     asyncio.run(main())

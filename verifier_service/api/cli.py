@@ -19,7 +19,6 @@ from drafter_sdk.service.security import add_server_flags, read_token, server_fl
 from verifier_service.api.webhooks import read_secret
 from verifier_service.model import generation_config, host_memory
 from verifier_service.settings import (
-    DEFAULT_MAX_NEW_TOKENS,
     DEFAULTS,
     EMBEDDED_MODEL,
     REASONING_PARSERS,
@@ -154,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     _setting(c, "kv_cache_memory_gb", "KV cache budget per rank; bounds running sequences", type=float)
     c.add_argument("--default-max-new-tokens", dest="default_max_new_tokens", type=int, default=argparse.SUPPRESS,
                    help="a request's max_new_tokens when it sets none (default: the model's generation config's "
-                        f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
+                        "max_new_tokens, else the rest of the context)")
     _setting(c, "max_message_bytes", "largest request or response; larger ones fail with RESOURCE_EXHAUSTED",
              type=int)
     _setting(c, "max_concurrent_rpcs", "calls served at once, health included; more are refused with "

@@ -10,6 +10,7 @@ The text relayed is the engine's: stop strings never leak and characters never s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -145,10 +146,14 @@ class Generations:
             raise Unavailable(DRAINING)
         return self.runtime, self.limits
 
-    async def start(self, params: verifier_pb2.GenerationParams) -> Sequence:
-        """Parse, check and submit. Raises Unavailable, request_parsing.RequestError or
-        scheduler.QueueFullError."""
+    async def start(self, params: verifier_pb2.GenerationParams, default_max_new_tokens: int | None = None) -> Sequence:
+        """Parse, check and submit; `default_max_new_tokens`, a route's own length for a request that sets
+        none, caps the server's (as vLLM takes the least of them). Raises Unavailable,
+        request_parsing.RequestError or scheduler.QueueFullError."""
         rt, limits = self.check_ready()
+        if default_max_new_tokens is not None:
+            server = limits.default_max_new_tokens or default_max_new_tokens
+            limits = dataclasses.replace(limits, default_max_new_tokens=min(server, default_max_new_tokens))
         parsed = parse(params, rt.tokenizer, limits)
         grammar = await compile_constraint(rt, parsed)
         rt, _ = self.check_ready()  # still serving after the compile

@@ -132,7 +132,7 @@ async def start_sequences(gen: Generations, body: GenerationBody) -> list[Sequen
     seqs: list[Sequence] = []
     try:
         for i in range(choices):
-            seqs.append(await gen.start(body.params(i)))
+            seqs.append(await gen.start(body.params(i), body.default_max_new_tokens))
     except BaseException as exc:
         for seq in seqs:
             gen.runtime.engine.cancel(seq)

@@ -30,6 +30,10 @@ from verifier_service.api.reasoning_effort import OpenAIEffort, openai_variables
 from verifier_service.api.request_parsing import MAX_LOGPROBS
 
 MAX_CHOICES = 8
+# A completion's longest length when max_tokens is left out (the server's default length, if shorter, applies):
+# OpenAI's and vLLM's default for that route, which keeps short a base model's continuation, that may never
+# reach an end-of-sequence token. An explicit null takes the server's default, as every other route does.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2**32 - 1
 INT32 = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32)]
@@ -294,6 +298,11 @@ class GenerationBody(RequestBody):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def default_max_new_tokens(self) -> int | None:
+        """The length where max_new_tokens is None; None: the server's (--default-max-new-tokens)."""
+        return None
 
     @property
     def logprobs_count(self) -> int | None:
@@ -649,6 +658,10 @@ class CompletionRequest(GenerationBody):
     @property
     def max_new_tokens(self) -> int | None:
         return 1 if self.prompt_only else self.max_tokens
+
+    @property
+    def default_max_new_tokens(self) -> int | None:
+        return None if "max_tokens" in self.model_fields_set else COMPLETIONS_DEFAULT_MAX_TOKENS
 
     def params(self, choice: int) -> verifier_pb2.GenerationParams:
         p = super().params(choice)

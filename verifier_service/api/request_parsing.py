@@ -61,7 +61,7 @@ def _invalid(message: str) -> RequestError:
 class Limits:
     vocab_size: int
     max_model_len: int
-    default_max_new_tokens: int
+    default_max_new_tokens: int | None  # None: the rest of the context
     eos_token_ids: frozenset[int]
     # Longer prompt text cannot fit the context whatever it tokenizes to (0: no check);
     # refusing it before tokenizing keeps a huge prompt from stalling the server.
@@ -199,6 +199,8 @@ def _kept_prompt_tokens(request: verifier_pb2.GenerationParams, limits: Limits) 
     if kept == -1:  # as many as leave room for the answer
         st = request.stopping
         answer = st.max_new_tokens if st.HasField("max_new_tokens") else limits.default_max_new_tokens
+        if answer is None:  # no length: the prompt keeps what fits beside one token, the answer the rest
+            return limits.max_model_len - 1
         return max(1, limits.max_model_len - answer)
     if kept < 1:
         raise _invalid(f"truncate_prompt_tokens must be -1 (what fits beside the answer) or at least 1, not {kept}")
@@ -459,7 +461,7 @@ def _stopping(request: verifier_pb2.GenerationParams, prompt_len: int, limits: L
                            f"the context of {limits.max_model_len} tokens; at most {room} new tokens fit")
         max_new = st.max_new_tokens
     else:
-        max_new = min(limits.default_max_new_tokens, room)
+        max_new = min(limits.default_max_new_tokens or room, room)
     if len(st.stop) > MAX_STOP_STRINGS:
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(st.stop)}")
     for s in st.stop:

@@ -125,7 +125,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             model=rt.model_name, tokenizer=getattr(rt.tokenizer, "name_or_path", "") or rt.model_name,
             vocab_size=rt.vocab_size, max_model_len=rt.max_model_len,
             max_num_seqs=scheduler.max_num_seqs, max_queue_len=scheduler.max_queue_len,
-            default_max_new_tokens=rt.default_max_new_tokens, speculative_config=rt.settings.speculative,
+            default_max_new_tokens=rt.default_max_new_tokens or rt.max_model_len,  # none set: the rest of the context
+            speculative_config=rt.settings.speculative,
             drafter=_drafter_health(rt), verifier_id=rt.verifier_id, version=VERSION,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=rt.settings.tensor_parallel_size, tokenizer_fingerprint=rt.tokenizer_fingerprint,
