@@ -512,7 +512,7 @@ def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens_alone() -> No
 
 def test_models_health_metrics() -> None:
     async def main() -> None:
-        async with http_verifier(speculate=False, metrics_port=0) as h:
+        async with http_verifier(speculate=False) as h:  # no --metrics-port: /metrics on the API's port all the same
             models = await h.client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
             assert models.data[0].model_extra["max_model_len"] == 256

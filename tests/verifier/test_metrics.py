@@ -331,9 +331,9 @@ def test_every_call_and_http_response_is_counted_by_its_final_status():
     asyncio.run(main())
 
 
-def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
-    """Without --metrics-port nothing is served; the registry is kept for the stats lines (stats_log.py) unless
-    they are off too."""
+def test_each_verifier_has_its_own_registry_and_none_where_metrics_are_off():
+    """Without --metrics-port there is no metrics port; the registry is kept for the stats lines (stats_log.py),
+    and served at the HTTP API's /metrics as vLLM serves it, unless the stats lines are off too."""
     async def main() -> None:
         async with run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as one, \
                 run_verifier(spec_config("NGRAM", 4), model=shared_model(), metrics_port=0) as two, \
@@ -347,8 +347,13 @@ def test_each_verifier_has_its_own_registry_and_none_without_the_flag():
             assert off.running.metrics_port is None and off.running.metrics is None
             assert engine_of(off).metrics is None
             assert logged.running.metrics_port is None and engine_of(logged).metrics is logged.running.metrics
+            await logged.stub.Generate(token_request(repetitive_prompt(LOOPING_SEEDS[0]), 5), timeout=WAIT_S)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{logged.running.http_port}") as http:
-                assert (await http.get("/metrics")).status_code == 404  # kept for the log, not served
+                served = await http.get("/metrics")
+                assert served.status_code == 200 and "splitspec:generation_tokens_total 5.0" in served.text
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{off.running.http_port}") as http:
+                none = await http.get("/metrics")  # none kept
+                assert none.status_code == 404 and "--disable-log-stats" in none.json()["error"]["message"]
             port = one.running.metrics_port
         assert one.running.metrics_port is None
         with pytest.raises(OSError):  # the endpoint closed with its server

@@ -114,8 +114,8 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics() -> Response:
-        if not state.serve_metrics or state.generations.metrics is None:
-            raise HttpError(404, "metrics are off; start the verifier with --metrics-port")
+        if state.generations.metrics is None:
+            raise HttpError(404, "metrics are off (--disable-log-stats and no --metrics-port)")
         return Response(generate_latest(state.generations.metrics.registry), media_type=TEXT_FORMAT)
 
     def authorize_either(request: Request) -> None:

@@ -43,7 +43,6 @@ class HttpState:
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given
     tool_call_parser: str | None = None  # answers "auto" tool choice (tool_calls.py); None: refused
     allowed_origins: tuple[str, ...] = ()  # whose web pages may call the API (CORS; "*": any); (): none
-    serve_metrics: bool = False  # GET /metrics (with --metrics-port: the registry its port serves)
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # the Responses API's, while they run
     started_at: int = field(default_factory=lambda: int(time.time()))  # the served models' `created`
     webhooks: Webhooks | None = None  # announces background responses' ends (--webhook-url)

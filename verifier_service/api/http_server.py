@@ -67,13 +67,13 @@ class HttpServer:
                     max_body_bytes: int, responses_store_bytes: int, tls_cert: str | None = None,
                     tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                    serve_metrics: bool = False, webhook_url: str | None = None,
+                    webhook_url: str | None = None,
                     webhook_secret: bytes | None = None) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         store = ResponseStore(responses_store_bytes)
         state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
-                          allowed_origins, serve_metrics,
+                          allowed_origins,
                           webhooks=Webhooks(webhook_url, webhook_secret) if webhook_url and webhook_secret else None)
         if generations.metrics is not None:
             generations.metrics.track_responses(lambda: len(store), lambda: store.conversations,

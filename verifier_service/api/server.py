@@ -105,11 +105,11 @@ async def start_server(settings: ServerSettings,
     With settings.metrics_port (0: any free port), Prometheus metrics are served over
     HTTP at /metrics on settings.host, from before the model loads. With settings.http_port
     (0: any free port), the OpenAI-compatible HTTP API is served on settings.host, with the
-    same TLS files and bearer token (and /metrics too, from the same registry, with metrics_port).
+    same TLS files and bearer token, and /metrics too where metrics are kept (vLLM's path on its API port).
     """
     if server_credentials is None and settings.tls_cert:
         server_credentials = tls_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-    # The stats lines read the metrics, so they are kept for them too (served only with a metrics port).
+    # The stats lines read the metrics, so they are kept for them too (and then served on the HTTP port).
     metrics = VerifierMetrics() if settings.metrics_port is not None or settings.log_stats_interval_s else None
     tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
     generations = Generations(metrics, tracer, settings.log_requests)
@@ -132,7 +132,7 @@ async def start_server(settings: ServerSettings,
                 tls_client_ca=settings.tls_client_ca, served_names=settings.served_model_names,
                 tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
                 allowed_origins=settings.allowed_origins, responses_store_bytes=settings.responses_store_mb << 20,
-                serve_metrics=settings.metrics_port is not None, webhook_url=settings.webhook_url,
+                webhook_url=settings.webhook_url,
                 webhook_secret=settings.webhook_secret)
         except BaseException:
             await service.stop(0)
