@@ -57,6 +57,12 @@ def test_http_port_flag() -> None:
         cli.parser().parse_args(["--http-port", "eighty"])
     with pytest.raises(cli.config.ConfigError, match="http_port must be within"):
         settings("--http-port", "70000")
+    # vLLM's --port is its HTTP port: here that takes gRPC's, and the API's 8000 would find it taken.
+    with pytest.raises(cli.config.ConfigError, match="both 8000: vLLM's --port is the one called --http-port here"):
+        settings("--port", "8000")
+    with pytest.raises(cli.config.ConfigError, match="metrics_port 9000 is also the gRPC or HTTP API's port"):
+        settings("--http-port", "9000", "--metrics-port", "9000")
+    assert settings("--port", "0", "--http-port", "0", "--metrics-port", "0").port == 0  # 0s: each its own
 
 
 def test_sigterm_drains_the_http_api(model_dir: Path, tmp_path: Path) -> None:
