@@ -126,8 +126,8 @@ class ServerSettings:
         if self.port and self.port == self.http_port:  # one would find the port taken by the other
             raise ConfigError(f"port (gRPC) and http_port (the OpenAI-compatible API) are both {self.port}: "
                               "vLLM's --port is the one called --http-port here")
-        if self.metrics_port and self.metrics_port in (self.port, self.http_port):
-            raise ConfigError(f"metrics_port {self.metrics_port} is also the gRPC or HTTP API's port")
+        if self.metrics_port and self.metrics_port == self.http_port:  # (and gRPC's: GrpcService.start)
+            raise ConfigError(f"metrics_port and http_port (the OpenAI-compatible API) are both {self.http_port}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, not {self.max_num_batched_tokens}")
         if self.cuda_graph_max_tokens < 0:

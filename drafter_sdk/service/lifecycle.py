@@ -69,6 +69,8 @@ class GrpcService:
         (0: any free port) and a registry, /metrics is served over HTTP on `host` from now on. With
         `count_calls`, every call of the service's methods is counted by its final status (rpc_counting.py)."""
         metrics_server = None
+        if metrics_port and metrics_port == port:  # gRPC would find it taken by /metrics, and say only "taken"
+            raise ListenError(f"the metrics port and the gRPC port are both {port}: give each its own")
         if metrics_port is not None and metrics_registry is not None:
             # First: a taken metrics port fails start-up before gRPC binds.
             try:

@@ -60,7 +60,7 @@ def test_http_port_flag() -> None:
     # vLLM's --port is its HTTP port: here that takes gRPC's, and the API's 8000 would find it taken.
     with pytest.raises(cli.config.ConfigError, match="both 8000: vLLM's --port is the one called --http-port here"):
         settings("--port", "8000")
-    with pytest.raises(cli.config.ConfigError, match="metrics_port 9000 is also the gRPC or HTTP API's port"):
+    with pytest.raises(cli.config.ConfigError, match="metrics_port and http_port .* are both 9000"):
         settings("--http-port", "9000", "--metrics-port", "9000")
     assert settings("--port", "0", "--http-port", "0", "--metrics-port", "0").port == 0  # 0s: each its own
 

@@ -262,3 +262,12 @@ def test_splitspec_drafter_on_a_taken_port_says_so_in_one_line(flag, what, capsy
     assert exited.value.code == 2, err
     assert err.splitlines()[-1].startswith(f"splitspec-drafter: cannot listen on 127.0.0.1:{port} ({what})"), err
     assert "Traceback" not in err
+
+
+def test_splitspec_drafter_given_one_port_for_grpc_and_metrics_names_both(capsys):
+    with pytest.raises(SystemExit) as exited:  # before anything binds: gRPC's own error would say only "taken"
+        cli.main(["ngram", "--host", "127.0.0.1", "--port", "50999", "--metrics-port", "50999"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert err.splitlines()[-1] == ("splitspec-drafter: the metrics port and the gRPC port are both 50999: "
+                                    "give each its own"), err
