@@ -173,7 +173,8 @@ def test_the_models_generation_config_sets_what_requests_leave_out(model_dir: Pa
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "max_new_tokens": 5}))
     http_port_file = tmp_path / "http.port"
-    verifier = LocalService([script("splitspec-verifier"), "--model", str(model), "--max-model-len", "256",
+    # The model given first, as `vllm serve MODEL` takes it.
+    verifier = LocalService([script("splitspec-verifier"), str(model), "--max-model-len", "256",
                              "--kv-cache-memory-gb", "0.1", "--host", "127.0.0.1", "--http-port", "0",
                              "--http-port-file", str(http_port_file)], name="verifier", env=ENV,
                             startup_timeout_s=WAIT_S)

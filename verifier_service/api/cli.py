@@ -101,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", dest="model", default=argparse.SUPPRESS,
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")
+    m.add_argument("model_given_first", nargs="?", metavar="MODEL",
+                   help="the same as --model, given first as in `vllm serve MODEL`")
     _setting(m, "dtype", "auto: bfloat16 on CUDA, float32 on CPU", choices=["auto", "float32", "bfloat16", "float16"])
     _setting(m, "device", "auto, cpu, cuda or cuda:N")
     m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false", default=argparse.SUPPRESS,
@@ -195,6 +197,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except ValueError as exc:
         raise config.ConfigError(f"--webhook-secret-file: {exc}") from None
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}
+    if args.model_given_first is not None:
+        if "model" in given:
+            raise config.ConfigError(f"two models: {args.model_given_first} and --model {given['model']}")
+        given["model"] = args.model_given_first
     for name in ("served_model_names", "allowed_origins"):
         if name in given:
             given[name] = tuple(given[name])

@@ -102,6 +102,7 @@ def test_the_flags() -> None:
     given = settings("--override-generation-config", '{"temperature": 0.6, "top_p": 0.95}')
     assert given.override_generation_config == {"temperature": 0.6, "top_p": 0.95}
     assert settings("--default-max-new-tokens", "9").default_max_new_tokens == 9
+    assert settings("/models/a").model == settings("--model", "/models/a").model == "/models/a"  # as `vllm serve`
     for flags, words in [
         (["--override-generation-config", "{temperature: 1}"], "--override-generation-config is not valid JSON"),
         (["--override-generation-config", "0.6"], "--override-generation-config must be a JSON object"),
@@ -110,6 +111,7 @@ def test_the_flags() -> None:
         (["--override-generation-config", '{"max_new_tokens": 9}', "--default-max-new-tokens", "9"],
          "both set the default: give one"),
         (["--default-max-new-tokens", "0"], "default_max_new_tokens must be at least 1"),
+        (["/models/a", "--model", "/models/b"], "two models: /models/a and --model /models/b"),
     ]:
         with pytest.raises(ConfigError, match=words):
             settings(*flags)
