@@ -132,7 +132,7 @@ def test_a_length_left_out_is_the_rest_of_the_context_and_a_completions_at_most_
                 token_ids=verifier_pb2.TokenIds(ids=ids), stopping=verifier_pb2.StoppingCriteria(ignore_eos=True))),
                 timeout=WAIT_S)).output
             assert len(grpc_out.token_ids) == room
-            # Completions: 16 left out (even where that is all the room there is), the rest with null.
+            # Completions: 16 left out, what fits where 16 does not, and the rest of the context with null.
             short = await c.completions.create(model="tiny", prompt=ids, extra_body=forever)
             assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"
             assert short.choices[0].text == tiny_tokenizer().decode(
