@@ -167,6 +167,33 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_supplied() -> None:
             assert last.usage.prompt_tokens_details.cached_tokens == 0  # the first sight of that prompt
             assert cold.prompt_tokens_details.cached_tokens == (cold.prompt_tokens - 1) // 16 * 16
 
+
+def test_a_cache_salt_keeps_the_prefix_cache_to_requests_of_the_same_salt() -> None:
+    """vLLM's cache_salt (the openai client's extra_body), on chat, completions and responses: a salted
+    prompt is cached for its own salt alone; an empty salt is a 400 naming the field."""
+    async def main() -> None:
+        async with http_verifier() as h:
+            answers = [await h.client.chat.completions.create(
+                model="tiny", messages=CHAT, max_tokens=4, extra_body={"cache_salt": salt} if salt else None)
+                for salt in ("a" * 43, None, "b" * 43, "a" * 43, None)]
+            assert len({a.choices[0].message.content for a in answers}) == 1
+            full = (answers[0].usage.prompt_tokens - 1) // 16 * 16
+            assert [a.usage.prompt_tokens_details.cached_tokens for a in answers] == [0, 0, 0, full, full] and full
+            completion = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                                           extra_body={"cache_salt": "c"})
+            assert completion.usage.prompt_tokens_details.cached_tokens == 0
+            response = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2,
+                                                       extra_body={"cache_salt": "d"})
+            assert response.usage.input_tokens_details.cached_tokens == 0
+            response = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2,
+                                                       extra_body={"cache_salt": "d"})
+            assert response.usage.input_tokens_details.cached_tokens > 0
+            with pytest.raises(openai.BadRequestError, match="cache_salt"):
+                await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                                  extra_body={"cache_salt": ""})
+
+    asyncio.run(main())
+
     asyncio.run(main())
 
 

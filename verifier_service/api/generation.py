@@ -70,7 +70,7 @@ def new_sequence(rt: Runtime, parsed: ParsedRequest, grammar: Constrained | None
                                 parsed.stopping.include_stop_str, parsed.skip_special_tokens,
                                 context=parsed.prompt_ids[-CONTEXT_TOKENS:]),
         generator=generator, prompt_logprobs=parsed.prompt_logprobs, grammar=grammar, priority=parsed.priority,
-        prediction=Prediction(parsed.prediction) if parsed.prediction else None)
+        prediction=Prediction(parsed.prediction) if parsed.prediction else None, cache_root=parsed.cache_root)
 
 
 async def compile_constraint(rt: Runtime, parsed: ParsedRequest) -> Constrained | None:

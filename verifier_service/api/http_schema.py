@@ -250,6 +250,8 @@ class GenerationBody(RequestBody):
     # vLLM's: with --reasoning-parser, at most this many thinking tokens, then `</think>` (else a 400)
     thinking_token_budget: int | None = Field(None, ge=0, le=UINT32)
     prediction: PredictedOutput | None = None  # OpenAI's; completions take it too
+    # vLLM's: only requests with the same salt share the prefix cache (GenerationParams.cache_salt)
+    cache_salt: str | None = Field(None, min_length=1)
     # Refused unless neutral (UNSUPPORTED; pydantic checks that each has a field here); never read.
     best_of: Any = None
     functions: Any = None
@@ -391,6 +393,8 @@ class GenerationBody(RequestBody):
             p.thinking_token_budget = self.thinking_budget
         if self.prediction is not None:
             p.prediction = self.prediction.text
+        if self.cache_salt is not None:
+            p.cache_salt = self.cache_salt
         constraint = self.structured_output()
         if constraint is not None:
             p.structured_output.CopyFrom(constraint)

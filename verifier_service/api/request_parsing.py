@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api import json_text
 from verifier_service.builder import Runtime
+from verifier_service.engine.prefix_cache import salt_root
 from verifier_service.engine.reasoning import Reasoning
 from verifier_service.engine.sampler import SamplingParams
 from verifier_service.engine.sequence import StoppingParams
@@ -92,6 +93,7 @@ class ParsedRequest:
     priority: int = 0  # lower runs first (priority scheduling)
     thinking_budget: int | None = None  # most thinking tokens of a reasoning model (None: no limit)
     prediction: list[int] = field(default_factory=list)  # its predicted output's tokens (none: [])
+    cache_root: bytes = b""  # where its prefix-cache hash chain starts: its cache salt's (prefix_cache.salt_root)
 
 
 def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizerBase,
@@ -112,7 +114,7 @@ def parse(request: verifier_pb2.GenerationParams, tokenizer: PreTrainedTokenizer
                          prompt_logprobs, _constraint(request),
                          not request.HasField("skip_special_tokens") or request.skip_special_tokens, request.priority,
                          _thinking_budget(request, limits.reasoning),
-                         _prediction(request.prediction, tokenizer, limits))
+                         _prediction(request.prediction, tokenizer, limits), salt_root(request.cache_salt))
 
 
 def _prediction(text: str, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[int]:

@@ -17,7 +17,9 @@ which is the multi-turn case: the next turn extends the last one's tokens.
 Idle slots are evicted least-recently-used whenever a slot is needed and none is free,
 so they always count as free capacity: caching never makes a request wait or be refused.
 The hashes are BLAKE2b digests (not Python's hash(), whose collisions can be forged), so
-a crafted prompt cannot read another prompt's cached KV.
+a crafted prompt cannot read another prompt's cached KV. A request's cache salt (vLLM's
+cache_salt) starts its chain from the salt's own digest instead of from nothing, so only
+requests with the same salt share blocks: a tenant cannot time its way to another's prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from collections.abc import Sequence as Seq
 from verifier_service.model.kv_cache import KVCache
 
 BLOCK_SIZE = 16
+
+
+def salt_root(salt: str) -> bytes:
+    """Where a salted request's hash chain starts (an unsalted one starts from b"")."""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest() if salt else b""
 
 
 def chain_hashes(tokens: Seq[int], start_block: int, end_block: int, parent: bytes) -> list[bytes]:
@@ -69,22 +76,23 @@ class PrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
-    def acquire(self, prompt: Seq[int], reuse: bool = True,
+    def acquire(self, prompt: Seq[int], root: bytes = b"", reuse: bool = True,
                 counted: bool = True) -> tuple[int, int, tuple[int, int, int] | None]:
-        """A slot for `prompt`: (slot, positions already valid in it, copy (src, dst, n) to run
-        before they are) . At least the prompt's last token is always left to compute. Without
-        `reuse` (a prompt whose every position must be computed), a slot without a match. Not
-        `counted` (a preempted sequence's own tokens), it is left out of queries and hits."""
+        """A slot for `prompt`, whose chain starts from `root` (salt_root): (slot, positions already
+        valid in it, copy (src, dst, n) to run before they are) . At least the prompt's last token is
+        always left to compute. Without `reuse` (a prompt whose every position must be computed), a
+        slot without a match. Not `counted` (a preempted sequence's own tokens), it is left out of
+        queries and hits."""
         if not self.enabled or not reuse:
             return self._allocate(), 0, None
-        slot, reused, copy = self._acquire(prompt)
+        slot, reused, copy = self._acquire(prompt, root)
         if counted:
             self.queries += len(prompt)
             self.hits += reused
         return slot, reused, copy
 
-    def _acquire(self, prompt: Seq[int]) -> tuple[int, int, tuple[int, int, int] | None]:
-        hashes = chain_hashes(prompt, 0, (len(prompt) - 1) // BLOCK_SIZE, b"")
+    def _acquire(self, prompt: Seq[int], root: bytes) -> tuple[int, int, tuple[int, int, int] | None]:
+        hashes = chain_hashes(prompt, 0, (len(prompt) - 1) // BLOCK_SIZE, root)
         source, blocks = None, 0
         for i, h in enumerate(hashes):
             holders = self._holders.get(h)
@@ -110,16 +118,17 @@ class PrefixCache:
         self._register(slot, hashes[:blocks])
         return slot, reused, (source, slot, reused)
 
-    def extend(self, slot: int, prompt: list[int], output: list[int], valid: int) -> None:
-        """The slot's first `valid` positions hold the KV of (prompt + output)[:valid]:
-        register its new full blocks (the tokens are joined only when a block is complete)."""
+    def extend(self, slot: int, prompt: list[int], output: list[int], valid: int, root: bytes = b"") -> None:
+        """The slot's first `valid` positions hold the KV of (prompt + output)[:valid], its chain
+        starting from `root`: register its new full blocks (the tokens are joined only when a block
+        is complete)."""
         if not self.enabled:
             return
         chain = self._chains.setdefault(slot, [])
         if valid // BLOCK_SIZE > len(chain):
             tokens = prompt if valid <= len(prompt) else prompt + output
             self._register(slot, chain_hashes(tokens, len(chain), valid // BLOCK_SIZE,
-                                              chain[-1] if chain else b""))
+                                              chain[-1] if chain else root))
 
     def release(self, slot: int, keep: bool) -> None:
         """The slot's sequence left; `keep` its valid blocks for reuse (they stay until evicted)."""

@@ -280,7 +280,7 @@ class Scheduler:
         # a prefix-cache query, nor a hit.
         first = not seq.num_preemptions
         seq.slot, seq.num_prefilled, copy = self.prefix_cache.acquire(
-            seq.prefill_ids, reuse=seq.prompt_logprobs is None or seq.recompute, counted=first)
+            seq.prefill_ids, seq.cache_root, reuse=seq.prompt_logprobs is None or seq.recompute, counted=first)
         if first:
             seq.cached_prompt_tokens, seq.admitted_at = seq.num_prefilled, time.perf_counter()
         if copy is not None:
@@ -336,7 +336,7 @@ class Scheduler:
             # An accepted tree path's K/V reach their positions at the sequence's next forward: the
             # positions from the first move on are not yet what the tokens say, so not yet shareable.
             valid = min(seq.kv_len, *(to for _, to in seq.kv_moves)) if seq.kv_moves else seq.kv_len
-            self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, valid)
+            self.prefix_cache.extend(seq.slot, seq.prompt_ids, seq.output_ids, valid, seq.cache_root)
         for seq in finished:
             self._finish(seq)
         return finished

@@ -132,6 +132,7 @@ class Sequence:
     num_prefilled: int = 0  # positions of prefill_ids whose KV its slot holds (chunked prefill, cached prefix)
     cached_prompt_tokens: int = 0  # of the prompt's, reused from the prefix cache when it was first admitted
     priority: int = 0  # with priority scheduling, lower runs first (vLLM's); ties go to the earlier arrival
+    cache_root: bytes = b""  # where its prefix-cache hash chain starts: its cache salt's digest (prefix_cache.py)
     arrival: int = 0  # its place in the order of arrival, given by the scheduler
     admitted_at: float | None = None  # time.perf_counter() when it first got a KV slot: its queue time's end
     num_preemptions: int = 0

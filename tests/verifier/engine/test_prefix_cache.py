@@ -253,3 +253,26 @@ def test_every_turn_of_a_speculative_chat_reuses_the_whole_previous_turn() -> No
         # place only at a next forward, is not shared).
         assert cached >= (previous - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, turns
     assert sum(drafted for _, _, drafted in turns) > 0
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_the_same_salt() -> None:
+    """vLLM's cache_salt: a salted prompt hits neither the unsalted cache nor another salt's, and is
+    hit by its own salt's requests, a whole later turn included; the tokens are plain decoding's."""
+    doc = tokens(7, 70)
+
+    async def main() -> None:
+        async with run_verifier(spec_config("NGRAM", 3), model=shared_model()) as v:
+            async def cached(prompt: list[int], salt: str, n: int = 8) -> int:
+                out = (await v.stub.Generate(token_request(prompt, n, cache_salt=salt), timeout=WAIT_S)).output
+                assert list(out.token_ids) == ref(prompt, n)
+                return out.cached_prompt_tokens
+
+            assert await cached(doc, "tenant-a", 30) == 0  # its slot keeps 6 blocks: 4 of prompt, 2 reaching the output
+            assert [await cached(doc, salt) for salt in ("", "tenant-b", "tenant-a ")] == [0, 0, 0]
+            assert [await cached(doc, salt) for salt in ("tenant-a", "", "tenant-b")] == [64, 64, 64]
+            # A later turn extends tenant-a's first request, its output's blocks salted as its prompt's.
+            turn = doc + ref(doc, 30) + tokens(8, 5)
+            assert [await cached(turn, salt) for salt in ("tenant-c", "tenant-b", "tenant-a")] == [0, 64, 96]
+            no_leak(engine_of(v))
+
+    asyncio.run(main())
