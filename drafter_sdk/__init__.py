@@ -14,7 +14,15 @@ built-in `splitspec-drafter ngram` / `splitspec-drafter suffix`.
 """
 
 from drafter_sdk.service import grpc_core_logs  # noqa: F401, I001 - first: before anything imports grpc
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, ReleaseReason, SamplingHints
+from drafter_sdk.drafter import (
+    CACHE_SALT,
+    LEARNS_FROM_FINISHED,
+    LOOKAHEAD,
+    Drafter,
+    DraftRequest,
+    ReleaseReason,
+    SamplingHints,
+)
 from drafter_sdk.drafters.ngram import NgramDrafter
 from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.errors import DrafterError
@@ -24,6 +32,7 @@ from drafter_sdk.server.servicer import DrafterServicer
 from drafter_sdk.tree import TREE_CAPABILITY, DraftTree
 
 __all__ = [
+    "CACHE_SALT",
     "LEARNS_FROM_FINISHED",
     "LOOKAHEAD",
     "DraftRequest",

@@ -34,6 +34,12 @@ draft it verifies, sends each step's call before its forward and reads the answe
 a step accepted is stripped from the front of that answer, and the rest, if long enough, is the
 next step's draft, verified without waiting for a call."""
 
+CACHE_SALT = "cache-salt"
+"""A capability tag (put it in `Drafter.capabilities`) for a drafter that learns across requests and
+keeps what a salted request taught to requests of the same salt (`DraftRequest.cache_salt_id`): the
+verifier sends salted requests only to such drafters. The SDK's server advertises it itself for a
+drafter that learns nothing across requests (`learns_across_requests` false)."""
+
 STREAM_RELEASES = "stream-releases"
 """A capability tag the SDK's server advertises itself: it takes releases on
 PrepareDraftTokensStream too, so they reach the replica that holds the state (PROTOCOL.md §2a)."""
@@ -83,6 +89,9 @@ class DraftRequest:
     # A tree's depth stays within draft_len. Nonzero only for drafters that list
     # TREE_CAPABILITY in `capabilities`.
     max_draft_nodes: int = 0
+    # Its request's cache salt, as an opaque id ("": unsalted). A drafter advertising CACHE_SALT drafts
+    # for it only from its own context and what requests of the same id taught, and teaches only them.
+    cache_salt_id: str = ""
 
     @property
     def key(self) -> Key:

@@ -10,6 +10,9 @@ in the pool. The knobs keep TensorRT-LLM's names and meaning:
 - is_use_oldest: with is_keep_all, propose the continuation first seen;
   otherwise the one most recently seen for the first time.
 - is_public_pool: one pool shared by all requests instead of one per request.
+  A request with a cache salt (`cache_salt_id`) keeps a pool of its own even
+  so: what it holds is kept from everyone else, and it drafts from nothing
+  anyone else wrote.
 
 The drafts are those TensorRT-LLM's `NGramPoolManager` computes when it scans a
 whole history in one pass; only the cost differs. A continuation is complete
@@ -73,7 +76,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
-from drafter_sdk.drafter import LOOKAHEAD, TOKEN_TYPECODE, Drafter, DraftRequest, Key
+from drafter_sdk.drafter import CACHE_SALT, LOOKAHEAD, TOKEN_TYPECODE, Drafter, DraftRequest, Key
 from drafter_sdk.drafters import ngram_snapshot
 from drafter_sdk.tree import ROOT, TREE_CAPABILITY, DraftTree
 
@@ -225,7 +228,7 @@ class _Occurrences:
 
 @dataclass
 class _RequestState:
-    pool: _Pool | None  # None with a public pool
+    pool: _Pool | None  # None: the public pool (a salted request keeps its own)
     # Length of the history whose complete continuations are recorded in the pool.
     recorded_len: int = field(default=0)
     occurrences: _Occurrences | None = None  # built on the first tree asked for
@@ -234,7 +237,7 @@ class _RequestState:
 class NgramDrafter(Drafter):
     name = "ngram"
     version = "1.1"
-    capabilities = ("ngram", TREE_CAPABILITY, LOOKAHEAD)
+    capabilities = ("ngram", TREE_CAPABILITY, LOOKAHEAD, CACHE_SALT)
     runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_draft_len: int = 8, max_matching_ngram_size: int = 3, is_keep_all: bool = True,
@@ -258,6 +261,9 @@ class NgramDrafter(Drafter):
         self._requests: dict[Key, _RequestState] = {}
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        for r in requests:
+            if r.cache_salt_id and self.is_public_pool and r.key not in self._requests:
+                self._requests[r.key] = _RequestState(self._new_pool(public=False))
         # Requests wanting no draft are skipped: the next draft catches up on their history.
         return [([] if not r.draft_len else self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
                  else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes)) for r in requests]

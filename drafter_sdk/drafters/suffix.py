@@ -53,7 +53,9 @@ outputs. `cache_scope` bounds that: "global" (every verifier, vLLM's
 process-wide cache), "verifier" (one tree per verifier id) or "request" (no
 global tree). Sharing never changes an output, since every draft is verified,
 but how fast a request runs can tell whether similar text was generated for
-someone else: scope it where that matters.
+someone else: scope it where that matters. Within any scope, requests with a
+cache salt (`cache_salt_id`) share a global tree only with those of the same
+salt, as the verifier's prefix cache shares KV.
 
 Where the verifier verifies token trees (`max_draft_nodes` > 0), the drafter
 answers SuffixDecoding's speculation tree instead of its greedy path: grown
@@ -77,7 +79,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
+from drafter_sdk.drafter import CACHE_SALT, LEARNS_FROM_FINISHED, LOOKAHEAD, Drafter, DraftRequest, Key, ReleaseReason
 from drafter_sdk.drafters import suffix_snapshot
 from drafter_sdk.drafters.suffix_choice import LONG_MATCH, RECHECK_EVERY, ChoiceTable, Trial, bucket, pending_trials
 from drafter_sdk.drafters.suffix_index import Cursor, Draft, SuffixIndex, draft_budget
@@ -103,6 +105,7 @@ class _Metrics:
 class _Request:
     tree: SuffixIndex  # its whole context, prompt first
     prompt_len: int
+    salt: str  # its cache salt's id ("": unsalted): which global tree of its scope it drafts from and feeds
     # Its matches in its own tree and in its global tree, carried from step to step.
     own: Cursor = field(default_factory=Cursor)
     shared: Cursor = field(default_factory=Cursor)
@@ -114,7 +117,7 @@ class _Request:
 class SuffixDrafter(Drafter):
     name = "suffix"
     version = "1.0"
-    capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY, LOOKAHEAD)
+    capabilities = ("suffix", LEARNS_FROM_FINISHED, TREE_CAPABILITY, LOOKAHEAD, CACHE_SALT)
     runs_inline = True  # well under a millisecond a sequence
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
@@ -189,7 +192,7 @@ class SuffixDrafter(Drafter):
         state = self._requests.pop(key, None)
         if state is None or reason != ReleaseReason.FINISHED:
             return
-        scope = self._scope(key)
+        scope = self._scope(key, state.salt)
         if scope is None or self.max_cached_requests == 0:
             return
         tokens = state.tree.tokens()
@@ -258,7 +261,7 @@ class SuffixDrafter(Drafter):
         """(index, its best draft, whether it is the request's own) for whichever tree drafts the
         better path (module docstring): the own tree's wins a tie."""
         state = self._requests[key]
-        scope = self._scope(key)
+        scope = self._scope(key, state.salt)
         shared = self._global.get(scope) if scope is not None else None
         if shared is None:
             index, draft, own = state.tree, self._own(state, tokens, draft_len), True
@@ -334,12 +337,12 @@ class SuffixDrafter(Drafter):
     def _sync(self, r: DraftRequest) -> _Request:
         """Bring the request's tree up to its committed tokens (it only grows between releases)."""
         state = self._requests.get(r.key)
-        if state is None or state.tree.num_tokens > len(r.tokens):
-            state = self._requests[r.key] = _Request(SuffixIndex(self.max_tree_depth), r.prompt_len)
+        if state is None or state.tree.num_tokens > len(r.tokens) or state.salt != r.cache_salt_id:
+            state = self._requests[r.key] = _Request(SuffixIndex(self.max_tree_depth), r.prompt_len, r.cache_salt_id)
             state.tree.add(r.tokens)
         elif state.tree.num_tokens < len(r.tokens):
             state.tree.extend(r.tokens[state.tree.num_tokens:])
-            choices = self._choices.get(self._scope(r.key)) if state.trials else None
+            choices = self._choices.get(self._scope(r.key, state.salt)) if state.trials else None
             if choices is not None:
                 choices.learn(state.trials, r.tokens)
             else:  # its global tree has gone (all evicted) since they were drafted
@@ -365,8 +368,10 @@ class SuffixDrafter(Drafter):
             if not len(tree):
                 del self._global[oldest], self._choices[oldest]
 
-    def _scope(self, key: Key) -> str | None:
-        """Which global tree the request drafts from and feeds; None: none."""
+    def _scope(self, key: Key, salt: str) -> str | None:
+        """Which global tree the request drafts from and feeds; None: none. A salt's tree is its
+        scope's name, NUL, the salt's id (the SDK refuses a verifier id that holds a NUL)."""
         if self.cache_scope == "request":
             return None
-        return "" if self.cache_scope == "global" else key[0]
+        scope = "" if self.cache_scope == "global" else key[0]
+        return f"{scope}\0{salt}" if salt else scope

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\"\x17\n\x15GetDrafterInfoRequest\"\xaa\x01\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\"B\n\rSamplingHints\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xf0\x01\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x11\n\tdraft_len\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.splitspec.v1.SamplingHints\x12\x18\n\x10last_num_drafted\x18\x07 \x01(\r\x12\x19\n\x11last_num_accepted\x18\x08 \x01(\r\x12\x17\n\x0fmax_draft_nodes\x18\t \x01(\r\"`\n\x19PrepareDraftTokensRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.DraftSequence\"y\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.splitspec.v1.DraftStatus\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\"H\n\x1aPrepareDraftTokensResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.DraftResult\"\xa1\x01\n\x1fPrepareDraftTokensStreamRequest\x12:\n\x07request\x18\x01 \x01(\x0b\x32\'.splitspec.v1.PrepareDraftTokensRequestH\x00\x12\x37\n\x07release\x18\x02 \x01(\x0b\x32$.splitspec.v1.ReleaseRequestsRequestH\x00\x42\t\n\x07message\"\xa6\x01\n PrepareDraftTokensStreamResponse\x12<\n\x08response\x18\x01 \x01(\x0b\x32(.splitspec.v1.PrepareDraftTokensResponseH\x00\x12\x39\n\x08released\x18\x02 \x01(\x0b\x32%.splitspec.v1.ReleaseRequestsResponseH\x00\x42\t\n\x07message\"p\n\x16ReleaseRequestsRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x07reasons\x18\x03 \x03(\x0e\x32\x1b.splitspec.v1.ReleaseReason\"+\n\x17ReleaseRequestsResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x18\n\x16GetLearnedStateRequest\"(\n\x17GetLearnedStateResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c*b\n\x0b\x44raftStatus\x12\x1c\n\x18\x44RAFT_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_STATUS_OK\x10\x01\x12 \n\x1c\x44RAFT_STATUS_RESYNC_REQUIRED\x10\x02*\x86\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x02\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x03\x32\x97\x04\n\x0e\x44rafterService\x12[\n\x0eGetDrafterInfo\x12#.splitspec.v1.GetDrafterInfoRequest\x1a$.splitspec.v1.GetDrafterInfoResponse\x12g\n\x12PrepareDraftTokens\x12\'.splitspec.v1.PrepareDraftTokensRequest\x1a(.splitspec.v1.PrepareDraftTokensResponse\x12}\n\x18PrepareDraftTokensStream\x12-.splitspec.v1.PrepareDraftTokensStreamRequest\x1a..splitspec.v1.PrepareDraftTokensStreamResponse(\x01\x30\x01\x12^\n\x0fReleaseRequests\x12$.splitspec.v1.ReleaseRequestsRequest\x1a%.splitspec.v1.ReleaseRequestsResponse\x12`\n\x0fGetLearnedState\x12$.splitspec.v1.GetLearnedStateRequest\x1a%.splitspec.v1.GetLearnedStateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\"\x17\n\x15GetDrafterInfoRequest\"\xaa\x01\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\"B\n\rSamplingHints\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\x87\x02\n\rDraftSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x11\n\tdraft_len\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.splitspec.v1.SamplingHints\x12\x18\n\x10last_num_drafted\x18\x07 \x01(\r\x12\x19\n\x11last_num_accepted\x18\x08 \x01(\r\x12\x17\n\x0fmax_draft_nodes\x18\t \x01(\r\x12\x15\n\rcache_salt_id\x18\n \x01(\t\"`\n\x19PrepareDraftTokensRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.DraftSequence\"y\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.splitspec.v1.DraftStatus\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\"H\n\x1aPrepareDraftTokensResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.DraftResult\"\xa1\x01\n\x1fPrepareDraftTokensStreamRequest\x12:\n\x07request\x18\x01 \x01(\x0b\x32\'.splitspec.v1.PrepareDraftTokensRequestH\x00\x12\x37\n\x07release\x18\x02 \x01(\x0b\x32$.splitspec.v1.ReleaseRequestsRequestH\x00\x42\t\n\x07message\"\xa6\x01\n PrepareDraftTokensStreamResponse\x12<\n\x08response\x18\x01 \x01(\x0b\x32(.splitspec.v1.PrepareDraftTokensResponseH\x00\x12\x39\n\x08released\x18\x02 \x01(\x0b\x32%.splitspec.v1.ReleaseRequestsResponseH\x00\x42\t\n\x07message\"p\n\x16ReleaseRequestsRequest\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12,\n\x07reasons\x18\x03 \x03(\x0e\x32\x1b.splitspec.v1.ReleaseReason\"+\n\x17ReleaseRequestsResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x18\n\x16GetLearnedStateRequest\"(\n\x17GetLearnedStateResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c*b\n\x0b\x44raftStatus\x12\x1c\n\x18\x44RAFT_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFT_STATUS_OK\x10\x01\x12 \n\x1c\x44RAFT_STATUS_RESYNC_REQUIRED\x10\x02*\x86\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x02\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x03\x32\x97\x04\n\x0e\x44rafterService\x12[\n\x0eGetDrafterInfo\x12#.splitspec.v1.GetDrafterInfoRequest\x1a$.splitspec.v1.GetDrafterInfoResponse\x12g\n\x12PrepareDraftTokens\x12\'.splitspec.v1.PrepareDraftTokensRequest\x1a(.splitspec.v1.PrepareDraftTokensResponse\x12}\n\x18PrepareDraftTokensStream\x12-.splitspec.v1.PrepareDraftTokensStreamRequest\x1a..splitspec.v1.PrepareDraftTokensStreamResponse(\x01\x30\x01\x12^\n\x0fReleaseRequests\x12$.splitspec.v1.ReleaseRequestsRequest\x1a%.splitspec.v1.ReleaseRequestsResponse\x12`\n\x0fGetLearnedState\x12$.splitspec.v1.GetLearnedStateRequest\x1a%.splitspec.v1.GetLearnedStateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSTATUS']._serialized_start=1408
-  _globals['_DRAFTSTATUS']._serialized_end=1506
-  _globals['_RELEASEREASON']._serialized_start=1509
-  _globals['_RELEASEREASON']._serialized_end=1643
+  _globals['_DRAFTSTATUS']._serialized_start=1431
+  _globals['_DRAFTSTATUS']._serialized_end=1529
+  _globals['_RELEASEREASON']._serialized_start=1532
+  _globals['_RELEASEREASON']._serialized_end=1666
   _globals['_GETDRAFTERINFOREQUEST']._serialized_start=44
   _globals['_GETDRAFTERINFOREQUEST']._serialized_end=67
   _globals['_GETDRAFTERINFORESPONSE']._serialized_start=70
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGHINTS']._serialized_start=242
   _globals['_SAMPLINGHINTS']._serialized_end=308
   _globals['_DRAFTSEQUENCE']._serialized_start=311
-  _globals['_DRAFTSEQUENCE']._serialized_end=551
-  _globals['_PREPAREDRAFTTOKENSREQUEST']._serialized_start=553
-  _globals['_PREPAREDRAFTTOKENSREQUEST']._serialized_end=649
-  _globals['_DRAFTRESULT']._serialized_start=651
-  _globals['_DRAFTRESULT']._serialized_end=772
-  _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_start=774
-  _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_end=846
-  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_start=849
-  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_end=1010
-  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_start=1013
-  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_end=1179
-  _globals['_RELEASEREQUESTSREQUEST']._serialized_start=1181
-  _globals['_RELEASEREQUESTSREQUEST']._serialized_end=1293
-  _globals['_RELEASEREQUESTSRESPONSE']._serialized_start=1295
-  _globals['_RELEASEREQUESTSRESPONSE']._serialized_end=1338
-  _globals['_GETLEARNEDSTATEREQUEST']._serialized_start=1340
-  _globals['_GETLEARNEDSTATEREQUEST']._serialized_end=1364
-  _globals['_GETLEARNEDSTATERESPONSE']._serialized_start=1366
-  _globals['_GETLEARNEDSTATERESPONSE']._serialized_end=1406
-  _globals['_DRAFTERSERVICE']._serialized_start=1646
-  _globals['_DRAFTERSERVICE']._serialized_end=2181
+  _globals['_DRAFTSEQUENCE']._serialized_end=574
+  _globals['_PREPAREDRAFTTOKENSREQUEST']._serialized_start=576
+  _globals['_PREPAREDRAFTTOKENSREQUEST']._serialized_end=672
+  _globals['_DRAFTRESULT']._serialized_start=674
+  _globals['_DRAFTRESULT']._serialized_end=795
+  _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_start=797
+  _globals['_PREPAREDRAFTTOKENSRESPONSE']._serialized_end=869
+  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_start=872
+  _globals['_PREPAREDRAFTTOKENSSTREAMREQUEST']._serialized_end=1033
+  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_start=1036
+  _globals['_PREPAREDRAFTTOKENSSTREAMRESPONSE']._serialized_end=1202
+  _globals['_RELEASEREQUESTSREQUEST']._serialized_start=1204
+  _globals['_RELEASEREQUESTSREQUEST']._serialized_end=1316
+  _globals['_RELEASEREQUESTSRESPONSE']._serialized_start=1318
+  _globals['_RELEASEREQUESTSRESPONSE']._serialized_end=1361
+  _globals['_GETLEARNEDSTATEREQUEST']._serialized_start=1363
+  _globals['_GETLEARNEDSTATEREQUEST']._serialized_end=1387
+  _globals['_GETLEARNEDSTATERESPONSE']._serialized_start=1389
+  _globals['_GETLEARNEDSTATERESPONSE']._serialized_end=1429
+  _globals['_DRAFTERSERVICE']._serialized_start=1669
+  _globals['_DRAFTERSERVICE']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

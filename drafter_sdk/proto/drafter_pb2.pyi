@@ -60,7 +60,7 @@ class SamplingHints(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftSequence(_message.Message):
-    __slots__ = ("request_id", "context_len", "new_tokens", "prompt_len", "draft_len", "sampling", "last_num_drafted", "last_num_accepted", "max_draft_nodes")
+    __slots__ = ("request_id", "context_len", "new_tokens", "prompt_len", "draft_len", "sampling", "last_num_drafted", "last_num_accepted", "max_draft_nodes", "cache_salt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class DraftSequence(_message.Message):
     LAST_NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LAST_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class DraftSequence(_message.Message):
     last_num_drafted: int
     last_num_accepted: int
     max_draft_nodes: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., draft_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingHints, _Mapping]] = ..., last_num_drafted: _Optional[int] = ..., last_num_accepted: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ...) -> None: ...
+    cache_salt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., draft_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingHints, _Mapping]] = ..., last_num_drafted: _Optional[int] = ..., last_num_accepted: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ..., cache_salt_id: _Optional[str] = ...) -> None: ...
 
 class PrepareDraftTokensRequest(_message.Message):
     __slots__ = ("verifier_id", "sequences")

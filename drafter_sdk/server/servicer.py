@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
+from drafter_sdk.drafter import CACHE_SALT, STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.server.metrics import DrafterMetrics, StateStats
@@ -139,8 +139,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         d = self.drafter
         return drafter_pb2.GetDrafterInfoResponse(
             name=d.name, version=d.version, max_draft_len=d.max_draft_len,
-            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=[*d.capabilities, STREAM_RELEASES],
+            vocab_size=d.vocab_size, tokenizer=d.tokenizer, capabilities=self.capabilities,
             tokenizer_fingerprint=d.tokenizer_fingerprint)
+
+    @property
+    def capabilities(self) -> list[str]:
+        """The drafter's own, STREAM_RELEASES, and CACHE_SALT where it learns nothing across requests (a
+        salted request has nothing to be kept apart from)."""
+        d = self.drafter
+        isolated = [CACHE_SALT] if CACHE_SALT not in d.capabilities and not d.learns_across_requests else []
+        return [*d.capabilities, *isolated, STREAM_RELEASES]
 
     def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,
                 caller: str = "") -> drafter_pb2.PrepareDraftTokensResponse:
@@ -209,7 +217,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 last_num_drafted=seq.last_num_drafted, last_num_accepted=seq.last_num_accepted,
                 # Proto3 cannot tell top_p 0 from unset; both mean "no nucleus filtering".
                 sampling=SamplingHints(hints.temperature, hints.top_p or 1.0, hints.top_k),
-                max_draft_nodes=seq.max_draft_nodes))
+                max_draft_nodes=seq.max_draft_nodes, cache_salt_id=seq.cache_salt_id))
         return _Call(results, batch, slots)
 
     def release(self, request: drafter_pb2.ReleaseRequestsRequest,
@@ -378,6 +386,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
         if not request.verifier_id:
             raise invalid("verifier_id must not be empty")
+        if "\0" in request.verifier_id:  # drafters name a salt's state after it: "<verifier id>\0<salt id>"
+            raise invalid("verifier_id must not hold a NUL character")
         vocab_size = self.drafter.vocab_size
         seen: set[str] = set()
         for seq in request.sequences:

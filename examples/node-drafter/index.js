@@ -260,7 +260,10 @@ function main(argv) {
       // lookahead: a longer draft costs a lookup nothing, so the verifier may ask for about twice what it
       // verifies and verify the rest at the next step without waiting for a call (PROTOCOL.md section 2b).
       // token-tree: it answers a tree where a sequence's max_draft_nodes allows one.
-      capabilities: ['ngram', 'prompt-lookup', 'stream-releases', 'lookahead', ...(opts.trees ? ['token-tree'] : [])],
+      // cache-salt: it learns nothing across requests, so nothing of a salted request (DraftSequence.cache_salt_id)
+      // reaches another: the verifier may send it salted requests too.
+      capabilities: ['ngram', 'prompt-lookup', 'stream-releases', 'lookahead', 'cache-salt',
+        ...(opts.trees ? ['token-tree'] : [])],
     }), ctx),
     PrepareDraftTokens: unary(prepare, ctx),
     PrepareDraftTokensStream: stream({ prepare, release }, ctx, streams),

@@ -80,6 +80,7 @@ def test_health_serving_and_drafter_info(drafter, stub):
     assert "stream-releases" in info.capabilities  # releases on the stream reach the state's replica
     assert "lookahead" in info.capabilities  # its longer drafts cost a lookup nothing
     assert "token-tree" in info.capabilities  # it answers trees where max_draft_nodes allows one
+    assert "cache-salt" in info.capabilities  # it learns nothing across requests: salted ones may come
 
 
 def test_it_does_not_offer_its_state_to_peers_and_a_replica_asking_it_starts_cold(drafter, stub):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter_sdk import NgramDrafter
+from drafter_sdk import CACHE_SALT, DraftRequest, NgramDrafter, SamplingHints
 from drafter_sdk.proto import drafter_pb2 as pb
 from sdk_support import seq, serving
 
@@ -93,6 +93,22 @@ def test_public_pool_shares_continuations_across_requests():
         drafter = NgramDrafter(max_draft_len=3, max_matching_ngram_size=1, is_public_pool=public)
         drafter.draft(("v", "teacher"), [3, 1, 4, 1, 5], 3)
         assert drafter.draft(("w", "student"), [9, 3], 3) == expected
+
+
+def test_a_salted_request_keeps_a_pool_of_its_own_beside_a_public_one():
+    """With a cache salt it neither drafts from the public pool nor feeds it, and drafts from its own history."""
+    def ask(drafter, key, tokens, salt=""):  # noqa: ANN001, ANN202
+        [out] = drafter.prepare_draft_tokens([DraftRequest(*key, tokens, 1, 3, 0, 0, SamplingHints(),
+                                                           cache_salt_id=salt)])
+        return out
+
+    drafter = NgramDrafter(max_draft_len=3, max_matching_ngram_size=1, is_public_pool=True)
+    assert CACHE_SALT in drafter.capabilities
+    ask(drafter, ("v", "salted"), [3, 7, 7, 7, 8], salt="ab")  # first: the pool proposes the oldest it holds
+    ask(drafter, ("v", "teacher"), [3, 1, 4, 1, 5])
+    assert ask(drafter, ("v", "salted-student"), [9, 3], salt="ab") == []
+    assert ask(drafter, ("v", "student"), [9, 3]) == [1, 4, 1]  # not 7 7 7: the salted one taught nothing
+    assert ask(drafter, ("v", "salted-copy"), [2, 6, 2], salt="ab") == [6, 2]
 
 
 def test_on_release_forgets_the_request():

@@ -27,6 +27,7 @@ async def expect_error(call, code: grpc.StatusCode) -> str:
 
 @pytest.mark.parametrize("verifier_id, sequences, message", [
     ("", [seq("a", 0, [1])], "verifier_id must not be empty"),
+    ("v\0salt", [seq("a", 0, [1])], "verifier_id must not hold a NUL character"),
     ("v", [seq("", 0, [1])], "request_id must not be empty"),
     ("v", [seq("a", 0, [1]), seq("a", 0, [2])], "duplicate request_id 'a'"),
     ("v", [seq("a", 0, [1]), seq("b", 0, [3, -1])], "negative token id -1"),

@@ -237,13 +237,14 @@ def test_a_longer_match_beats_a_higher_score_unless_told_otherwise(prefer_longer
 
 
 def request(rid: str, tokens: list[int], prompt_len: int = 0, draft_len: int = 8, verifier: str = "v",
-            nodes: int = 0) -> DraftRequest:
-    return DraftRequest(verifier, rid, tokens, prompt_len, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes)
+            nodes: int = 0, salt: str = "") -> DraftRequest:
+    return DraftRequest(verifier, rid, tokens, prompt_len, draft_len, 0, 0, SamplingHints(), max_draft_nodes=nodes,
+                        cache_salt_id=salt)
 
 
 def finish(drafter: SuffixDrafter, rid: str, prompt: list[int], output: list[int], verifier: str = "v",
-           reason: ReleaseReason = ReleaseReason.FINISHED) -> None:
-    drafter.prepare_draft_tokens([request(rid, prompt + output, len(prompt), 0, verifier)])
+           reason: ReleaseReason = ReleaseReason.FINISHED, salt: str = "") -> None:
+    drafter.prepare_draft_tokens([request(rid, prompt + output, len(prompt), 0, verifier, salt=salt)])
     drafter.on_release((verifier, rid), reason)
 
 
@@ -331,6 +332,29 @@ def test_cache_scopes() -> None:
     assert drafts_for_b("request") == ([], [])
     with pytest.raises(ValueError, match="cache_scope"):
         SuffixDrafter(cache_scope="everyone")
+
+
+@pytest.mark.parametrize("scope", ["global", "verifier"])
+def test_within_a_scope_a_salted_output_drafts_for_its_own_salt_alone(scope: str) -> None:
+    """A salted request learns into and drafts from its salt's tree of its scope only (its own context aside);
+    the salted trees survive save_learned and restore_learned, and share the caps with every other tree."""
+    drafter = SuffixDrafter(cache_scope=scope, max_cached_requests=3)
+    finish(drafter, "a", [], [1, 2, 3, 4, 5, 6], verifier="A", salt="s1")
+    finish(drafter, "b", [], [1, 2, 3, 7, 8, 9], verifier="A")
+
+    def drafts(drafter: SuffixDrafter, verifier: str = "A") -> list[list[int]]:
+        return [drafter.prepare_draft_tokens([request(f"q{salt}", [1, 2, 3], verifier=verifier, salt=salt)])[0]
+                for salt in ("s1", "", "s2")]
+
+    assert drafts(drafter) == [[4, 5, 6], [7, 8, 9], []]
+    assert drafts(drafter, verifier="B") == ([[4, 5, 6], [7, 8, 9], []] if scope == "global" else [[], [], []])
+    assert drafter.prepare_draft_tokens([request("own", [1, 2, 3, 1, 2], salt="s2")]) == [[3, 1, 2]]
+    restored = SuffixDrafter(cache_scope=scope, max_cached_requests=3)
+    restored.restore_learned(drafter.save_learned())
+    assert drafts(restored) == [[4, 5, 6], [7, 8, 9], []]
+    for i in range(3):  # the caps count every tree's outputs together: the salted one, the oldest, goes first
+        finish(drafter, f"c{i}", [], [20 + i, 21, 22], verifier="A", salt="s2")
+    assert drafts(drafter) == [[], [], []] and drafter.cached_requests == 3
 
 
 def test_state_bytes_per_request_and_shared() -> None:

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from drafter_sdk.drafter import LEARNS_FROM_FINISHED, LOOKAHEAD, STREAM_RELEASES
+from drafter_sdk.drafter import CACHE_SALT, LEARNS_FROM_FINISHED, LOOKAHEAD, STREAM_RELEASES
 from drafter_sdk.proto import drafter_pb2
 from drafter_sdk.tree import TREE_CAPABILITY, is_chain, tree_problem
 from verifier_service.spec_decode.circuit_breaker import CircuitBreaker
@@ -66,6 +66,7 @@ class DraftQuery:
     top_p: float = 1.0
     top_k: int = 0
     max_draft_nodes: int = 0  # token-tree budget (draft_len is then its depth); 0 = chains only
+    cache_salt_id: str = ""  # its request's cache salt, as the drafter may see it ("": unsalted)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class ReleasedRequest:
     tokens: Sequence[int]  # every committed token, prompt first
     prompt_len: int
     history: DeltaHistory
+    cache_salt_id: str = ""
 
 
 @dataclass
@@ -85,6 +87,7 @@ class DraftCall:
 
     queries: list[DraftQuery]
     request: drafter_pb2.PrepareDraftTokensRequest | None = None  # None: no call made (nothing to ask)
+    sent: list[bool] = field(default_factory=list)  # parallel to queries: those the request carries, in order
     answer: Answer | None = None  # where the transport sent it already: reads its answer
     error: BaseException | None = None  # sending it failed
     started: float = field(default_factory=time.perf_counter)
@@ -183,7 +186,7 @@ class DrafterClient:
         try:
             response = await self.transport.prepare(call.request, self.deadline_s)
         except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
-            return self._fail(queries, _describe(exc), time.perf_counter() - call.started)
+            return self._fail(call, _describe(exc), time.perf_counter() - call.started)
         return self._reply(call, response)
 
     def send(self, queries: list[DraftQuery]) -> DraftCall:
@@ -207,7 +210,7 @@ class DrafterClient:
                 raise call.error or RuntimeError(f"{self.transport.target} cannot send a call ahead of its answer")
             response = call.answer()
         except Exception as exc:  # noqa: BLE001 - any drafter fault costs the draft, nothing more
-            return self._fail(call.queries, _describe(exc), time.perf_counter() - call.started)
+            return self._fail(call, _describe(exc), time.perf_counter() - call.started)
         return self._reply(call, response)
 
     def _new_call(self, queries: list[DraftQuery]) -> DraftCall:
@@ -222,12 +225,20 @@ class DrafterClient:
         if not self.breaker.allow():
             self.stats.skipped += 1
             return DraftCall(queries)
-        request = self._build_request(queries)
+        sent = [self.sees(q.cache_salt_id) for q in queries]
+        if not any(sent):
+            return DraftCall(queries)
+        request = self._build_request([q for q, s in zip(queries, sent) if s])
         self.stats.calls += 1
         size = request.ByteSize()
         self.stats.request_bytes += size
         self.stats.last_request_bytes = size
-        return DraftCall(queries, request)
+        return DraftCall(queries, request, sent)
+
+    def sees(self, cache_salt_id: str) -> bool:
+        """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
+        drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them."""
+        return not cache_salt_id or (self.info is not None and CACHE_SALT in self.info.capabilities)
 
     def _reply(self, call: DraftCall, response: drafter_pb2.PrepareDraftTokensResponse) -> DraftReply:
         latency = time.perf_counter() - call.started
@@ -235,9 +246,19 @@ class DrafterClient:
         assert request is not None
         problem = _check_shape(response, request)
         if problem:
-            return self._fail(queries, problem, latency)
-        drafts, parents, failed, lost_state, tree_error = [], [], [], False, ""
-        for query, result in zip(queries, response.results):
+            return self._fail(call, problem, latency)
+        drafts: list[list[int]] = []
+        parents: list[list[int]] = []
+        failed: list[bool] = []
+        lost_state, tree_error = False, ""
+        results = iter(response.results)
+        for query, sent in zip(queries, call.sent):
+            if not sent:
+                drafts.append([])
+                parents.append([])
+                failed.append(False)
+                continue
+            result = next(results)
             lost_state |= result.status == drafter_pb2.DRAFT_STATUS_RESYNC_REQUIRED and bool(query.history.lengths)
             draft, bad = self._accept(query, result)
             tree, problem = self._accept_tree(query, result, draft)
@@ -269,7 +290,7 @@ class DrafterClient:
                 prompt_len=q.prompt_len, draft_len=q.draft_len,
                 sampling=drafter_pb2.SamplingHints(temperature=q.temperature, top_p=q.top_p, top_k=q.top_k),
                 last_num_drafted=q.last_num_drafted, last_num_accepted=q.last_num_accepted,
-                max_draft_nodes=q.max_draft_nodes))
+                max_draft_nodes=q.max_draft_nodes, cache_salt_id=q.cache_salt_id))
         return request
 
     def _accept(self, query: DraftQuery, result: drafter_pb2.DraftResult) -> tuple[list[int], bool]:
@@ -311,14 +332,14 @@ class DrafterClient:
         """The drafter said it may answer token trees (GetDrafterInfo capabilities)."""
         return self.info is not None and TREE_CAPABILITY in self.info.capabilities
 
-    def _fail(self, queries: list[DraftQuery], error: str, latency: float) -> DraftReply:
+    def _fail(self, call: DraftCall, error: str, latency: float) -> DraftReply:
         # The drafter may or may not have applied the deltas: the history stays unchanged, and the
         # next call's overlap covers this call's tokens anyway.
         self.stats.failures += 1
         self.stats.last_error = error
         self.breaker.record_failure()
         log.debug("drafter call failed: %s", error)
-        return DraftReply([[] for _ in queries], [True] * len(queries), latency)
+        return DraftReply([[] for _ in call.queries], list(call.sent), latency)
 
     def release(self, released: list[ReleasedRequest]) -> None:
         """Tell the drafter in the background (best effort: a lost release is cleaned up by
@@ -329,7 +350,9 @@ class DrafterClient:
         length 0): the tokens of a request's last step are otherwise never sent. With
         `share_finished`, every replica behind its target is then told of the finished ones, each
         whole (PROTOCOL.md section 7): the replica that served one takes it once (the SDK turns a
-        second FINISHED release of a key into EVICTED), and the others learn it too."""
+        second FINISHED release of a key into EVICTED), and the others learn it too. Requests the
+        drafter is not sent (`sees`) are left out."""
+        released = [r for r in released if self.sees(r.cache_salt_id)]
         if not released or not self.breaker.allow():
             return
         request = drafter_pb2.ReleaseRequestsRequest(
@@ -346,8 +369,8 @@ class DrafterClient:
         if not finished:
             return None
         # A fresh history: the whole context, to replicas that have never seen the request.
-        sync = self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, DeltaHistory())
-                                    for r in finished])
+        sync = self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, DeltaHistory(),
+                                               cache_salt_id=r.cache_salt_id) for r in finished])
         return sync, drafter_pb2.ReleaseRequestsRequest(
             verifier_id=self.verifier_id, request_ids=[r.request_id for r in finished],
             reasons=[drafter_pb2.RELEASE_REASON_FINISHED] * len(finished))
@@ -359,7 +382,8 @@ class DrafterClient:
                   and r.history.lengths and r.history.lengths[-1] < len(r.tokens)]
         if not unsent:
             return None
-        return self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, r.history) for r in unsent])
+        return self._build_request([DraftQuery(r.request_id, r.tokens, r.prompt_len, 0, r.history,
+                                               cache_salt_id=r.cache_salt_id) for r in unsent])
 
     async def _release(self, request: drafter_pb2.ReleaseRequestsRequest,
                        sync: drafter_pb2.PrepareDraftTokensRequest | None,

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from round_robin import ANSWER_LOST, RoundRobin
 
-from drafter_sdk import Drafter, DraftRequest, start_server
+from drafter_sdk import CACHE_SALT, LEARNS_FROM_FINISHED, Drafter, DraftRequest, ReleaseReason, start_server
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.server.servicer import DrafterServicer
-from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
+from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery, ReleasedRequest
 from verifier_service.spec_decode.transport import GrpcTransport
 
 OK = pb.DRAFT_STATUS_OK
@@ -314,5 +314,68 @@ def test_a_drafter_without_get_drafter_info_is_asked_once():
             await asyncio.gather(*client._background)
         assert reply.drafts == [tokens[-3:]] and transport.info_calls == 1
         assert client.info == pb.GetDrafterInfoResponse()
+
+    asyncio.run(body())
+
+
+class Learner(Echo):
+    """Echo that learns from finished requests (it has something to save) and keeps no cache salts apart."""
+
+    name = "learner"
+    capabilities = (LEARNS_FROM_FINISHED,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.salts: dict[tuple[str, str], str] = {}
+        self.finished: list[tuple[str, str]] = []
+
+    def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.salts.update((r.key, r.cache_salt_id) for r in requests)
+        return super().prepare_draft_tokens(requests)
+
+    def on_release(self, key: tuple[str, str], reason: ReleaseReason = ReleaseReason.UNSPECIFIED) -> None:
+        if reason == ReleaseReason.FINISHED:
+            self.finished.append(key)
+
+    def save_learned(self) -> bytes:
+        return b""
+
+
+class SaltedLearner(Learner):
+    name = "salted-learner"
+    capabilities = (LEARNS_FROM_FINISHED, CACHE_SALT)
+
+
+@pytest.mark.parametrize("drafter", [Echo, Learner, SaltedLearner])
+def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(drafter: type[Echo]):
+    """One that learns nothing across requests (the SDK advertises CACHE_SALT for it) or says it keeps
+    salts apart is sent the salted sequence, its salt's id in each call, its last tokens and its release;
+    one that learns across requests and does not say so is sent nothing of it: no draft, no failure."""
+    async def body():
+        d = drafter()
+        servicer = DrafterServicer(d)
+        servicer.load()
+        transport = RoundRobin(servicer)
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        await client.connect()
+        sees = drafter is not Learner
+        assert (CACHE_SALT in client.info.capabilities) == sees
+        salted = DraftQuery("s", [1, 2, 3, 4], 3, 2, DeltaHistory(), cache_salt_id="ab")
+        plain = query([5, 6, 7, 8], DeltaHistory(), request_id="p", draft_len=2)
+        reply = await client.propose([salted, plain])
+        assert reply.drafts == [[3, 4] if sees else [], [7, 8]] and reply.failed == [False, False]
+        assert [(q.request_id, q.cache_salt_id) for q in transport.sent[-1].sequences] == (
+            [("s", "ab"), ("p", "")] if sees else [("p", "")])
+        transport.fate = "lost on the way"
+        assert (await client.propose([salted, plain])).failed == [sees, True]
+        finished = pb.RELEASE_REASON_FINISHED
+        client.release([ReleasedRequest("s", finished, [1, 2, 3, 4, 9], 3, salted.history, "ab"),
+                        ReleasedRequest("p", finished, [5, 6, 7, 8, 9], 3, plain.history)])
+        await asyncio.gather(*client._background)
+        assert set(d.histories) == ({("v", "s"), ("v", "p")} if sees else {("v", "p")})
+        if isinstance(d, Learner):
+            assert d.histories[("v", "p")] == [5, 6, 7, 8, 9]  # the final sync
+            assert d.salts == ({("v", "s"): "ab", ("v", "p"): ""} if sees else {("v", "p"): ""})
+            assert d.finished == ([("v", "s"), ("v", "p")] if sees else [("v", "p")])
 
     asyncio.run(body())

@@ -1,6 +1,6 @@
 """SuffixDecoding through the verifier: in-process (SUFFIX mode) and as a remote drafter, exact against
 plain decoding; finished outputs of one verifier draft for another that shares the drafter, unless the
-cache is scoped to the request; only finished requests are learned."""
+cache is scoped to the request or the requests' cache salts differ; only finished requests are learned."""
 
 from __future__ import annotations
 
@@ -172,6 +172,29 @@ def test_cache_scope_verifier_keeps_verifiers_apart() -> None:
     second, drafter = asyncio.run(_second_verifier_run("verifier"))
     assert drafter.cached_requests == 2  # each in its own verifier's tree: B never drafts from A's
     assert second.output.stats.mean_acceptance_length < 2.0, second.output.stats
+
+
+def test_a_cache_salt_keeps_what_the_drafter_learns_to_requests_of_that_salt() -> None:
+    """The verifier's cache_salt reaches the drafter as an id (a digest, not the salt): a salted output
+    drafts for its salt's next request alone, not for another salt's nor an unsalted one."""
+    async def main() -> tuple[list[verifier_pb2.GenerationOutput], SuffixDrafter]:
+        drafter, outputs = SuffixDrafter(), []
+        async with serve_drafter(drafter) as running:
+            async with run_verifier(remote_config(8, running.port), model=shared_model()) as v:
+                for salt in ("tenant-a", "tenant-b", "", "tenant-a"):
+                    request = token_request(FRESH_PROMPT, 48, cache_salt=salt)
+                    outputs.append((await v.stub.Generate(request, timeout=WAIT_S)).output)
+                    await wait_until(lambda: not running.servicer.store, "the release")
+        return outputs, drafter
+
+    outputs, drafter = asyncio.run(main())
+    for out in outputs:
+        assert list(out.token_ids) == list(cached_reference(tuple(FRESH_PROMPT), 48))
+    assert [o.stats.mean_acceptance_length >= 4.0 for o in outputs] == [False, False, False, True], [
+        o.stats for o in outputs]
+    scopes = sorted(drafter._global)
+    assert len(scopes) == 3 and scopes[0] == "" and all(s.startswith("\0") and len(s) == 33 for s in scopes[1:])
+    assert not any("tenant" in s for s in scopes)
 
 
 def test_behind_two_replicas_the_drafting_replica_learns_every_finished_request() -> None:
