@@ -20,6 +20,7 @@ from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB
 from drafter_sdk.server.serve import serve
 from drafter_sdk.service.lifecycle import MIB
 from drafter_sdk.service.logs import add_logging_flags, configure_logging
+from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import (
     Tokens,
@@ -40,6 +41,7 @@ MODEL_MAX_DRAFT_LEN = 8
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
     parser = argparse.ArgumentParser(prog="splitspec-drafter", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=package_version())
     parser.add_argument("drafter", help="'ngram', 'suffix', 'model' (a draft model; needs the model-drafter "
                                         "extra), or a Drafter subclass as module:Class or path/to/file.py:Class "
                                         "(constructed without arguments)")

@@ -1,9 +1,10 @@
 """Every client mistake over HTTP is an OpenAI error object with the right status, never a 500;
-auth and TLS as gRPC has them; /health 503 before the model and while draining."""
+auth and TLS as gRPC has them; /health (and vLLM's /ping) 503 before the model and while draining."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 
 import httpx
@@ -257,7 +258,11 @@ def test_bearer_token_and_tls(tmp_path) -> None:  # noqa: ANN001
             base = f"https://localhost:{v.running.http_port}"
             async with httpx.AsyncClient(base_url=base, timeout=WAIT_S, verify=str(pki.ca_cert)) as http:
                 assert (await http.get("/health")).status_code == 200  # open for probes
+                assert (await http.get("/ping")).status_code == (await http.post("/ping")).status_code == 200
+                version = await http.get("/version", headers={"Authorization": "Bearer s3cret"})
+                assert version.json() == {"version": importlib.metadata.version("splitspec")}
                 for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    assert (await http.get("/version", headers=headers)).status_code == 401
                     r = await http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}, headers=headers)
                     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
                     assert (await http.get("/v1/models", headers=headers)).status_code == 401
@@ -286,6 +291,7 @@ def test_health_503_before_the_model_and_while_draining() -> None:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running.http_port}", timeout=WAIT_S) as http:
                 r = await http.get("/health")
                 assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+                assert (await http.post("/ping")).json() == r.json()  # vLLM's name for it
                 r = await http.post(COMPLETIONS, json={"prompt": "hi"})
                 assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
         finally:

@@ -3,6 +3,7 @@ transformers, which cost seconds a start (verifier_service/tools/cli.py, verifie
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
@@ -37,3 +38,11 @@ def test_no_torch_for_help_bad_flags_and_light_commands(module: str, argv: list[
                           text=True, timeout=60)
     assert done.stdout.split()[-2:] == [str(code), "-"], done.stdout[-2000:] + done.stderr[-2000:]
 
+
+
+@pytest.mark.parametrize("module", ["verifier_service.tools.cli", "verifier_service.api.cli", "drafter_sdk.server.cli"])
+def test_version_is_the_installed_packages(module: str) -> None:
+    """`splitspec --version`, `splitspec-verifier --version` and `splitspec-drafter --version`, as `vllm --version`."""
+    done = subprocess.run([sys.executable, "-c", CHECK.format(module=module, argv=["--version"])], capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == [importlib.metadata.version("splitspec"), "0", "-"], done.stdout + done.stderr

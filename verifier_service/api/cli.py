@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from drafter_sdk.errors import ListenError
 from drafter_sdk.service.logs import add_logging_flags, configure_logging
+from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
 from verifier_service.api.webhooks import read_secret
@@ -61,11 +62,12 @@ def _http_port(value: str) -> int | None:
 def parser() -> argparse.ArgumentParser:
     # No abbreviations: `--auth-token SECRET` must not pass as a prefix of --auth-token-file.
     p = argparse.ArgumentParser(prog="splitspec-verifier", description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--version", action="version", version=package_version())
     _setting(p, "host", "address to listen on")
     _setting(p, "port", "0 picks a free port (see --port-file)", type=int)
     p.add_argument("--port-file", help="write the bound port to this file once listening")
     _setting(p, "http_port", "the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, "
-                             "/v1/models, Anthropic's /v1/messages, /health, /metrics, and a playground at /); 0 "
+                             "/v1/models, Anthropic's /v1/messages, /health, /ping, /version, /metrics, and a playground at /); 0 "
                              "picks a free port (see "
                              "--http-port-file), off disables it", type=_http_port, metavar="PORT|off")
     p.add_argument("--http-port-file", help="write the HTTP API's bound port to this file once listening")

@@ -31,6 +31,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
+from drafter_sdk.service.package_version import package_version
 from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
@@ -111,6 +112,15 @@ def build_app(state: HttpState) -> FastAPI:
             return JSONResponse({"status": "ok"})
         reason = gen.failure or ("draining" if gen.draining else "loading")
         return HttpError(503, f"not serving: {reason}").response()
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) name for the health check."""
+        return await health()
+
+    @app.get("/version", dependencies=[Depends(authorize)])
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics() -> Response:

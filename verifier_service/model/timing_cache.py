@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from typing import IO
 import torch
 
 from drafter_sdk.loading.gguf_conversion import cache_root
+from drafter_sdk.service.package_version import package_version
 from verifier_service.model.runner import ModelRunner
 from verifier_service.model.step_costs import Measurements, disturbance
 
@@ -138,7 +138,7 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
     device = runner.device
     return {
         "format": FORMAT,
-        "splitspec": _version(),
+        "splitspec": package_version(),
         "torch": torch.__version__,
         "device": _device_name(device),
         "threads": torch.get_num_threads(),
@@ -149,13 +149,6 @@ def _key(runner: ModelRunner, context_len: int, repeats: int) -> dict[str, objec
         "layouts": [layout.value for layout in runner.layouts.available] if runner.layouts is not None else [],
         "measure": {"context_len": context_len, "repeats": repeats},
     }
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("splitspec")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "source"
 
 
 def _device_name(device: torch.device) -> str:

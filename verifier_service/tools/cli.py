@@ -13,6 +13,7 @@ import grpc
 
 from drafter_sdk.errors import ModelLoadError
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import (
     TOKEN_ENV_VAR,
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     skip_final_collection()
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
+    parser.add_argument("--version", action="version", version=package_version())
     sub = parser.add_subparsers(required=True, metavar="command")
     add_generate(sub)
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
