@@ -146,9 +146,11 @@ def parser() -> argparse.ArgumentParser:
                         "sequences decode, a late prompt token counting for more by its measured attention, and "
                         "up to 2048 in a step where none does; with CUDA graphs --cuda-graph-max-tokens in every "
                         "step; a value given caps every step, in tokens)")
-    c.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=argparse.SUPPRESS,
-                   help="do not reuse the KV cache of shared prompt prefixes (on by default)")
+    c.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=argparse.SUPPRESS,
+                   help="do not reuse the KV cache of shared prompt prefixes (on by default; the second is vLLM's)")
+    c.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=argparse.SUPPRESS, help="reuse them, as by default (vLLM's flag)")
     _setting(c, "scheduling_policy", "fcfs: requests run in order of arrival; priority: by each request's "
                                      "priority (lower first, vLLM's), a running request preempted for one that "
                                      "comes before it and resumed exactly where it stopped",

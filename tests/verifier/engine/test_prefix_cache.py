@@ -26,6 +26,7 @@ from verifier_support import (
 )
 
 from drafter_sdk.drafters.ngram import NgramDrafter
+from verifier_service.api.cli import parser, settings_from_args
 from verifier_service.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from verifier_service.model.kv_cache import KVCache, KVCacheShape
 from verifier_service.model.runner import ForwardBatch, ModelRunner
@@ -276,3 +277,9 @@ def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_the_same_salt()
             no_leak(engine_of(v))
 
     asyncio.run(main())
+
+
+def test_prefix_caching_flags_ours_and_vllms() -> None:
+    for argv, on in (([], True), (["--no-prefix-caching"], False), (["--no-enable-prefix-caching"], False),
+                     (["--enable-prefix-caching"], True)):
+        assert settings_from_args(parser().parse_args(argv)).enable_prefix_caching is on, argv
