@@ -65,6 +65,11 @@ _TRIE_MAX = 256
 _CURSOR_MAX = 256
 # Estimated bytes per distinct pair: its list object and its entries in two dicts (CPython 3.11).
 _PAIR_OVERHEAD_BYTES = 260
+# Estimated bytes per distinct token (its count's entry and its dict of followers), and per index (the
+# object and its empty containers), measured with tracemalloc on CPython 3.11: they weigh little in one
+# large tree, but a drafter holding many small ones (a tree per cache salt, one per request) is mostly them.
+_TOKEN_OVERHEAD_BYTES = 240
+_INDEX_OVERHEAD_BYTES = 1500
 # A speculation tree grows from at most this many of its match's latest occurrences (for a one-token
 # match: of each first node's), so that a frequent pattern costs no more than a rare one.
 _TREE_OCCURRENCES = 256
@@ -231,8 +236,10 @@ class SuffixIndex:
             self._base += dead
 
     def nbytes(self) -> int:
-        """Estimated memory held: the token buffer, one position per pair, and per-pair overhead."""
-        return 4 * len(self._buf) + 8 * (self.num_tokens - len(self._spans)) + _PAIR_OVERHEAD_BYTES * len(self._pairs)
+        """Estimated memory held: the token buffer, one position per pair, and per-pair, per-token and
+        per-index overhead."""
+        return (_INDEX_OVERHEAD_BYTES + 4 * len(self._buf) + 8 * (self.num_tokens - len(self._spans))
+                + _PAIR_OVERHEAD_BYTES * len(self._pairs) + _TOKEN_OVERHEAD_BYTES * len(self._counts))
 
     # --- drafting ---
 

@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import itertools
 import random
+import tracemalloc
 from array import array
 
 import pytest
@@ -292,7 +293,7 @@ def test_the_global_tree_evicts_oldest_first_and_stays_bounded() -> None:
 def test_the_global_tree_stays_within_its_memory_cap_oldest_evicted_first() -> None:
     """Long outputs fill the cap before the count: past `max_cached_mib` the oldest outputs go, across scopes,
     and an output larger than the whole cap is not kept."""
-    cap_mib = 0.25
+    cap_mib = 0.5
     drafter = SuffixDrafter(max_cached_mib=cap_mib, cache_scope="verifier")
     rng = random.Random(2)
     outputs = [[rng.randrange(50_000) for _ in range(300)] for _ in range(30)]  # no chance matches
@@ -311,6 +312,22 @@ def test_the_global_tree_stays_within_its_memory_cap_oldest_evicted_first() -> N
     assert tiny.cached_requests == 0 and tiny.shared_state_bytes() == 0
     with pytest.raises(ValueError, match="max_cached_mib"):
         SuffixDrafter(max_cached_mib=0)
+
+
+def test_a_tree_per_cache_salt_stays_within_the_memory_cap_as_python_measures_it() -> None:
+    """Many small trees (a client with a new salt each request) weigh their fixed and per-token overhead too:
+    what tracemalloc sees of the global trees stays within the cap, give or take the estimate's 15%."""
+    cap_mib, rng = 1.0, random.Random(3)
+    drafter = SuffixDrafter(max_cached_mib=cap_mib)
+    tracemalloc.start()
+    try:
+        for i in range(300):
+            finish(drafter, f"r{i}", [], [rng.randrange(50_000) for _ in range(60)], salt=f"{i:032x}")
+        traced = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 10 < len(drafter._global) < 300 and drafter.shared_state_bytes() <= cap_mib * 2**20
+    assert traced <= 1.15 * cap_mib * 2**20, traced / 2**20
 
 
 def test_max_cached_requests_zero_learns_nothing() -> None:
