@@ -104,6 +104,7 @@ SAMPLING = {
     "prompt_logprobs": st.integers(0, 3),
     "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 200)),
     "thinking_token_budget": st.integers(0, 6),
+    "cache_salt": st.one_of(st.sampled_from(["", "a", "b"]), text),
     "prediction": st.fixed_dictionaries({"type": st.sampled_from(["content", "content", "text"]), "content": st.one_of(
         text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))}),
 }
