@@ -17,6 +17,7 @@ from reliability_support import WAIT_S, RawFaultyDrafter
 
 from drafter_sdk.drafter import DraftRequest, Drafts
 from drafter_sdk.drafters.ngram import NgramDrafter
+from drafter_sdk.drafters.suffix import SuffixDrafter
 from drafter_sdk.server.serve import start_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,7 +26,7 @@ SPLITSPEC = str(Path(sys.executable).with_name("splitspec"))
 # The latency check's limit here: the verifier's 50 ms, with room for a suite's other worker on 2 cores.
 DEADLINE = ("--deadline-ms", "500")
 CHECKS = ("health", "info", "results", "bounds", "deltas", "resync", "no-draft", "namespacing", "release",
-          "validation", "stream", "trees", "latency", "large-message", "auth")
+          "validation", "stream", "trees", "cache-salt", "latency", "large-message", "auth")
 
 
 def outcomes(printed: str) -> dict[str, str]:
@@ -65,7 +66,7 @@ def test_the_sdk_drafter_passes_every_check(tmp_path: Path, drafter: type[NgramD
         printed = out.decode()
         assert process.returncode == 0, printed
         assert outcomes(printed) == dict.fromkeys(CHECKS, "PASS"), printed
-        assert "15 passed, 0 failed, 0 skipped" in printed
+        assert "16 passed, 0 failed, 0 skipped" in printed
 
     asyncio.run(main())
 
@@ -89,5 +90,34 @@ def test_a_drafter_that_breaks_the_protocol_fails_the_checks_it_breaks(mode: str
     got = outcomes(printed)
     assert {name for name, outcome in got.items() if outcome == "FAIL"} == failing, printed
     # Optional parts it does not serve or advertise are skipped, not failed.
-    assert (got["stream"], got["trees"], got["auth"], got["large-message"]) == ("SKIP",) * 4, printed
+    assert (got["stream"], got["trees"], got["cache-salt"], got["auth"], got["large-message"]) == ("SKIP",) * 5, printed
     assert words in printed, printed
+
+
+class Leaky(SuffixDrafter):
+    """Says it keeps cache salts apart, and learns every output into one tree whatever its salt."""
+
+    def _scope(self, key: tuple[str, str], salt: str) -> str | None:
+        return super()._scope(key, "")
+
+
+@pytest.mark.parametrize(("drafter", "outcome"), [(SuffixDrafter, "PASS"), (Leaky, "FAIL")])
+def test_a_learning_drafter_is_held_to_keeping_cache_salts_apart(drafter: type[SuffixDrafter], outcome: str) -> None:
+    async def main() -> str:
+        running = await start_server(drafter(), host="127.0.0.1", port=0, grace_period_s=0.0)
+        try:
+            await running.wait_loaded()
+            process = await asyncio.create_subprocess_exec(
+                SPLITSPEC, "check-drafter", "--target", f"127.0.0.1:{running.port}", "--skip", "large-message,latency",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await asyncio.wait_for(process.communicate(), 3 * WAIT_S)
+        finally:
+            await running.stop(0)
+        return out.decode()
+
+    printed = asyncio.run(main())
+    got = outcomes(printed)
+    others = {o for n, o in got.items() if n != "cache-salt"}
+    assert got["cache-salt"] == outcome and others <= {"PASS", "SKIP"}, printed
+    if outcome == "FAIL":
+        assert "taught under one cache_salt_id drafted for a sequence with another salt" in printed, printed

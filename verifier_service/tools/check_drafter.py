@@ -5,9 +5,10 @@ A drafter written without the Python SDK (Go, Rust, Node.js...) has protos/PROTO
 it: health, GetDrafterInfo, one result per sequence in order, drafts within their bounds, the delta
 protocol (appends, overlaps, gaps, contradictions, unknown sequences, deltas with no draft asked, state
 kept apart per verifier), releases, validation of a whole request before any state changes, the draft
-stream, token trees, the time a call takes at a realistic batch, a message over gRPC's default 4 MiB
-limit, and bearer auth. Each check uses verifier ids of its own (`check-<run>-<check>`), so it meets
-no real verifier's state, and releases what it created.
+stream, token trees, cache salts kept apart, the time a call takes at a realistic batch, a message over
+gRPC's default 4 MiB limit, and bearer auth. Each check uses verifier ids of its own (`check-<run>-<check>`),
+so it meets no real verifier's state, and releases what it created; a drafter that learns from finished
+requests keeps one short output the cache-salt check finished, under a salt of that run's alone.
 
 A check prints PASS, FAIL with what was expected and what came, or SKIP (an optional part the drafter
 does not advertise, or a check left out with `--skip`); the exit status is 1 if any failed. Drafts are
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drafter_sdk.drafter import STREAM_RELEASES
+from drafter_sdk.drafter import CACHE_SALT, LEARNS_FROM_FINISHED, STREAM_RELEASES
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.service.security import TOKEN_ENV_VAR, auth_metadata, read_token
@@ -96,9 +97,10 @@ class Drafter:
 
 
 def seq(request_id: str, context_len: int, new_tokens: list[int], draft_len: int = 4, prompt_len: int = 7,
-        max_draft_nodes: int = 0) -> pb.DraftSequence:
+        max_draft_nodes: int = 0, cache_salt_id: str = "") -> pb.DraftSequence:
     return pb.DraftSequence(request_id=request_id, context_len=context_len, new_tokens=new_tokens,
-                            prompt_len=prompt_len, draft_len=draft_len, max_draft_nodes=max_draft_nodes)
+                            prompt_len=prompt_len, draft_len=draft_len, max_draft_nodes=max_draft_nodes,
+                            cache_salt_id=cache_salt_id)
 
 
 def expect_results(results: list[pb.DraftResult], asked: list[pb.DraftSequence]) -> list[pb.DraftResult]:
@@ -311,6 +313,39 @@ def check_trees(d: Drafter) -> str:
     return f"valid trees within their node budget and depth (largest {nodes} nodes)"
 
 
+def check_cache_salt(d: Drafter) -> str:
+    """A finished output taught under one salt drafts for that salt again, and for no other salt and no unsalted
+    sequence (PROTOCOL.md §7, "Cache salts keep tenants apart")."""
+    if CACHE_SALT not in d.capabilities:
+        raise Skipped(f"no {CACHE_SALT!r} capability (a verifier sends it no request with a cache salt)")
+    v = d.verifier("cache-salt")
+    mine, other = uuid.uuid4().hex, uuid.uuid4().hex
+    expect_status(d.one(v, seq("a", 0, PATTERN, cache_salt_id=mine)), OK, "a sequence with a cache_salt_id")
+    d.release(v, ["a"])
+    if LEARNS_FROM_FINISHED not in d.capabilities:
+        return f"salted sequences answered; no {LEARNS_FROM_FINISHED!r}, so nothing it learns crosses salts"
+    taught = list(range(20, 60))  # a passage no other check sends, after a prompt of 7 of its own
+    expect_status(d.one(v, seq("taught", 0, [61] * 7 + taught, draft_len=0, cache_salt_id=mine)), OK,
+                  "a salted sequence finishing")
+    d.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["taught"],
+                                                     reasons=[pb.RELEASE_REASON_FINISHED]),
+                           timeout=d.timeout_s, metadata=d.metadata)
+    context, follows = [62, 63] + taught[10:20], taught[20]
+
+    def drafts_on(salt: str, name: str) -> bool:
+        r = d.one(v, seq(name, 0, context, cache_salt_id=salt))
+        d.release(v, [name])
+        return list(r.draft_tokens[:1]) == [follows]
+
+    if not drafts_on(mine, "same-salt"):
+        raise Skipped("it drafted nothing from a finished output under the same salt, so there is nothing to keep "
+                      "apart (a drafter that learns only some outputs, or a cache scope of one request)")
+    for salt, name in ((other, "another salt"), ("", "no salt")):
+        if drafts_on(salt, name.replace(" ", "-")):
+            raise Failed(f"a finished output taught under one cache_salt_id drafted for a sequence with {name}")
+    return "a finished output drafts for its own salt again, and for neither another salt nor none"
+
+
 def check_latency(d: Drafter, batch: int = 16, context: int = 512, calls: int = 30) -> str:
     v = d.verifier("latency")
     contexts = [[PATTERN[(i + j) % len(PATTERN)] for j in range(context)] for i in range(batch)]
@@ -369,7 +404,7 @@ CHECKS: dict[str, Callable[[Drafter], str]] = {
     "health": check_health, "info": check_info, "results": check_results, "bounds": check_bounds,
     "deltas": check_deltas, "resync": check_resync, "no-draft": check_no_draft, "namespacing": check_namespacing,
     "release": check_release, "validation": check_validation, "stream": check_stream, "trees": check_trees,
-    "latency": check_latency, "large-message": check_large_message, "auth": check_auth}
+    "cache-salt": check_cache_salt, "latency": check_latency, "large-message": check_large_message, "auth": check_auth}
 
 
 def run_checks(d: Drafter, skip: set[str]) -> Iterator[tuple[str, str, str]]:
