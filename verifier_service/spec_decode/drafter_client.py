@@ -149,6 +149,7 @@ class DrafterClient:
     disabled_reason: str = ""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _asking_info: bool = False
+    _told_unsalted: str = ""  # the drafter whose salted requests were said to run without its drafts
     _last_info_ask: float = 0.0
 
     def __post_init__(self) -> None:
@@ -226,6 +227,8 @@ class DrafterClient:
             self.stats.skipped += 1
             return DraftCall(queries)
         sent = [self.sees(q.cache_salt_id) for q in queries]
+        if not all(sent):
+            self._tell_unsalted()
         if not any(sent):
             return DraftCall(queries)
         request = self._build_request([q for q, s in zip(queries, sent) if s])
@@ -239,6 +242,15 @@ class DrafterClient:
         """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
         drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them."""
         return not cache_salt_id or (self.info is not None and CACHE_SALT in self.info.capabilities)
+
+    def _tell_unsalted(self) -> None:
+        """Say once per drafter that salted requests run without its drafts: an operator who salts every
+        request would otherwise find speculation off with no word of why."""
+        if self.info is None or self._told_unsalted == self.info.name:
+            return
+        self._told_unsalted = self.info.name
+        log.warning("drafter %s does not say it keeps cache salts apart (no %r capability): requests with a "
+                    "cache_salt run without its drafts (PROTOCOL.md section 7)", self.info.name, CACHE_SALT)
 
     def _reply(self, call: DraftCall, response: drafter_pb2.PrepareDraftTokensResponse) -> DraftReply:
         latency = time.perf_counter() - call.started

@@ -347,10 +347,11 @@ class SaltedLearner(Learner):
 
 
 @pytest.mark.parametrize("drafter", [Echo, Learner, SaltedLearner])
-def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(drafter: type[Echo]):
+def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(drafter: type[Echo], caplog):
     """One that learns nothing across requests (the SDK advertises CACHE_SALT for it) or says it keeps
     salts apart is sent the salted sequence, its salt's id in each call, its last tokens and its release;
-    one that learns across requests and does not say so is sent nothing of it: no draft, no failure."""
+    one that learns across requests and does not say so is sent nothing of it: no draft, no failure, and
+    one warning saying so."""
     async def body():
         d = drafter()
         servicer = DrafterServicer(d)
@@ -377,5 +378,9 @@ def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(d
             assert d.histories[("v", "p")] == [5, 6, 7, 8, 9]  # the final sync
             assert d.salts == ({("v", "s"): "ab", ("v", "p"): ""} if sees else {("v", "p"): ""})
             assert d.finished == ([("v", "s"), ("v", "p")] if sees else [("v", "p")])
+        said = [r.getMessage() for r in caplog.records if "cache salts apart" in r.getMessage()]
+        assert said == ([] if sees else ["drafter learner does not say it keeps cache salts apart (no 'cache-salt' "
+                                         "capability): requests with a cache_salt run without its drafts "
+                                         "(PROTOCOL.md section 7)"])
 
     asyncio.run(body())
