@@ -174,18 +174,27 @@ def test_cache_scope_verifier_keeps_verifiers_apart() -> None:
     assert second.output.stats.mean_acceptance_length < 2.0, second.output.stats
 
 
-def test_a_cache_salt_keeps_what_the_drafter_learns_to_requests_of_that_salt() -> None:
+@pytest.mark.parametrize("remote", [True, False], ids=["remote", "in-process"])
+def test_a_cache_salt_keeps_what_the_drafter_learns_to_requests_of_that_salt(remote: bool) -> None:
     """The verifier's cache_salt reaches the drafter as an id (a digest, not the salt): a salted output
     drafts for its salt's next request alone, not for another salt's nor an unsalted one."""
+    async def run(v, servicer) -> list[verifier_pb2.GenerationOutput]:  # noqa: ANN001
+        outputs = []
+        for salt in ("tenant-a", "tenant-b", "", "tenant-a"):
+            request = token_request(FRESH_PROMPT, 48, cache_salt=salt)
+            outputs.append((await v.stub.Generate(request, timeout=WAIT_S)).output)
+            await wait_until(lambda: not servicer.store, "the release")
+        return outputs
+
     async def main() -> tuple[list[verifier_pb2.GenerationOutput], SuffixDrafter]:
-        drafter, outputs = SuffixDrafter(), []
+        if not remote:
+            async with run_verifier(suffix_config(8), model=shared_model()) as v:
+                servicer = engine_of(v).drafter.transport._servicer
+                return await run(v, servicer), servicer.drafter
+        drafter = SuffixDrafter()
         async with serve_drafter(drafter) as running:
             async with run_verifier(remote_config(8, running.port), model=shared_model()) as v:
-                for salt in ("tenant-a", "tenant-b", "", "tenant-a"):
-                    request = token_request(FRESH_PROMPT, 48, cache_salt=salt)
-                    outputs.append((await v.stub.Generate(request, timeout=WAIT_S)).output)
-                    await wait_until(lambda: not running.servicer.store, "the release")
-        return outputs, drafter
+                return await run(v, running.servicer), drafter
 
     outputs, drafter = asyncio.run(main())
     for out in outputs:
