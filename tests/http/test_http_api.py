@@ -167,6 +167,8 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_supplied() -> None:
             assert last.usage.prompt_tokens_details.cached_tokens == 0  # the first sight of that prompt
             assert cold.prompt_tokens_details.cached_tokens == (cold.prompt_tokens - 1) // 16 * 16
 
+    asyncio.run(main())
+
 
 def test_a_cache_salt_keeps_the_prefix_cache_to_requests_of_the_same_salt() -> None:
     """vLLM's cache_salt (the openai client's extra_body), on chat, completions and responses: a salted
@@ -191,8 +193,6 @@ def test_a_cache_salt_keeps_the_prefix_cache_to_requests_of_the_same_salt() -> N
             with pytest.raises(openai.BadRequestError, match="cache_salt"):
                 await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
                                                   extra_body={"cache_salt": ""})
-
-    asyncio.run(main())
 
     asyncio.run(main())
 
