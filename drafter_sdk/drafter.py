@@ -38,7 +38,9 @@ CACHE_SALT = "cache-salt"
 """A capability tag (put it in `Drafter.capabilities`) for a drafter that learns across requests and
 keeps what a salted request taught to requests of the same salt (`DraftRequest.cache_salt_id`): the
 verifier sends salted requests only to such drafters. The SDK's server advertises it itself for a
-drafter that learns nothing across requests (`learns_across_requests` false)."""
+drafter that learns nothing across requests: `learns_across_requests` false and no LEARNS_FROM_FINISHED
+in `capabilities`. A drafter that learns across requests some other way (from requests still running)
+says so by overriding `learns_across_requests`."""
 
 STREAM_RELEASES = "stream-releases"
 """A capability tag the SDK's server advertises itself: it takes releases on

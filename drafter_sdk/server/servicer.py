@@ -33,7 +33,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from drafter_sdk.drafter import CACHE_SALT, STREAM_RELEASES, Drafter, DraftRequest, Key, ReleaseReason, SamplingHints
+from drafter_sdk.drafter import (
+    CACHE_SALT,
+    LEARNS_FROM_FINISHED,
+    STREAM_RELEASES,
+    Drafter,
+    DraftRequest,
+    Key,
+    ReleaseReason,
+    SamplingHints,
+)
 from drafter_sdk.errors import DrafterError
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
 from drafter_sdk.server.metrics import DrafterMetrics, StateStats
@@ -145,9 +154,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     @property
     def capabilities(self) -> list[str]:
         """The drafter's own, STREAM_RELEASES, and CACHE_SALT where it learns nothing across requests (a
-        salted request has nothing to be kept apart from)."""
+        salted request has nothing to be kept apart from): it keeps nothing to save and does not ask for
+        finished outputs."""
         d = self.drafter
-        isolated = [CACHE_SALT] if CACHE_SALT not in d.capabilities and not d.learns_across_requests else []
+        learns = d.learns_across_requests or LEARNS_FROM_FINISHED in d.capabilities
+        isolated = [CACHE_SALT] if CACHE_SALT not in d.capabilities and not learns else []
         return [*d.capabilities, *isolated, STREAM_RELEASES]
 
     def prepare(self, request: drafter_pb2.PrepareDraftTokensRequest,

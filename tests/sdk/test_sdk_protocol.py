@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from drafter_sdk.drafter import CACHE_SALT, STREAM_RELEASES
+from drafter_sdk.drafter import CACHE_SALT, LEARNS_FROM_FINISHED, STREAM_RELEASES
 from drafter_sdk.proto import drafter_pb2 as pb
+from drafter_sdk.server.servicer import DrafterServicer
 from sdk_support import RecordingDrafter, seq, serving, until
 
 OK = pb.DRAFT_STATUS_OK
@@ -212,3 +213,21 @@ def test_info_describes_the_drafter():
                                             ["sampling-aware", CACHE_SALT, STREAM_RELEASES])  # it learns nothing
 
     asyncio.run(body())
+
+
+def test_cache_salt_is_advertised_for_a_drafter_only_where_nothing_it_learns_crosses_requests():
+    """The SDK adds CACHE_SALT for a drafter that keeps nothing to save and asks for no finished outputs; one
+    that does either is served salted requests only if it lists CACHE_SALT itself (PROTOCOL.md §7)."""
+    class Saves(RecordingDrafter):
+        def save_learned(self) -> bytes:
+            return b""
+
+    class Finished(RecordingDrafter):
+        capabilities = (LEARNS_FROM_FINISHED,)
+
+    class Says(Finished):
+        capabilities = (LEARNS_FROM_FINISHED, CACHE_SALT)
+
+    for drafter, advertised in ((RecordingDrafter, True), (Saves, False), (Finished, False), (Says, True)):
+        capabilities = list(DrafterServicer(drafter()).info().capabilities)
+        assert (CACHE_SALT in capabilities, capabilities.count(CACHE_SALT) <= 1) == (advertised, True), drafter
