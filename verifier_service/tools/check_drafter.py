@@ -81,8 +81,8 @@ class Drafter:
         (result,) = expect_results(self.prepare(verifier, sequence), [sequence])
         return result
 
-    def release(self, verifier: str, request_ids: list[str]) -> int:
-        reasons = [pb.RELEASE_REASON_CANCELLED] * len(request_ids)  # nothing here is for a drafter to learn from
+    def release(self, verifier: str, request_ids: list[str], reason: int = pb.RELEASE_REASON_CANCELLED) -> int:
+        reasons = [reason] * len(request_ids)  # CANCELLED: only the cache-salt check has a drafter learn one
         return self.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=request_ids,
                                                                    reasons=reasons),
                                          timeout=self.timeout_s, metadata=self.metadata).released
@@ -327,9 +327,7 @@ def check_cache_salt(d: Drafter) -> str:
     taught = list(range(20, 60))  # a passage no other check sends, after a prompt of 7 of its own
     expect_status(d.one(v, seq("taught", 0, [61] * 7 + taught, draft_len=0, cache_salt_id=mine)), OK,
                   "a salted sequence finishing")
-    d.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=v, request_ids=["taught"],
-                                                     reasons=[pb.RELEASE_REASON_FINISHED]),
-                           timeout=d.timeout_s, metadata=d.metadata)
+    d.release(v, ["taught"], pb.RELEASE_REASON_FINISHED)
     context, follows = [62, 63] + taught[10:20], taught[20]
 
     def drafts_on(salt: str, name: str) -> bool:
