@@ -262,8 +262,8 @@ class NgramDrafter(Drafter):
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
         for r in requests:
-            if r.cache_salt_id and self.is_public_pool and r.key not in self._requests:
-                self._requests[r.key] = _RequestState(self._new_pool(public=False))
+            if r.cache_salt_id:
+                self._state(r.key, private=True)
         # Requests wanting no draft are skipped: the next draft catches up on their history.
         return [([] if not r.draft_len else self.draft(r.key, r.tokens, r.draft_len) if not r.max_draft_nodes
                  else self.draft_tree(r.key, r.tokens, r.draft_len, r.max_draft_nodes)) for r in requests]
@@ -319,9 +319,7 @@ class NgramDrafter(Drafter):
         """
         if not (isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE):
             tokens = array(TOKEN_TYPECODE, tokens)
-        state = self._requests.get(key)
-        if state is None:
-            state = self._requests[key] = _RequestState(None if self.is_public_pool else self._new_pool(public=False))
+        state = self._state(key)
         if state.pool is None:
             pool = self._public_pool
             assert pool is not None
@@ -339,15 +337,22 @@ class NgramDrafter(Drafter):
         whole history (it must only grow between releases of the key)."""
         if not (isinstance(tokens, array) and tokens.typecode == TOKEN_TYPECODE):
             tokens = array(TOKEN_TYPECODE, tokens)
-        state = self._requests.get(key)
-        if state is None:
-            state = self._requests[key] = _RequestState(None if self.is_public_pool else self._new_pool(public=False))
+        state = self._state(key)
         if state.occurrences is None:
             sizes = range(1, self.max_matching_ngram_size + 1)
             state.occurrences = _Occurrences([OffsetTable(s) for s in sizes], [array(TOKEN_TYPECODE) for _ in sizes])
         state.occurrences.extend(tokens)
         return _TreeGrower(tokens, state.occurrences, self.max_matching_ngram_size).grow(
             min(max_depth, self.max_draft_len), max_nodes, self.tree_min_prob)
+
+    def _state(self, key: Key, private: bool = False) -> _RequestState:
+        """The key's state, made at its first call: with a pool of its own, or the public pool's share where
+        there is one and the request is not `private` (a salted one)."""
+        state = self._requests.get(key)
+        if state is None:
+            shared = self.is_public_pool and not private
+            state = self._requests[key] = _RequestState(None if shared else self._new_pool(public=False))
+        return state
 
     def _shape(self) -> ngram_snapshot.Shape:
         return ngram_snapshot.Shape(self.max_matching_ngram_size, self.max_draft_len, self.is_keep_all,
