@@ -211,7 +211,7 @@ class Engine:
             asks = [max(a, lookahead.ask(k, room)) if a else 0 for a, k, room in zip(asks, plan.draft_lens, rooms)]
         queries = [DraftQuery(s.request_id, s.all_ids, len(s.prompt_ids), a, s.drafter_sync,
                               s.spec.last_num_drafted, s.spec.last_num_accepted, s.sampling.temperature,
-                              s.sampling.top_p, s.sampling.top_k, m, s.cache_root.hex())
+                              s.sampling.top_p, s.sampling.top_k, m, s.cache_salt_id)
                    for s, a, m in zip(plan.decodes, asks, nodes)]
         bases = [len(s.output_ids) for s in plan.decodes]
         left = [s.lookahead.remaining(s.output_ids) if ahead and s.lookahead is not None else []
@@ -290,7 +290,7 @@ class Engine:
         and learn from those that finished."""
         if self.drafter is not None and seqs:
             self.drafter.release([ReleasedRequest(s.request_id, _release_reason(s, failed), s.all_ids,
-                                                  len(s.prompt_ids), s.drafter_sync, s.cache_root.hex()) for s in seqs])
+                                                  len(s.prompt_ids), s.drafter_sync, s.cache_salt_id) for s in seqs])
 
 
 @dataclass

@@ -153,6 +153,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def cache_salt_id(self) -> str:
+        """Its cache salt as drafters see it (DraftSequence.cache_salt_id): cache_root in hex ("": unsalted)."""
+        return self.cache_root.hex()
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
