@@ -81,7 +81,8 @@ class Drafter:
         (result,) = expect_results(self.prepare(verifier, sequence), [sequence])
         return result
 
-    def release(self, verifier: str, request_ids: list[str], reason: int = pb.RELEASE_REASON_CANCELLED) -> int:
+    def release(self, verifier: str, request_ids: list[str],
+                reason: pb.ReleaseReason = pb.RELEASE_REASON_CANCELLED) -> int:
         reasons = [reason] * len(request_ids)  # CANCELLED: only the cache-salt check has a drafter learn one
         return self.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id=verifier, request_ids=request_ids,
                                                                    reasons=reasons),
