@@ -151,7 +151,7 @@ class Engine:
         token plus its draft), commit."""
         price = self.step_price  # as the steps before this one measured it: the same for its plan and its trees
         with self._lock:
-            plan = self.scheduler.schedule(price)
+            plan = self.scheduler.schedule(price, self._drafter_sees)
         self._release(plan.released)
         if plan.preempted:
             log.debug("preempted for higher priority: %s", ", ".join(s.request_id for s in plan.preempted))
@@ -172,6 +172,10 @@ class Engine:
                 seq.stats.drafter_wait_s += self._drafter_s
         new_tokens, plan.logprobs = self._verify(plan)
         self._commit(plan, new_tokens, reply)
+
+    def _drafter_sees(self, seq: Sequence) -> bool:
+        """Whether the drafter is sent the sequence (DrafterClient.sees), where there is one."""
+        return self.drafter is None or self.drafter.sees(seq.cache_salt_id)
 
     async def _draft(self, plan: StepPlan, price: StepPrice) -> DraftReply | None:
         """The plan's drafts to verify and its shadow drafts (asked for, not verified): a request's

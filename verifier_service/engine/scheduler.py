@@ -40,6 +40,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verifier_service.engine import tree_verify
@@ -216,9 +217,12 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
-    def schedule(self, price: StepPrice = FREE_CALLS) -> StepPlan:
+    def schedule(self, price: StepPrice = FREE_CALLS,
+                 drafter_sees: Callable[[Sequence], bool] = lambda seq: True) -> StepPlan:
         """At a step boundary: drop the cancelled, admit into free slots, size every draft (weighing
-        the step's costs beside its forward, `price`, as the engine measured them)."""
+        the step's costs beside its forward, `price`, as the engine measured them). A sequence the
+        drafter is not sent (`drafter_sees` false: a cache salt it does not keep apart) drafts only
+        from its request's prediction."""
         released = [s for s in self.running if s.cancelled]
         for seq in released:
             self._finish(seq)
@@ -230,8 +234,9 @@ class Scheduler:
         preempted = self._preempt() if self.by_priority else []
         decodes = [s for s in self.running if not s.prefilling]
         calls = [s.prediction is None or not s.prediction.drafts(s.output_ids) for s in decodes]  # else it drafts
-        sizes = self.policy.plan([s.spec for s in decodes], [s.draft_room(self.max_model_len) for s in decodes],
-                                 price, calls)
+        # No room for a draft no one would give: planned, it would be asked for and never come.
+        rooms = [s.draft_room(self.max_model_len) if not c or drafter_sees(s) else 0 for s, c in zip(decodes, calls)]
+        sizes = self.policy.plan([s.spec for s in decodes], rooms, price, calls)
         budget: float = self._prefill_budget(sum(sizes.lengths) + len(decodes))
         # Where nothing decodes, no stream waits on the step: prompt tokens count as themselves.
         cost = self.prompt_token_cost if decodes else FLAT

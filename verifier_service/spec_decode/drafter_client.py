@@ -38,8 +38,10 @@ from verifier_service.spec_decode.circuit_breaker import CircuitBreaker
 from verifier_service.spec_decode.transport import Answer, Transport, status_of
 
 log = logging.getLogger(__name__)
-# While a drafter's tokenizer does not match, ask it again this often (it may be replaced).
-INCOMPATIBLE_RECHECK_S = 5.0
+# Ask a drafter again who it is this often while its word is all that keeps it from drafting: its
+# tokenizer does not match (it may be replaced), or it was not reached and salted sequences wait to
+# learn whether it keeps cache salts apart (they make no calls that would ask).
+INFO_RECHECK_S = 5.0
 
 
 @dataclass
@@ -134,7 +136,8 @@ class DrafterClient:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     stats: DrafterClientStats = field(default_factory=DrafterClientStats)
     # Who the drafter says it is: asked when the client connects, when the drafter answers
-    # again after failing, and after it lost a sequence's state (a restart). None until known.
+    # again after failing, after it lost a sequence's state (a restart), and while salted
+    # sequences wait for its word (`sees`). None until known.
     info: drafter_pb2.GetDrafterInfoResponse | None = None
     # The model tokenizer's fingerprint (drafter_sdk.loading.tokenizer_fingerprint); "" = do not check.
     tokenizer_fingerprint: str = ""
@@ -219,16 +222,13 @@ class DrafterClient:
         if not queries:
             return DraftCall(queries)
         if self.disabled_reason:
-            if time.monotonic() - self._last_info_ask > INCOMPATIBLE_RECHECK_S:
-                self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
+            self._ask_again()
             self.stats.skipped += 1
             return DraftCall(queries)
         if not self.breaker.allow():
             self.stats.skipped += 1
             return DraftCall(queries)
         sent = [self.sees(q.cache_salt_id) for q in queries]
-        if not all(sent):
-            self._tell_unsalted()
         if not any(sent):
             return DraftCall(queries)
         request = self._build_request([q for q, s in zip(queries, sent) if s])
@@ -240,13 +240,31 @@ class DrafterClient:
 
     def sees(self, cache_salt_id: str) -> bool:
         """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
-        drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them."""
-        return not cache_salt_id or (self.info is not None and CACHE_SALT in self.info.capabilities)
+        drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them.
+        The scheduler plans no drafter draft for a request it is not sent (engine.py). For a salted
+        one that is not: a drafter not reached yet is asked again who it is, now and then; one that
+        does not keep salts apart has it said once."""
+        if not cache_salt_id:
+            return True
+        if self.info is None:
+            self._ask_again()
+            return False
+        if CACHE_SALT in self.info.capabilities:
+            return True
+        self._tell_unsalted()
+        return False
+
+    def _ask_again(self) -> None:
+        """Ask who the drafter is in the background, at most every INFO_RECHECK_S."""
+        if time.monotonic() - self._last_info_ask > INFO_RECHECK_S:
+            self._last_info_ask = time.monotonic()  # one ask, however many sequences wait for it
+            self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
 
     def _tell_unsalted(self) -> None:
         """Say once per drafter that salted requests run without its drafts: an operator who salts every
         request would otherwise find speculation off with no word of why."""
-        if self.info is None or self._told_unsalted == self.info.name:
+        assert self.info is not None
+        if self._told_unsalted == self.info.name:
             return
         self._told_unsalted = self.info.name
         log.warning("drafter %s does not say it keeps cache salts apart (no %r capability): requests with a "

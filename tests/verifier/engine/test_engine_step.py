@@ -80,6 +80,9 @@ class FakeDrafter:
         self.released += [r.request_id for r in released]
         self.reasons += [r.reason for r in released]
 
+    def sees(self, cache_salt_id: str) -> bool:
+        return True
+
     async def close(self) -> None:
         return None
 

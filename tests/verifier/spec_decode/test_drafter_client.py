@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from drafter_sdk import CACHE_SALT, LEARNS_FROM_FINISHED, Drafter, DraftRequest,
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.server.servicer import DrafterServicer
+from verifier_service.spec_decode import drafter_client
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery, ReleasedRequest
 from verifier_service.spec_decode.transport import GrpcTransport
 
@@ -382,5 +384,37 @@ def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(d
         assert said == ([] if sees else ["drafter learner does not say it keeps cache salts apart (no 'cache-salt' "
                                          "capability): requests with a cache_salt run without its drafts "
                                          "(PROTOCOL.md section 7)"])
+
+    asyncio.run(body())
+
+
+def test_a_drafter_not_reached_at_start_is_asked_again_while_only_salted_sequences_wait(monkeypatch):
+    """A drafter still down when the verifier connected: until it says it keeps cache salts apart, a salted
+    sequence is sent nothing and makes no call that would ask who it is, so the client asks again, now
+    and then, and salted traffic alone finds the drafter once it is up (a pod started after the verifier)."""
+    monkeypatch.setattr(drafter_client, "INFO_RECHECK_S", 0.05)
+
+    async def body():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        client = DrafterClient(GrpcTransport(f"127.0.0.1:{port}"), "v", vocab_size=100, deadline_s=1.0,
+                               overlap_steps=1)
+        await client.connect(timeout_s=0.2)
+        assert client.info is None and client.sees("") and not client.sees("ab")
+        salted = DraftQuery("s", [1, 2, 3, 4], 3, 2, DeltaHistory(), cache_salt_id="ab")
+        assert (await client.propose([salted])).drafts == [[]] and client.stats.calls == 0
+        server = await start_server(Echo(), host="127.0.0.1", port=port, grace_period_s=0.0)
+        try:
+            await server.wait_loaded()
+            for _ in range(200):
+                if client.sees("ab"):
+                    break
+                await asyncio.sleep(0.05)
+            assert client.info.name == "echo" and CACHE_SALT in client.info.capabilities
+            assert (await client.propose([salted])).drafts == [[3, 4]]
+        finally:
+            await client.close()
+            await server.stop(0)
 
     asyncio.run(body())

@@ -137,6 +137,42 @@ def test_a_wrong_lookahead_is_rejected_and_a_call_failing_in_flight_costs_only_d
     assert (sum(r.output.stats.num_drafter_failures for r in responses) > 0) == bool(fail_every)
 
 
+class UnsaltedOracle(LookaheadOracle):
+    """The oracle, saying it learns across requests and not that it keeps cache salts apart: the verifier
+    sends it nothing of a salted request."""
+
+    @property
+    def learns_across_requests(self) -> bool:
+        return True
+
+
+def test_a_salted_request_the_drafter_is_not_sent_leaves_the_others_calls_overlapped():
+    """Planned no drafter draft (none would come), a salted request the drafter is not sent does not keep
+    the unsalted requests beside it from verifying what is left of their chains while their calls are in
+    flight; it decodes plainly and exactly."""
+    refs = references()[:3]
+    oracle = UnsaltedOracle({tuple(p): r for p, r in zip(PROMPTS, refs)}, corrupt=0.0)
+
+    async def main() -> tuple[list[verifier_pb2.GenerateResponse], int, int]:
+        async with serve_drafter(oracle) as drafter:
+            spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{drafter.port}", deadline_ms=30000)
+            spec.policy.adaptive_draft_len = False
+            async with run_verifier(spec, model=shared_model()) as v:
+                requests = [token_request(p, LENGTH, cache_salt="tenant-a" if i == 0 else "")
+                            for i, p in enumerate(PROMPTS[:3])]
+                responses = await run_together(v, [functools.partial(v.stub.Generate, r, timeout=WAIT_S)
+                                                   for r in requests])
+                stats = engine_of(v).drafter.stats
+                return responses, stats.overlapped, stats.calls
+
+    responses, overlapped, calls = asyncio.run(main())
+    assert [list(r.output.token_ids) for r in responses] == refs
+    assert [r.output.stats.num_draft_tokens > 0 for r in responses] == [False, True, True]
+    # Whole drafts accepted: a call is waited for only where an unsalted request starts its chain (both in
+    # one step, or one each where they were admitted apart); every other is sent before its step's forward.
+    assert 0 < calls - 2 <= overlapped, (overlapped, calls)
+
+
 def test_a_seeded_sampled_request_gives_plain_decodings_output_with_calls_overlapped():
     """One draw per emitted token, whatever the draft: a lookahead verified instead of a fresh draft
     changes no sampled token."""
