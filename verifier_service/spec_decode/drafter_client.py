@@ -39,8 +39,8 @@ from verifier_service.spec_decode.transport import Answer, Transport, status_of
 
 log = logging.getLogger(__name__)
 # Ask a drafter again who it is this often while its word is all that keeps it from drafting: its
-# tokenizer does not match (it may be replaced), or it was not reached and salted sequences wait to
-# learn whether it keeps cache salts apart (they make no calls that would ask).
+# tokenizer does not match, or salted sequences wait for it to say it keeps cache salts apart (it
+# was not reached yet, or may be replaced by one that does).
 INFO_RECHECK_S = 5.0
 
 
@@ -152,6 +152,7 @@ class DrafterClient:
     disabled_reason: str = ""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _asking_info: bool = False
+    _said_unreachable: bool = False  # since it last answered GetDrafterInfo: asked again, it is not said again
     _told_unsalted: str = ""  # the drafter whose salted requests were said to run without its drafts
     _last_info_ask: float = 0.0
 
@@ -241,17 +242,17 @@ class DrafterClient:
     def sees(self, cache_salt_id: str) -> bool:
         """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
         drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them.
-        The scheduler plans no drafter draft for a request it is not sent (engine.py). For a salted
-        one that is not: a drafter not reached yet is asked again who it is, now and then; one that
-        does not keep salts apart has it said once."""
+        The scheduler plans no drafter draft for a request it is not sent (engine.py), so while one
+        waits, the drafter is asked again who it is, now and then: it may have come up, or been
+        replaced by one that keeps salts apart, and salted traffic alone makes no call that would ask.
+        One that does not keep them apart has it said once."""
         if not cache_salt_id:
             return True
-        if self.info is None:
-            self._ask_again()
-            return False
-        if CACHE_SALT in self.info.capabilities:
+        if self.info is not None and CACHE_SALT in self.info.capabilities:
             return True
-        self._tell_unsalted()
+        self._ask_again()
+        if self.info is not None:
+            self._tell_unsalted()
         return False
 
     def _ask_again(self) -> None:
@@ -440,12 +441,15 @@ class DrafterClient:
             info = await self.transport.info(timeout_s)
         except Exception as exc:  # noqa: BLE001 - absent drafter: decode without drafts until it answers
             if status_of(exc) != grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
-                            self.transport.target, _describe(exc))
+                if not self._said_unreachable:
+                    log.warning("drafter %s not reachable yet (%s); decoding without drafts until it is",
+                                self.transport.target, _describe(exc))
+                self._said_unreachable = True
                 return
             info = drafter_pb2.GetDrafterInfoResponse()  # it drafts but says nothing of itself: ask no more
         finally:
             self._asking_info = False
+        self._said_unreachable = False
         if info != self.info:
             log.info("drafter %s %s at %s", info.name, info.version, self.transport.target)
             if info.vocab_size and info.vocab_size != self.vocab_size and not self._incompatibility(info):

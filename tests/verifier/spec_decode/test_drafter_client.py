@@ -388,11 +388,20 @@ def test_a_salted_sequence_reaches_only_a_drafter_that_keeps_cache_salts_apart(d
     asyncio.run(body())
 
 
-def test_a_drafter_not_reached_at_start_is_asked_again_while_only_salted_sequences_wait(monkeypatch):
-    """A drafter still down when the verifier connected: until it says it keeps cache salts apart, a salted
-    sequence is sent nothing and makes no call that would ask who it is, so the client asks again, now
-    and then, and salted traffic alone finds the drafter once it is up (a pod started after the verifier)."""
+def test_while_salted_sequences_wait_the_drafter_is_asked_again_until_it_keeps_salts_apart(monkeypatch, caplog):
+    """Salted traffic alone makes no call that would ask who the drafter is. So while a salted sequence is
+    not sent, the client asks again, now and then: a drafter still down when the verifier connected (a pod
+    started after it; said once, however often asked) and then one that does not keep salts apart, replaced
+    by one that does (a rolling upgrade), are found without a single unsalted request."""
     monkeypatch.setattr(drafter_client, "INFO_RECHECK_S", 0.05)
+
+    async def until_told(client: DrafterClient, name: str) -> None:
+        for _ in range(200):
+            client.sees("ab")  # as each engine step does while the salted sequence waits
+            if client.info is not None and client.info.name == name:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the client did not learn of {name}")
 
     async def body():
         with socket.socket() as sock:
@@ -404,17 +413,23 @@ def test_a_drafter_not_reached_at_start_is_asked_again_while_only_salted_sequenc
         assert client.info is None and client.sees("") and not client.sees("ab")
         salted = DraftQuery("s", [1, 2, 3, 4], 3, 2, DeltaHistory(), cache_salt_id="ab")
         assert (await client.propose([salted])).drafts == [[]] and client.stats.calls == 0
-        server = await start_server(Echo(), host="127.0.0.1", port=port, grace_period_s=0.0)
-        try:
-            await server.wait_loaded()
-            for _ in range(200):
-                if client.sees("ab"):
-                    break
-                await asyncio.sleep(0.05)
-            assert client.info.name == "echo" and CACHE_SALT in client.info.capabilities
-            assert (await client.propose([salted])).drafts == [[3, 4]]
-        finally:
-            await client.close()
-            await server.stop(0)
+        for _ in range(6):  # asked again, still down
+            assert not client.sees("ab")
+            await asyncio.sleep(0.06)
+            await asyncio.gather(*client._background)
+        assert sum("not reachable yet" in r.getMessage() for r in caplog.records) == 1
+        for drafter in (Learner(), SaltedLearner()):
+            server = await start_server(drafter, host="127.0.0.1", port=port, grace_period_s=0.0)
+            try:
+                await server.wait_loaded()
+                await until_told(client, drafter.name)
+                sees = drafter.name == "salted-learner"
+                assert client.sees("ab") == sees
+                assert (await client.propose([salted])).drafts == [[3, 4] if sees else []]
+            finally:
+                await server.stop(0)
+        await client.close()
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("does not say it keeps cache salts apart" in m for m in said) == 1, said
 
     asyncio.run(body())
