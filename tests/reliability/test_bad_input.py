@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import math
+import re
 import socket
 import subprocess
 import textwrap
@@ -29,7 +30,7 @@ from drafter_sdk.errors import ListenError
 from drafter_sdk.loading import causal_lm
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
-from verifier_service.api import cli
+from verifier_service.api import cli, vllm_flags
 from verifier_service.api.server import start_server
 from verifier_service.settings import ServerSettings
 from verifier_service.tools.local_services import script
@@ -241,6 +242,28 @@ def test_a_flag_of_another_mode_is_refused_with_the_mode_it_belongs_to(tmp_path,
     assert cli.main([*args, "--model", str(tmp_path / "never-loaded")]) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
+
+
+def test_a_vllm_flag_it_does_not_take_fails_with_what_does_its_work_and_no_secret_repeated(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["my-model", "--api-key", "sk-secret", "--gpu-memory-utilization=0.93", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "--api-key: no secret is taken as a flag value" in err and "--auth-token-file" in err, err
+    assert "--gpu-memory-utilization: the KV cache is given in GB per rank" in err, err
+    assert err.rstrip().endswith("unrecognized arguments: --bogus"), err
+    assert "sk-secret" not in err and "0.93" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["--bogus", "value"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --bogus")  # argparse's own
+    assert cli.parser().parse_args(["-tp", "2"]).tensor_parallel_size == 2  # vLLM's short form
+
+
+def test_every_flag_a_vllm_hint_names_is_one_the_verifier_takes():
+    taken = {option for action in cli.parser()._actions for option in action.option_strings}
+    named = {flag for hint in vllm_flags.HINTS.values() for flag in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", hint)}
+    assert len(named) > 10 and named <= taken, named - taken
+    assert not set(vllm_flags.HINTS) & taken  # a hint never stands in for a flag the parser takes
 
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")

@@ -17,6 +17,7 @@ from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem
+from verifier_service.api import vllm_flags
 from verifier_service.api.webhooks import read_secret
 from verifier_service.model import generation_config, host_memory
 from verifier_service.settings import (
@@ -33,10 +34,10 @@ if TYPE_CHECKING:
     from verifier_service.model.ranks import Ranks
 
 
-def _setting(group: argparse._ActionsContainer, name: str, help_text: str, **options: object) -> None:
+def _setting(group: argparse._ActionsContainer, name: str, help_text: str, *aliases: str, **options: object) -> None:
     """A flag setting the ServerSettings field `name`; absent from the parsed args when not given."""
     shown = "" if options.get("action") == "store_false" else f" (default: {getattr(DEFAULTS, name)})"
-    group.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+    group.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, default=argparse.SUPPRESS,
                        help=help_text + shown, **options)
 
 
@@ -134,7 +135,8 @@ def parser() -> argparse.ArgumentParser:
                    help="render chats with this Jinja chat template instead of the model's: a file, or the "
                         "template itself (vLLM's flag); checked at start-up")
     _setting(m, "tensor_parallel_size", "shard the model over N ranks, one GPU each on CUDA (nccl; gloo on CPU); "
-                                        "ranks 1..N-1 are started here unless torchrun started them", type=int)
+                                        "ranks 1..N-1 are started here unless torchrun started them", "-tp",
+             type=int)
     c = p.add_argument_group("capacity")
     _setting(c, "max_model_len", "longest prompt + generation", type=int)
     _setting(c, "max_num_seqs", "sequences decoded together", type=int)
@@ -253,7 +255,10 @@ def check_start(settings: ServerSettings, rank: Ranks) -> None:
 def main(argv: list[str] | None = None) -> int:
     skip_final_collection()
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
+    flags = parser()
+    args, unrecognized = flags.parse_known_args(argv)
+    if unrecognized:
+        flags.error(vllm_flags.explain(unrecognized))
     try:
         settings = settings_from_args(args)
     except config.ConfigError as exc:
