@@ -107,7 +107,12 @@ def test_verifier_cli_reads_the_token_from_a_file_or_the_environment_never_a_fla
     assert settings.auth_token == TOKEN
     monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", "from-env")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-env"
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")  # a vLLM deployment's key is kept, below ours
+    assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-env"
     monkeypatch.delenv("SPLITSPEC_AUTH_TOKEN")
+    assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-vllm-env"
+    assert cli.settings_from_args(cli.parser().parse_args(["--auth-token-file", str(token_file)])).auth_token == TOKEN
+    monkeypatch.delenv("VLLM_API_KEY")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token is None
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--auth-token", TOKEN])  # no flag takes the token itself (ps would show it)

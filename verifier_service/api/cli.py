@@ -195,7 +195,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if problem := server_flags_problem(args):
         raise config.ConfigError(problem)
     try:
-        token = read_token(args.auth_token_file)
+        token = read_token(args.auth_token_file) or read_token(env_var=vllm_flags.API_KEY_ENV_VAR)
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
     try:

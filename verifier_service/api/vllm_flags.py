@@ -1,11 +1,16 @@
-"""`vllm serve` flags that splitspec-verifier does not take, each with what does its work here.
+"""`vllm serve` flags that splitspec-verifier does not take, each with what does its work here; and
+vLLM's API key variable, which it takes.
 
 A vLLM command line moved over as it is fails on such a flag with the way to say it here, instead of
 argparse's bare "unrecognized arguments". The flags both take (--model given first, --max-model-len,
---served-model-name, --speculative-config, --enforce-eager, ...) are the parser's own (cli.py).
+--served-model-name, --speculative-config, --enforce-eager, ...) are the parser's own (cli.py). A
+deployment moved over with its key in VLLM_API_KEY keeps it: ignored, it would serve without one.
 """
 
 from __future__ import annotations
+
+# The token clients must send where neither --auth-token-file nor $SPLITSPEC_AUTH_TOKEN gives one.
+API_KEY_ENV_VAR = "VLLM_API_KEY"
 
 _CHUNKED = ("chunked prefill is always on, as in vLLM V1: a prompt longer than what a step's "
             "--max-num-batched-tokens leaves is prefilled over several steps")
@@ -19,7 +24,7 @@ _SWAP = "no KV swap or offload: a request that finds no KV slot waits for one (-
 
 HINTS: dict[str, str] = {
     "--api-key": "no secret is taken as a flag value (it would show in `ps`): put the key in a file for "
-                 "--auth-token-file, or in $SPLITSPEC_AUTH_TOKEN",
+                 f"--auth-token-file, or in $SPLITSPEC_AUTH_TOKEN (or ${API_KEY_ENV_VAR}, as vLLM reads it)",
     "--gpu-memory-utilization": "the KV cache is given in GB per rank, not as a share of the GPU: "
                                 "--kv-cache-memory-gb",
     "--kv-cache-memory": "--kv-cache-memory-gb, in GB",
