@@ -257,6 +257,8 @@ def test_a_vllm_flag_it_does_not_take_fails_with_what_does_its_work_and_no_secre
         cli.main(["--bogus", "value"])
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --bogus")  # argparse's own
     assert cli.parser().parse_args(["-tp", "2"]).tensor_parallel_size == 2  # vLLM's short form
+    assert [cli.parser().parse_args(["--dtype", name]).dtype for name in ("half", "float", "bfloat16")] == [
+        "float16", "float32", "bfloat16"]  # vLLM's names
 
 
 def test_every_flag_a_vllm_hint_names_is_one_the_verifier_takes():

@@ -1,5 +1,5 @@
 """`vllm serve` flags that splitspec-verifier does not take, each with what does its work here; and
-vLLM's API key variable, which it takes.
+vLLM's API key variable and --dtype names, which it takes.
 
 A vLLM command line moved over as it is fails on such a flag with the way to say it here, instead of
 argparse's bare "unrecognized arguments". The flags both take (--model given first, --max-model-len,
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 # The token clients must send where neither --auth-token-file nor $SPLITSPEC_AUTH_TOKEN gives one.
 API_KEY_ENV_VAR = "VLLM_API_KEY"
+
+# vLLM's other --dtype names for two of ours.
+DTYPE_NAMES = {"half": "float16", "float": "float32"}
 
 _CHUNKED = ("chunked prefill is always on, as in vLLM V1: a prompt longer than what a step's "
             "--max-num-batched-tokens leaves is prefilled over several steps")
@@ -54,6 +57,11 @@ HINTS: dict[str, str] = {
     "--disable-fastapi-docs": "no /docs, /redoc or /openapi.json are served",
     "--enable-request-id-headers": "every HTTP response carries its X-Request-Id already",
 }
+
+
+def dtype(name: str) -> str:
+    """A --dtype value under our name for it."""
+    return DTYPE_NAMES.get(name, name)
 
 
 def explain(unrecognized: list[str]) -> str:
