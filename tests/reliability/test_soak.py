@@ -8,7 +8,8 @@ behind a drafter that misbehaves at random (raises, answers past its deadline, s
 out-of-vocabulary tokens, over-long drafts, invalid trees, too few drafts), and sends it a random
 mix of concurrent requests: shared prefixes, greedy and seeded sampling, penalties, stop tokens,
 min_new_tokens, logprobs, speculation disabled, predicted outputs (the plain answer, or it edited),
-streams cancelled midway. Every request that is
+cache salts (to a drafter that keeps them apart, or to one that must be sent nothing salted), streams
+cancelled midway. Every request that is
 not cancelled must get what a plain verifier gives it (the same tokens, or the same error code),
 and afterwards the engine holds nothing. Each feature has its own tests; this looks for their
 interactions.
@@ -47,14 +48,23 @@ class ChaosDrafter(Drafter):
     version = "1"
     capabilities = (TREE_CAPABILITY, LOOKAHEAD)
 
-    def __init__(self, seed: int, fault_rate: float, oracle: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, seed: int, fault_rate: float, oracle: dict[tuple[int, ...], list[int]],
+                 keeps_salts_apart: bool = True) -> None:
         self.ngram = NgramDrafter(max_draft_len=17)
         self.oracle = oracle  # prompt -> its plain output
         self.rng = random.Random(seed)
         self.fault_rate = fault_rate
         self.faults = 0
+        self.keeps_salts_apart = keeps_salts_apart
+        self.salts_seen: set[str] = set()
+
+    @property
+    def learns_across_requests(self) -> bool:
+        """Saying so, and not that it keeps cache salts apart, it must be sent nothing of a salted request."""
+        return not self.keeps_salts_apart
 
     def prepare_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int] | DraftTree]:
+        self.salts_seen.update(r.cache_salt_id for r in requests if r.cache_salt_id)
         drafts = [self.ngram.prepare_draft_tokens([r])[0] if r.max_draft_nodes else self.oracle_draft(r)
                   for r in requests]
         if self.rng.random() >= self.fault_rate:
@@ -150,6 +160,11 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
     rng = random.Random(seed)
     reasoning = rng.random() < 0.4
     requests = random_requests(rng, reasoning)
+    salting = random.Random(seed + 2000)  # its own draws: the rounds' other choices stay as they were
+    for request in requests:
+        if salting.random() < 0.3:
+            request.params.cache_salt = salting.choice(["tenant-a", "tenant-b"])
+    keeps_salts_apart = salting.random() < 0.5
     cancelled = [rng.random() < 0.15 for _ in requests]
     k, nodes = rng.randint(1, 8), rng.choice([0, 0, 8])
     fault_rate = rng.choice([0.0, 0.1, 0.3])
@@ -180,7 +195,7 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
                 half = len(w) // 2
                 request.params.prediction = tokenizer.decode(w if predicting.random() < 0.5 else
                                                              w[:half] + edit + w[half + 2:])
-        drafter = ChaosDrafter(seed, fault_rate, oracle)
+        drafter = ChaosDrafter(seed, fault_rate, oracle, keeps_salts_apart)
         async with serve_drafter(drafter) as d:
             spec = spec_config("USER_PROVIDED", k, drafter_target=f"127.0.0.1:{d.port}", deadline_ms=DEADLINE_MS)
             spec.policy.adaptive_draft_len = rng.random() < 0.5
@@ -199,11 +214,13 @@ def test_every_feature_at_once_gives_plain_decodings_outputs_and_leaks_nothing(s
                 deadline = time.monotonic() + WAIT_S  # cancellations are noticed at the next step
                 while any((left := idle(v)).values()) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-                return left, drafter.faults, sum(accepted for _, accepted in got)
+                return left, drafter.faults, sum(accepted for _, accepted in got), drafter.salts_seen
 
-    left, faults, accepted = asyncio.run(main())
+    left, faults, accepted, salts_seen = asyncio.run(main())
     assert not any(left.values()), left
+    assert keeps_salts_apart or not salts_seen, salts_seen
     FIGURES.append({"soak": seed, "requests": len(requests), "cancelled": sum(cancelled), "drafter_faults": faults,
                     "accepted": accepted, "k": k, "tree_nodes": nodes, "kv_cache_gb": settings["kv_cache_memory_gb"],
                     "scheduling": settings.get("scheduling_policy", "fcfs"),
+                    "salted": sum(bool(r.params.cache_salt) for r in requests), "salts_sent": len(salts_seen),
                     "reasoning": model.get("reasoning_parser", "none")})
