@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 import torch
@@ -145,6 +146,35 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far() -> No
             stream = await h.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
                                                        stream_options={"continuous_usage_stats": True})
             assert all([chunk.usage is None async for chunk in stream])  # continuous usage goes with include_usage
+
+    asyncio.run(main())
+
+
+def test_sagemakers_invocations_route_answers_a_chat_or_a_completion_as_its_own_route_does() -> None:
+    """vLLM's /invocations (what SageMaker's invoke_endpoint posts to): a body with `messages` is a chat
+    completion, one with `prompt` a completion, whole or streamed."""
+    cases = [("/v1/chat/completions", {"messages": CHAT}, "chat.completion", "chat.completion.chunk"),
+             ("/v1/completions", {"prompt": PROMPT}, "text_completion", "text_completion")]
+
+    def text(choice: dict) -> str:  # a whole answer's or a chunk's
+        return choice.get("text") or choice.get("message", choice.get("delta", {})).get("content") or ""
+
+    async def main() -> None:
+        async with http_verifier() as h:
+            async with httpx.AsyncClient(base_url=h.base_url, timeout=WAIT_S) as http:
+                for route, question, kind, chunk_kind in cases:
+                    body = {"model": "tiny", "max_tokens": 12, **question}
+                    direct, invoked = [(await http.post(path, json=body)).json() for path in (route, "/invocations")]
+                    assert invoked["object"] == direct["object"] == kind
+                    assert ([(text(c), c["finish_reason"], c["splitspec"]["token_ids"]) for c in invoked["choices"]]
+                            == [(text(c), c["finish_reason"], c["splitspec"]["token_ids"]) for c in direct["choices"]])
+                    counts = ("prompt_tokens", "completion_tokens")  # the second one's prompt comes from the cache
+                    assert [invoked["usage"][k] for k in counts] == [direct["usage"][k] for k in counts]
+                    async with http.stream("POST", "/invocations", json={**body, "stream": True}) as s:
+                        events = [line[6:] async for line in s.aiter_lines() if line.startswith("data: ")]
+                    chunks = [json.loads(e) for e in events[:-1]]
+                    assert events[-1] == "[DONE]" and {c["object"] for c in chunks} == {chunk_kind}
+                    assert "".join(text(c["choices"][0]) for c in chunks) == text(direct["choices"][0])
 
     asyncio.run(main())
 

@@ -21,6 +21,7 @@ from verifier_service.settings import ServerSettings
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+INVOCATIONS = "/invocations"
 MSG = [{"role": "user", "content": "hi"}]
 
 # (path, body or raw bytes, status, words the message must contain)
@@ -171,6 +172,13 @@ BAD = [
     (RESPONSES, {"input": "hi", "context_management": [{"type": "compaction"}]}, 400,
      "context_management: not supported"),
     (RESPONSES, {"input": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+    # SageMaker's route: either body, refused as its own route refuses it.
+    (INVOCATIONS, b"{not json", 400, "not valid JSON"),
+    (INVOCATIONS, b"[1, 2]", 400, "an /invocations body is a chat completion (with `messages`) or a completion"),
+    (INVOCATIONS, {"input": "hi"}, 400, "or a completion (with `prompt`)"),
+    (INVOCATIONS, {"messages": "hi"}, 400, "messages"),
+    (INVOCATIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    (INVOCATIONS, {"messages": MSG, "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
     ("/v1/nothing", {"prompt": "hi"}, 404, "Not Found"),
 ]
 
@@ -269,6 +277,7 @@ def test_bearer_token_and_tls(tmp_path) -> None:  # noqa: ANN001
                     assert (await http.get("/metrics", headers=headers)).status_code == 401
                     assert (await http.post("/tokenize", json={"prompt": "hi"}, headers=headers)).status_code == 401
                     assert (await http.post("/detokenize", json={"tokens": [1]}, headers=headers)).status_code == 401
+                    assert (await http.post(INVOCATIONS, json={"prompt": "hi"}, headers=headers)).status_code == 401
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0,
                                         http_client=httpx.AsyncClient(verify=str(pki.ca_cert)))
             r = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)

@@ -68,8 +68,9 @@ def parser() -> argparse.ArgumentParser:
     _setting(p, "port", "0 picks a free port (see --port-file)", type=int)
     p.add_argument("--port-file", help="write the bound port to this file once listening")
     _setting(p, "http_port", "the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, "
-                             "/v1/models, Anthropic's /v1/messages, /health, /ping, /version, /metrics, and a "
-                             "playground at /); 0 picks a free port (see --http-port-file), off disables it",
+                             "/v1/models, Anthropic's /v1/messages, /health, /ping and /invocations for SageMaker, "
+                             "/version, /metrics, and a playground at /); 0 picks a free port (see "
+                             "--http-port-file), off disables it",
              type=_http_port, metavar="PORT|off")
     p.add_argument("--http-port-file", help="write the HTTP API's bound port to this file once listening")
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", type=str, default=argparse.SUPPRESS,

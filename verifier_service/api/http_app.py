@@ -41,7 +41,9 @@ from verifier_service.api.http_requests import (
     collect_unless_gone,
     merged_outputs,
     not_served,
+    parse_body,
     read_body,
+    read_json,
     refusals_as_errors,
     start_sequences,
 )
@@ -159,11 +161,22 @@ def build_app(state: HttpState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(request: Request) -> Response:
-        return await _generate(state, request, ChatCompletionRequest, chat=True)
+        return await _generate(state, request, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
-        return await _generate(state, request, CompletionRequest, chat=False)
+        return await _generate(state, request, chat=False)
+
+    @app.post("/invocations", dependencies=[Depends(authorize)])
+    async def invocations(request: Request) -> Response:
+        """vLLM's (SageMaker's) one route for both: a body with `messages` is a chat completion, one with
+        `prompt` a completion, answered as its own route answers it (its errors included)."""
+        data = await read_json(state, request)
+        kind = next((key for key in ("messages", "prompt") if isinstance(data, dict) and key in data), None)
+        if kind is None:
+            raise HttpError(400, "an /invocations body is a chat completion (with `messages`) or a completion "
+                                 "(with `prompt`)")
+        return await _generate(state, request, chat=kind == "messages", data=data)
 
     @app.post("/v1/responses", dependencies=[Depends(authorize)])
     async def create_response(request: Request) -> Response:
@@ -249,9 +262,11 @@ def _same(token: str, expected: str) -> bool:
     return hmac.compare_digest(token.encode(), expected.encode())
 
 
-async def _generate(state: HttpState, request: Request, schema: type[GenerationBody], chat: bool) -> Response:
+async def _generate(state: HttpState, request: Request, chat: bool, data: object = None) -> Response:
+    """A chat completion or a completion; `data`: its body, where the route has read it already."""
     arrival = Arrival.now(request.headers.items())
-    body = await read_body(state, request, schema)
+    schema: type[GenerationBody] = ChatCompletionRequest if chat else CompletionRequest
+    body = parse_body(state, data if data is not None else await read_json(state, request), schema)
     gen = state.generations
     rt, _ = refusals_as_errors(gen.check_ready)
     names = state.names()

@@ -71,7 +71,9 @@ class HttpState:
                 self.idle.set()
 
 
-async def _read_json(request: Request, limit: int) -> object:
+async def read_json(state: HttpState, request: Request) -> object:
+    """The request's body as JSON, within --max-message-bytes."""
+    limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise HttpError(413, f"the body has {length} bytes; the limit is {limit} (--max-message-bytes)")
@@ -90,7 +92,11 @@ async def _read_json(request: Request, limit: int) -> object:
 
 async def read_body(state: HttpState, request: Request, schema: type[Body]) -> Body:
     """The request's body, checked against `schema`, naming a served model (or none, or having no `model`)."""
-    data = await _read_json(request, state.max_body_bytes)
+    return parse_body(state, await read_json(state, request), schema)
+
+
+def parse_body(state: HttpState, data: object, schema: type[Body]) -> Body:
+    """A body read as JSON (read_json), checked as read_body checks it."""
     if not isinstance(data, dict):
         raise HttpError(400, "the body must be a JSON object")
     try:
