@@ -252,7 +252,7 @@ class DrafterClient:
             return True
         self._ask_again()
         if self.info is not None:
-            self._tell_unsalted()
+            self._tell_unsalted(self.info.name)
         return False
 
     def _ask_again(self) -> None:
@@ -261,15 +261,14 @@ class DrafterClient:
             self._last_info_ask = time.monotonic()  # one ask, however many sequences wait for it
             self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
 
-    def _tell_unsalted(self) -> None:
+    def _tell_unsalted(self, drafter: str) -> None:
         """Say once per drafter that salted requests run without its drafts: an operator who salts every
         request would otherwise find speculation off with no word of why."""
-        assert self.info is not None
-        if self._told_unsalted == self.info.name:
+        if self._told_unsalted == drafter:
             return
-        self._told_unsalted = self.info.name
+        self._told_unsalted = drafter
         log.warning("drafter %s does not say it keeps cache salts apart (no %r capability): requests with a "
-                    "cache_salt run without its drafts (PROTOCOL.md section 7)", self.info.name, CACHE_SALT)
+                    "cache_salt run without its drafts (PROTOCOL.md section 7)", drafter, CACHE_SALT)
 
     def _reply(self, call: DraftCall, response: drafter_pb2.PrepareDraftTokensResponse) -> DraftReply:
         latency = time.perf_counter() - call.started
