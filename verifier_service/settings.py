@@ -29,7 +29,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class ServerSettings:
     # --- model
     model: str | None = None  # Hugging Face folder or .gguf file; None: EMBEDDED_MODEL
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks it)
     device: str = "auto"
     prepack_weights: bool = True  # CPU: keep a oneDNN-reordered weight copy where it is faster
     # The start-up's forward timings (model/timing_cache.py): "on" takes what an earlier start on this

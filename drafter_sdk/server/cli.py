@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default=argparse.SUPPRESS,
                        help="auto (cuda when available; the default), cpu, cuda, cuda:1 ...")
     model.add_argument("--dtype", default=argparse.SUPPRESS,
-                       help="auto (bfloat16 on cuda, float32 on cpu; the default), float32, bfloat16, float16")
+                       help="auto (float32 on cpu, bfloat16 on cuda, float16 on a GPU without bfloat16; the "
+                            "default), float32, bfloat16, float16")
     model.add_argument("--kv-cache-memory-gb", type=float, default=argparse.SUPPRESS,
                        help="memory for the draft model's KV cache; a sequence that does not fit gets no draft (1)")
     model.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,

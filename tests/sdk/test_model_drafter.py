@@ -20,6 +20,7 @@ from tiny_model import tiny_draft_pair, tiny_tokenizer
 
 from drafter_sdk.drafter import DraftRequest, SamplingHints
 from drafter_sdk.drafters.model import ModelDrafter
+from drafter_sdk.loading import causal_lm
 from drafter_sdk.loading.tokenizer_fingerprint import tokenizer_fingerprint
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc
@@ -50,6 +51,17 @@ def make(draft_model, **options) -> ModelDrafter:
     drafter = ModelDrafter(loaded=(draft_model, tiny_tokenizer()), **options)
     drafter.load()
     return drafter
+
+
+def test_dtype_auto_is_float32_on_a_cpu_bfloat16_on_a_gpu_that_computes_it_else_float16(monkeypatch) -> None:
+    """As vLLM falls back on a T4 or a V100 (compute capability below 8.0), which torch says emulate it. Only
+    torch's answer is stood in for: no GPU is needed."""
+    assert causal_lm.pick_dtype("auto", torch.device("cpu")) == torch.float32
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, n=native: n or including_emulation)
+        assert causal_lm.pick_dtype("auto", torch.device("cuda")) == dtype
+        assert causal_lm.pick_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16  # asked for: as asked
 
 
 def test_drafts_are_the_draft_models_greedy_continuation_with_one_forward_per_position(draft_model):

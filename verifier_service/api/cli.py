@@ -107,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"Hugging Face model folder or .gguf file (default: {EMBEDDED_MODEL})")
     m.add_argument("model_given_first", nargs="?", metavar="MODEL",
                    help="the same as --model, given first as in `vllm serve MODEL`")
-    _setting(m, "dtype", "auto: bfloat16 on CUDA, float32 on CPU; vLLM's half and float name float16 and float32",
+    _setting(m, "dtype", "auto: float32 on CPU, bfloat16 on CUDA (float16 on a GPU without it, as vLLM); vLLM's "
+                         "half and float name float16 and float32",
              choices=["auto", "float32", "bfloat16", "float16"], type=vllm_flags.dtype)
     _setting(m, "device", "auto, cpu, cuda or cuda:N")
     m.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false", default=argparse.SUPPRESS,

@@ -100,13 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "greedy outputs (plus the suffix drafter's own speed); for machines too busy to time")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: the verifiers' and transformers' device")
     p.add_argument("--dtype", default="auto", choices=["auto", *model_loader.DTYPES],
-                   help="the verifiers' and transformers' dtype (auto: as the verifier's, bfloat16 on cuda, "
-                        "else float32)")
+                   help="the verifiers' and transformers' dtype (auto: as the verifier's, float32 on cpu, "
+                        "bfloat16 on cuda, float16 on a GPU without bfloat16)")
     p.add_argument("--draft-model", metavar="PATH",
                    help="also bench a draft model ('embedded': SmolLM2 drafting for itself): the system "
                         "'splitspec model remote' and the drafter's call latency with and without drafting ahead")
     p.add_argument("--draft-device", default="auto", help="device of the draft model: auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--draft-dtype", default="auto", help="dtype of the draft model (auto: bfloat16 on cuda)")
+    p.add_argument("--draft-dtype", default="auto", help="dtype of the draft model (auto: as --dtype auto picks on "
+                                                          "--draft-device)")
     p.add_argument("--draft-model-only", action="store_true",
                    help="with --draft-model: only the draft model's own figures (no services; the target's "
                         "outputs come from transformers generate())")
