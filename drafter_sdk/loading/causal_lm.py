@@ -102,11 +102,12 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: float32 on a CPU; on CUDA bfloat16 where the GPU computes it (compute capability 8.0 on),
-    else float16 (a T4, a V100), as vLLM falls back."""
+    else float16 (a T4, a V100: torch would emulate bfloat16), as vLLM falls back. The capability asked
+    is `device`'s own, not the current device's."""
     if dtype == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     try:
         return DTYPES[dtype]
     except KeyError:

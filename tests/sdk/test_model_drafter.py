@@ -54,14 +54,14 @@ def make(draft_model, **options) -> ModelDrafter:
 
 
 def test_dtype_auto_is_float32_on_a_cpu_bfloat16_on_a_gpu_that_computes_it_else_float16(monkeypatch) -> None:
-    """As vLLM falls back on a T4 or a V100 (compute capability below 8.0), which torch says emulate it. Only
-    torch's answer is stood in for: no GPU is needed."""
+    """As vLLM falls back on a T4 or a V100 (compute capability below 8.0). Only the device's capability is
+    stood in for: no GPU is needed."""
     assert causal_lm.pick_dtype("auto", torch.device("cpu")) == torch.float32
-    for native, dtype in ((True, torch.bfloat16), (False, torch.float16)):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                            lambda including_emulation=True, n=native: n or including_emulation)
-        assert causal_lm.pick_dtype("auto", torch.device("cuda")) == dtype
-        assert causal_lm.pick_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16  # asked for: as asked
+    gpus = {0: (7, 5), 1: (9, 0)}  # a T4 beside an H100: the capability is the device's, not the current one's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpus[torch.device(device).index])
+    for index, dtype in ((0, torch.float16), (1, torch.bfloat16)):
+        assert causal_lm.pick_dtype("auto", torch.device("cuda", index)) == dtype
+        assert causal_lm.pick_dtype("bfloat16", torch.device("cuda", index)) == torch.bfloat16  # asked: as asked
 
 
 def test_drafts_are_the_draft_models_greedy_continuation_with_one_forward_per_position(draft_model):
