@@ -105,6 +105,7 @@ class GrpcTransport:
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
         self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
+        self._lacking_said: list[tuple[str, str]] = []  # capabilities some replica lacks (info), as last logged
         # The stream has answered, and not been refused since (GetServerInfo.drafter.draft_stream).
         self.streaming = False
 
@@ -171,8 +172,35 @@ class GrpcTransport:
         await _awaitable(self._stub.ReleaseRequests.future(request, timeout=timeout_s, metadata=self._metadata))
 
     async def info(self, timeout_s: float) -> drafter_pb2.GetDrafterInfoResponse:
-        return await _awaitable(self._stub.GetDrafterInfo.future(
-            drafter_pb2.GetDrafterInfoRequest(), timeout=timeout_s, metadata=self._metadata))
+        """What the drafter says of itself; where several replicas stand behind the target, with only the
+        capabilities every replica that answers lists. In a rolling update they differ, and a capability
+        one lacks cannot be relied on: a salted request could reach a replica that does not keep cache
+        salts apart, whichever replica answered here."""
+        request = drafter_pb2.GetDrafterInfoRequest()
+        info = await _awaitable(self._stub.GetDrafterInfo.future(request, timeout=timeout_s, metadata=self._metadata))
+
+        async def ask(stub: drafter_pb2_grpc.DrafterServiceStub) -> drafter_pb2.GetDrafterInfoResponse | None:
+            try:
+                return await _awaitable(stub.GetDrafterInfo.future(request, timeout=timeout_s, metadata=self._metadata))
+            except grpc.RpcError as exc:  # down: the balancer sends it nothing either
+                log.debug("a drafter replica did not say what it is: %s", status_of(exc))
+                return None
+
+        replicas = await asyncio.gather(*(ask(stub) for stub in await self._replicas.stubs()))
+        answers = [info, *(answer for answer in replicas if answer is not None)]
+        listed = {c for answer in answers for c in answer.capabilities}  # whichever replica answered first
+        lacking = sorted({(c, answer.version) for answer in answers for c in listed if c not in answer.capabilities})
+        if lacking != self._lacking_said:  # said as it changes, not at every ask of a rollout
+            self._lacking_said = lacking
+            if lacking:
+                log.warning("drafter replicas behind %s differ (a rolling update?): relying only on the "
+                            "capabilities every replica lists; lacking: %s", self.target,
+                            ", ".join(f"{c!r} (version {v})" for c, v in lacking))
+        unsure = {c for c, _ in lacking}
+        kept = [c for c in info.capabilities if c not in unsure]
+        del info.capabilities[:]
+        info.capabilities.extend(kept)
+        return info
 
     async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
                                  release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int:

@@ -433,3 +433,43 @@ def test_while_salted_sequences_wait_the_drafter_is_asked_again_until_it_keeps_s
         assert sum("does not say it keeps cache salts apart" in m for m in said) == 1, said
 
     asyncio.run(body())
+
+
+def test_replicas_that_differ_are_relied_on_only_for_what_every_one_lists(monkeypatch, caplog):
+    """A rolling update behind one target: a replica that keeps cache salts apart beside one that does not.
+    Whichever answers GetDrafterInfo, a salted sequence is not sent (round_robin could take it to the other),
+    until the other is replaced too; the difference is said once."""
+    monkeypatch.setattr(drafter_client, "INFO_RECHECK_S", 0.05)
+
+    async def body():
+        old = await start_server(Learner(), host="127.0.0.1", port=0, grace_period_s=0.0)
+        new = await start_server(SaltedLearner(), host="127.0.0.1", port=0, grace_period_s=0.0)
+        servers = [old, new]
+        try:
+            for server in servers:
+                await server.wait_loaded()
+            ports = [old.port, new.port]
+            client = DrafterClient(GrpcTransport(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"), "v",
+                                   vocab_size=100, deadline_s=1.0, overlap_steps=1)
+            names = set()
+            for _ in range(4):  # round_robin takes each replica in turn for the call that asks
+                await client._ask_info(1.0)
+                names.add(client.info.name)
+                assert CACHE_SALT not in client.info.capabilities and not client.sees("ab")
+            assert names == {"learner", "salted-learner"}
+            await old.stop(0)
+            servers[0] = await start_server(SaltedLearner(), host="127.0.0.1", port=ports[0], grace_period_s=0.0)
+            await servers[0].wait_loaded()
+            for _ in range(200):
+                if client.sees("ab"):
+                    break
+                await asyncio.sleep(0.05)
+            assert client.sees("ab")
+            await client.close()
+        finally:
+            for server in servers:
+                await server.stop(0)
+        said = [r.getMessage() for r in caplog.records if "replicas behind" in r.getMessage()]
+        assert len(said) == 1 and "lacking: 'cache-salt' (version " in said[0], said
+
+    asyncio.run(body())
