@@ -153,6 +153,9 @@ class DrafterClient:
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _asking_info: bool = False
     _said_unreachable: bool = False  # since it last answered GetDrafterInfo: asked again, it is not said again
+    # It answered again after failing, or lost state (a restart): until it says who it is now, `info` may
+    # be another drafter's, and salted sequences are not sent on its word.
+    _info_stale: bool = False
     _told_unsalted: str = ""  # the drafter whose salted requests were said to run without its drafts
     _last_info_ask: float = 0.0
 
@@ -242,17 +245,19 @@ class DrafterClient:
     def sees(self, cache_salt_id: str) -> bool:
         """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
         drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them.
-        The scheduler plans no drafter draft for a request it is not sent (engine.py), so while one
-        waits, the drafter is asked again who it is, now and then: it may have come up, or been
-        replaced by one that keeps salts apart, and salted traffic alone makes no call that would ask.
-        One that does not keep them apart has it said once."""
+        After a restart a salted one waits until the drafter has said again who it is (a downgrade
+        must not be sent a whole context on the word of the drafter before it). The scheduler plans no
+        drafter draft for a request it is not sent (engine.py), so while one waits, the drafter is
+        asked again who it is, now and then: it may have come up, or been replaced by one that keeps
+        salts apart, and salted traffic alone makes no call that would ask. One that does not keep
+        them apart has it said once."""
         if not cache_salt_id:
             return True
-        if self.info is not None and CACHE_SALT in self.info.capabilities:
-            return True
-        self._ask_again()
-        if self.info is not None:
+        if self.info is not None and not self._info_stale:
+            if CACHE_SALT in self.info.capabilities:
+                return True
             self._tell_unsalted(self.info.name)
+        self._ask_again()
         return False
 
     def _ask_again(self) -> None:
@@ -304,7 +309,9 @@ class DrafterClient:
             self.breaker.record_failure()
         else:
             self.breaker.record_success()
-        if self.info is None or recovered or lost_state:  # possibly another drafter now: ask who it is
+        if recovered or lost_state:  # possibly another drafter now (a downgrade would mix salts)
+            self._info_stale = True
+        if self.info is None or self._info_stale:  # ask who it is
             self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
         return DraftReply(drafts, failed, latency, parents)
 
@@ -448,7 +455,7 @@ class DrafterClient:
             info = drafter_pb2.GetDrafterInfoResponse()  # it drafts but says nothing of itself: ask no more
         finally:
             self._asking_info = False
-        self._said_unreachable = False
+        self._said_unreachable = self._info_stale = False
         if info != self.info:
             log.info("drafter %s %s at %s", info.name, info.version, self.transport.target)
             if info.vocab_size and info.vocab_size != self.vocab_size and not self._incompatibility(info):

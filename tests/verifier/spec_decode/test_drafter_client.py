@@ -473,3 +473,29 @@ def test_replicas_that_differ_are_relied_on_only_for_what_every_one_lists(monkey
         assert len(said) == 1 and "lacking: 'cache-salt' (version " in said[0], said
 
     asyncio.run(body())
+
+
+def test_after_a_restart_a_salted_sequence_waits_for_the_drafter_to_say_who_it_is():
+    """A drafter that kept cache salts apart restarts as one that does not (a downgrade): its first answer
+    after the restart (RESYNC_REQUIRED: it lost state) makes the client ask who it is, and until it has
+    answered, the salted sequence's whole context is not sent on the old drafter's word."""
+    async def body():
+        transport = RoundRobin(DrafterServicer(SaltedLearner()))
+        transport.replicas[0].load()
+        client = DrafterClient(transport, "v", vocab_size=100, deadline_s=1.0, overlap_steps=1)
+        await client.connect()
+        salted = DraftQuery("s", [1, 2, 3, 4], 3, 2, DeltaHistory(), cache_salt_id="ab")
+        assert (await client.propose([salted])).drafts == [[3, 4]]
+        downgraded = Learner()
+        transport.replicas[0] = DrafterServicer(downgraded)
+        transport.replicas[0].load()
+        salted.tokens.append(5)
+        await client.propose([salted])  # its delta: the restarted drafter knows nothing of it
+        salted.tokens.append(6)
+        assert (await client.propose([salted])).drafts == [[]]  # before the ask is answered: nothing sent
+        await asyncio.gather(*client._background)
+        assert client.info.name == "learner" and not client.sees("ab")
+        await client.propose([salted])
+        assert ("v", "s") not in downgraded.histories and downgraded.salts == {}
+
+    asyncio.run(body())
