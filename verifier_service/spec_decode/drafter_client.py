@@ -243,14 +243,12 @@ class DrafterClient:
         return DraftCall(queries, request, sent)
 
     def sees(self, cache_salt_id: str) -> bool:
-        """Whether the drafter is sent a request: an unsalted one always, a salted one only where the
-        drafter keeps salts apart (capability "cache-salt"), so what it learns never crosses them.
-        After a restart a salted one waits until the drafter has said again who it is (a downgrade
-        must not be sent a whole context on the word of the drafter before it). The scheduler plans no
-        drafter draft for a request it is not sent (engine.py), so while one waits, the drafter is
-        asked again who it is, now and then: it may have come up, or been replaced by one that keeps
-        salts apart, and salted traffic alone makes no call that would ask. One that does not keep
-        them apart has it said once."""
+        """Whether the drafter is sent a request: an unsalted one always; a salted one only where the
+        drafter keeps salts apart (capability "cache-salt"), so that what it learns never crosses them,
+        and only on its current word (after a restart, once it has said again who it is). The scheduler
+        plans no drafter draft for a request not sent (engine.py). While one waits, the drafter is asked
+        again who it is now and then (salted traffic alone makes no call that would ask: it may have come
+        up, or been replaced by one that keeps salts apart); one that does not has it said once."""
         if not cache_salt_id:
             return True
         if self.info is not None and not self._info_stale:
