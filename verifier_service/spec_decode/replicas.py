@@ -1,12 +1,14 @@
-"""Every replica behind a drafter target, one by one: for what each of them should hear.
+"""Every replica behind a drafter target, one by one: for what each of them should hear, and say.
 
 A verifier's calls reach one replica of a drafter Service at a time (its draft stream, or the pick
 of round_robin), so a replica learns only the requests it served. A finished request is worth
-learning on every replica (PROTOCOL.md section 7): the verifier resolves the drafter's target itself,
-to the addresses gRPC's own resolver finds (drafter_sdk/service/addresses.py), and keeps a channel to each,
-opened when an address appears and closed when it leaves; the addresses are looked up again every
-RESOLVE_EVERY_S, as replicas come and go. A target with one address has no
-other replica, and one of a kind not resolved here (`unix:`, `xds:`) is left to gRPC alone.
+learning on every replica (PROTOCOL.md section 7), and a capability is safe to rely on only once
+every replica lists it (in a rolling update they differ: transport.py's `info`). The verifier
+resolves the drafter's target itself, to the addresses gRPC's own resolver finds
+(drafter_sdk/service/addresses.py), and keeps a channel to each, opened when an address appears
+and closed when it leaves; the addresses are looked up again every RESOLVE_EVERY_S, as replicas
+come and go. A target with one address has no other replica, and one of a kind not resolved here
+(`unix:`, `xds:`) is left to gRPC alone.
 """
 
 from __future__ import annotations
