@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -70,16 +69,12 @@ from deploy_support import (
     speculative_config_of,
 )
 
+from verifier_service.tools.local_services import free_port
+
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 STARTUP_BUDGET_S = 240  # of the 300 s test timeout; the probe itself allows 600 s
 PORT_FLAGS = ("--port", "--metrics-port", "--http-port")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

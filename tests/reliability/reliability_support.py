@@ -11,7 +11,6 @@ import asyncio
 import functools
 import json
 import random
-import socket
 import sys
 import threading
 import time
@@ -41,12 +40,6 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 # --- processes ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class Proc(LocalService):

@@ -28,7 +28,6 @@ from reliability_support import (
     SdkFaultyDrafter,
     Workload,
     accepted,
-    free_port,
     make_workload,
     until,
 )
@@ -36,6 +35,7 @@ from tiny_model import tiny_tokenizer
 from verifier_harness import run_verifier, spec_config
 
 from drafter_sdk.proto import verifier_pb2
+from verifier_service.tools.local_services import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

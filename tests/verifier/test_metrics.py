@@ -37,6 +37,7 @@ from verifier_support import (
 from drafter_sdk.errors import ListenError
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.api.cli import parser, settings_from_args
+from verifier_service.tools.local_services import free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -63,12 +64,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def per_pos(samples: Samples) -> dict[int, float]:
     name = "splitspec:spec_decode_num_accepted_tokens_per_pos_total"
     return {int(dict(labels)["position"]): v for (n, labels), v in samples.items() if n == name}
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens there once the socket closes
 
 
 def hold_after_prefill(engine) -> Callable[[], None]:  # noqa: ANN001
@@ -208,7 +203,7 @@ async def _rest_of_stream(call, first):  # noqa: ANN001, ANN202
 
 def test_drafter_failures_are_counted_and_requests_still_succeed():
     async def main() -> None:
-        spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{closed_port()}", deadline_ms=200)
+        spec = spec_config("USER_PROVIDED", 4, drafter_target=f"127.0.0.1:{free_port()}", deadline_ms=200)
         async with run_verifier(spec, model=shared_model(), metrics_port=0) as v:
             prompts = [repetitive_prompt(seed) for seed in LOOPING_SEEDS[:3]]
             responses = await asyncio.gather(*(v.stub.Generate(token_request(p, 12), timeout=WAIT_S)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from drafter_sdk.server.servicer import DrafterServicer
 from verifier_service.spec_decode import drafter_client
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery, ReleasedRequest
 from verifier_service.spec_decode.transport import GrpcTransport
+from verifier_service.tools.local_services import free_port
 
 OK = pb.DRAFT_STATUS_OK
 RESYNC = pb.DRAFT_STATUS_RESYNC_REQUIRED
@@ -404,9 +404,7 @@ def test_while_salted_sequences_wait_the_drafter_is_asked_again_until_it_keeps_s
         raise AssertionError(f"the client did not learn of {name}")
 
     async def body():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()  # nothing listens on it yet
         client = DrafterClient(GrpcTransport(f"127.0.0.1:{port}"), "v", vocab_size=100, deadline_s=1.0,
                                overlap_steps=1)
         await client.connect(timeout_s=0.2)
