@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -177,17 +177,13 @@ class GrpcTransport:
         one lacks cannot be relied on: a salted request could reach a replica that does not keep cache
         salts apart, whichever replica answered here."""
         request = drafter_pb2.GetDrafterInfoRequest()
-        info = await _awaitable(self._stub.GetDrafterInfo.future(request, timeout=timeout_s, metadata=self._metadata))
 
-        async def ask(stub: drafter_pb2_grpc.DrafterServiceStub) -> drafter_pb2.GetDrafterInfoResponse | None:
-            try:
-                return await _awaitable(stub.GetDrafterInfo.future(request, timeout=timeout_s, metadata=self._metadata))
-            except grpc.RpcError as exc:  # down: the balancer sends it nothing either
-                log.debug("a drafter replica did not say what it is: %s", status_of(exc))
-                return None
+        def ask(stub: drafter_pb2_grpc.DrafterServiceStub) -> Awaitable[drafter_pb2.GetDrafterInfoResponse]:
+            return _awaitable(stub.GetDrafterInfo.future(request, timeout=timeout_s, metadata=self._metadata))
 
-        replicas = await asyncio.gather(*(ask(stub) for stub in await self._replicas.stubs()))
-        answers = [info, *(answer for answer in replicas if answer is not None)]
+        info = await ask(self._stub)
+        # A replica that does not answer is down: the balancer sends it nothing either.
+        answers = [info, *await self._on_every_replica(ask, "did not say what it is")]
         listed = {c for answer in answers for c in answer.capabilities}  # whichever replica answered first
         lacking = sorted({(c, answer.version) for answer in answers for c in listed if c not in answer.capabilities})
         if lacking != self._lacking_said:  # said as it changes, not at every ask of a rollout
@@ -204,18 +200,26 @@ class GrpcTransport:
 
     async def tell_every_replica(self, sync: drafter_pb2.PrepareDraftTokensRequest,
                                  release: drafter_pb2.ReleaseRequestsRequest, timeout_s: float) -> int:
-        """Unary calls to each replica's own channel (replicas.py), all at once; a replica that fails
-        misses it, nothing more."""
+        """Unary calls to each replica's own channel; a replica that fails misses it, nothing more."""
         async def tell(stub: drafter_pb2_grpc.DrafterServiceStub) -> bool:
-            try:
-                await _awaitable(stub.PrepareDraftTokens.future(sync, timeout=timeout_s, metadata=self._metadata))
-                await _awaitable(stub.ReleaseRequests.future(release, timeout=timeout_s, metadata=self._metadata))
-            except grpc.RpcError as exc:
-                log.debug("a drafter replica missed a finished request: %s", status_of(exc))
-                return False
+            await _awaitable(stub.PrepareDraftTokens.future(sync, timeout=timeout_s, metadata=self._metadata))
+            await _awaitable(stub.ReleaseRequests.future(release, timeout=timeout_s, metadata=self._metadata))
             return True
 
-        return sum(await asyncio.gather(*(tell(stub) for stub in await self._replicas.stubs())))
+        return len(await self._on_every_replica(tell, "missed a finished request"))
+
+    async def _on_every_replica(self, call: Callable[[drafter_pb2_grpc.DrafterServiceStub], Awaitable[T]],
+                                what: str) -> list[T]:
+        """`call` on each replica's own channel (replicas.py; none where the target has one), all at once:
+        the answers of those that gave one. A replica whose call fails is left out (`what` it did, at debug)."""
+        async def one(stub: drafter_pb2_grpc.DrafterServiceStub) -> T | None:
+            try:
+                return await call(stub)
+            except grpc.RpcError as exc:
+                log.debug("a drafter replica %s: %s", what, status_of(exc))
+                return None
+
+        return [a for a in await asyncio.gather(*(one(stub) for stub in await self._replicas.stubs())) if a is not None]
 
     async def ready(self, timeout_s: float) -> None:
         """Wait until the channel is connected (raises grpc.FutureTimeoutError)."""
