@@ -32,10 +32,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model(seed: int = 0, layers: int = 2, init_std: float = 0.2, max_positions: int = 512) -> LlamaForCausalLM:
-    """Random weights with a wide init so next-token logits are far from ties."""
+def tiny_model(seed: int = 0, layers: int = 2, init_std: float = 0.2, max_positions: int = 512,
+               width: int = 64) -> LlamaForCausalLM:
+    """Random weights with a wide init so next-token logits are far from ties. `width`: the hidden size
+    (the MLP's is twice it)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer()), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer()), hidden_size=width, intermediate_size=2 * width,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_positions, initializer_range=init_std,
                          eos_token_id=tiny_tokenizer().eos_token_id, bos_token_id=None, pad_token_id=None,

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
+import subprocess
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reliability_support import WAIT_S, SdkFaultyDrafter, VerifierProcess, idle, until
+from reliability_support import CHILD_ENV, WAIT_S, SdkFaultyDrafter, VerifierProcess, idle, until
+from tiny_model import tiny_model, tiny_tokenizer
 from verifier_harness import run_verifier, token_request
 
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from drafter_sdk.proto import verifier_pb2 as pb
+from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,6 +78,31 @@ def test_verifier_sigterm_drains_in_flight_requests(tiny_model_dir):
         assert all(len(x) == NEW_TOKENS for x in ids) and all(x == ids[0] for x in ids)  # whole and identical
         assert verifier.process.wait(WAIT_S) == 0
     assert "shutting down" in verifier.tail(20_000)
+
+
+def test_verifier_sigterm_during_start_up_exits_0(tmp_path):
+    """A pod deleted while its verifier starts: the signal lands while the model thread times the forwards
+    (a model wide enough for that to take a while). The process stops its servers and exits 0; left to the
+    interpreter's exit under the busy thread, it aborted (status 134)."""
+    model_dir = tmp_path / "wide"
+    tiny_model(layers=4, width=512).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    process = subprocess.Popen(
+        [script("splitspec-verifier"), "--model", str(model_dir), "--port", "0", "--http-port", "off",
+         "--timing-cache", "refresh", "--log-level", "INFO"],
+        env={**os.environ, **CHILD_ENV}, stderr=subprocess.PIPE, text=True)
+    with process:
+        lines = []
+        for line in process.stderr:  # the KV cache's line comes just before the forwards are timed
+            lines.append(line)
+            if "KV cache:" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        _, rest = process.communicate(timeout=WAIT_S)
+    log = "".join(lines) + rest
+    assert "KV cache:" in log and "forward timings found" not in log, log[-3000:]  # stopped mid-timing
+    assert process.returncode == 0, log[-3000:]
+    assert "terminate called" not in log and log.rstrip().endswith("stopped")
 
 
 def test_verifier_grace_period_bounds_the_drain():

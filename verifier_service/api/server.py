@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 import torch
@@ -171,7 +172,8 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     unless torchrun started the other ranks, it starts them with `argv` (default: this process's
     arguments). If a rank fails, this process exits with RANK_FAILURE_EXIT at once, without
     returning: a lost rank can leave the model thread stuck in a collective, which a normal exit
-    would wait for forever.
+    would wait for forever. A signal during start-up (the load, the forwards' timing) ends the process at
+    once too, with status 0, once the servers have stopped: the model thread cannot be stopped mid-op.
     """
     running = await start_server(settings, server_credentials, interceptors)
     if port_file:
@@ -189,6 +191,7 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     leader = None
     # The load runs torch ops too (a GGUF's conversion), so it runs on the thread that will run the model.
     model_thread = ModelThread()
+    start_up: list[asyncio.Future] = []  # the load, then the attach: each runs on the model thread
     try:
         source = loader.resolve_source(settings.model)
         if settings.tensor_parallel_size > 1:
@@ -202,10 +205,12 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         dtype = loader.pick_dtype(settings.dtype, device)
         loading = asyncio.ensure_future(loop.run_in_executor(model_thread, _load, source, dtype, device, settings,
                                                              rank if leader is not None else None))
+        start_up.append(loading)
         if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
             attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader,
                                                            model_thread, source.path))
+            start_up.append(attaching)
             if await _until(attaching, stop, failed):
                 attaching.result()
                 await _until(None, stop, failed)
@@ -220,6 +225,10 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         if running.runtime is None:  # else the engine stopped it
             model_thread.shutdown(wait=False)
     log.info("stopped")
+    if not all(work.done() for work in start_up):
+        # Stopped during start-up: the model thread is still inside torch (a load, a conversion, the forwards'
+        # timing), and the interpreter's exit under it aborts (`terminate called without an active exception`).
+        _exit_at_once(0)
 
 
 def _load(source: loader.ModelSource, dtype: torch.dtype, device: torch.device, settings: ServerSettings,
@@ -249,8 +258,14 @@ async def _exit_on_rank_failure(running: RunningVerifier, leader: tensor_paralle
                          *([running.http.stop(FAILURE_GRACE_S)] if running.http else []))
     leader.end_others(0)
     log.error("exiting with status %d: %s", RANK_FAILURE_EXIT, leader.failure)
+    _exit_at_once(RANK_FAILURE_EXIT)
+
+
+def _exit_at_once(status: int) -> NoReturn:
+    """Exit without the interpreter's finalization, which would wait for, or tear down under, a model thread
+    that is still at work."""
     logging.shutdown()
-    os._exit(RANK_FAILURE_EXIT)
+    os._exit(status)
 
 
 def run_follower(settings: ServerSettings, rank: ranks.Ranks) -> int:
