@@ -262,7 +262,7 @@ class DrafterClient:
         """Ask who the drafter is in the background, at most every INFO_RECHECK_S."""
         if time.monotonic() - self._last_info_ask > INFO_RECHECK_S:
             self._last_info_ask = time.monotonic()  # one ask, however many sequences wait for it
-            self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
+            self._in_background(self._ask_info(self._background_timeout_s))
 
     def _tell_unsalted(self, drafter: str) -> None:
         """Say once per drafter that salted requests run without its drafts: an operator who salts every
@@ -310,7 +310,7 @@ class DrafterClient:
         if recovered or lost_state:  # possibly another drafter now (a downgrade would mix salts)
             self._info_stale = True
         if self.info is None or self._info_stale:  # ask who it is
-            self._in_background(self._ask_info(max(self.deadline_s, 1.0)))
+            self._in_background(self._ask_info(self._background_timeout_s))
         return DraftReply(drafts, failed, latency, parents)
 
     def _build_request(self, queries: list[DraftQuery]) -> drafter_pb2.PrepareDraftTokensRequest:
@@ -424,7 +424,7 @@ class DrafterClient:
                        sync: drafter_pb2.PrepareDraftTokensRequest | None,
                        announcement: tuple[drafter_pb2.PrepareDraftTokensRequest,
                                            drafter_pb2.ReleaseRequestsRequest] | None = None) -> None:
-        timeout_s = max(self.deadline_s, 1.0)
+        timeout_s = self._background_timeout_s
         try:
             if sync is not None:
                 await self.transport.sync(sync, timeout_s)
@@ -435,6 +435,12 @@ class DrafterClient:
                 self.stats.announced += told * len(announcement[1].request_ids)
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("release failed: %s", _describe(exc))
+
+    @property
+    def _background_timeout_s(self) -> float:
+        """The timeout of the calls no step waits for (who the drafter is, releases, resyncs): the drafting
+        deadline, but at least a second, which a tight deadline would otherwise make them miss."""
+        return max(self.deadline_s, 1.0)
 
     async def _ask_info(self, timeout_s: float) -> None:
         if self._asking_info:
