@@ -47,6 +47,7 @@ class RunningDrafter:
         self._asking = Asking()  # the peers' questions, ended when the server stops
         self.load_error: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._ending: asyncio.Task[None] | None = None  # `end_drain`'s cut of the calls in flight
         self._load_task = asyncio.create_task(self._load())
         self._evict_task = asyncio.create_task(self._evict_idle(idle_timeout_s))
         self._save_task = asyncio.create_task(self._save_learned()) if learned is not None else None
@@ -77,6 +78,13 @@ class RunningDrafter:
         if self._stopping is None:
             self._stopping = asyncio.create_task(self._stop(self.grace_period_s if grace is None else grace))
         return self._stopping
+
+    def end_drain(self) -> None:
+        """Cut the grace period short (a second signal): the calls in flight end now, UNAVAILABLE. A call
+        already inside the drafter's code runs to its end there (Python cannot stop a thread); its answer
+        is dropped, and the process exits once it has returned."""
+        self.request_stop()
+        self._ending = asyncio.ensure_future(self.service.stop(0))
 
     async def wait_for_termination(self) -> None:
         await self.service.wait_for_termination()
@@ -233,7 +241,8 @@ async def start_server(
 
 def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file: str | os.PathLike[str] | None = None,
           **options: object) -> None:
-    """Serve `drafter` until SIGTERM or SIGINT, then shut down gracefully.
+    """Serve `drafter` until SIGTERM or SIGINT, then shut down gracefully; a second signal ends the
+    calls still in flight at once.
 
     `options` are start_server's keyword arguments. With `port_file`, the
     bound port is written there once the server listens (handy with port 0).
@@ -249,7 +258,7 @@ async def _serve(drafter: Drafter, *, port_file: str | os.PathLike[str] | None, 
         log.info("received %s", sig.name)
         running.request_stop()
 
-    stop_on_signals(on_signal)
+    stop_on_signals(on_signal, again=lambda sig: running.end_drain())
     if port_file is not None:
         running.service.write_port_file(port_file)
     await running.wait_for_termination()

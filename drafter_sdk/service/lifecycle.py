@@ -6,8 +6,9 @@ INVALID_ARGUMENT, optional bearer-token auth and TLS, and optional Prometheus
 metrics on their own port. The owner flips health to SERVING once it is ready
 (a drafter's `load()`, the verifier's model), and `stop` drains: health goes
 NOT_SERVING for every service, new calls are refused, in-flight ones get the
-grace period. `write_port_file` publishes the bound port atomically, and
-`stop_on_signals` wires SIGTERM/SIGINT, and the parent's exit, to a callback.
+grace period (a later `stop` with a shorter one ends it sooner). `write_port_file` publishes the bound
+port atomically, and `stop_on_signals` wires SIGTERM/SIGINT, and the parent's exit, to a callback, and a
+second signal to another: someone who presses Ctrl-C twice wants the drain over, as uvicorn does.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class GrpcService:
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
-        """Health NOT_SERVING (for good), refuse new calls, let in-flight ones finish within grace_s."""
+        """Health NOT_SERVING (for good), refuse new calls, let in-flight ones finish within grace_s. A call
+        made while one is under way with a shorter grace_s ends both sooner (grpc keeps the shortest)."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.metrics_server is not None:
@@ -156,12 +158,25 @@ def write_port_file(path: str | os.PathLike[str], port: int) -> None:
     tmp.replace(path)
 
 
-def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:
+def stop_on_signals(callback: Callable[[signal.Signals], None],
+                    again: Callable[[signal.Signals], None] | None = None) -> None:
     """Call `callback(signal)` on SIGTERM or SIGINT, from the running event loop; and as on SIGTERM
-    when this process's lifeline breaks (`LIFELINE_FD_ENV`)."""
+    when this process's lifeline breaks (`LIFELINE_FD_ENV`). Each signal after the first calls
+    `again(signal)` instead (the drain cut short), where given."""
     loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            callback(sig)
+        elif again is not None:
+            log.warning("received %s again: ending the calls still in flight now", sig.name)
+            again(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, callback, sig)
+        loop.add_signal_handler(sig, on_signal, sig)
     lifeline = held_lifeline(os.environ.pop(LIFELINE_FD_ENV, ""))  # popped: no child of this one holds it
     if lifeline is None:
         return
@@ -169,8 +184,9 @@ def stop_on_signals(callback: Callable[[signal.Signals], None]) -> None:
     def broken() -> None:  # readable means end of file: its writer never writes
         loop.remove_reader(lifeline)
         os.close(lifeline)
-        log.warning("the process that started this one has gone: stopping as on SIGTERM")
-        callback(signal.SIGTERM)
+        if not stopping:  # else it stops already: a parent gone is no second signal
+            log.warning("the process that started this one has gone: stopping as on SIGTERM")
+            on_signal(signal.SIGTERM)
 
     loop.add_reader(lifeline, broken)
 

@@ -105,6 +105,32 @@ def test_verifier_sigterm_during_start_up_exits_0(tmp_path):
     assert "terminate called" not in log and log.rstrip().endswith("stopped")
 
 
+def test_a_second_signal_ends_the_verifiers_drain_at_once(tmp_path):
+    """Ctrl-C twice: the first starts the drain, the second ends it. Requests that would have run for many
+    seconds more end UNAVAILABLE at once, the running one and the queued ones, and the process exits 0."""
+    tiny_model(max_positions=4096).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with VerifierProcess(tmp_path, "--max-num-seqs", "1", "--grace-period-s", "120", "--max-model-len",
+                         "4096") as verifier:
+        verifier.start()
+        with grpc.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            request = pb.GenerateStreamRequest(params=pb.GenerationParams(
+                token_ids=pb.TokenIds(ids=PROMPT), stopping=pb.StoppingCriteria(max_new_tokens=4000, ignore_eos=True)))
+            streams = [stub.GenerateStream(request, timeout=WAIT_S * 3) for _ in range(3)]
+            next(streams[0])  # the first one runs, the others wait for its slot
+            verifier.process.send_signal(signal.SIGINT)
+            asyncio.run(until(lambda: "shutting down" in verifier.tail(20_000), "the drain to start"))
+            verifier.process.send_signal(signal.SIGINT)
+            for stream in streams:
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in stream:
+                        pass
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in info.value.details()
+        assert verifier.process.wait(WAIT_S) == 0
+    assert "received SIGINT again" in verifier.tail(20_000)
+
+
 def test_verifier_grace_period_bounds_the_drain():
     """Requests still running when the grace period ends are cut off; stop() returns, nothing is held."""
     async def body():
@@ -145,3 +171,25 @@ def test_drafter_sdk_sigterm_drains_in_flight_calls():
             reply = in_flight.result(WAIT_S)  # finished during the grace period
             assert list(reply.results[0].draft_tokens) == [4, 5, 6, 7]
         assert drafter.process.wait(WAIT_S) == 0
+
+
+def test_a_second_signal_ends_the_drafters_drain_at_once():
+    """The drafter's call in flight is cut off at the second signal instead of answered; the process
+    exits 0 once the drafter's own code has returned."""
+    with SdkFaultyDrafter(name="cut-drafter", extra_args=("--grace-period-s", "120", "--log-level", "INFO")) as drafter:
+        drafter.set("slow_some", oracle=[([1, 2, 3, 4, 5, 6, 7, 8], 3)], slow_every=1, slow_s=3)
+        drafter.start()
+        with grpc.insecure_channel(drafter.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = drafter_pb2.PrepareDraftTokensRequest(verifier_id="v", sequences=[drafter_pb2.DraftSequence(
+                request_id="r", context_len=0, new_tokens=[1, 2, 3], prompt_len=3, draft_len=4)])
+            in_flight = pool.submit(drafter_pb2_grpc.DrafterServiceStub(channel).PrepareDraftTokens, call,
+                                    timeout=WAIT_S)
+            asyncio.run(until(lambda: drafter.calls() == 1, "the call is inside the drafter"))
+            drafter.process.send_signal(signal.SIGTERM)
+            asyncio.run(until(lambda: "stopping" in drafter.tail(20_000), "the drain to start"))
+            drafter.process.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as info:
+                in_flight.result(WAIT_S)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # grpc's "Cancelling all calls"
+        assert drafter.process.wait(WAIT_S) == 0
+    assert "received SIGTERM again" in drafter.tail(20_000)

@@ -127,10 +127,11 @@ class Generations:
     def ready(self) -> bool:
         return self.runtime is not None and self.failure is None and not self.draining
 
-    def fail(self, reason: str) -> None:
-        """A rank of the sharded model failed and the verifier is about to exit: every request in
-        flight, and every new one, is refused as unavailable (a client may retry on a restarted verifier)."""
-        self.failure = f"the verifier lost a tensor-parallel rank and is restarting ({reason}); retry"
+    def fail(self, message: str) -> None:
+        """The verifier is about to exit (a tensor-parallel rank failed, or a second signal cut the drain
+        short): every request in flight, and every new one, is refused as unavailable with `message` (a
+        client may retry on another replica or the restarted verifier)."""
+        self.failure = message
         if self.runtime is not None:
             scheduler = self.runtime.engine.scheduler
             for seq in [*scheduler.running, *scheduler.waiting]:

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 RANK_FAILURE_EXIT = 1
-FAILURE_GRACE_S = 2.0  # after a rank failed: time for the UNAVAILABLE answers to go out
+FAILURE_GRACE_S = 2.0  # after a rank failed or a second signal: time for the UNAVAILABLE answers to go out
 OTHERS_STOP_S = 30.0  # after a clean shutdown: time for the ranks this process started to exit
+SHUT_DOWN = "the verifier was shut down before this request finished; retry"
 
 
 @dataclass
@@ -58,6 +59,7 @@ class RunningVerifier:
     settings: ServerSettings
     http: HttpServer | None = None
     stats: asyncio.Task[None] | None = None  # the stats lines' task (stats_log.py), once the model is attached
+    ending: asyncio.Task[None] | None = None  # `end_drain`'s shorter stop of the gRPC server
 
     @property
     def port(self) -> int:
@@ -93,6 +95,12 @@ class RunningVerifier:
             await self.runtime.engine.stop()
         if self.generations.tracer is not None:  # the last spans, flushed off the event loop
             await asyncio.to_thread(self.generations.tracer.shutdown)
+
+    def end_drain(self) -> None:
+        """Cut the grace period short (a second signal): the requests still in flight end now as unavailable,
+        on both fronts; the other gRPC calls (health Watches) get FAILURE_GRACE_S, and `stop` returns."""
+        self.generations.fail(SHUT_DOWN)
+        self.ending = asyncio.ensure_future(self.service.stop(FAILURE_GRACE_S))
 
 
 async def start_server(settings: ServerSettings,
@@ -182,10 +190,10 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         write_port_file(http_port_file, running.http_port)
     loop = asyncio.get_running_loop()
     stop, failed = asyncio.Event(), asyncio.Event()
-    stop_on_signals(lambda sig: stop.set())
+    stop_on_signals(lambda sig: stop.set(), again=lambda sig: running.end_drain())
 
     def lost_rank(reason: str) -> None:  # on the event loop
-        running.generations.fail(reason)
+        running.generations.fail(f"the verifier lost a tensor-parallel rank and is restarting ({reason}); retry")
         failed.set()
 
     leader = None
