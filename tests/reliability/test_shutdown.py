@@ -110,15 +110,17 @@ def test_a_second_signal_ends_the_verifiers_drain_at_once(tmp_path):
     seconds more end UNAVAILABLE at once, the running one and the queued ones, and the process exits 0."""
     tiny_model(max_positions=4096).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
-    with VerifierProcess(tmp_path, "--max-num-seqs", "1", "--grace-period-s", "120", "--max-model-len",
-                         "4096") as verifier:
+    with VerifierProcess(tmp_path, "--max-num-seqs", "1", "--grace-period-s", "120", "--max-model-len", "4096",
+                         "--log-stats-interval-s", "0.2") as verifier:
         verifier.start()
         with grpc.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             request = pb.GenerateStreamRequest(params=pb.GenerationParams(
                 token_ids=pb.TokenIds(ids=PROMPT), stopping=pb.StoppingCriteria(max_new_tokens=4000, ignore_eos=True)))
-            streams = [stub.GenerateStream(request, timeout=WAIT_S * 3) for _ in range(3)]
-            next(streams[0])  # the first one runs, the others wait for its slot
+            streams = [stub.GenerateStream(request, timeout=WAIT_S * 3)]
+            next(streams[0])  # it runs; the next two wait for its slot
+            streams += [stub.GenerateStream(request, timeout=WAIT_S * 3) for _ in range(2)]
+            asyncio.run(until(lambda: "Waiting: 2 reqs" in verifier.tail(20_000), "the two to wait"))
             verifier.process.send_signal(signal.SIGINT)
             asyncio.run(until(lambda: "shutting down" in verifier.tail(20_000), "the drain to start"))
             verifier.process.send_signal(signal.SIGINT)
