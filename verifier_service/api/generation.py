@@ -133,8 +133,7 @@ class Generations:
         client may retry on another replica or the restarted verifier)."""
         self.failure = message
         if self.runtime is not None:
-            scheduler = self.runtime.engine.scheduler
-            for seq in [*scheduler.running, *scheduler.waiting]:
+            for seq in self.runtime.engine.in_flight():
                 seq.outputs.put_nowait(Output([], "", error=self.failure))
 
     def check_ready(self) -> tuple[Runtime, Limits]:

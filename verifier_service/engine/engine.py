@@ -102,6 +102,11 @@ class Engine:
             self.scheduler.add(seq)
         self._wake_up()
 
+    def in_flight(self) -> list[Sequence]:
+        """The running and the waiting sequences, as one step boundary left them. Any thread."""
+        with self._lock:
+            return [*self.scheduler.running, *self.scheduler.waiting]
+
     def cancel(self, seq: Sequence) -> None:
         """The client went away: its KV is freed at the next step boundary. Any thread."""
         if not seq.finished:
