@@ -1,6 +1,7 @@
 """SIGTERM: health turns NOT_SERVING, in-flight calls finish within the grace period, new calls get
 UNAVAILABLE, the process exits 0 - for the verifier (`splitspec-verifier`) and for the drafter SDK
-server (`splitspec-drafter`), both as real processes."""
+server (`splitspec-drafter`), both as real processes. A second signal ends the drain at once; a signal
+while the verifier starts ends it at once."""
 
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def test_drafter_sdk_sigterm_drains_in_flight_calls():
 def test_a_second_signal_ends_the_drafters_drain_at_once():
     """The drafter's call in flight is cut off at the second signal instead of answered; the process
     exits 0 once the drafter's own code has returned."""
-    with SdkFaultyDrafter(name="cut-drafter", extra_args=("--grace-period-s", "120", "--log-level", "INFO")) as drafter:
+    flags = ("--grace-period-s", "120", "--log-level", "INFO")
+    with SdkFaultyDrafter(name="cut-drafter", extra_args=flags) as drafter:
         drafter.set("slow_some", oracle=[([1, 2, 3, 4, 5, 6, 7, 8], 3)], slow_every=1, slow_s=3)
         drafter.start()
         with grpc.insecure_channel(drafter.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
