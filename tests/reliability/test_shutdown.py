@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_support import CHILD_ENV, WAIT_S, SdkFaultyDrafter, VerifierProcess, idle, until
@@ -135,20 +137,27 @@ def test_a_second_signal_ends_the_verifiers_drain_at_once(tmp_path):
 
 
 def test_verifier_grace_period_bounds_the_drain():
-    """Requests still running when the grace period ends are cut off; stop() returns, nothing is held."""
+    """Requests still running when the grace period ends are ended as shut down, on both fronts (an HTTP
+    stream with an error event and [DONE], not a dropped connection); stop() returns, nothing is held."""
     async def body():
-        async with run_verifier(max_num_seqs=1) as v:
+        async with run_verifier(max_num_seqs=1) as v, httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{v.running.http_port}", timeout=WAIT_S) as http:
             request = pb.GenerateRequest(params=pb.GenerationParams(token_ids=pb.TokenIds(ids=PROMPT),
                                          stopping=pb.StoppingCriteria(max_new_tokens=250, ignore_eos=True)))
             calls = [asyncio.ensure_future(v.stub.Generate(request, timeout=WAIT_S)) for _ in range(4)]
             await until(lambda: v.running.runtime.engine.scheduler.num_running == 1, "a request runs")
-            await v.running.stop(0.3)
+            async with http.stream("POST", "/v1/completions", json={"prompt": "def", "max_tokens": 250,
+                                                                    "ignore_eos": True, "stream": True}) as stream:
+                stopping = asyncio.ensure_future(v.running.stop(0.3))
+                lines = [line async for line in stream.aiter_lines() if line]
+                await stopping
             results = await asyncio.gather(*calls, return_exceptions=True)
-            return results, idle(v)
+            return results, lines, idle(v)
 
-    results, _ = asyncio.run(body())
+    results, lines, _ = asyncio.run(body())
     cut = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    assert cut and all(r.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) for r in cut), results
+    assert cut and all(r.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in r.details() for r in cut), results
+    assert lines[-1] == "data: [DONE]" and "shut down" in json.loads(lines[-2][6:])["error"]["message"], lines[-3:]
 
 
 def test_drafter_sdk_sigterm_drains_in_flight_calls():

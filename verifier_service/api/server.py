@@ -59,7 +59,7 @@ class RunningVerifier:
     settings: ServerSettings
     http: HttpServer | None = None
     stats: asyncio.Task[None] | None = None  # the stats lines' task (stats_log.py), once the model is attached
-    ending: asyncio.Task[None] | None = None  # `end_drain`'s shorter stop of the gRPC server
+    ending: asyncio.Task[None] | None = None  # `end_drain`'s shorter stop of the gRPC server, once called
 
     @property
     def port(self) -> int:
@@ -85,22 +85,31 @@ class RunningVerifier:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Health NOT_SERVING (HTTP /health 503), refuse new calls, let in-flight ones finish within
-        the grace period, on both fronts at once."""
+        the grace period, on both fronts at once; those still running then end as `end_drain` ends them
+        (the fronts' own cut, FAILURE_GRACE_S later, is for what does not end then)."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
         self.generations.draining = True
         if self.stats is not None:
             self.stats.cancel()
-        await asyncio.gather(self.service.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
+        cut = asyncio.get_running_loop().call_later(grace_s, self.end_drain)
+        fronts_grace_s = grace_s + FAILURE_GRACE_S
+        try:
+            await asyncio.gather(self.service.stop(fronts_grace_s),
+                                 *([self.http.stop(fronts_grace_s)] if self.http else []))
+        finally:
+            cut.cancel()
         if self.runtime is not None:
             await self.runtime.engine.stop()
         if self.generations.tracer is not None:  # the last spans, flushed off the event loop
             await asyncio.to_thread(self.generations.tracer.shutdown)
 
     def end_drain(self) -> None:
-        """Cut the grace period short (a second signal): the requests still in flight end now as unavailable,
-        on both fronts; the other gRPC calls (health Watches) get FAILURE_GRACE_S, and `stop` returns."""
-        self.generations.fail(SHUT_DOWN)
-        self.ending = asyncio.ensure_future(self.service.stop(FAILURE_GRACE_S))
+        """End the grace period now (a second signal, or its end): the requests still in flight end as
+        unavailable with SHUT_DOWN, on both fronts (an HTTP stream with an error event, then [DONE]); the
+        other gRPC calls (health Watches) get FAILURE_GRACE_S, and `stop` returns."""
+        if self.ending is None:
+            self.generations.fail(SHUT_DOWN)
+            self.ending = asyncio.ensure_future(self.service.stop(FAILURE_GRACE_S))
 
 
 async def start_server(settings: ServerSettings,
