@@ -6,7 +6,8 @@ ListenError (as the gRPC and metrics ports do) instead of uvicorn's exit, and po
 reports the bound port. uvicorn's own signal handling is off: SIGTERM belongs to
 api/server.py, which drains both fronts together (`stop`: /health answers 503 and
 new requests are refused while the requests in flight, background responses included, finish within the
-grace period; background responses still running then end cancelled).
+grace period; those still running then end unavailable, `RunningVerifier.end_drain`: a stream with an error
+event, a background response failed). What is left after that is cancelled.
 """
 
 from __future__ import annotations
