@@ -22,6 +22,7 @@ from drafter_sdk.server.peers import Asking, Peers
 from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceStore
 from drafter_sdk.server.servicer import SERVICE_NAME, DrafterServicer
 from drafter_sdk.service.lifecycle import MIB, GrpcService, stop_on_signals
+from drafter_sdk.service.process_exit import exit_at_once
 from drafter_sdk.service.security import CallerIdentity, Tokens
 from drafter_sdk.service.stats_lines import log_every
 
@@ -81,8 +82,8 @@ class RunningDrafter:
 
     def end_drain(self) -> None:
         """Cut the grace period short (a second signal): the calls in flight end now, UNAVAILABLE. A call
-        already inside the drafter's code runs to its end there (Python cannot stop a thread); its answer
-        is dropped, and the process exits once it has returned."""
+        already inside the drafter's code runs on there (Python cannot stop a thread), its answer dropped;
+        `serve` does not wait for it, but a learned state's last save (`--learned-state-file`) does."""
         self.request_stop()
         self._ending = asyncio.ensure_future(self.service.stop(0))
 
@@ -246,7 +247,8 @@ def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file:
 
     `options` are start_server's keyword arguments. With `port_file`, the
     bound port is written there once the server listens (handy with port 0).
-    Exits with status 1 when the drafter's `load()` fails.
+    Exits with status 1 when the drafter's `load()` fails, and at once (status 0, no finalization) when the
+    drafter's own code is still running once the server has stopped: Python cannot stop the thread it runs on.
     """
     asyncio.run(_serve(drafter, host=host, port=port, port_file=port_file, **options))
 
@@ -265,3 +267,7 @@ async def _serve(drafter: Drafter, *, port_file: str | os.PathLike[str] | None, 
     if running.load_error is not None:
         raise SystemExit(1)
     log.info("stopped")
+    if running.servicer.worker_busy():
+        log.warning("%s's own code still runs (a load() not yet done, or a call the grace period cut off): "
+                    "exiting without waiting for it", drafter.name)
+        exit_at_once(0)

@@ -27,7 +27,7 @@ import operator
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -87,6 +87,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._release_takes_reason = _takes_reason(drafter)
         self._finished: OrderedDict[Key, None] = OrderedDict()  # RECENT_FINISHED_KEYS, oldest first
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._last_job: Future[Any] | None = None  # the worker's latest: once it is done, every one before is
         # An async drafter's code runs on the event loop, one call at a time from its deltas to its answer
         # (`run`): a call awaiting the drafter holds the turn.
         self._async = drafter.is_async
@@ -351,7 +352,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the drafter's worker thread, after whatever is queued there."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._last_job = self._worker.submit(fn, *args)
+        return await asyncio.wrap_future(self._last_job)
+
+    def worker_busy(self) -> bool:
+        """Whether drafter code still runs on (or waits for) the worker thread, whoever stopped waiting for it."""
+        return self._last_job is not None and not self._last_job.done()
 
     def close(self) -> None:
         """Stop the worker thread once its current job ends; queued jobs are dropped."""

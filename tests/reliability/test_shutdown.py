@@ -187,7 +187,7 @@ def test_drafter_sdk_sigterm_drains_in_flight_calls():
 
 def test_a_second_signal_ends_the_drafters_drain_at_once():
     """The drafter's call in flight is cut off at the second signal instead of answered; the process
-    exits 0 once the drafter's own code has returned."""
+    exits 0 without waiting for the drafter's own code to return."""
     flags = ("--grace-period-s", "120", "--log-level", "INFO")
     with SdkFaultyDrafter(name="cut-drafter", extra_args=flags) as drafter:
         drafter.set("slow_some", oracle=[([1, 2, 3, 4, 5, 6, 7, 8], 3)], slow_every=1, slow_s=3)

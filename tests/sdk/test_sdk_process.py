@@ -38,6 +38,10 @@ USER_FILE = textwrap.dedent("""
         def load(self):
             raise RuntimeError("no weights")
 
+    class SlowLoad(SlowEcho):
+        def load(self):
+            time.sleep(120)  # weights to fetch
+
     if __name__ == "__main__":
         serve(SlowEcho(), port=50052)
 """)
@@ -171,6 +175,19 @@ def test_a_drafter_whose_load_fails_exits_non_zero(tmp_path):
     try:
         assert drafter.proc.wait(timeout=30) == 1
         assert "no weights" in drafter.proc.communicate()[0]
+    finally:
+        drafter.kill()
+
+
+def test_sigterm_while_load_runs_exits_at_once(tmp_path):
+    """A drafter still in a long load() stops on SIGTERM at once, status 0, instead of lingering until load()
+    returns: Python cannot stop the thread it runs on, and the interpreter's exit would wait for it."""
+    drafter = DrafterProcess(tmp_path, "user_drafters.py:SlowLoad", log_flags=("--log-level", "INFO"))
+    try:
+        drafter.wait_port()
+        drafter.proc.send_signal(signal.SIGTERM)
+        assert drafter.proc.wait(timeout=30) == 0
+        assert "SlowLoad's own code still runs (a load() not yet done" in drafter.proc.communicate()[0]
     finally:
         drafter.kill()
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
 
 import grpc
 import torch
@@ -29,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.lifecycle import GrpcService, stop_on_signals, write_port_file
+from drafter_sdk.service.process_exit import exit_at_once
 from drafter_sdk.service.security import server_credentials as tls_server_credentials
 from verifier_service import builder, stats_log
 from verifier_service.api import request_parsing
@@ -245,7 +244,7 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     if not all(work.done() for work in start_up):
         # Stopped during start-up: the model thread is still inside torch (a load, a conversion, the forwards'
         # timing), and the interpreter's exit under it aborts (`terminate called without an active exception`).
-        _exit_at_once(0)
+        exit_at_once(0)
 
 
 def _load(source: loader.ModelSource, dtype: torch.dtype, device: torch.device, settings: ServerSettings,
@@ -275,14 +274,7 @@ async def _exit_on_rank_failure(running: RunningVerifier, leader: tensor_paralle
                          *([running.http.stop(FAILURE_GRACE_S)] if running.http else []))
     leader.end_others(0)
     log.error("exiting with status %d: %s", RANK_FAILURE_EXIT, leader.failure)
-    _exit_at_once(RANK_FAILURE_EXIT)
-
-
-def _exit_at_once(status: int) -> NoReturn:
-    """Exit without the interpreter's finalization, which would wait for, or tear down under, a model thread
-    that is still at work."""
-    logging.shutdown()
-    os._exit(status)
+    exit_at_once(RANK_FAILURE_EXIT)
 
 
 def run_follower(settings: ServerSettings, rank: ranks.Ranks) -> int:
