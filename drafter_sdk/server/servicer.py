@@ -87,7 +87,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._release_takes_reason = _takes_reason(drafter)
         self._finished: OrderedDict[Key, None] = OrderedDict()  # RECENT_FINISHED_KEYS, oldest first
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
-        self._last_job: Future[Any] | None = None  # the worker's latest: once it is done, every one before is
+        self._jobs: set[Future[Any]] = set()  # the worker's, until each is done (or cancelled before it ran)
         # An async drafter's code runs on the event loop, one call at a time from its deltas to its answer
         # (`run`): a call awaiting the drafter holds the turn.
         self._async = drafter.is_async
@@ -352,12 +352,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the drafter's worker thread, after whatever is queued there."""
-        self._last_job = self._worker.submit(fn, *args)
-        return await asyncio.wrap_future(self._last_job)
+        job = self._worker.submit(fn, *args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return await asyncio.wrap_future(job)
 
     def worker_busy(self) -> bool:
         """Whether drafter code still runs on (or waits for) the worker thread, whoever stopped waiting for it."""
-        return self._last_job is not None and not self._last_job.done()
+        return bool(self._jobs)
 
     def close(self) -> None:
         """Stop the worker thread once its current job ends; queued jobs are dropped."""
