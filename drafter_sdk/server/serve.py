@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # In-flight calls may finish this long after a connection reached max_connection_age_s
 # (PrepareDraftTokens calls last milliseconds; this only bounds stuck ones).
 MAX_CONNECTION_AGE_GRACE_S = 10.0
+# At exit: for drafter code the stop cut short (a load() asking its peers, which the stop ends) to return;
+# what still runs after that (a long load(), a call past the grace period) is not waited for.
+DRAFTER_CODE_WAIT_S = 1.0
 
 
 class RunningDrafter:
@@ -267,7 +270,7 @@ async def _serve(drafter: Drafter, *, port_file: str | os.PathLike[str] | None, 
     if running.load_error is not None:
         raise SystemExit(1)
     log.info("stopped")
-    if running.servicer.worker_busy():
+    if not await running.servicer.worker_done(within_s=DRAFTER_CODE_WAIT_S):
         log.warning("%s's own code still runs (a load() not yet done, or a call the grace period cut off): "
                     "exiting without waiting for it", drafter.name)
         exit_at_once(0)

@@ -357,9 +357,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         job.add_done_callback(self._jobs.discard)
         return await asyncio.wrap_future(job)
 
-    def worker_busy(self) -> bool:
-        """Whether drafter code still runs on (or waits for) the worker thread, whoever stopped waiting for it."""
-        return bool(self._jobs)
+    async def worker_done(self, within_s: float) -> bool:
+        """Whether the drafter code on (or queued for) the worker thread has returned, waiting up to
+        `within_s` for it, whoever else stopped waiting for it."""
+        if self._jobs:
+            await asyncio.wait([asyncio.wrap_future(job) for job in list(self._jobs)], timeout=within_s)
+        return not self._jobs
 
     def close(self) -> None:
         """Stop the worker thread once its current job ends; queued jobs are dropped."""
