@@ -128,8 +128,8 @@ class Generations:
         return self.runtime is not None and self.failure is None and not self.draining
 
     def fail(self, message: str) -> None:
-        """The verifier is about to exit (a tensor-parallel rank failed, or a second signal cut the drain
-        short): every request in flight, and every new one, is refused as unavailable with `message` (a
+        """The verifier is about to exit (a tensor-parallel rank failed; a drain ended by its grace period or
+        a second signal): every request in flight, and every new one, is refused as unavailable with `message` (a
         client may retry on another replica or the restarted verifier)."""
         self.failure = message
         if self.runtime is not None:

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 RANK_FAILURE_EXIT = 1
-FAILURE_GRACE_S = 2.0  # after a rank failed or a second signal: time for the UNAVAILABLE answers to go out
+FAILURE_GRACE_S = 2.0  # after a rank failed or a drain ended: time for the UNAVAILABLE answers to go out
 OTHERS_STOP_S = 30.0  # after a clean shutdown: time for the ranks this process started to exit
 SHUT_DOWN = "the verifier was shut down before this request finished; retry"
 
