@@ -26,10 +26,12 @@ from drafter_sdk.service.security import (
     Tokens,
     add_server_flags,
     channel_credentials,
-    read_named_tokens,
+    current_tokens,
     read_token,
     server_credentials,
     server_flags_problem,
+    watch_named_tokens,
+    watch_token,
 )
 
 # A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
@@ -271,9 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.learned_state_file:
             check_writable(Path(args.learned_state_file))
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-        token = read_named_tokens(args.auth_tokens_file) if args.auth_tokens_file else read_token(
-            args.auth_token_file)
-        peers = make_peers(args, token) if args.peers else None
+        token = (watch_named_tokens(args.auth_tokens_file) if args.auth_tokens_file
+                 else watch_token(args.auth_token_file) if args.auth_token_file else read_token())
+        peers = make_peers(args, None if token is None else current_tokens(token)) if args.peers else None
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))
     try:

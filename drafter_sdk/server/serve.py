@@ -23,7 +23,7 @@ from drafter_sdk.server.sequence_store import DEFAULT_MAX_STATE_MIB, SequenceSto
 from drafter_sdk.server.servicer import SERVICE_NAME, DrafterServicer
 from drafter_sdk.service.lifecycle import MIB, GrpcService, stop_on_signals
 from drafter_sdk.service.process_exit import exit_at_once
-from drafter_sdk.service.security import CallerIdentity, Tokens
+from drafter_sdk.service.security import CallerIdentity, TokenSource
 from drafter_sdk.service.stats_lines import log_every
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ async def start_server(
     max_message_bytes: int = 16 * MIB,
     max_concurrent_rpcs: int | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
-    auth_token: Tokens | None = None,
+    auth_token: TokenSource | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics_port: int | None = None,
     max_connection_age_s: float | None = 300.0,
@@ -191,7 +191,8 @@ async def start_server(
     `auth_token`, every DrafterService call needs `authorization: Bearer <token>`
     (health and reflection stay open for probes); with named tokens (a mapping
     name -> token) or client certificates, a call's namespace includes who sent it
-    (security.CallerIdentity). With `metrics_port` (0: any
+    (security.CallerIdentity); tokens from `security.watch_token` or `watch_named_tokens` follow their
+    file as it changes. With `metrics_port` (0: any
     free port), Prometheus metrics are served over HTTP at /metrics on `host`. Every
     `log_stats_interval_s` (0: never) in which calls came, a stats line is logged (stats_log.py), read
     from the same metrics (kept for it without a `metrics_port`, but not served).

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from drafter_sdk.errors import ListenError
 from drafter_sdk.service.metrics_endpoint import MetricsServer, start_metrics_server
 from drafter_sdk.service.rpc_counting import Count, RpcCounting
-from drafter_sdk.service.security import BearerTokenServerInterceptor, Tokens
+from drafter_sdk.service.security import BearerTokenServerInterceptor, TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GrpcService:
     @classmethod
     async def start(cls, service_name: str, add_servicers: Callable[[grpc.aio.Server], None], *,
                     host: str, port: int, server_credentials: grpc.ServerCredentials | None = None,
-                    auth_token: Tokens | None = None, max_message_bytes: int = 16 * MIB,
+                    auth_token: TokenSource | None = None, max_message_bytes: int = 16 * MIB,
                     max_concurrent_rpcs: int | None = None, options: Sequence[tuple[str, object]] = (),
                     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                     metrics_registry: CollectorRegistry | None = None,
@@ -90,7 +90,7 @@ class GrpcService:
 
     @classmethod
     async def _start_grpc(cls, service_name: str, add_servicers: Callable[[grpc.aio.Server], None], host: str,
-                          port: int, server_credentials: grpc.ServerCredentials | None, auth_token: Tokens | None,
+                          port: int, server_credentials: grpc.ServerCredentials | None, auth_token: TokenSource | None,
                           max_message_bytes: int, max_concurrent_rpcs: int | None,
                           options: Sequence[tuple[str, object]], interceptors: Sequence[grpc.aio.ServerInterceptor],
                           metrics_server: MetricsServer | None, count_calls: Count | None) -> "GrpcService":

@@ -8,6 +8,9 @@ in a file): a named token, like a client certificate under mutual TLS, tells who
 calling, and a drafter puts that identity into the namespace of the call
 (`CallerIdentity`), so one client cannot touch another's sequences by sending its
 verifier id.
+
+Certificates and token files are read again when they change (watched_files.py), so a renewed
+certificate or a rotated token takes effect without a restart: at the next TLS handshake, the next call.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from drafter_sdk.service.watched_files import WatchedFiles
 
 TOKEN_ENV_VAR = "SPLITSPEC_AUTH_TOKEN"
 AUTH_METADATA_KEY = "authorization"
@@ -33,11 +39,14 @@ OPEN_SERVICES = frozenset({
 PathLike = str | os.PathLike[str]
 Tokens = str | Mapping[str, str]
 """One bearer token every client shares, or named tokens (name -> token), each naming its client."""
+TokenSource = Tokens | WatchedFiles[str] | WatchedFiles[dict[str, str]]
+"""Tokens as given, or as a file holds them now."""
 
 
 def add_server_flags(parser: argparse.ArgumentParser, title: str = "security") -> None:
     """The TLS and token flags of a splitspec server (drafter and verifier alike)."""
-    group = parser.add_argument_group(title)
+    group = parser.add_argument_group(title, "the files are read again when they change: a renewed certificate "
+                                             "or a rotated token takes effect without a restart")
     group.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     group.add_argument("--tls-key", help="PEM private key of --tls-cert")
     group.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
@@ -62,10 +71,27 @@ def server_flags_problem(args: argparse.Namespace) -> str | None:
 def server_credentials(cert_file: PathLike, key_file: PathLike,
                        client_ca_file: PathLike | None = None) -> grpc.ServerCredentials:
     """Serve TLS with this certificate chain and key; with `client_ca_file`, require client certificates
-    signed by that CA bundle (mutual TLS)."""
-    client_ca = _read(client_ca_file) if client_ca_file else None
-    return grpc.ssl_server_credentials([(_read(key_file), _read(cert_file))], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    signed by that CA bundle (mutual TLS). A change to any of the files takes effect at the next handshake
+    (module docstring). Raises OSError (ssl.SSLError: a key that is not the certificate's) or ValueError."""
+    def load() -> grpc.ServerCertificateConfiguration:
+        check_tls_files(cert_file, key_file, client_ca_file)
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file) if client_ca_file else None)
+
+    watched = WatchedFiles(load, [f for f in (cert_file, key_file, client_ca_file) if f], "TLS certificate")
+    # gRPC asks at each handshake. Never None ("unchanged"): a server made later with these credentials
+    # would find nothing to start from; a handshake is once a connection, so making it afresh costs little.
+    return grpc.dynamic_ssl_server_credentials(watched.get(), watched.get,
+                                               require_client_authentication=client_ca_file is not None)
+
+
+def check_tls_files(cert_file: PathLike, key_file: PathLike, client_ca_file: PathLike | None = None) -> None:
+    """Raises ssl.SSLError where the files do not make a TLS server: a key that is not the certificate's, a CA
+    bundle without a certificate; gRPC would take them and fail every handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
 
 
 def channel_credentials(ca_file: PathLike | None = None, cert_file: PathLike | None = None,
@@ -86,11 +112,30 @@ def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR)
     Surrounding whitespace (a trailing newline, typically) is not part of the token.
     """
     if token_file is not None:
-        token = Path(token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"auth token file {token_file} is empty")
-        return token
+        return _token_in(token_file)
     return os.environ.get(env_var, "").strip() or None
+
+
+def _token_in(token_file: PathLike) -> str:
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {token_file} is empty")
+    return token
+
+
+def watch_token(token_file: PathLike) -> WatchedFiles[str]:
+    """The bearer token `token_file` holds, read again when it changes."""
+    return WatchedFiles(lambda: _token_in(token_file), [token_file], "auth token file")
+
+
+def watch_named_tokens(path: PathLike) -> WatchedFiles[dict[str, str]]:
+    """The named tokens `path` holds (read_named_tokens), read again when it changes."""
+    return WatchedFiles(lambda: read_named_tokens(path), [path], "auth tokens file")
+
+
+def current_tokens(source: TokenSource) -> Tokens:
+    """The tokens a TokenSource stands for now."""
+    return source.get() if isinstance(source, WatchedFiles) else source
 
 
 def read_named_tokens(path: PathLike) -> dict[str, str]:
@@ -132,12 +177,13 @@ class CallerIdentity:
     """Who a call comes from: the name of its bearer token (named tokens only: a shared token names
     nobody) and the subject of its client certificate (mutual TLS); "" when nothing identifies it."""
 
-    def __init__(self, tokens: Tokens | None = None) -> None:
-        self._tokens = _encoded(tokens) if isinstance(tokens, Mapping) else None
+    def __init__(self, tokens: TokenSource | None = None) -> None:
+        self._tokens = tokens
 
     def __call__(self, context: grpc.aio.ServicerContext) -> str:
         parts = []
-        if self._tokens is not None and (name := bearer_name(context.invocation_metadata(), self._tokens)):
+        tokens = None if self._tokens is None else current_tokens(self._tokens)
+        if isinstance(tokens, Mapping) and (name := bearer_name(context.invocation_metadata(), _encoded(tokens))):
             parts.append(f"token:{name}")
         subject = (context.auth_context() or {}).get("x509_subject")
         if subject:
@@ -167,10 +213,11 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
     Services in `open_services` (health, reflection) stay reachable without a token.
     """
 
-    def __init__(self, tokens: Tokens, open_services: Iterable[str] = OPEN_SERVICES) -> None:
-        if not tokens:
+    def __init__(self, tokens: TokenSource, open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        if not current_tokens(tokens):
             raise ValueError("the bearer token must not be empty")
-        self._tokens = _encoded(tokens)
+        _encoded(current_tokens(tokens))  # raises for an empty one among named tokens
+        self._tokens = tokens
         self._open_services = frozenset(open_services)
 
     async def intercept_service(
@@ -184,7 +231,7 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
         return _unauthenticated_like(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        return bearer_name(details.invocation_metadata, self._tokens) is not None
+        return bearer_name(details.invocation_metadata, _encoded(current_tokens(self._tokens))) is not None
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -15,7 +15,7 @@ from verifier_harness import run_verifier, spec_config, token_request
 
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.proto import verifier_pb2_grpc
-from drafter_sdk.service.security import auth_metadata, channel_credentials
+from drafter_sdk.service.security import auth_metadata, channel_credentials, current_tokens
 from verifier_service.api import cli
 from verifier_service.spec_decode.config import ConfigError
 from verifier_service.tools import cli as cli_client
@@ -104,14 +104,15 @@ def test_verifier_bearer_token_guards_everything_but_health_and_reflection():
 def test_verifier_cli_reads_the_token_from_a_file_or_the_environment_never_a_flag(token_file, pki, monkeypatch,
                                                                                      capsys):
     settings = cli.settings_from_args(cli.parser().parse_args(["--auth-token-file", str(token_file)]))
-    assert settings.auth_token == TOKEN
+    assert current_tokens(settings.auth_token) == TOKEN  # as the file holds it now
     monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", "from-env")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-env"
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")  # a vLLM deployment's key is kept, below ours
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-env"
     monkeypatch.delenv("SPLITSPEC_AUTH_TOKEN")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-vllm-env"
-    assert cli.settings_from_args(cli.parser().parse_args(["--auth-token-file", str(token_file)])).auth_token == TOKEN
+    assert current_tokens(cli.settings_from_args(cli.parser().parse_args(
+        ["--auth-token-file", str(token_file)])).auth_token) == TOKEN
     monkeypatch.delenv("VLLM_API_KEY")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token is None
     with pytest.raises(SystemExit):

@@ -27,7 +27,7 @@ from drafter_sdk.proto import drafter_pb2_grpc
 from drafter_sdk.server import cli, peers
 from drafter_sdk.server.peers import PEERS_TOKEN_NAME, Peers
 from drafter_sdk.server.serve import start_server
-from drafter_sdk.service.security import auth_metadata, channel_credentials, server_credentials
+from drafter_sdk.service.security import auth_metadata, channel_credentials, read_named_tokens, server_credentials
 
 
 def nobody() -> str:
@@ -286,7 +286,7 @@ def test_the_cli_builds_peers_as_their_clients_reach_them(tmp_path, capsys) -> N
     args = cli.build_parser().parse_args(["suffix", "--peers", "dns:///drafter:50052", "--auth-tokens-file",
                                           str(tokens), "--tls-cert", str(pki.server_cert), "--tls-key",
                                           str(pki.server_key), "--tls-client-ca", str(pki.ca_cert)])
-    built = cli.make_peers(args, cli.read_named_tokens(tokens))
+    built = cli.make_peers(args, read_named_tokens(tokens))
     assert (built.target, built.token) == ("dns:///drafter:50052", "pppp") and built.credentials is not None
     tls_only = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
     args = cli.build_parser().parse_args(["suffix", "--peers", "x:1", *tls_only, "--peers-ca-file", str(pki.ca_cert)])

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
 from drafter_sdk.service.package_version import package_version
+from drafter_sdk.service.security import current_tokens
 from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
@@ -91,14 +92,17 @@ def build_app(state: HttpState) -> FastAPI:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" else ""
 
+    def expected_token() -> str | None:
+        return None if state.auth_token is None else str(current_tokens(state.auth_token))
+
     def authorize(request: Request) -> None:
-        if state.auth_token is not None and not _same(bearer_token(request), state.auth_token):
+        if (expected := expected_token()) is not None and not _same(bearer_token(request), expected):
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                             code="invalid_api_key")
 
     def authorize_anthropic(request: Request) -> None:
         """Anthropic's clients send the token as x-api-key (or, given one, as a bearer token)."""
-        if state.auth_token is not None and not any(_same(token, state.auth_token) for token in (
+        if (expected := expected_token()) is not None and not any(_same(token, expected) for token in (
                 request.headers.get("x-api-key", ""), bearer_token(request))):
             raise AnthropicError(401, "missing or wrong API key (x-api-key: <token>, or Authorization: Bearer "
                                       "<token>)")

@@ -20,8 +20,10 @@ import ssl
 from collections.abc import Iterator
 
 import uvicorn
+from uvicorn.config import create_ssl_context
 
 from drafter_sdk.errors import ListenError
+from drafter_sdk.service.watched_files import WatchedFiles
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_app import build_app
 from verifier_service.api.http_requests import HttpState
@@ -36,6 +38,26 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # the verifier handles signals
         yield
+
+
+def _follow_certificate_files(config: uvicorn.Config) -> None:
+    """Each TLS handshake takes the certificate the files hold now, as the gRPC port's do (security.py):
+    the context uvicorn made hands every connection over to the latest one made from them."""
+    def load() -> ssl.SSLContext:
+        assert config.ssl_certfile is not None
+        return create_ssl_context(
+            certfile=config.ssl_certfile, keyfile=config.ssl_keyfile, password=config.ssl_keyfile_password,
+            ssl_version=config.ssl_version, cert_reqs=config.ssl_cert_reqs, ca_certs=config.ssl_ca_certs,
+            ciphers=config.ssl_ciphers)
+
+    paths = [p for p in (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs) if p]
+    watched = WatchedFiles(load, paths, "TLS certificate (HTTP)")
+
+    def hand_over(connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _: ssl.SSLContext) -> None:
+        connection.context = watched.get()  # called for every client hello, with or without a server name
+
+    assert config.ssl is not None
+    config.ssl.sni_callback = hand_over
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -64,7 +86,7 @@ class HttpServer:
         self.tls = tls
 
     @classmethod
-    async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | None,
+    async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | WatchedFiles[str] | None,
                     max_body_bytes: int, responses_store_bytes: int, tls_cert: str | None = None,
                     tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
@@ -85,6 +107,9 @@ class HttpServer:
             timeout_graceful_shutdown=CLOSE_S,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE)
+        if tls_cert:
+            config.load()
+            _follow_certificate_files(config)
         server = _Server(config)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http")
         while not server.started and not task.done():

@@ -19,7 +19,7 @@ from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.server.sequence_store import SequenceStore
 from drafter_sdk.server.servicer import DrafterServicer
-from drafter_sdk.service.security import channel_credentials, read_token
+from drafter_sdk.service.security import channel_credentials, watch_token
 from verifier_service.spec_decode.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
 from verifier_service.spec_decode.drafter_client import DrafterClient
 from verifier_service.spec_decode.transport import GrpcTransport, InProcessTransport
@@ -49,7 +49,7 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
                                           up.tls.key_file or None)
     transport = GrpcTransport(
         up.drafter_target, credentials=credentials,
-        auth_token=read_token(up.auth_token_file or None) if up.auth_token_file else None,
+        auth_token=watch_token(up.auth_token_file) if up.auth_token_file else None,
         load_balancing_policy=up.load_balancing_policy, server_name_override=up.tls.server_name_override,
         block=True)  # called from the engine's own thread (engine/model_thread.py)
     return DrafterClient(transport, verifier_id, vocab_size, deadline_s=up.call_deadline.ToNanoseconds() / 1e9,

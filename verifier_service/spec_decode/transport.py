@@ -19,6 +19,8 @@ import grpc
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
+from drafter_sdk.service.security import auth_metadata, current_tokens
+from drafter_sdk.service.watched_files import WatchedFiles
 from verifier_service.spec_decode.draft_stream import DraftStream, Ticket
 from verifier_service.spec_decode.replicas import Replicas
 
@@ -74,7 +76,7 @@ class GrpcTransport:
     engine's: two thread hops per step. Never block on a loop that serves the drafter itself."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 auth_token: str | None = None, load_balancing_policy: str = "round_robin",
+                 auth_token: str | WatchedFiles[str] | None = None, load_balancing_policy: str = "round_robin",
                  max_message_bytes: int = 16 * 1024 * 1024, server_name_override: str = "",
                  block: bool = False) -> None:
         self.target = target
@@ -101,13 +103,18 @@ class GrpcTransport:
         self._replicas = Replicas(target, lambda address, host: open_channel(address, [
             ("grpc.ssl_target_name_override", host)] if host and not server_name_override else []))
         self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._auth_token = auth_token
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
         self._unary_until = 0.0  # time.monotonic() until which the drafter is taken to lack the stream
         self._lacking_said: list[tuple[str, str]] = []  # capabilities some replica lacks (info), as last logged
         # The stream has answered, and not been refused since (GetServerInfo.drafter.draft_stream).
         self.streaming = False
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """Each call's: a token file's token as it is now (security.watch_token)."""
+        return auth_metadata(str(current_tokens(self._auth_token))) if self._auth_token else None
 
     @property
     def one_replica(self) -> bool:
