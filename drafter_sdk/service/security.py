@@ -106,6 +106,22 @@ def channel_credentials(ca_file: PathLike | None = None, cert_file: PathLike | N
         certificate_chain=_read(cert_file) if cert_file else None)
 
 
+def watch_channel_credentials(ca_file: PathLike | None = None, cert_file: PathLike | None = None,
+                              key_file: PathLike | None = None, what: str = "client TLS credentials"
+                              ) -> WatchedFiles[grpc.ChannelCredentials]:
+    """channel_credentials, made again when a file changes (a renewed client certificate); a channel
+    keeps the credentials it was opened with, so its holder opens a new one (GrpcTransport)."""
+    def load() -> grpc.ChannelCredentials:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # a mismatched pair fails here, not at every handshake
+        if cert_file and key_file:
+            context.load_cert_chain(cert_file, key_file)
+        if ca_file:
+            context.load_verify_locations(ca_file)
+        return channel_credentials(ca_file, cert_file, key_file)
+
+    return WatchedFiles(load, [f for f in (ca_file, cert_file, key_file) if f], what)
+
+
 def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR) -> str | None:
     """The bearer token from `token_file`, else from the environment variable; None when neither is set.
 

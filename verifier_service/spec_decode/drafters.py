@@ -19,7 +19,7 @@ from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import speculative_pb2
 from drafter_sdk.server.sequence_store import SequenceStore
 from drafter_sdk.server.servicer import DrafterServicer
-from drafter_sdk.service.security import channel_credentials, watch_token
+from drafter_sdk.service.security import watch_channel_credentials, watch_token
 from verifier_service.spec_decode.config import DRAFT_TARGET, NGRAM, NONE, SUFFIX, ngram_drafter, suffix_drafter
 from verifier_service.spec_decode.drafter_client import DrafterClient
 from verifier_service.spec_decode.transport import GrpcTransport, InProcessTransport
@@ -45,8 +45,8 @@ def build_drafter_client(config: speculative_pb2.SpeculativeConfig, verifier_id:
     up = config.user_provided
     credentials = None
     if up.HasField("tls"):
-        credentials = channel_credentials(up.tls.ca_cert_file or None, up.tls.cert_file or None,
-                                          up.tls.key_file or None)
+        credentials = watch_channel_credentials(up.tls.ca_cert_file or None, up.tls.cert_file or None,
+                                                up.tls.key_file or None, "TLS files of the drafter connection")
     transport = GrpcTransport(
         up.drafter_target, credentials=credentials,
         auth_token=watch_token(up.auth_token_file) if up.auth_token_file else None,

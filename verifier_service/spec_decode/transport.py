@@ -75,7 +75,8 @@ class GrpcTransport:
     every answer to the process's first event loop (the servers') and from there to the
     engine's: two thread hops per step. Never block on a loop that serves the drafter itself."""
 
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+    def __init__(self, target: str, *,
+                 credentials: grpc.ChannelCredentials | WatchedFiles[grpc.ChannelCredentials] | None = None,
                  auth_token: str | WatchedFiles[str] | None = None, load_balancing_policy: str = "round_robin",
                  max_message_bytes: int = 16 * 1024 * 1024, server_name_override: str = "",
                  block: bool = False) -> None:
@@ -92,17 +93,10 @@ class GrpcTransport:
         ]
         if server_name_override:
             options.append(("grpc.ssl_target_name_override", server_name_override))
-
-        def open_channel(address: str, extra: list[tuple[str, Any]]) -> grpc.Channel:
-            if credentials is None:
-                return grpc.insecure_channel(address, options=options + extra)
-            return grpc.secure_channel(address, credentials, options=options + extra)
-
-        self._channel = open_channel(target, [])
-        # A replica's channel is to its address, but its certificate names the Service's host.
-        self._replicas = Replicas(target, lambda address, host: open_channel(address, [
-            ("grpc.ssl_target_name_override", host)] if host and not server_name_override else []))
-        self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
+        self._options = options
+        self._server_name_override = server_name_override
+        self._credentials = credentials
+        self._connect(credentials.get() if isinstance(credentials, WatchedFiles) else credentials)
         self._auth_token = auth_token
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
@@ -110,6 +104,31 @@ class GrpcTransport:
         self._lacking_said: list[tuple[str, str]] = []  # capabilities some replica lacks (info), as last logged
         # The stream has answered, and not been refused since (GetServerInfo.drafter.draft_stream).
         self.streaming = False
+
+    def _connect(self, credentials: grpc.ChannelCredentials | None) -> None:
+        """Channels to the target and its replicas, with these credentials."""
+        def open_channel(address: str, extra: list[tuple[str, Any]]) -> grpc.Channel:
+            if credentials is None:
+                return grpc.insecure_channel(address, options=self._options + extra)
+            return grpc.secure_channel(address, credentials, options=self._options + extra)
+
+        self._in_use = credentials
+        self._channel = open_channel(self.target, [])
+        # A replica's channel is to its address, but its certificate names the Service's host.
+        self._replicas = Replicas(self.target, lambda address, host: open_channel(address, [
+            ("grpc.ssl_target_name_override", host)] if host and not self._server_name_override else []))
+        self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
+
+    def _follow_credentials(self) -> None:
+        """Once the TLS files changed (a renewed client certificate), new channels with them: a channel keeps
+        the credentials it was opened with, and would present an expired certificate at its next
+        reconnection. Closing the old ones fails what they carry at that moment, a draft, once."""
+        if not isinstance(self._credentials, WatchedFiles) or (latest := self._credentials.get()) is self._in_use:
+            return
+        channel, replicas = self._channel, self._replicas
+        self._connect(latest)
+        channel.close()  # ends the draft stream on it too: the next call opens one on the new channel
+        replicas.close()
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -132,7 +151,9 @@ class GrpcTransport:
 
     def start(self, request: drafter_pb2.PrepareDraftTokensRequest, timeout_s: float) -> Answer | None:
         """With `block`: on the draft stream where the drafter serves it, else as a unary call (whose
-        answer gRPC's threads receive meanwhile too)."""
+        answer gRPC's threads receive meanwhile too). Every step's call starts here, so here the
+        channels follow their TLS files."""
+        self._follow_credentials()
         if not self._block:
             return None
         if self.one_replica:  # the stream is due
