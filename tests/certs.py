@@ -5,12 +5,18 @@
     channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
 
 The server certificate is valid for localhost, 127.0.0.1 and ::1.
+
+`SecretVolume` lays certificates (or tokens) out as the kubelet mounts a Secret, and updates them as it
+does, for the tests of rotation without a restart.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +33,48 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+
+
+class SecretVolume:
+    """A folder as the kubelet mounts a Secret: each file a link through `..data` to a versioned folder.
+    `update` writes the new version beside it and swaps `..data` to it in one rename, then removes the old
+    version, so a reader sees every file of one version or of the other."""
+
+    def __init__(self, root: Path, files: Mapping[str, bytes]) -> None:
+        root.mkdir(parents=True)
+        self.root = root
+        self._version = 0
+        self.update(files)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.root / name
+
+    def update(self, files: Mapping[str, bytes]) -> None:
+        self._version += 1
+        version = self.root / f"..version-{self._version}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        swap = self.root / "..data_tmp"
+        swap.symlink_to(version.name)
+        os.replace(swap, self.root / "..data")
+        for name in files:
+            if not (self.root / name).is_symlink():
+                (self.root / name).symlink_to(f"..data/{name}")
+        if self._version > 1:
+            shutil.rmtree(self.root / f"..version-{self._version - 1}")
+
+
+def tls_files(pki: Pki) -> dict[str, bytes]:
+    """The server's files as cert-manager puts them in its Secret."""
+    return {"tls.crt": pki.server_cert.read_bytes(), "tls.key": pki.server_key.read_bytes(),
+            "ca.crt": pki.ca_cert.read_bytes()}
+
+
+def client_tls_files(pki: Pki) -> dict[str, bytes]:
+    """A client's files as cert-manager puts them in its Secret."""
+    return {"tls.crt": pki.client_cert.read_bytes(), "tls.key": pki.client_key.read_bytes(),
+            "ca.crt": pki.ca_cert.read_bytes()}
 
 
 @dataclass(frozen=True)
