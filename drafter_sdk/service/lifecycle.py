@@ -56,6 +56,7 @@ class GrpcService:
         self.service_name = service_name
         self.health = health_servicer
         self.metrics_server = metrics_server  # None once stopped
+        self.serving = False  # the overall health status, for /health beside /metrics
 
     @classmethod
     async def start(cls, service_name: str, add_servicers: Callable[[grpc.aio.Server], None], *,
@@ -69,20 +70,22 @@ class GrpcService:
         servicers; `service_name` is its full name, for health and reflection. With `metrics_port`
         (0: any free port) and a registry, /metrics is served over HTTP on `host` from now on. With
         `count_calls`, every call of the service's methods is counted by its final status (rpc_counting.py)."""
-        metrics_server = None
+        metrics_server, service = None, None
         if metrics_port and metrics_port == port:  # gRPC would find it taken by /metrics, and say only "taken"
             raise ListenError(f"the metrics port and the gRPC port are both {port}: give each its own")
         if metrics_port is not None and metrics_registry is not None:
             # First: a taken metrics port fails start-up before gRPC binds.
             try:
-                metrics_server = start_metrics_server(metrics_registry, host, metrics_port)
+                metrics_server = start_metrics_server(metrics_registry, host, metrics_port,
+                                                      lambda: service is not None and service.serving)
             except OSError as exc:
                 raise ListenError(f"cannot listen on {host}:{metrics_port} (metrics): {exc.strerror or exc}") from exc
             log.info("metrics on http://%s:%d/metrics", host, metrics_server.port)
         try:
-            return await cls._start_grpc(service_name, add_servicers, host, port, server_credentials, auth_token,
-                                         max_message_bytes, max_concurrent_rpcs, options, interceptors,
-                                         metrics_server, count_calls)
+            service = await cls._start_grpc(service_name, add_servicers, host, port, server_credentials, auth_token,
+                                            max_message_bytes, max_concurrent_rpcs, options, interceptors,
+                                            metrics_server, count_calls)
+            return service
         except BaseException:
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.close)
@@ -131,11 +134,13 @@ class GrpcService:
         """The overall status ("") and the service's own follow the owner's readiness."""
         for name in ("", self.service_name):
             await self.health.set(name, _SERVING if serving else _NOT_SERVING)
+        self.serving = serving
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING (for good), refuse new calls, let in-flight ones finish within grace_s. A call
         made while one is under way with a shorter grace_s ends both sooner (grpc keeps the shortest)."""
         await self.health.enter_graceful_shutdown()
+        self.serving = False
         await self.server.stop(grace_s)
         if self.metrics_server is not None:
             metrics_server, self.metrics_server = self.metrics_server, None

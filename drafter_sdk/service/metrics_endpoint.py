@@ -1,4 +1,8 @@
-"""The /metrics HTTP endpoint a service serves beside gRPC, on a daemon thread.
+"""The /metrics HTTP endpoint a service serves beside gRPC, on a daemon thread, and /health beside it.
+
+/health answers 200 while the service's gRPC health is SERVING and 503 otherwise (loading, draining),
+in plain HTTP whatever the gRPC port serves: the kubelet's gRPC probes speak plaintext only, so a
+service serving TLS is probed here instead (deploy/k8s/components/tls).
 
 It always answers in Prometheus' text format 0.0.4, whatever the scraper prefers. Asked for
 OpenMetrics first, as Prometheus 2 asks, prometheus_client answers with `escaping=underscores`,
@@ -52,18 +56,24 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes come every few seconds: not one log line each."""
 
 
-def _text_format(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-    def text_format_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        return app({**environ, "HTTP_ACCEPT": TEXT_FORMAT}, start_response)
+def _app(metrics: Callable[..., Iterable[bytes]], serving: Callable[[], bool]) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/health":
+            up = serving()
+            start_response("200 OK" if up else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"SERVING\n" if up else b"NOT_SERVING\n"]
+        return metrics({**environ, "HTTP_ACCEPT": TEXT_FORMAT}, start_response)
 
-    return text_format_app
+    return app
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int,
+                         serving: Callable[[], bool]) -> MetricsServer:
+    """/metrics from `registry`, and /health from `serving()`, on host:port."""
     host = host.strip("[]")  # a socket wants a bare IPv6 address ("::"), gRPC a bracketed one ("[::]")
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server = _Server((host, port), family)
-    server.set_app(_text_format(make_wsgi_app(registry)))
+    server.set_app(_app(make_wsgi_app(registry), serving))
     thread = threading.Thread(target=server.serve_forever, name="metrics-endpoint", daemon=True)
     thread.start()
     return MetricsServer(server, thread)

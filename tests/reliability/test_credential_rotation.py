@@ -10,6 +10,7 @@ import asyncio
 import logging
 import ssl
 import time
+import urllib.request
 
 import grpc
 import httpx
@@ -70,8 +71,13 @@ def test_the_verifier_takes_a_renewed_certificate_and_a_rotated_token_without_a_
     tls = SecretVolume(tmp_path / "tls", tls_files(a))
     token = SecretVolume(tmp_path / "token", {"token": b"first-token\n"})
     with VerifierThread(tls_cert=str(tls / "tls.crt"), tls_key=str(tls / "tls.key"),
-                        tls_client_ca=str(tls / "ca.crt"), auth_token=watch_token(token / "token")) as v:
+                        tls_client_ca=str(tls / "ca.crt"), auth_token=watch_token(token / "token"),
+                        metrics_port=0) as v:
         address, http_port = v.address.replace("127.0.0.1", "localhost"), v.handle.running.http_port
+        # What the kubelet probes instead of the TLS port (it probes gRPC in plaintext only).
+        health = f"http://127.0.0.1:{v.handle.running.metrics_port}/health"
+        with urllib.request.urlopen(health, timeout=10) as response:
+            assert response.status == 200
         assert (grpc_answer(address, a, "first-token"), http_answer(http_port, a, "first-token")) == ("ok", "ok")
         kept, metadata = client(address, a, "first-token")  # a connection made before the rotation
         kept_stub = verifier_pb2_grpc.VerifierServiceStub(kept)

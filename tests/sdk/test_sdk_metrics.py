@@ -3,6 +3,8 @@
 import asyncio
 import logging
 import re
+import threading
+import urllib.error
 import urllib.request
 
 import grpc
@@ -90,6 +92,45 @@ def test_no_metrics_endpoint_unless_asked():
             assert c.running.metrics_port is None and c.running.servicer.metrics is None
         async with serving(RecordingDrafter()) as c:
             assert c.running.metrics_port is None and c.running.servicer.metrics is not None
+
+    asyncio.run(body())
+
+
+def test_health_beside_metrics_follows_the_grpc_health_in_plain_http():
+    """What a kubelet probes where the gRPC port serves TLS: 503 while loading and from the stop on."""
+    loaded, entered, answer = threading.Event(), threading.Event(), threading.Event()
+
+    class Slow(RecordingDrafter):
+        def load(self) -> None:
+            loaded.wait(30)
+
+        def prepare_draft_tokens(self, requests):
+            entered.set()
+            answer.wait(30)
+            return super().prepare_draft_tokens(requests)
+
+    def health(port: int) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read()
+
+    async def body():
+        async with serving(Slow(), wait_loaded=False, metrics_port=0) as c:
+            port = c.running.metrics_port
+            assert await asyncio.to_thread(health, port) == (503, b"NOT_SERVING\n")
+            loaded.set()
+            await c.running.wait_loaded()
+            assert await asyncio.to_thread(health, port) == (200, b"SERVING\n")
+            in_flight = asyncio.create_task(c.prepare("v", seq("r", 0, [1, 2, 3])))
+            assert await asyncio.to_thread(entered.wait, 10)
+            stopping = asyncio.create_task(c.running.stop(10))  # drains the call in flight
+            await until(lambda: not c.running.service.serving)
+            assert await asyncio.to_thread(health, port) == (503, b"NOT_SERVING\n")
+            answer.set()
+            await in_flight
+            await stopping
 
     asyncio.run(body())
 
