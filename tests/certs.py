@@ -33,6 +33,8 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    service_cert: Path  # server and client auth, for localhost: a service's own, for its clients and its calls
+    service_key: Path
 
 
 class SecretVolume:
@@ -71,6 +73,12 @@ def tls_files(pki: Pki) -> dict[str, bytes]:
             "ca.crt": pki.ca_cert.read_bytes()}
 
 
+def service_tls_files(pki: Pki) -> dict[str, bytes]:
+    """A service's files that serve both ends (cert-manager's `usages: [server auth, client auth]`)."""
+    return {"tls.crt": pki.service_cert.read_bytes(), "tls.key": pki.service_key.read_bytes(),
+            "ca.crt": pki.ca_cert.read_bytes()}
+
+
 def client_tls_files(pki: Pki) -> dict[str, bytes]:
     """A client's files as cert-manager puts them in its Secret."""
     return {"tls.crt": pki.client_cert.read_bytes(), "tls.key": pki.client_key.read_bytes(),
@@ -92,8 +100,10 @@ def make_pki(directory: Path, prefix: str = "") -> Pki:
     issuer = _Issuer(ca_name, ca_key)
     sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("::1"))]
-    server_cert, server_key = _leaf(issuer, "localhost", ExtendedKeyUsageOID.SERVER_AUTH, sans)
-    client_cert, client_key = _leaf(issuer, "splitspec test client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    server_cert, server_key = _leaf(issuer, "localhost", [ExtendedKeyUsageOID.SERVER_AUTH], sans)
+    client_cert, client_key = _leaf(issuer, "splitspec test client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
+    service_cert, service_key = _leaf(issuer, "localhost", [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                            ExtendedKeyUsageOID.CLIENT_AUTH], sans)
 
     def write(name: str, pem: bytes) -> Path:
         path = directory / f"{prefix}{name}.pem"
@@ -103,15 +113,16 @@ def make_pki(directory: Path, prefix: str = "") -> Pki:
     return Pki(
         ca_cert=write("ca", ca.public_bytes(serialization.Encoding.PEM)),
         server_cert=write("server", server_cert), server_key=write("server-key", server_key),
-        client_cert=write("client", client_cert), client_key=write("client-key", client_key))
+        client_cert=write("client", client_cert), client_key=write("client-key", client_key),
+        service_cert=write("service", service_cert), service_key=write("service-key", service_key))
 
 
-def _leaf(issuer: _Issuer, common_name: str, usage: x509.ObjectIdentifier,
+def _leaf(issuer: _Issuer, common_name: str, usages: list[x509.ObjectIdentifier],
           sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _builder(_name(common_name), issuer.name, key.public_key()).add_extension(
         x509.BasicConstraints(ca=False, path_length=None), critical=True).add_extension(
-        x509.ExtendedKeyUsage([usage]), critical=False)
+        x509.ExtendedKeyUsage(usages), critical=False)
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(issuer.key, hashes.SHA256())

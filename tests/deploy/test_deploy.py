@@ -249,20 +249,49 @@ def test_speculative_config_targets_the_headless_drafter_service(objs):
     assert msg.max_draft_len <= most
 
 
-def test_probes_are_native_grpc_on_the_serving_port(objs):
+def probe_target(container: dict, probe: str) -> tuple[str, int]:
+    """("grpc", port) for a native gRPC probe, ("http", port) for GET /health."""
+    p = container[probe]
+    if "grpc" in p:
+        assert p["grpc"].get("service", "") == ""
+        return "grpc", p["grpc"]["port"]
+    assert p["httpGet"]["path"] == "/health" and p["httpGet"].get("scheme", "HTTP") == "HTTP"
+    return "http", p["httpGet"]["port"]
+
+
+def test_probes_reach_the_serving_status(objs):
+    """Native gRPC probes on the gRPC port; where that port serves TLS, which the kubelet's gRPC probes
+    cannot speak, GET /health on the metrics port (plain HTTP, the same SERVING status)."""
     for d in deployments(objs):
         c = main_container(d)
         port = int(flag_value(c["args"], "--port"))
         assert port == GRPC_PORT[d["metadata"]["name"]]
         assert port in [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert "grpc" in c.get(probe, {}), f"{d['metadata']['name']}: {probe} must be a native grpc probe"
-            assert c[probe]["grpc"]["port"] == port
-            assert c[probe]["grpc"].get("service", "") == ""
+        tls = "--tls-cert" in c["args"]
+        expected = ("http", int(flag_value(c["args"], "--metrics-port"))) if tls else ("grpc", port)
+        probes = ["readinessProbe", "livenessProbe", *(["startupProbe"] if "startupProbe" in c else [])]
+        for probe in probes:
+            assert probe_target(c, probe) == expected, f"{d['metadata']['name']}: {probe}"
     v = main_container(one(objs, "Deployment", VERIFIER))
     sp = v["startupProbe"]
-    assert sp["grpc"]["port"] == GRPC_PORT[VERIFIER]
     assert sp["failureThreshold"] * sp["periodSeconds"] >= 600, "startupProbe must allow >= 10 min for model loading"
+
+
+def test_tls_files_come_from_whole_secret_volumes(objs):
+    """Every TLS flag names a file of a Secret mounted whole: a subPath mount never sees a renewal."""
+    for d in deployments(objs):
+        c, pod = main_container(d), d["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", []) if m["name"] in secrets}
+        for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--drafter-tls-ca", "--drafter-tls-cert",
+                     "--drafter-tls-key"):
+            if flag not in c["args"]:
+                continue
+            path = flag_value(c["args"], flag)
+            mount = next((m for at, m in mounts.items() if path.startswith(at.rstrip("/") + "/")), None)
+            assert mount is not None, f"{d['metadata']['name']}: {flag} {path} is on no Secret volume"
+            assert "subPath" not in mount and mount.get("readOnly"), mount
+            assert secrets[mount["name"]]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
 
 
 def test_restricted_security_context_everywhere(objs):

@@ -12,7 +12,9 @@ Only these rewrites are made, because a laptop is not a pod:
    (the image puts /opt/venv/bin first on PATH; PATH itself is not copied).
 2. Volumes: every emptyDir becomes a fresh temporary directory; every
    ConfigMap volume becomes a temporary directory holding the ConfigMap's
-   data, one file per key (or per `items` entry). Any arg, env value or
+   data, one file per key (or per `items` entry); every Secret volume one
+   holding the test's files for that Secret (the cpu-tls overlay's
+   certificates, from a throwaway PKI). Any arg, env value or
    working directory at or under a mountPath is remapped to that directory.
 3. Ports: each containerPort (gRPC and metrics) becomes a free local port;
    the values of `--port` and `--metrics-port` are remapped accordingly, and
@@ -29,14 +31,16 @@ Only these rewrites are made, because a laptop is not a pod:
    run's number is kept: two thread pools spinning on two cores slow each
    other many times over.
 
-Health is checked the way the kubelet's gRPC probes do (grpc.health.v1
-Check with the probe's service, "" by default), then a Generate call must
+Health is checked the way the kubelet's probes do (grpc.health.v1 Check with
+the probe's service, "" by default; or GET /health where the probe is
+httpGet), then a Generate call must
 come back with text and drafted tokens, and SIGTERM must end both processes
 within terminationGracePeriodSeconds minus the preStop sleep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,11 +49,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from certs import make_pki, service_tls_files, tls_files
 from deploy_support import (
     DRAFTER,
     VENV_BIN,
@@ -107,7 +113,8 @@ def remap_path(value: str, mounts: dict[str, Path]) -> str:
     return value
 
 
-def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int | None = None) -> Proc:
+def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int | None = None,
+            secrets: dict[str, dict[str, bytes]] | None = None) -> Proc:
     name = deploy["metadata"]["name"]
     pod = deploy["spec"]["template"]["spec"]
     c = main_container(deploy)
@@ -125,6 +132,9 @@ def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int 
             items = vol["configMap"].get("items") or [{"key": k, "path": k} for k in cm["data"]]
             for item in items:
                 (d / item["path"]).write_text(cm["data"][item["key"]])
+        elif "secret" in vol and vol["secret"]["secretName"] in (secrets or {}):
+            for key, data in (secrets or {})[vol["secret"]["secretName"]].items():
+                (d / key).write_bytes(data)
         else:
             raise AssertionError(f"{name}: volume {vol['name']} of a kind this test cannot map locally")
         local_vols[vol["name"]] = d
@@ -190,14 +200,31 @@ def health_check(port: int, service: str = "", timeout: float = 3.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def http_health_check(port: int, path: str, timeout: float = 3.0) -> str:
+    """What the kubelet's httpGet probe does: success is a 2xx or 3xx status."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+            return "SERVING" if 200 <= response.status < 400 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except OSError as e:
+        return f"unreachable: {e}"
+
+
+def probe_status(proc: Proc, kind: str) -> str:
+    """The probe `kind` of the container, made as the kubelet makes it: "SERVING" where it succeeds."""
+    probe = proc.probe(kind)
+    if "httpGet" in probe:
+        return http_health_check(proc.ports[probe["httpGet"]["port"]], probe["httpGet"]["path"])
+    return health_check(proc.ports[probe["grpc"]["port"]], probe["grpc"].get("service", ""))
+
+
 def wait_serving(proc: Proc, deadline: float) -> None:
-    probe = proc.probe("readinessProbe")["grpc"]
-    port = proc.ports[probe["port"]]
     status = "not tried"
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
             pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-        status = health_check(port, probe.get("service", ""))
+        status = probe_status(proc, "readinessProbe")
         if status == "SERVING":
             return
         time.sleep(1.0)
@@ -206,13 +233,19 @@ def wait_serving(proc: Proc, deadline: float) -> None:
 
 @pytest.fixture(scope="module", params=["cpu", "cpu-suffix-drafter"])
 def stack(request, tmp_path_factory):
-    objs = render(f"overlays/{request.param}")
-    root = tmp_path_factory.mktemp("deploy-local")
+    with running_stack(request.param, tmp_path_factory.mktemp("deploy-local")) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def running_stack(overlay: str, root: Path, secrets: dict[str, dict[str, bytes]] | None = None) -> Iterator[dict]:
+    """The overlay's drafter and verifier as local processes, both SERVING."""
+    objs = render(f"overlays/{overlay}")
     drafter_dep = one(objs, "Deployment", DRAFTER)
     verifier_dep = one(objs, "Deployment", VERIFIER)
-    drafter = prepare(drafter_dep, objs, root)
+    drafter = prepare(drafter_dep, objs, root, secrets=secrets)
     drafter_grpc = int(flag_value(main_container(drafter_dep)["args"], "--port"))
-    verifier = prepare(verifier_dep, objs, root, drafter_local_port=drafter.ports[drafter_grpc])
+    verifier = prepare(verifier_dep, objs, root, drafter_local_port=drafter.ports[drafter_grpc], secrets=secrets)
     procs = [drafter, verifier]
     try:
         # Like pods, both start at once: the verifier must cope with a drafter
@@ -225,7 +258,7 @@ def stack(request, tmp_path_factory):
         deadline = time.monotonic() + STARTUP_BUDGET_S
         for p in procs:
             wait_serving(p, deadline)
-        yield {"drafter": drafter, "verifier": verifier, "objs": objs, "overlay": request.param}
+        yield {"drafter": drafter, "verifier": verifier, "objs": objs, "overlay": overlay}
     finally:
         for p in procs:
             if p.popen and p.popen.poll() is None:
@@ -234,23 +267,25 @@ def stack(request, tmp_path_factory):
 
 
 def test_probes_report_serving(stack):
+    assert_probes_serving(stack)
+
+
+def assert_probes_serving(stack) -> None:
     for name in ("drafter", "verifier"):
         p = stack[name]
         c = main_container(p.deployment)
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             if kind in c:
-                g = c[kind]["grpc"]
-                assert health_check(p.ports[g["port"]], g.get("service", "")) == "SERVING", (
-                    f"{p.name} {kind}:\n{p.log_tail()}"
-                )
+                assert probe_status(p, kind) == "SERVING", f"{p.name} {kind}:\n{p.log_tail()}"
 
 
 def test_generate_through_the_remote_drafter(stack):
     generate_with_drafts(stack)
 
 
-def generate_with_drafts(stack) -> None:
-    """A Generate call whose answer has text and tokens the remote drafter drafted."""
+def generate_with_drafts(stack, credentials=None) -> None:  # noqa: ANN001 - grpc is imported late here
+    """A Generate call whose answer has text and tokens the remote drafter drafted (over TLS with
+    `credentials`)."""
     import grpc
 
     from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
@@ -265,7 +300,8 @@ def generate_with_drafts(stack) -> None:
         ),
         stopping=verifier_pb2.StoppingCriteria(max_new_tokens=32),
     ))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials) as ch:
         try:
             resp = verifier_pb2_grpc.VerifierServiceStub(ch).Generate(req, timeout=120)
         except grpc.RpcError as e:
@@ -487,3 +523,29 @@ def test_sigterm_ends_both_within_the_termination_grace_period(stack):
         restored = SuffixDrafter()
         restored.restore_learned(Path(argv[argv.index("--learned-state-file") + 1]).read_bytes())
         assert restored.cached_requests >= 2
+
+
+def test_the_tls_overlay_serves_tls_on_every_hop_and_is_probed_in_plain_http(tmp_path):
+    """cpu-tls (components/tls), its Secrets from a throwaway PKI: the kubelet's probes reach both services
+    through /health on their metrics ports; a client reaches the verifier over TLS only, and the verifier
+    the drafter over mutual TLS (drafted tokens)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from drafter_sdk.service.security import channel_credentials
+
+    pki = make_pki(tmp_path)
+    secrets = {"splitspec-verifier-tls": service_tls_files(pki), "splitspec-drafter-tls": tls_files(pki)}
+    with running_stack("cpu-tls", tmp_path, secrets) as stack:
+        assert_probes_serving(stack)
+        generate_with_drafts(stack, channel_credentials(pki.ca_cert))
+        for name in ("verifier", "drafter"):
+            p = stack[name]
+            port = p.ports[int(flag_value(main_container(p.deployment)["args"], "--port"))]
+            assert health_check(port) == "rpc error: UNAVAILABLE"  # plaintext: no TLS handshake
+        drafter = stack["drafter"]
+        port = drafter.ports[int(flag_value(main_container(drafter.deployment)["args"], "--port"))]
+        with grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(pki.ca_cert)) as ch:  # no certificate
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
