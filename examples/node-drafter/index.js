@@ -11,6 +11,7 @@
 const crypto = require('crypto');
 const fs = require('fs');
 const path = require('path');
+const tls = require('tls');
 const { parseArgs } = require('util');
 
 const grpc = require('@grpc/grpc-js');
@@ -18,6 +19,7 @@ const protoLoader = require('@grpc/proto-loader');
 const { HealthImplementation } = require('grpc-health-check');
 
 const { SequenceStore, StatusError } = require('./store');
+const { WatchedFiles } = require('./watched_files');
 
 const NAME = 'node-ngram-drafter';
 const VERSION = require('./package.json').version;
@@ -40,6 +42,8 @@ const USAGE = `usage: node index.js [options]
   --tls-cert-file PATH      serve TLS with this certificate chain ...
   --tls-key-file PATH       ... and this private key
   --tls-ca-file PATH        require client certificates signed by this CA (mTLS)
+                            (the token and TLS files are read again within a second
+                            of a change: a renewed certificate needs no restart)
   --proto-dir DIR           root of the splitspec .proto files (default ../../protos)
   --quiet                   log only errors
   -h, --help                show this help`;
@@ -113,25 +117,61 @@ function loadDrafterService(protoDir) {
   return grpc.loadPackageDefinition(definition).splitspec.v1.DrafterService.service;
 }
 
-function serverCredentials(opts) {
-  if (!opts.tlsCertFile && !opts.tlsKeyFile && !opts.tlsCaFile) return grpc.ServerCredentials.createInsecure();
+const FOLLOW_FILES_MS = 1000; // how often the TLS files are looked at (a stat each)
+
+// The server's credentials, and `follow()`: hands the server the TLS files' latest certificate, key and
+// CA, for the handshakes after it (grpc-js's secure context update).
+function serverCredentials(opts, log) {
+  if (!opts.tlsCertFile && !opts.tlsKeyFile && !opts.tlsCaFile) {
+    return { credentials: grpc.ServerCredentials.createInsecure(), follow: () => {} };
+  }
   if (!opts.tlsCertFile || !opts.tlsKeyFile) throw new Error('TLS needs both --tls-cert-file and --tls-key-file');
-  const ca = opts.tlsCaFile ? fs.readFileSync(opts.tlsCaFile) : null;
-  return grpc.ServerCredentials.createSsl(
-    ca,
-    [{ cert_chain: fs.readFileSync(opts.tlsCertFile), private_key: fs.readFileSync(opts.tlsKeyFile) }],
-    Boolean(ca), // a CA means mutual TLS: client certificates are required
+  const load = () => {
+    const files = {
+      cert: fs.readFileSync(opts.tlsCertFile),
+      key: fs.readFileSync(opts.tlsKeyFile),
+      ca: opts.tlsCaFile ? fs.readFileSync(opts.tlsCaFile) : undefined,
+    };
+    tls.createSecureContext(files); // throws for a key that is not the certificate's
+    return files;
+  };
+  const paths = [opts.tlsCertFile, opts.tlsKeyFile, ...(opts.tlsCaFile ? [opts.tlsCaFile] : [])];
+  const watched = new WatchedFiles(paths, load, 'TLS certificate', log);
+  let given = watched.get();
+  const credentials = grpc.ServerCredentials.createSsl(
+    given.ca || null,
+    [{ cert_chain: given.cert, private_key: given.key }],
+    Boolean(opts.tlsCaFile), // a CA means mutual TLS: client certificates are required
   );
+  const follow = () => {
+    const latest = watched.get();
+    if (latest === given) return;
+    given = latest;
+    credentials.updateSecureContextOptions({ cert: [latest.cert], key: [latest.key], ca: latest.ca });
+  };
+  return { credentials, follow };
 }
 
-function readAuthToken(opts) {
-  if (opts.authTokenFile) return fs.readFileSync(opts.authTokenFile, 'utf8').trim() || null;
-  return (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim() || null;
+// The bearer token every call must carry, as it is now: a token file is read again when it changes.
+function authToken(opts, log) {
+  if (opts.authTokenFile) {
+    const load = () => {
+      const token = fs.readFileSync(opts.authTokenFile, 'utf8').trim();
+      if (!token) throw new Error(`auth token file ${opts.authTokenFile} is empty`);
+      return token;
+    };
+    const watched = new WatchedFiles([opts.authTokenFile], load, 'auth token file', log);
+    return () => watched.get();
+  }
+  const token = (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim() || null;
+  return () => token;
 }
 
 // Bearer auth: true when the call may go on (a call without the token is answered here).
-function authorized(call, expected, fail) {
-  if (!expected) return true;
+function authorized(call, token, fail) {
+  const current = token();
+  if (!current) return true;
+  const expected = Buffer.from(`Bearer ${current}`);
   const got = Buffer.from(String(call.metadata.get('authorization')[0] || ''));
   if (got.length === expected.length && crypto.timingSafeEqual(got, expected)) return true;
   fail({ code: grpc.status.UNAUTHENTICATED, details: 'missing or wrong bearer token' });
@@ -147,9 +187,8 @@ function statusOf(err, log) {
 
 // Wraps a unary handler: bearer auth, errors -> gRPC status.
 function unary(handler, { token, log }) {
-  const expected = token ? Buffer.from(`Bearer ${token}`) : null;
   return (call, callback) => {
-    if (!authorized(call, expected, callback)) return;
+    if (!authorized(call, token, callback)) return;
     let response;
     try {
       response = handler(call.request);
@@ -166,14 +205,13 @@ function unary(handler, { token, log }) {
 // status, as the unary call would have failed. `open` holds the streams: a stream lasts as long
 // as its verifier, so shutdown ends them (OK) itself.
 function stream({ prepare, release }, { token, log }, open) {
-  const expected = token ? Buffer.from(`Bearer ${token}`) : null;
   return (call) => {
     let failed = false;
     const fail = (status) => {
       failed = true;
       call.emit('error', status); // grpc-js: ends the call with this status
     };
-    if (!authorized(call, expected, fail)) return;
+    if (!authorized(call, token, fail)) return;
     open.add(call);
     call.on('close', () => open.delete(call));
     call.on('data', (message) => {
@@ -191,7 +229,11 @@ function stream({ prepare, release }, { token, log }, open) {
 
 function makeLogger(quiet) {
   const line = (level, msg) => process.stderr.write(`${new Date().toISOString()} ${level} ${NAME}: ${msg}\n`);
-  return { info: (msg) => { if (!quiet) line('INFO', msg); }, error: (msg) => line('ERROR', msg) };
+  return {
+    info: (msg) => { if (!quiet) line('INFO', msg); },
+    warn: (msg) => line('WARNING', msg),
+    error: (msg) => line('ERROR', msg),
+  };
 }
 
 function writePortFile(file, port) {
@@ -214,7 +256,15 @@ function main(argv) {
     return 0;
   }
   const log = makeLogger(opts.quiet);
-  const token = readAuthToken(opts);
+  let token;
+  let tlsFiles;
+  try {
+    token = authToken(opts, log);
+    tlsFiles = serverCredentials(opts, log);
+  } catch (err) {
+    process.stderr.write(`${err.message}\n`);
+    return 2;
+  }
   const store = new SequenceStore({
     maxNgram: opts.maxNgram,
     maxDraftLen: opts.maxDraftLen,
@@ -277,6 +327,8 @@ function main(argv) {
     if (n > 0) log.info(`evicted ${n} idle sequence(s); ${store.size} held`);
   }, sweepMs);
   sweeper.unref();
+  const follower = setInterval(tlsFiles.follow, FOLLOW_FILES_MS);
+  follower.unref();
 
   let shuttingDown = false;
   const shutdown = (signal) => {
@@ -289,6 +341,7 @@ function main(argv) {
     log.info(`${signal}: shutting down (grace ${opts.graceS}s)`);
     setHealth('NOT_SERVING');
     clearInterval(sweeper);
+    clearInterval(follower);
     // Handlers run to completion, so no stream is mid-answer: end them all, and the verifiers
     // open their next stream on another replica.
     for (const call of streams) call.end();
@@ -307,7 +360,7 @@ function main(argv) {
   process.on('SIGINT', () => shutdown('SIGINT'));
 
   const address = opts.host.includes(':') ? `[${opts.host}]:${opts.port}` : `${opts.host}:${opts.port}`;
-  server.bindAsync(address, serverCredentials(opts), (err, port) => {
+  server.bindAsync(address, tlsFiles.credentials, (err, port) => {
     if (err) {
       log.error(`cannot bind ${address}: ${err.message}`);
       process.exit(1);
@@ -317,7 +370,7 @@ function main(argv) {
     // Always logged (even with --quiet): callers parse it to find the port.
     process.stderr.write(`${NAME} ${VERSION} listening on ${opts.host}:${port} ` +
       `(max_ngram=${opts.maxNgram}, max_draft_len=${opts.maxDraftLen}, trees=${opts.trees ? 'on' : 'off'}, ` +
-      `auth=${token ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
+      `auth=${token() ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
   });
   return null; // keep running
 }

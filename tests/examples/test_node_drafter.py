@@ -19,11 +19,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from certs import SecretVolume, make_pki, tls_files
 from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
 
 from drafter_sdk.proto import drafter_pb2 as pb
 from drafter_sdk.proto import drafter_pb2_grpc as pb_grpc
 from drafter_sdk.server.peers import Peers
+from drafter_sdk.service.security import auth_metadata, channel_credentials
 from drafter_sdk.tree import tree_problem
 from verifier_service.spec_decode.drafter_client import DeltaHistory, DrafterClient, DraftQuery
 from verifier_service.spec_decode.transport import GrpcTransport
@@ -482,60 +484,15 @@ def test_node_unit_tests():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _make_pki(directory):
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
-    x509 = pytest.importorskip("cryptography.x509")
-    import datetime
-    import ipaddress
-
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def cert(subject, key, issuer, issuer_key, *, ca=False, server=False):
-        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(hours=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        if not ca:
-            usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    files = {}
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = cert("test-ca", ca_key, "test-ca", ca_key, ca=True)
-    for role, server in (("server", True), ("client", False)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        crt = cert(f"test-{role}", key, "test-ca", ca_key, server=server)
-        files[f"{role}.crt"] = crt.public_bytes(serialization.Encoding.PEM)
-        files[f"{role}.key"] = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                 serialization.NoEncryption())
-    files["ca.crt"] = ca.public_bytes(serialization.Encoding.PEM)
-    for file_name, data in files.items():
-        (directory / file_name).write_bytes(data)
-    return files
-
-
 def test_tls_and_mutual_tls(tmp_path):
-    pki = _make_pki(tmp_path)
-    tls = dict(tls_cert_file=tmp_path / "server.crt", tls_key_file=tmp_path / "server.key")
-    server_only = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"])
-    with_client_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca.crt"], private_key=pki["client.key"],
-                                                    certificate_chain=pki["client.crt"])
+    pki = make_pki(tmp_path)
+    tls = dict(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
+    server_only = channel_credentials(pki.ca_cert)
+    with_client_cert = channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
     with run_node_drafter(**tls) as address, grpc.secure_channel(address, server_only) as channel:
         stub = pb_grpc.DrafterServiceStub(channel)
         assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
-    with run_node_drafter(**tls, tls_ca_file=tmp_path / "ca.crt") as address:
+    with run_node_drafter(**tls, tls_ca_file=pki.ca_cert) as address:
         with grpc.secure_channel(address, with_client_cert) as channel:
             stub = pb_grpc.DrafterServiceStub(channel)
             assert call(stub, "v", seq("r", 0, [1, 2, 1])) == [(OK, [2, 1])]
@@ -543,6 +500,46 @@ def test_tls_and_mutual_tls(tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 call(pb_grpc.DrafterServiceStub(channel), "v", seq("r", 0, [1, 2, 1]))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_renewed_certificate_and_a_rotated_token_are_taken_without_a_restart(tmp_path):
+    """As the Python SDK's (tests/reliability/test_credential_rotation.py): files swapped as the kubelet updates
+    a Secret volume are taken within a second; a renewal caught half-way keeps what is in use."""
+    a, b = make_pki(tmp_path, "a-"), make_pki(tmp_path, "b-")
+    tls = SecretVolume(tmp_path / "tls", tls_files(a))
+    token = SecretVolume(tmp_path / "token", {"token": b"first-token\n"})
+
+    def answer(pki, bearer: str) -> str:
+        """"ok", or the status a new client trusting `pki`, with its client certificate, gets."""
+        with grpc.secure_channel(drafter.address, channel_credentials(pki.ca_cert, pki.client_cert,
+                                                                      pki.client_key)) as channel:
+            try:
+                pb_grpc.DrafterServiceStub(channel).GetDrafterInfo(
+                    pb.GetDrafterInfoRequest(), timeout=5, metadata=auth_metadata(bearer))
+            except grpc.RpcError as err:
+                return err.code().name
+        return "ok"
+
+    def within_seconds(expected: str, *args: object) -> str:
+        deadline, got = time.monotonic() + 5, ""
+        while time.monotonic() < deadline and (got := answer(*args)) != expected:
+            time.sleep(0.1)
+        return got
+
+    with NodeDrafter(tls_cert_file=tls / "tls.crt", tls_key_file=tls / "tls.key", tls_ca_file=tls / "ca.crt",
+                     auth_token_file=token / "token") as drafter:
+        assert (answer(a, "first-token"), answer(a, "second-token")) == ("ok", "UNAUTHENTICATED")
+        token.update({"token": b"second-token\n"})
+        assert within_seconds("ok", a, "second-token") == "ok"
+        assert answer(a, "first-token") == "UNAUTHENTICATED"
+        tls.update(tls_files(b))  # a new CA: its clients only, and the drafter presents b's certificate
+        assert within_seconds("ok", b, "second-token") == "ok"
+        assert answer(a, "second-token") == "UNAVAILABLE"
+        tls.update({**tls_files(a), "tls.key": b.server_key.read_bytes()})  # caught half-way
+        token.update({"token": b""})
+        time.sleep(2.5)  # two looks at the files
+        assert answer(b, "second-token") == "ok"
+        assert "did not load" in drafter.log() and "keeping the one in use" in drafter.log(), drafter.log()
 
 
 def test_it_passes_check_drafter(drafter):

@@ -213,3 +213,33 @@ test('LRU capacity and idle eviction', () => {
   assert.equal(store.evictIdle(1500), 1);
   assert.equal(store.size, 1);
 });
+
+test('watched files are read again when they change, and kept when a change does not load', () => {
+  const fs = require('fs');
+  const os = require('os');
+  const path = require('path');
+  const { WatchedFiles } = require('../watched_files');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'watched-'));
+  const file = path.join(dir, 'token');
+  const said = [];
+  const log = { info: () => {}, warn: (msg) => said.push(msg) };
+  const load = () => {
+    const text = fs.readFileSync(file, 'utf8').trim();
+    if (!text) throw new Error('empty');
+    return text;
+  };
+  fs.writeFileSync(file, 'first');
+  const watched = new WatchedFiles([file], load, 'token', log);
+  assert.equal(watched.get(), 'first');
+  fs.writeFileSync(file, 'the second');
+  assert.equal(watched.get(), 'the second');
+  fs.writeFileSync(file, '');
+  assert.deepEqual([watched.get(), watched.get()], ['the second', 'the second']);
+  assert.equal(said.length, 1);
+  assert.match(said[0], /did not load \(empty\); keeping the one in use/);
+  fs.rmSync(file);
+  assert.equal(watched.get(), 'the second');
+  fs.writeFileSync(file, 'third');
+  assert.equal(watched.get(), 'third');
+  fs.rmSync(dir, { recursive: true });
+});
