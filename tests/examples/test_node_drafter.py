@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from certs import SecretVolume, make_pki, tls_files
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from node_drafter import NODE_DRAFTER_DIR, NodeDrafter, node_available, run_node_drafter
 
 from drafter_sdk.proto import drafter_pb2 as pb
