@@ -19,7 +19,7 @@ const protoLoader = require('@grpc/proto-loader');
 const { HealthImplementation } = require('grpc-health-check');
 
 const { SequenceStore, StatusError } = require('./store');
-const { WatchedFiles } = require('./watched_files');
+const { RECHECK_MS, WatchedFiles } = require('./watched_files');
 
 const NAME = 'node-ngram-drafter';
 const VERSION = require('./package.json').version;
@@ -116,8 +116,6 @@ function loadDrafterService(protoDir) {
   });
   return grpc.loadPackageDefinition(definition).splitspec.v1.DrafterService.service;
 }
-
-const FOLLOW_FILES_MS = 1000; // how often the TLS files are looked at (a stat each)
 
 // The server's credentials, and `follow()`: hands the server the TLS files' latest certificate, key and
 // CA, for the handshakes after it (grpc-js's secure context update).
@@ -327,7 +325,7 @@ function main(argv) {
     if (n > 0) log.info(`evicted ${n} idle sequence(s); ${store.size} held`);
   }, sweepMs);
   sweeper.unref();
-  const follower = setInterval(tlsFiles.follow, FOLLOW_FILES_MS);
+  const follower = setInterval(tlsFiles.follow, RECHECK_MS);
   follower.unref();
 
   let shuttingDown = false;

@@ -3,13 +3,15 @@
 // Python SDK does (drafter_sdk/service/watched_files.py). Kubernetes updates a Secret mounted as a
 // volume in place (cert-manager renewing a certificate, an operator rotating a token) by swapping a
 // symlink to new files, which changes their device, inode, size and modification time: a stat of
-// each, microseconds, tells whether to read them again.
+// each, at most once every RECHECK_MS, tells whether to read them again.
 //
 // A change that does not load (a file caught half-way, a key that is not its certificate's, an
 // emptied token file) keeps what is in use, logs once for that version of the files, and is tried
 // again at the next change. At start-up the first load throws: a bad file there is the operator's.
 
 const fs = require('fs');
+
+const RECHECK_MS = 1000; // the kubelet takes about a minute to update a Secret volume anyway
 
 function identity(paths) {
   return paths.map((file) => {
@@ -24,7 +26,9 @@ function identity(paths) {
 
 class WatchedFiles {
   // `load()` makes the value from the files (and throws where they do not make one).
-  constructor(paths, load, what, log) {
+  constructor(paths, load, what, log, recheckMs = RECHECK_MS) {
+    this.recheckMs = recheckMs;
+    this.nextLook = Date.now() + recheckMs;
     this.paths = paths;
     this.load = load;
     this.what = what;
@@ -35,6 +39,8 @@ class WatchedFiles {
   }
 
   get() {
+    if (Date.now() < this.nextLook) return this.value;
+    this.nextLook = Date.now() + this.recheckMs;
     const now = identity(this.paths);
     if (now === this.seen) return this.value;
     let value;
@@ -54,4 +60,4 @@ class WatchedFiles {
   }
 }
 
-module.exports = { WatchedFiles };
+module.exports = { RECHECK_MS, WatchedFiles };

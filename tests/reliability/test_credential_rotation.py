@@ -21,6 +21,7 @@ from verifier_harness import run_verifier, spec_config, token_request
 
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from drafter_sdk.proto import verifier_pb2 as pb
+from drafter_sdk.service import watched_files
 from drafter_sdk.service.security import auth_metadata, channel_credentials, watch_token
 from verifier_service.tools.local_services import script
 
@@ -66,7 +67,9 @@ def http_answer(port: int, pki, token: str) -> str:
     return "ok" if response.status_code == 200 else str(response.status_code)
 
 
-def test_the_verifier_takes_a_renewed_certificate_and_a_rotated_token_without_a_restart(tmp_path, pkis, caplog):
+def test_the_verifier_takes_a_renewed_certificate_and_a_rotated_token_without_a_restart(tmp_path, pkis, caplog,
+                                                                                         monkeypatch):
+    monkeypatch.setattr(watched_files, "RECHECK_S", 0.0)  # every use looks: a rotation shows at once
     a, b, c = pkis
     tls = SecretVolume(tmp_path / "tls", tls_files(a))
     token = SecretVolume(tmp_path / "token", {"token": b"first-token\n"})
@@ -136,6 +139,7 @@ def test_a_drafter_process_takes_a_renewed_certificate_and_rotated_named_tokens(
             "ok", "ok", "UNAUTHENTICATED"]
         tls.update(tls_files(b))
         tokens.update({"tokens": b"verifier-a cccc\n"})  # b's token revoked, a's rotated
+        time.sleep(watched_files.RECHECK_S + 0.2)  # the drafter looks at its files once a second
         assert [drafter_info(drafter.port, b, t) for t in ("aaaa", "bbbb", "cccc")] == [
             "UNAUTHENTICATED", "UNAUTHENTICATED", "ok"]
         assert drafter_info(drafter.port, a, "cccc") == "UNAVAILABLE"

@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 
 import pytest
 from certs import SecretVolume, make_pki, tls_files
 
+from drafter_sdk.service import watched_files
 from drafter_sdk.service.security import check_tls_files, watch_channel_credentials, watch_named_tokens, watch_token
 from drafter_sdk.service.watched_files import WatchedFiles
+
+
+@pytest.fixture(autouse=True)
+def look_at_every_get(monkeypatch):
+    """These tests change files and read them at once: every get looks (but test_it_looks_once_a_second)."""
+    monkeypatch.setattr(watched_files, "RECHECK_S", 0.0)
+
+
+def test_it_looks_once_a_second(tmp_path, monkeypatch):
+    """A step that checks its drafter connection's files pays for a look once a second, not every time."""
+    monkeypatch.setattr(watched_files, "RECHECK_S", 0.3)
+    path = tmp_path / "token"
+    path.write_text("first")
+    token = watch_token(path)
+    path.write_text("second")
+    assert token.get() == "first"  # looked at when it was made, under 0.3 s ago
+    time.sleep(0.35)
+    assert token.get() == "second"
 
 
 def test_a_file_changed_in_place_is_read_again_at_the_next_get(tmp_path):

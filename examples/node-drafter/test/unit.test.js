@@ -229,7 +229,7 @@ test('watched files are read again when they change, and kept when a change does
     return text;
   };
   fs.writeFileSync(file, 'first');
-  const watched = new WatchedFiles([file], load, 'token', log);
+  const watched = new WatchedFiles([file], load, 'token', log, 0); // every get looks
   assert.equal(watched.get(), 'first');
   fs.writeFileSync(file, 'the second');
   assert.equal(watched.get(), 'the second');
