@@ -10,7 +10,8 @@ calling, and a drafter puts that identity into the namespace of the call
 verifier id.
 
 Certificates and token files are read again when they change (watched_files.py), so a renewed
-certificate or a rotated token takes effect without a restart: at the next TLS handshake, the next call.
+certificate or a rotated token takes effect without a restart: at the next TLS handshake or call (a
+second after the change at most, since a use looks at the files once a second).
 """
 
 from __future__ import annotations
@@ -85,13 +86,16 @@ def server_credentials(cert_file: PathLike, key_file: PathLike,
                                                require_client_authentication=client_ca_file is not None)
 
 
-def check_tls_files(cert_file: PathLike, key_file: PathLike, client_ca_file: PathLike | None = None) -> None:
-    """Raises ssl.SSLError where the files do not make a TLS server: a key that is not the certificate's, a CA
-    bundle without a certificate; gRPC would take them and fail every handshake."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert_file, key_file)
-    if client_ca_file:
-        context.load_verify_locations(client_ca_file)
+def check_tls_files(cert_file: PathLike | None, key_file: PathLike | None, ca_file: PathLike | None = None,
+                    protocol: int = ssl.PROTOCOL_TLS_SERVER) -> None:
+    """Raises ssl.SSLError where the files do not make a TLS server (or, with PROTOCOL_TLS_CLIENT, client): a
+    key that is not the certificate's, a CA bundle that holds no certificate. gRPC would take them, and fail
+    every handshake."""
+    context = ssl.SSLContext(protocol)
+    if cert_file and key_file:
+        context.load_cert_chain(cert_file, key_file)
+    if ca_file:
+        context.load_verify_locations(ca_file)
 
 
 def channel_credentials(ca_file: PathLike | None = None, cert_file: PathLike | None = None,
@@ -112,11 +116,7 @@ def watch_channel_credentials(ca_file: PathLike | None = None, cert_file: PathLi
     """channel_credentials, made again when a file changes (a renewed client certificate); a channel
     keeps the credentials it was opened with, so its holder opens a new one (GrpcTransport)."""
     def load() -> grpc.ChannelCredentials:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # a mismatched pair fails here, not at every handshake
-        if cert_file and key_file:
-            context.load_cert_chain(cert_file, key_file)
-        if ca_file:
-            context.load_verify_locations(ca_file)
+        check_tls_files(cert_file, key_file, ca_file, ssl.PROTOCOL_TLS_CLIENT)
         return channel_credentials(ca_file, cert_file, key_file)
 
     return WatchedFiles(load, [f for f in (ca_file, cert_file, key_file) if f], what)
