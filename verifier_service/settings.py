@@ -96,7 +96,7 @@ class ServerSettings:
     # Where a background response's end is announced (api/webhooks.py), signed with webhook_secret (the
     # key of --webhook-secret-file); None: no webhooks.
     webhook_url: str | None = None
-    webhook_secret: bytes | None = None
+    webhook_secret: bytes | WatchedFiles[bytes] | None = None  # --webhook-secret-file's, as it changes
     # Tensor parallelism: a rank that has not finished a step (or an idle heartbeat) within this
     # many seconds is taken as hung, and the verifier fails its requests and exits.
     rank_timeout_s: float = 60.0

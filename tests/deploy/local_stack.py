@@ -254,9 +254,9 @@ def assert_probes_serving(stack) -> None:
                 assert probe_status(p, kind) == "SERVING", f"{p.name} {kind}:\n{p.log_tail()}"
 
 
-def generate_with_drafts(stack, credentials=None) -> None:  # noqa: ANN001 - grpc is imported late here
+def generate_with_drafts(stack, credentials=None, metadata=None) -> None:  # noqa: ANN001 - grpc is imported late
     """A Generate call whose answer has text and tokens the remote drafter drafted (over TLS with
-    `credentials`)."""
+    `credentials`, with `metadata`: an API key)."""
     import grpc
 
     from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
@@ -274,7 +274,7 @@ def generate_with_drafts(stack, credentials=None) -> None:  # noqa: ANN001 - grp
     address = f"127.0.0.1:{port}"
     with grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials) as ch:
         try:
-            resp = verifier_pb2_grpc.VerifierServiceStub(ch).Generate(req, timeout=120)
+            resp = verifier_pb2_grpc.VerifierServiceStub(ch).Generate(req, timeout=120, metadata=metadata)
         except grpc.RpcError as e:
             pytest.fail(f"Generate failed: {e.code().name} {e.details()}\n{v.log_tail()}")
     assert resp.output.text.strip(), f"empty text:\n{v.log_tail()}"

@@ -277,14 +277,14 @@ def test_probes_reach_the_serving_status(objs):
     assert sp["failureThreshold"] * sp["periodSeconds"] >= 600, "startupProbe must allow >= 10 min for model loading"
 
 
-def test_tls_files_come_from_whole_secret_volumes(objs):
-    """Every TLS flag names a file of a Secret mounted whole: a subPath mount never sees a renewal."""
+def test_tls_and_key_files_come_from_whole_secret_volumes(objs):
+    """Every TLS or key flag names a file of a Secret mounted whole: a subPath mount never sees a renewal."""
     for d in deployments(objs):
         c, pod = main_container(d), d["spec"]["template"]["spec"]
         secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", []) if m["name"] in secrets}
         for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--drafter-tls-ca", "--drafter-tls-cert",
-                     "--drafter-tls-key"):
+                     "--drafter-tls-key", "--auth-token-file", "--auth-tokens-file", "--drafter-auth-token-file"):
             if flag not in c["args"]:
                 continue
             path = flag_value(c["args"], flag)

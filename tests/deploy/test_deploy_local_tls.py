@@ -1,5 +1,6 @@
-"""The rendered cpu-tls overlay (components/tls) run as local processes (local_stack.py), its Secrets from a
-throwaway PKI. A file of its own, so the suite's workers can run it beside test_deploy_local.py."""
+"""The rendered cpu-tls overlay (components/tls and components/api-key) run as local processes
+(local_stack.py), its Secrets from a throwaway PKI and a throwaway key. A file of its own, so the suite's
+workers can run it beside test_deploy_local.py."""
 
 from __future__ import annotations
 
@@ -10,27 +11,35 @@ from deploy_support import flag_value, main_container
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_stack import assert_probes_serving, generate_with_drafts, health_check, running_stack
 
-from drafter_sdk.service.security import channel_credentials
+from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
+from drafter_sdk.service.security import auth_metadata, channel_credentials
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 
+def grpc_port(proc) -> int:  # noqa: ANN001 - a local_stack.Proc
+    """The local port of the container's gRPC port."""
+    return proc.ports[int(flag_value(main_container(proc.deployment)["args"], "--port"))]
+
+
 def test_the_tls_overlay_serves_tls_on_every_hop_and_is_probed_in_plain_http(tmp_path):
-    """cpu-tls (components/tls), its Secrets from a throwaway PKI: the kubelet's probes reach both services
-    through /health on their metrics ports; a client reaches the verifier over TLS only, and the verifier
-    the drafter over mutual TLS (drafted tokens)."""
+    """cpu-tls, its Secrets from a throwaway PKI and key: the kubelet's probes reach both services through
+    /health on their metrics ports; a client reaches the verifier over TLS with the API key only, and the
+    verifier the drafter over mutual TLS (drafted tokens)."""
     pki = make_pki(tmp_path)
-    secrets = {"splitspec-verifier-tls": service_tls_files(pki), "splitspec-drafter-tls": tls_files(pki)}
+    secrets = {"splitspec-verifier-tls": service_tls_files(pki), "splitspec-drafter-tls": tls_files(pki),
+               "splitspec-api-key": {"token": b"the-api-key\n"}}
     with running_stack("cpu-tls", tmp_path, secrets) as stack:
         assert_probes_serving(stack)
-        generate_with_drafts(stack, channel_credentials(pki.ca_cert))
+        generate_with_drafts(stack, channel_credentials(pki.ca_cert), auth_metadata("the-api-key"))
+        with grpc.secure_channel(f"127.0.0.1:{grpc_port(stack['verifier'])}", channel_credentials(pki.ca_cert)) as ch:
+            with pytest.raises(grpc.RpcError) as refused:  # without the key
+                verifier_pb2_grpc.VerifierServiceStub(ch).Tokenize(verifier_pb2.TokenizeRequest(prompt="hi"),
+                                                                   timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for name in ("verifier", "drafter"):
-            p = stack[name]
-            port = p.ports[int(flag_value(main_container(p.deployment)["args"], "--port"))]
-            assert health_check(port) == "rpc error: UNAVAILABLE"  # plaintext: no TLS handshake
-        drafter = stack["drafter"]
-        port = drafter.ports[int(flag_value(main_container(drafter.deployment)["args"], "--port"))]
-        with grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(pki.ca_cert)) as ch:  # no certificate
-            with pytest.raises(grpc.RpcError) as refused:
+            assert health_check(grpc_port(stack[name])) == "rpc error: UNAVAILABLE"  # plaintext: no TLS handshake
+        with grpc.secure_channel(f"127.0.0.1:{grpc_port(stack['drafter'])}", channel_credentials(pki.ca_cert)) as ch:
+            with pytest.raises(grpc.RpcError) as refused:  # no client certificate
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -19,7 +19,9 @@ from http_support import PROMPT, http_verifier, wait_until
 from test_responses_background import engine_held
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
+from drafter_sdk.service import watched_files
 from verifier_service.api import cli
+from verifier_service.api.webhooks import watch_secret
 
 KEY = b"splitspec webhook test key"
 SECRET = "whsec_" + base64.b64encode(KEY).decode()  # as OpenAI writes a secret, and unwrap() takes it
@@ -131,4 +133,30 @@ def test_the_secret_is_read_as_openai_writes_it(tmp_path: Path) -> None:
     args = cli.parser().parse_args(["--webhook-url", "https://hooks.example/x", "--webhook-secret-file",
                                     str(tmp_path / "secret")])
     settings = cli.settings_from_args(args)
-    assert (settings.webhook_url, settings.webhook_secret) == ("https://hooks.example/x", KEY)
+    assert settings.webhook_url == "https://hooks.example/x" and settings.webhook_secret.get() == KEY
+
+
+def test_a_rotated_secret_signs_the_next_delivery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The secret file is read again when it changes (a rotated Kubernetes Secret): no restart."""
+    monkeypatch.setattr(watched_files, "RECHECK_S", 0.0)  # every delivery looks at the file
+    rotated = b"the next webhook key"
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+
+    async def main() -> None:
+        async with receiver() as (url, got), \
+                http_verifier(speculate=False, webhook_url=url, webhook_secret=watch_secret(str(path))) as h:
+            first = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, background=True)
+            await wait_until(lambda: got, "the webhook")
+            path.write_text("whsec_" + base64.b64encode(rotated).decode() + "\n")
+            second = await h.client.responses.create(model="tiny", input=PROMPT, max_output_tokens=2, background=True)
+            await wait_until(lambda: len(got) == 2, "the second webhook")
+        assert unwrapped(got[0]).data.id == first.id
+        headers, body = got[1]
+        with pytest.raises(openai.InvalidWebhookSignatureError):
+            unwrapped(got[1])  # not the old key's
+        rotated_secret = "whsec_" + base64.b64encode(rotated).decode()
+        assert openai.OpenAI(api_key="unused").webhooks.unwrap(body, headers, secret=rotated_secret).data.id == \
+            second.id
+
+    asyncio.run(main())

@@ -18,7 +18,7 @@ from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem, watch_token
 from verifier_service.api import vllm_flags
-from verifier_service.api.webhooks import read_secret
+from verifier_service.api.webhooks import watch_secret
 from verifier_service.model import generation_config, host_memory
 from verifier_service.settings import (
     DEFAULTS,
@@ -203,7 +203,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None
     try:
-        webhook_secret = read_secret(args.webhook_secret_file) if args.webhook_secret_file else None
+        webhook_secret = watch_secret(args.webhook_secret_file) if args.webhook_secret_file else None
     except ValueError as exc:
         raise config.ConfigError(f"--webhook-secret-file: {exc}") from None
     given = {name: getattr(args, name) for name in SETTING_FLAGS if hasattr(args, name)}

@@ -91,7 +91,7 @@ class HttpServer:
                     tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                     webhook_url: str | None = None,
-                    webhook_secret: bytes | None = None) -> "HttpServer":
+                    webhook_secret: bytes | WatchedFiles[bytes] | None = None) -> "HttpServer":
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         store = ResponseStore(responses_store_bytes)

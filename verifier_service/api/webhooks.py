@@ -6,7 +6,8 @@ The event is OpenAI's (`{"id": "evt_...", "object": "event", "type": "response.c
 signed as OpenAI signs it (the Standard Webhooks scheme: headers webhook-id, webhook-timestamp and
 webhook-signature, `v1,` and the base64 HMAC-SHA256 of `{id}.{timestamp}.{body}` under the secret of
 --webhook-secret-file, `whsec_` and base64 as OpenAI writes it), so that the official client's
-`client.webhooks.unwrap(body, headers, secret=...)` checks and reads it.
+`client.webhooks.unwrap(body, headers, secret=...)` checks and reads it. The secret file is read again when it
+changes (watch_secret), as the TLS and token files are: a rotated secret signs the next delivery.
 
 A delivery is answered by any 2xx. Where the receiver cannot be reached, times out, or answers 429 or
 5xx, it is sent again, the same event under the same webhook-id (a receiver drops repeats by it), after
@@ -28,6 +29,8 @@ import uuid
 from pathlib import Path
 
 import httpx
+
+from drafter_sdk.service.watched_files import WatchedFiles
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,11 @@ def read_secret(path: str) -> bytes:
     return key
 
 
+def watch_secret(path: str) -> WatchedFiles[bytes]:
+    """read_secret's key, read again when the file changes (drafter_sdk/service/watched_files.py)."""
+    return WatchedFiles(lambda: read_secret(path), [path], "webhook secret file")
+
+
 def signed_headers(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> dict[str, str]:
     mac = hmac.new(key, f"{webhook_id}.{timestamp}.".encode() + body, hashlib.sha256)
     return {"webhook-id": webhook_id, "webhook-timestamp": str(timestamp),
@@ -64,7 +72,7 @@ def signed_headers(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> 
 
 
 class Webhooks:
-    def __init__(self, url: str, key: bytes) -> None:
+    def __init__(self, url: str, key: bytes | WatchedFiles[bytes]) -> None:
         self.url = url
         self._key = key
         self._client = httpx.AsyncClient(timeout=TIMEOUT_S)
@@ -86,8 +94,9 @@ class Webhooks:
         delay = FIRST_RETRY_S
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
+                key = self._key.get() if isinstance(self._key, WatchedFiles) else self._key
                 answer = await self._client.post(self.url, content=body, headers=signed_headers(
-                    self._key, webhook_id, int(time.time()), body))
+                    key, webhook_id, int(time.time()), body))
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"
             else:
