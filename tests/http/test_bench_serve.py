@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from certs import make_pki
 from http_support import PROMPT, WAIT_S, http_verifier, submitted_priorities
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
@@ -87,6 +88,27 @@ def test_bench_serve_measures_a_running_verifier_with_and_without_speculation(tm
                                                "--out", str(tmp_path / "refused"))
             assert code == 1 and "GET /v1/models answered 401" in err, err
             assert not (tmp_path / "refused").exists()
+
+    asyncio.run(main())
+
+
+def test_bench_serve_reaches_a_verifier_over_https_with_its_ca_and_a_client_certificate(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"prompt": PROMPT, "raw": True}) + "\n")
+    common = ["--dataset", str(dataset), "--max-tokens", "4", "--no-warmup", "--out", str(tmp_path)]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+                                 tls_client_ca=str(pki.ca_cert)) as h:
+            base = f"https://localhost:{h.v.running.http_port}"
+            code, out, err = await bench_serve("--base-url", base, "--tls-ca", str(pki.ca_cert), "--tls-cert",
+                                               str(pki.client_cert), "--tls-key", str(pki.client_key), *common)
+            assert code == 0, out + err
+            code, out, err = await bench_serve("--base-url", base, "--tls-ca", str(pki.ca_cert), *common)
+            assert code == 1 and "no answer from" in err, out + err  # no client certificate: no handshake
+            code, out, err = await bench_serve("--base-url", base, "--tls-cert", str(pki.client_cert), *common)
+            assert code == 2 and "--tls-cert and --tls-key go together" in err, err
 
     asyncio.run(main())
 

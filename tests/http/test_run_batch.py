@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+from certs import make_pki
 from http_support import PROMPT, WAIT_S, HttpVerifier, http_verifier, wait_until
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
@@ -81,6 +82,28 @@ def test_every_request_is_answered_once_as_it_is_answered_alone(tmp_path: Path) 
                    "1 answered 404; 0 without an answer" in printed, printed
             assert "speculation: mean acceptance length" in printed  # the remote drafter drafted for the batch
             await wait_until(h.idle, "every sequence and the drafter's state freed")
+
+    asyncio.run(main())
+
+
+def test_a_verifier_asking_for_client_certificates_is_reached_with_them(tmp_path: Path) -> None:
+    """An https:// base URL: --tls-ca verifies the verifier's certificate, --tls-cert/--tls-key answer its
+    --tls-client-ca (its HTTP port asks as its gRPC port does)."""
+    pki = make_pki(tmp_path)
+    batch = batch_file(tmp_path / "in.jsonl", [("chat", "/v1/chat/completions", CHAT)])
+    tls = ["--tls-ca", str(pki.ca_cert), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+
+    async def main() -> None:
+        async with http_verifier(speculate=False, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+                                 tls_client_ca=str(pki.ca_cert)) as h:
+            base = f"https://localhost:{h.v.running.http_port}"
+            code, said = await run_batch("-i", str(batch), "-o", str(tmp_path / "out.jsonl"), "--base-url", base,
+                                         *tls)
+            assert code == 0, said
+            assert answers(tmp_path / "out.jsonl")["chat"]["response"]["status_code"] == 200
+            code, said = await run_batch("-i", str(batch), "-o", str(tmp_path / "plain.jsonl"), "--base-url",
+                                         base.replace("https", "http"), *tls)
+            assert code == 2 and "are for an https:// --base-url" in said, said
 
     asyncio.run(main())
 

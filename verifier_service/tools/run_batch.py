@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
 from verifier_service.api import json_text
+from verifier_service.tools import http_client
 from verifier_service.tools.cli import whole_number
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -210,13 +210,12 @@ async def _send(client: httpx.AsyncClient, request: BatchRequest, max_retries: i
     return _answer(request, None, f"no answer after {max_retries + 1} tries; the last: {error}")
 
 
-async def _run(args: argparse.Namespace, requests: list[BatchRequest], headers: dict[str, str],
+async def _run(args: argparse.Namespace, requests: list[BatchRequest], reach: http_client.HttpAccess,
                summary: Summary) -> None:
     todo = iter(requests)  # shared by the workers: each takes the next request when it is free
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 10.0))
-    base = args.base_url.rstrip("/").removesuffix("/v1")
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=args.concurrency)) as client:
+    async with httpx.AsyncClient(base_url=reach.base_url, headers=reach.headers, verify=reach.verify,
+                                 timeout=timeout, limits=httpx.Limits(max_connections=args.concurrency)) as client:
         with args.output.open("a", encoding="utf-8") as out:
             async def worker() -> None:
                 for request in todo:
@@ -234,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("the output file must not be the input file")
         if not args.timeout > 0:
             raise ValueError(f"--timeout must be positive, not {args.timeout}")
-        token = read_token(args.auth_token_file)
+        reach = http_client.access(args)
         requests = read_requests(args.input)
         kept = kept_answers(args.output) if args.resume else {}
         if not args.resume:
@@ -249,10 +248,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     todo = [r for r in requests if r.custom_id not in kept]
     resumed = len(requests) - len(todo)
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     summary, started = Summary(), time.perf_counter()
     try:
-        asyncio.run(_run(args, todo, headers, summary))
+        asyncio.run(_run(args, todo, reach, summary))
     except KeyboardInterrupt:
         print(f"splitspec run-batch: interrupted; {resumed + summary.answered} of {len(requests)} answers are in "
               f"{args.output}: --resume sends the rest", file=sys.stderr)
@@ -268,7 +266,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                    help="answers, one a line, in OpenAI's batch output format (custom_id, response, error)")
     p.add_argument("--base-url", default="http://localhost:8000", help="the verifier's HTTP API")
-    p.add_argument("--auth-token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
     p.add_argument("--concurrency", type=whole_number(1, 4096), default=32, help="requests in flight at most")
     p.add_argument("--max-retries", type=whole_number(0, 100), default=8,
                    help="tries after the first for a request the server could not take yet (429, 502-504) or "
@@ -276,4 +273,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--resume", action="store_true",
                    help="keep the answers already in the output file and send only the other requests")
+    http_client.add_arguments(p)
     p.set_defaults(func=main)

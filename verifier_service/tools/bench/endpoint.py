@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
+from verifier_service.tools import http_client
 from verifier_service.tools.bench.serve_prompts import WORKLOADS, Request, builtin, load_dataset, with_priorities
 
 MODES = ("spec", "plain")
@@ -79,7 +79,6 @@ class Record:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="the verifier's HTTP API, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="the served model name to ask for (default: the first of /v1/models)")
-    p.add_argument("--auth-token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV_VAR}, if set)")
     p.add_argument("--dataset", type=Path, metavar="FILE",
                    help='prompts, one JSON object a line ({"messages": [...]} or {"prompt": "...", "raw": false}), '
                         "or a ShareGPT JSON file (each conversation's first question)")
@@ -114,13 +113,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may wait to connect, or for its next bytes")
     p.add_argument("--out", default="bench-results", help="folder for bench-serve.json")
+    http_client.add_arguments(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         check_args(args)
-        token = read_token(args.auth_token_file)
+        reach = http_client.access(args)
         requests = load_dataset(args.dataset) if args.dataset else builtin(args.workloads, args.prompts)
         if args.num_prompts is not None and args.num_prompts < len(requests):
             requests = random.Random(args.seed).sample(requests, args.num_prompts)
@@ -129,19 +129,17 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 2
-    base = args.base_url.rstrip("/").removesuffix("/v1")
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        passes, model = asyncio.run(_bench(base, headers, requests, args))
+        passes, model = asyncio.run(_bench(reach, requests, args))
     except ServerProblem as exc:
         print(f"splitspec bench-serve: {exc}", file=sys.stderr)
         return 1
     summary = summarise(passes, args)
-    print_summary(summary, base, model, requests, args)
+    print_summary(summary, reach.base_url, model, requests, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-serve.json").write_text(json.dumps(
-        {"base_url": base, "model": model, "args": {k: v for k, v in vars(args).items() if k != "func"},
+        {"base_url": reach.base_url, "model": model, "args": {k: v for k, v in vars(args).items() if k != "func"},
          "prompts": [r.name for r in requests], "summary": summary,
          "requests": [asdict(r) for p in passes for r in p.records]}, indent=2, default=str))
     print(f"\nwrote {out / 'bench-serve.json'}")
@@ -210,10 +208,11 @@ class Pass:
     records: list[Record]
 
 
-async def _bench(base: str, headers: dict[str, str], requests: list[Request],
+async def _bench(reach: http_client.HttpAccess, requests: list[Request],
                  args: argparse.Namespace) -> tuple[list[Pass], str]:
     limits = httpx.Limits(max_connections=args.max_concurrency or len(requests))
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=reach.base_url, headers=reach.headers, verify=reach.verify,
+                                 timeout=args.timeout, limits=limits) as http:
         model = args.model or await _served_model(http)
         if not args.no_warmup:
             await _warm_up(http, model, requests, args)
