@@ -67,22 +67,12 @@ class SecretVolume:
             shutil.rmtree(self.root / f"..version-{self._version - 1}")
 
 
-def tls_files(pki: Pki) -> dict[str, bytes]:
-    """The server's files as cert-manager puts them in its Secret."""
-    return {"tls.crt": pki.server_cert.read_bytes(), "tls.key": pki.server_key.read_bytes(),
-            "ca.crt": pki.ca_cert.read_bytes()}
-
-
-def service_tls_files(pki: Pki) -> dict[str, bytes]:
-    """A service's files that serve both ends (cert-manager's `usages: [server auth, client auth]`)."""
-    return {"tls.crt": pki.service_cert.read_bytes(), "tls.key": pki.service_key.read_bytes(),
-            "ca.crt": pki.ca_cert.read_bytes()}
-
-
-def client_tls_files(pki: Pki) -> dict[str, bytes]:
-    """A client's files as cert-manager puts them in its Secret."""
-    return {"tls.crt": pki.client_cert.read_bytes(), "tls.key": pki.client_key.read_bytes(),
-            "ca.crt": pki.ca_cert.read_bytes()}
+def tls_files(pki: Pki, holder: str = "server") -> dict[str, bytes]:
+    """The files of `pki`'s server, client or service (both usages) certificate, as cert-manager puts them in its
+    Secret: tls.crt, tls.key, and the CA as ca.crt."""
+    cert, key = {"server": (pki.server_cert, pki.server_key), "client": (pki.client_cert, pki.client_key),
+                 "service": (pki.service_cert, pki.service_key)}[holder]
+    return {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(), "ca.crt": pki.ca_cert.read_bytes()}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from certs import make_pki, service_tls_files, tls_files
+from certs import make_pki, tls_files
 from deploy_support import flag_value, main_container
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_stack import assert_probes_serving, generate_with_drafts, health_check, running_stack
@@ -27,7 +27,7 @@ def test_the_tls_overlay_serves_tls_on_every_hop_and_is_probed_in_plain_http(tmp
     /health on their metrics ports; a client reaches the verifier over TLS with the API key only, and the
     verifier the drafter over mutual TLS (drafted tokens)."""
     pki = make_pki(tmp_path)
-    secrets = {"splitspec-verifier-tls": service_tls_files(pki), "splitspec-drafter-tls": tls_files(pki),
+    secrets = {"splitspec-verifier-tls": tls_files(pki, "service"), "splitspec-drafter-tls": tls_files(pki),
                "splitspec-api-key": {"token": b"the-api-key\n"}}
     with running_stack("cpu-tls", tmp_path, secrets) as stack:
         assert_probes_serving(stack)

@@ -15,7 +15,7 @@ import urllib.request
 import grpc
 import httpx
 import pytest
-from certs import SecretVolume, client_tls_files, make_pki, tls_files
+from certs import SecretVolume, make_pki, tls_files
 from reliability_support import Proc, VerifierThread, reference
 from verifier_harness import run_verifier, spec_config, token_request
 
@@ -150,7 +150,7 @@ def test_the_verifier_follows_a_renewed_client_certificate_and_token_to_its_draf
     the new CA and present the renewed certificate and token, or every call fails."""
     a, b, _ = pkis
     drafter_tls = SecretVolume(tmp_path / "drafter-tls", tls_files(a))
-    verifier_tls = SecretVolume(tmp_path / "verifier-tls", client_tls_files(a))
+    verifier_tls = SecretVolume(tmp_path / "verifier-tls", tls_files(a, "client"))
     token = SecretVolume(tmp_path / "token", {"token": b"first-token"})  # one Secret, mounted by both
     with Proc([script("splitspec-drafter"), "ngram", "--log-level", "WARNING",
                "--tls-cert", str(drafter_tls / "tls.crt"), "--tls-key", str(drafter_tls / "tls.key"),
@@ -172,7 +172,7 @@ def test_the_verifier_follows_a_renewed_client_certificate_and_token_to_its_draf
                     return (await v.stub.GetServerInfo(pb.GetServerInfoRequest())).drafter
 
                 outputs = [await generate()]
-                for volume, files in ((drafter_tls, tls_files(b)), (verifier_tls, client_tls_files(b)),
+                for volume, files in ((drafter_tls, tls_files(b)), (verifier_tls, tls_files(b, "client")),
                                       (token, {"token": b"second-token"})):
                     volume.update(files)
                 outputs.append(await generate())
