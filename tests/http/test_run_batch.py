@@ -101,6 +101,12 @@ def test_a_verifier_asking_for_client_certificates_is_reached_with_them(tmp_path
                                          *tls)
             assert code == 0, said
             assert answers(tmp_path / "out.jsonl")["chat"]["response"]["status_code"] == 200
+            # Without the CA the verifier's certificate fails verification, once: no retry would change it.
+            code, said = await run_batch("-i", str(batch), "-o", str(tmp_path / "refused.jsonl"), "--base-url",
+                                         base, *tls[2:])
+            assert code == 1 and "0 retries" in said, said
+            error = answers(tmp_path / "refused.jsonl")["chat"]["error"]["message"]
+            assert error.startswith("no answer after 1 try; the last: ") and "CERTIFICATE_VERIFY_FAILED" in error, error
             code, said = await run_batch("-i", str(batch), "-o", str(tmp_path / "plain.jsonl"), "--base-url",
                                          base.replace("https", "http"), *tls)
             assert code == 2 and "are for an https:// --base-url" in said, said

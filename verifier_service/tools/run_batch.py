@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 import time
 import uuid
@@ -193,7 +194,8 @@ class Summary:
 
 
 async def _send(client: httpx.AsyncClient, request: BatchRequest, max_retries: int, summary: Summary) -> dict:
-    """The request's answer, retried (with growing pauses) while the server cannot take it yet."""
+    """The request's answer, retried (with growing pauses) while the server cannot take it yet; not where its
+    certificate failed verification, which no later try would change."""
     pause, error = FIRST_PAUSE_S, ""
     for attempt in range(max_retries + 1):
         if attempt:
@@ -204,10 +206,25 @@ async def _send(client: httpx.AsyncClient, request: BatchRequest, max_retries: i
             reply = await client.post(request.url, json=request.body)
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _untrusted(exc):  # the server's certificate: no later try changes that
+                break
             continue
         if reply.status_code not in RETRIED or attempt == max_retries:
             return _answer(request, reply)
-    return _answer(request, None, f"no answer after {max_retries + 1} tries; the last: {error}")
+    tries = f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
+    return _answer(request, None, f"no answer after {tries}; the last: {error}")
+
+
+def _untrusted(exc: BaseException) -> bool:
+    """Whether the server's certificate failed verification (another CA's, another name's, expired): an
+    ssl.SSLCertVerificationError anywhere in what caused the error. (A server refusing this client's certificate,
+    or its lack of one, closes the connection after TLS 1.3's handshake, as a server going away does: retried.)"""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 async def _run(args: argparse.Namespace, requests: list[BatchRequest], reach: http_client.HttpAccess,
