@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ RECHECK_S = 1.0  # a change is taken at the first use this long after the last l
 Identity = tuple[int, int, int, int] | None
 
 
-class WatchedFiles(Generic[T]):
+class WatchedFiles(Generic[T_co]):
     """The value `load` makes of `paths`, made again at a `get` that finds any of them changed (it looks at
     most once every `recheck_s`, RECHECK_S unless given).
 
     `get` is safe from any thread (gRPC calls the TLS credentials' fetcher on its own threads)."""
 
-    def __init__(self, load: Callable[[], T], paths: Sequence[PathLike], what: str,
+    def __init__(self, load: Callable[[], T_co], paths: Sequence[PathLike], what: str,
                  recheck_s: float | None = None) -> None:
         self._load = load
         self._paths = [os.fspath(p) for p in paths]
@@ -53,7 +54,7 @@ class WatchedFiles(Generic[T]):
         self._value = load()  # raises: a bad file at start-up is an error, not a warning
         self._seen = identity  # the files' identity `_value` was made from, or the last one that failed
 
-    def get(self) -> T:
+    def get(self) -> T_co:
         if time.monotonic() < self._next_look:
             return self._value
         self._next_look = time.monotonic() + self._recheck_s
@@ -80,6 +81,11 @@ class WatchedFiles(Generic[T]):
 
     def _identity(self) -> tuple[Identity, ...]:
         return tuple(_identity(path) for path in self._paths)
+
+
+def current(value: T | WatchedFiles[T]) -> T:
+    """`value` as given, or what its watched files make now."""
+    return value.get() if isinstance(value, WatchedFiles) else value
 
 
 def _identity(path: str) -> Identity:

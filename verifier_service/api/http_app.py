@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
 from drafter_sdk.service.package_version import package_version
-from drafter_sdk.service.security import current_tokens
+from drafter_sdk.service.watched_files import current
 from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
@@ -93,7 +93,7 @@ def build_app(state: HttpState) -> FastAPI:
         return token.strip() if scheme.lower() == "bearer" else ""
 
     def expected_token() -> str | None:
-        return None if state.auth_token is None else str(current_tokens(state.auth_token))
+        return None if state.auth_token is None else current(state.auth_token)
 
     def authorize(request: Request) -> None:
         if (expected := expected_token()) is not None and not _same(bearer_token(request), expected):

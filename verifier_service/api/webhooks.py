@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from drafter_sdk.service.watched_files import WatchedFiles
+from drafter_sdk.service.watched_files import WatchedFiles, current
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,8 @@ class Webhooks:
         delay = FIRST_RETRY_S
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                key = self._key.get() if isinstance(self._key, WatchedFiles) else self._key
                 answer = await self._client.post(self.url, content=body, headers=signed_headers(
-                    key, webhook_id, int(time.time()), body))
+                    current(self._key), webhook_id, int(time.time()), body))
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"
             else:

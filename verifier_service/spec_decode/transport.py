@@ -19,8 +19,8 @@ import grpc
 
 from drafter_sdk.drafter import Drafter
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc
-from drafter_sdk.service.security import auth_metadata, current_tokens
-from drafter_sdk.service.watched_files import WatchedFiles
+from drafter_sdk.service.security import auth_metadata
+from drafter_sdk.service.watched_files import WatchedFiles, current
 from verifier_service.spec_decode.draft_stream import DraftStream, Ticket
 from verifier_service.spec_decode.replicas import Replicas
 
@@ -96,7 +96,7 @@ class GrpcTransport:
         self._options = options
         self._server_name_override = server_name_override
         self._credentials = credentials
-        self._connect(credentials.get() if isinstance(credentials, WatchedFiles) else credentials)
+        self._connect(current(credentials))
         self._auth_token = auth_token
         self._stream = DraftStream(lambda requests: self._stub.PrepareDraftTokensStream(
             requests, metadata=self._metadata)) if block else None
@@ -133,7 +133,7 @@ class GrpcTransport:
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         """Each call's: a token file's token as it is now (security.watch_token)."""
-        return auth_metadata(str(current_tokens(self._auth_token))) if self._auth_token else None
+        return auth_metadata(current(self._auth_token)) if self._auth_token else None
 
     @property
     def one_replica(self) -> bool:
