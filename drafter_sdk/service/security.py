@@ -195,12 +195,12 @@ class CallerIdentity:
     nobody) and the subject of its client certificate (mutual TLS); "" when nothing identifies it."""
 
     def __init__(self, tokens: TokenSource | None = None) -> None:
-        self._tokens = tokens
+        self._tokens = None if tokens is None else _EncodedTokens(tokens)
 
     def __call__(self, context: grpc.aio.ServicerContext) -> str:
         parts = []
-        tokens = None if self._tokens is None else current_tokens(self._tokens)
-        if isinstance(tokens, Mapping) and (name := bearer_name(context.invocation_metadata(), _encoded(tokens))):
+        if self._tokens is not None and self._tokens.named() and (
+                name := bearer_name(context.invocation_metadata(), self._tokens())):
             parts.append(f"token:{name}")
         subject = (context.auth_context() or {}).get("x509_subject")
         if subject:
@@ -233,8 +233,8 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokenSource, open_services: Iterable[str] = OPEN_SERVICES) -> None:
         if not current_tokens(tokens):
             raise ValueError("the bearer token must not be empty")
-        _encoded(current_tokens(tokens))  # raises for an empty one among named tokens
-        self._tokens = tokens
+        self._tokens = _EncodedTokens(tokens)
+        self._tokens()  # raises for an empty one among named tokens
         self._open_services = frozenset(open_services)
 
     async def intercept_service(
@@ -248,7 +248,7 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
         return _unauthenticated_like(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        return bearer_name(details.invocation_metadata, _encoded(current_tokens(self._tokens))) is not None
+        return bearer_name(details.invocation_metadata, self._tokens()) is not None
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -265,6 +265,24 @@ def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
     }[(handler.request_streaming, handler.response_streaming)]
     return factory(_deny, request_deserializer=handler.request_deserializer,
                    response_serializer=handler.response_serializer)
+
+
+class _EncodedTokens:
+    """A TokenSource's tokens as bytes, name -> token ("" names a shared one), for the check every call makes:
+    encoded again only when the source gives new tokens (a token file that changed)."""
+
+    def __init__(self, source: TokenSource) -> None:
+        self._source = source
+        self._made: tuple[Tokens, dict[str, bytes]] | None = None  # (the tokens, as bytes): one attribute, one swap
+
+    def named(self) -> bool:
+        return isinstance(current_tokens(self._source), Mapping)
+
+    def __call__(self) -> dict[str, bytes]:
+        tokens, made = current_tokens(self._source), self._made
+        if made is None or made[0] is not tokens:
+            made = self._made = (tokens, _encoded(tokens))
+        return made[1]
 
 
 def _encoded(tokens: Tokens) -> dict[str, bytes]:
