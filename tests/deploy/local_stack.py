@@ -170,6 +170,11 @@ def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int 
     return Proc(name, deploy, argv, env, cwd, ports, root / f"{name}.log")
 
 
+def grpc_port(proc: Proc) -> int:
+    """The local port standing in for the container's gRPC port (its `--port`)."""
+    return proc.ports[int(flag_value(main_container(proc.deployment)["args"], "--port"))]
+
+
 def health_check(port: int, service: str = "", timeout: float = 3.0) -> str:
     """What the kubelet's gRPC probe does: grpc.health.v1.Health/Check."""
     import grpc
@@ -223,8 +228,7 @@ def running_stack(overlay: str, root: Path, secrets: dict[str, dict[str, bytes]]
     drafter_dep = one(objs, "Deployment", DRAFTER)
     verifier_dep = one(objs, "Deployment", VERIFIER)
     drafter = prepare(drafter_dep, objs, root, secrets=secrets)
-    drafter_grpc = int(flag_value(main_container(drafter_dep)["args"], "--port"))
-    verifier = prepare(verifier_dep, objs, root, drafter_local_port=drafter.ports[drafter_grpc], secrets=secrets)
+    verifier = prepare(verifier_dep, objs, root, drafter_local_port=grpc_port(drafter), secrets=secrets)
     procs = [drafter, verifier]
     try:
         # Like pods, both start at once: the verifier must cope with a drafter
@@ -262,7 +266,7 @@ def generate_with_drafts(stack, credentials=None, metadata=None) -> None:  # noq
     from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 
     v = stack["verifier"]
-    port = v.ports[int(flag_value(main_container(v.deployment)["args"], "--port"))]
+    port = grpc_port(v)
     req = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
         prompt=(
             "Copy the list exactly.\n"

@@ -31,7 +31,7 @@ from deploy_support import (
     prestop_seconds,
     prometheus_tool,
 )
-from local_stack import Proc, assert_probes_serving, generate_with_drafts, running_stack
+from local_stack import Proc, assert_probes_serving, generate_with_drafts, grpc_port, running_stack
 
 from verifier_service.tools.local_services import free_port
 
@@ -61,7 +61,7 @@ def test_a_question_asked_again_drafts_from_its_first_answer_where_the_drafter_l
     from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 
     v = stack["verifier"]
-    port = v.ports[int(flag_value(main_container(v.deployment)["args"], "--port"))]
+    port = grpc_port(v)
     req = verifier_pb2.GenerateRequest(params=verifier_pb2.GenerationParams(
         chat=verifier_pb2.ChatMessages(messages=[
             verifier_pb2.ChatMessage(role="user", content="Give three tips for writing readable Python code.")]),
@@ -84,14 +84,14 @@ def test_server_info_reflects_the_rendered_flags(stack):
 
     v = stack["verifier"]
     args = main_container(v.deployment)["args"]
-    port = v.ports[int(flag_value(args, "--port"))]
+    port = grpc_port(v)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         info = verifier_pb2_grpc.VerifierServiceStub(ch).GetServerInfo(
             verifier_pb2.GetServerInfoRequest(), timeout=30
         )
     up = info.speculative_config.user_provided
     d = stack["drafter"]
-    drafter_port = d.ports[int(flag_value(main_container(d.deployment)["args"], "--port"))]
+    drafter_port = grpc_port(d)
     assert up.drafter_target == f"dns:///127.0.0.1:{drafter_port}"
     assert up.load_balancing_policy == "round_robin"
     assert info.max_model_len == int(flag_value(args, "--max-model-len"))

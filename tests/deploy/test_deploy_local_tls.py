@@ -7,19 +7,13 @@ from __future__ import annotations
 import grpc
 import pytest
 from certs import make_pki, tls_files
-from deploy_support import flag_value, main_container
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from local_stack import assert_probes_serving, generate_with_drafts, health_check, running_stack
+from local_stack import assert_probes_serving, generate_with_drafts, grpc_port, health_check, running_stack
 
 from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.security import auth_metadata, channel_credentials
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
-
-
-def grpc_port(proc) -> int:  # noqa: ANN001 - a local_stack.Proc
-    """The local port of the container's gRPC port."""
-    return proc.ports[int(flag_value(main_container(proc.deployment)["args"], "--port"))]
 
 
 def test_the_tls_overlay_serves_tls_on_every_hop_and_is_probed_in_plain_http(tmp_path):
