@@ -311,7 +311,10 @@ def test_disconnected_unary_client_and_cancelled_queued_request_free_everything(
             spy.gate.clear()
             queued = v.stub.GenerateStream(stream_request(PROMPT, 50), timeout=WAIT_S)
             await wait_until(lambda: engine.scheduler.num_waiting == 1, "the second request to queue")
+            waiting = engine.scheduler.waiting[0]
             queued.cancel()  # never admitted
+            # The cancel travels to the server on its own; the engine must not step before it has arrived.
+            await wait_until(lambda: waiting.cancelled, "the server to see the cancel")
             await channel.close()
             spy.gate.set()
             with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
