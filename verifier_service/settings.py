@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drafter_sdk.proto import speculative_pb2
+from drafter_sdk.service.security import TokenSource
 from drafter_sdk.service.watched_files import WatchedFiles
 from verifier_service.engine.reasoning import PARSERS as REASONING_PARSERS
 from verifier_service.model import generation_config
@@ -104,7 +105,7 @@ class ServerSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
-    auth_token: str | WatchedFiles[str] | None = None  # the bearer token, or --auth-token-file's as it changes
+    auth_token: TokenSource | None = None  # the bearer token, or --auth-token-file's tokens as it changes
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "default_max_new_tokens", "max_message_bytes",

@@ -28,10 +28,11 @@ from drafter_sdk.service.security import (
     channel_credentials,
     current_tokens,
     read_token,
+    sent_token,
     server_credentials,
     server_flags_problem,
     watch_named_tokens,
-    watch_token,
+    watch_tokens,
 )
 
 # A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth-tokens-file",
                         help="instead of --auth-token-file: named bearer tokens, a 'name token' line each; the name "
                              "of a call's token becomes part of its namespace, so clients cannot reach each "
-                             "other's sequences")
+                             "other's sequences (a name on several lines: any of its tokens, while one rotates)")
     # A drafter's own flags are left out of `args` unless given: the drafter's class keeps its defaults, and
     # a flag given to a drafter it does not shape is refused (drafter_flags_problem), not ignored.
     parser.add_argument("--max-draft-len", type=int, default=argparse.SUPPRESS,
@@ -240,6 +241,7 @@ def make_peers(args: argparse.Namespace, token: Tokens | None) -> Peers:
             raise ValueError(f"--peers with --auth-tokens-file: name a token {PEERS_TOKEN_NAME!r} there, for the "
                              f"replicas' calls to each other")
         token = token[PEERS_TOKEN_NAME]
+    token = None if token is None else sent_token(token)
     ca = args.peers_ca_file or args.tls_client_ca
     credentials = channel_credentials(ca, args.tls_cert, args.tls_key) if args.tls_cert else None
     return Peers(args.peers, credentials, token)
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             check_writable(Path(args.learned_state_file))
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         token = (watch_named_tokens(args.auth_tokens_file) if args.auth_tokens_file
-                 else watch_token(args.auth_token_file) if args.auth_token_file else read_token())
+                 else watch_tokens(args.auth_token_file) if args.auth_token_file else read_token())
         peers = make_peers(args, None if token is None else current_tokens(token)) if args.peers else None
     except (ValueError, ImportError, OSError) as exc:
         parser.error(str(exc))

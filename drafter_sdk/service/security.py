@@ -9,6 +9,14 @@ calling, and a drafter puts that identity into the namespace of the call
 (`CallerIdentity`), so one client cannot touch another's sequences by sending its
 verifier id.
 
+A token file may list several tokens, one a line: a server takes any of them, a client sends
+the first. So a token is rotated without refusing a call, one file for both sides: list the new
+token second (every server takes it), then first (every client sends it), then alone (the old one
+is refused). The servers and clients of a deployment see a changed Secret up to a minute apart
+(the kubelet's sync period), so each step waits for the last to reach them all; vLLM's
+`--api-key` takes several keys for the same reason. A named token's name may appear on several
+lines the same way.
+
 Certificates and token files are read again when they change (watched_files.py), so a renewed
 certificate or a rotated token takes effect without a restart: at the next TLS handshake or call (a
 second after the change at most, since a use looks at the files once a second).
@@ -38,8 +46,9 @@ OPEN_SERVICES = frozenset({
 })
 
 PathLike = str | os.PathLike[str]
-Tokens = str | Mapping[str, str]
-"""One bearer token every client shares, or named tokens (name -> token), each naming its client."""
+Tokens = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
+"""The bearer tokens a server takes: one every client shares, several (any of them: a rotation's old and
+new), or named ones (name -> its token or tokens), each naming its client."""
 TokenSource = Tokens | WatchedFiles[Tokens]
 """Tokens as given, or as a file holds them now."""
 
@@ -52,8 +61,9 @@ def add_server_flags(parser: argparse.ArgumentParser, title: str = "security") -
     group.add_argument("--tls-key", help="PEM private key of --tls-cert")
     group.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     group.add_argument("--auth-token-file",
-                       help=f"file holding the bearer token every call but health must carry "
-                            f"(default: ${TOKEN_ENV_VAR}, if set); never pass the token itself")
+                       help=f"file of the bearer tokens every call but health must carry one of, one a line "
+                            f"(several while one rotates; default: ${TOKEN_ENV_VAR}, if set); never pass the token "
+                            "itself")
 
 
 def server_flags_problem(args: argparse.Namespace) -> str | None:
@@ -122,29 +132,41 @@ def watch_channel_credentials(ca_file: PathLike | None = None, cert_file: PathLi
     return WatchedFiles(load, [f for f in (ca_file, cert_file, key_file) if f], what)
 
 
-def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR) -> str | None:
-    """The bearer token from `token_file`, else from the environment variable; None when neither is set.
+def read_tokens(token_file: PathLike) -> tuple[str, ...]:
+    """The tokens a token file lists, one a line, in order (blank lines and `#` comments skipped): a
+    server takes any of them, a client sends the first (module docstring)."""
+    tokens = []
+    for number, line in enumerate(Path(token_file).read_text().splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) != 1:
+            raise ValueError(f"{token_file}:{number}: expected one token a line")
+        tokens.append(fields[0])
+    if not tokens:
+        raise ValueError(f"auth token file {token_file} is empty")
+    return tuple(tokens)
 
-    Surrounding whitespace (a trailing newline, typically) is not part of the token.
-    """
+
+def read_token(token_file: PathLike | None = None, env_var: str = TOKEN_ENV_VAR) -> str | None:
+    """The bearer token a client sends: the first `token_file` lists, else the environment variable's; None
+    when neither is set. Surrounding whitespace (a trailing newline, typically) is not part of the token."""
     if token_file is not None:
-        return _token_in(token_file)
+        return sent_token(read_tokens(token_file))
     return os.environ.get(env_var, "").strip() or None
 
 
-def _token_in(token_file: PathLike) -> str:
-    token = Path(token_file).read_text().strip()
-    if not token:
-        raise ValueError(f"auth token file {token_file} is empty")
-    return token
-
-
 def watch_token(token_file: PathLike) -> WatchedFiles[str]:
-    """The bearer token `token_file` holds, read again when it changes."""
-    return WatchedFiles(lambda: _token_in(token_file), [token_file], "auth token file")
+    """The bearer token a client sends (read_token), read again when the file changes."""
+    return WatchedFiles(lambda: sent_token(read_tokens(token_file)), [token_file], "auth token file")
 
 
-def watch_named_tokens(path: PathLike) -> WatchedFiles[dict[str, str]]:
+def watch_tokens(token_file: PathLike) -> WatchedFiles[tuple[str, ...]]:
+    """The bearer tokens a server takes (read_tokens), read again when the file changes."""
+    return WatchedFiles(lambda: read_tokens(token_file), [token_file], "auth token file")
+
+
+def watch_named_tokens(path: PathLike) -> WatchedFiles[dict[str, tuple[str, ...]]]:
     """The named tokens `path` holds (read_named_tokens), read again when it changes."""
     return WatchedFiles(lambda: read_named_tokens(path), [path], "auth tokens file")
 
@@ -155,9 +177,11 @@ def current_tokens(source: TokenSource) -> Tokens:
     return cast(Tokens, current(source))
 
 
-def read_named_tokens(path: PathLike) -> dict[str, str]:
-    """Named bearer tokens from a file of `name token` lines (blank lines and `#` comments skipped)."""
-    tokens: dict[str, str] = {}
+def read_named_tokens(path: PathLike) -> dict[str, tuple[str, ...]]:
+    """Named bearer tokens from a file of `name token` lines (blank lines and `#` comments skipped); a name on
+    several lines has several tokens, any of them taken, the first sent (module docstring)."""
+    tokens: dict[str, tuple[str, ...]] = {}
+    names: dict[str, str] = {}  # token -> name
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         fields = line.split()
         if not fields or fields[0].startswith("#"):
@@ -165,29 +189,33 @@ def read_named_tokens(path: PathLike) -> dict[str, str]:
         if len(fields) != 2:
             raise ValueError(f"{path}:{number}: expected 'name token'")
         name, token = fields
-        if name in tokens:
-            raise ValueError(f"{path}:{number}: the name {name!r} appears twice")
-        if token in tokens.values():
-            raise ValueError(f"{path}:{number}: {name!r} has the token of another name")
-        tokens[name] = token
+        if names.setdefault(token, name) != name:
+            raise ValueError(f"{path}:{number}: {name!r} has the token of {names[token]!r}")
+        if token not in tokens.get(name, ()):
+            tokens[name] = (*tokens.get(name, ()), token)
     if not tokens:
         raise ValueError(f"auth tokens file {path} names no token")
     return tokens
 
 
-def bearer_name(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: Mapping[str, bytes]) -> str | None:
+def sent_token(tokens: str | tuple[str, ...]) -> str:
+    """The token a client sends of those a file lists: the first."""
+    return tokens if isinstance(tokens, str) else tokens[0]
+
+
+def bearer_name(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: AcceptedTokens) -> str | None:
     """The name of the token a call carries ("" for a shared one); None without a matching token."""
     for key, value in metadata or ():
         if key == AUTH_METADATA_KEY:
-            scheme, _, supplied = str(value).partition(" ")
-            if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 6750)
-                return None
-            found = None
-            for name, token in tokens.items():  # constant time, and every token compared
-                if hmac.compare_digest(supplied.strip().encode(), token):
-                    found = name
-            return found
+            return tokens.name_of(bearer_value(str(value)))
     return None
+
+
+def bearer_value(authorization: str) -> str:
+    """The token of an `Authorization: Bearer <token>` value; "" for another scheme (case-insensitive, RFC
+    6750)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 class CallerIdentity:
@@ -195,12 +223,12 @@ class CallerIdentity:
     nobody) and the subject of its client certificate (mutual TLS); "" when nothing identifies it."""
 
     def __init__(self, tokens: TokenSource | None = None) -> None:
-        self._tokens = None if tokens is None else _EncodedTokens(tokens)
+        self._tokens = None if tokens is None else AcceptedTokens(tokens)
 
     def __call__(self, context: grpc.aio.ServicerContext) -> str:
         parts = []
         if self._tokens is not None and self._tokens.named() and (
-                name := bearer_name(context.invocation_metadata(), self._tokens())):
+                name := bearer_name(context.invocation_metadata(), self._tokens)):
             parts.append(f"token:{name}")
         subject = (context.auth_context() or {}).get("x509_subject")
         if subject:
@@ -231,10 +259,7 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, tokens: TokenSource, open_services: Iterable[str] = OPEN_SERVICES) -> None:
-        if not current_tokens(tokens):
-            raise ValueError("the bearer token must not be empty")
-        self._tokens = _EncodedTokens(tokens)
-        self._tokens()  # raises for an empty one among named tokens
+        self._tokens = AcceptedTokens(tokens)
         self._open_services = frozenset(open_services)
 
     async def intercept_service(
@@ -248,7 +273,7 @@ class BearerTokenServerInterceptor(grpc.aio.ServerInterceptor):
         return _unauthenticated_like(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        return bearer_name(details.invocation_metadata, self._tokens()) is not None
+        return bearer_name(details.invocation_metadata, self._tokens) is not None
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -267,29 +292,43 @@ def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
                    response_serializer=handler.response_serializer)
 
 
-class _EncodedTokens:
-    """A TokenSource's tokens as bytes, name -> token ("" names a shared one), for the check every call makes:
-    encoded again only when the source gives new tokens (a token file that changed)."""
+class AcceptedTokens:
+    """The tokens a server takes, as a TokenSource gives them now, for the check every call makes: encoded
+    again only when the source gives new ones (a token file that changed). Raises ValueError for no token
+    or an empty one."""
 
     def __init__(self, source: TokenSource) -> None:
         self._source = source
-        self._made: tuple[Tokens, dict[str, bytes]] | None = None  # (the tokens, as bytes): one attribute, one swap
+        # (the tokens, as (name, bytes) pairs; "" names a shared one): one attribute, one swap
+        self._made: tuple[Tokens, tuple[tuple[str, bytes], ...]] | None = None
+        self._encoded()
 
     def named(self) -> bool:
         return isinstance(current_tokens(self._source), Mapping)
 
-    def __call__(self) -> dict[str, bytes]:
+    def name_of(self, supplied: str) -> str | None:
+        """The name of the token `supplied` is ("" for a shared one); None where it is none of them. Every
+        token is compared, each in constant time."""
+        found = None
+        for name, token in self._encoded():
+            if hmac.compare_digest(supplied.encode(), token):
+                found = name
+        return found
+
+    def _encoded(self) -> tuple[tuple[str, bytes], ...]:
         tokens, made = current_tokens(self._source), self._made
         if made is None or made[0] is not tokens:
             made = self._made = (tokens, _encoded(tokens))
         return made[1]
 
 
-def _encoded(tokens: Tokens) -> dict[str, bytes]:
-    named = {"": tokens} if isinstance(tokens, str) else dict(tokens)
-    if not all(named.values()):
+def _encoded(tokens: Tokens) -> tuple[tuple[str, bytes], ...]:
+    named = {"": tokens} if isinstance(tokens, (str, tuple)) else tokens
+    pairs = tuple((name, token.encode()) for name, listed in named.items()
+                  for token in ((listed,) if isinstance(listed, str) else listed))
+    if not pairs or not all(token for _, token in pairs):
         raise ValueError("a bearer token must not be empty")
-    return {name: token.encode() for name, token in named.items()}
+    return pairs
 
 
 def _read(path: PathLike) -> bytes:

@@ -37,8 +37,8 @@ const USAGE = `usage: node index.js [options]
   --idle-timeout-s S        drop sequences idle this long (default 600)
   --grace-s S               graceful shutdown period on SIGTERM (default 5)
   --max-message-mb N        largest request accepted (default 64)
-  --auth-token-file PATH    require "authorization: Bearer <token>" (also
-                            env SPLITSPEC_DRAFTER_AUTH_TOKEN)
+  --auth-token-file PATH    require "authorization: Bearer <token>", one token
+                            a line, any taken (also env SPLITSPEC_DRAFTER_AUTH_TOKEN)
   --tls-cert-file PATH      serve TLS with this certificate chain ...
   --tls-key-file PATH       ... and this private key
   --tls-ca-file PATH        require client certificates signed by this CA (mTLS)
@@ -150,28 +150,44 @@ function serverCredentials(opts, log) {
   return { credentials, follow };
 }
 
-// The bearer token every call must carry, as it is now: a token file is read again when it changes.
-function authToken(opts, log) {
-  if (opts.authTokenFile) {
-    const load = () => {
-      const token = fs.readFileSync(opts.authTokenFile, 'utf8').trim();
-      if (!token) throw new Error(`auth token file ${opts.authTokenFile} is empty`);
-      return token;
-    };
-    const watched = new WatchedFiles([opts.authTokenFile], load, 'auth token file', log);
-    return () => watched.get();
-  }
-  const token = (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim() || null;
-  return () => token;
+// The tokens a token file lists, one a line (blank lines and # comments skipped); a call may carry any of
+// them, so a token is rotated without refusing a call: the new one listed second, then first, then alone.
+function readTokens(file) {
+  const tokens = [];
+  fs.readFileSync(file, 'utf8').split(/\r?\n/).forEach((line, i) => {
+    const fields = line.trim().split(/\s+/).filter(Boolean);
+    if (!fields.length || fields[0].startsWith('#')) return;
+    if (fields.length !== 1) throw new Error(`${file}:${i + 1}: expected one token a line`);
+    tokens.push(fields[0]);
+  });
+  if (!tokens.length) throw new Error(`auth token file ${file} is empty`);
+  return tokens;
 }
 
-// Bearer auth: true when the call may go on (a call without the token is answered here).
-function authorized(call, token, fail) {
-  const current = token();
-  if (!current) return true;
-  const expected = Buffer.from(`Bearer ${current}`);
+// The bearer tokens a call may carry, as they are now (none: no auth): a token file is read again when it
+// changes.
+function authTokens(opts, log) {
+  if (opts.authTokenFile) {
+    const watched = new WatchedFiles([opts.authTokenFile], () => readTokens(opts.authTokenFile), 'auth token file',
+      log);
+    return () => watched.get();
+  }
+  const token = (process.env.SPLITSPEC_DRAFTER_AUTH_TOKEN || '').trim();
+  const tokens = token ? [token] : [];
+  return () => tokens;
+}
+
+// Bearer auth: true when the call may go on (a call without a token it takes is answered here).
+function authorized(call, tokens, fail) {
+  const accepted = tokens();
+  if (!accepted.length) return true;
   const got = Buffer.from(String(call.metadata.get('authorization')[0] || ''));
-  if (got.length === expected.length && crypto.timingSafeEqual(got, expected)) return true;
+  let found = false;
+  for (const token of accepted) {  // every token compared, each in constant time
+    const expected = Buffer.from(`Bearer ${token}`);
+    if (got.length === expected.length && crypto.timingSafeEqual(got, expected)) found = true;
+  }
+  if (found) return true;
   fail({ code: grpc.status.UNAUTHENTICATED, details: 'missing or wrong bearer token' });
   return false;
 }
@@ -184,9 +200,9 @@ function statusOf(err, log) {
 }
 
 // Wraps a unary handler: bearer auth, errors -> gRPC status.
-function unary(handler, { token, log }) {
+function unary(handler, { tokens, log }) {
   return (call, callback) => {
-    if (!authorized(call, token, callback)) return;
+    if (!authorized(call, tokens, callback)) return;
     let response;
     try {
       response = handler(call.request);
@@ -202,14 +218,14 @@ function unary(handler, { token, log }) {
 // `release` for `release`), answered in order; a message that fails ends the stream with its
 // status, as the unary call would have failed. `open` holds the streams: a stream lasts as long
 // as its verifier, so shutdown ends them (OK) itself.
-function stream({ prepare, release }, { token, log }, open) {
+function stream({ prepare, release }, { tokens, log }, open) {
   return (call) => {
     let failed = false;
     const fail = (status) => {
       failed = true;
       call.emit('error', status); // grpc-js: ends the call with this status
     };
-    if (!authorized(call, token, fail)) return;
+    if (!authorized(call, tokens, fail)) return;
     open.add(call);
     call.on('close', () => open.delete(call));
     call.on('data', (message) => {
@@ -254,10 +270,10 @@ function main(argv) {
     return 0;
   }
   const log = makeLogger(opts.quiet);
-  let token;
+  let tokens;
   let tlsFiles;
   try {
-    token = authToken(opts, log);
+    tokens = authTokens(opts, log);
     tlsFiles = serverCredentials(opts, log);
   } catch (err) {
     process.stderr.write(`${err.message}\n`);
@@ -287,7 +303,7 @@ function main(argv) {
     health.setStatus(SERVICE, status);
   };
 
-  const ctx = { token, log };
+  const ctx = { tokens, log };
   const streams = new Set(); // open PrepareDraftTokensStream calls
   const prepare = (request) => {
     store.validate(request, grpc.status.INVALID_ARGUMENT);
@@ -368,7 +384,7 @@ function main(argv) {
     // Always logged (even with --quiet): callers parse it to find the port.
     process.stderr.write(`${NAME} ${VERSION} listening on ${opts.host}:${port} ` +
       `(max_ngram=${opts.maxNgram}, max_draft_len=${opts.maxDraftLen}, trees=${opts.trees ? 'on' : 'off'}, ` +
-      `auth=${token() ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
+      `auth=${tokens().length ? 'bearer' : 'off'}, tls=${opts.tlsCertFile ? (opts.tlsCaFile ? 'mtls' : 'tls') : 'off'})\n`);
   });
   return null; // keep running
 }

@@ -14,6 +14,7 @@ import urllib.request
 
 import grpc
 import httpx
+import openai
 import pytest
 from certs import SecretVolume, make_pki, tls_files
 from reliability_support import Proc, VerifierThread, reference
@@ -22,7 +23,7 @@ from verifier_harness import run_verifier, spec_config, token_request
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from drafter_sdk.proto import verifier_pb2 as pb
 from drafter_sdk.service import watched_files
-from drafter_sdk.service.security import auth_metadata, channel_credentials, watch_token
+from drafter_sdk.service.security import auth_metadata, channel_credentials, watch_tokens
 from verifier_service.tools.local_services import script
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,7 +75,7 @@ def test_the_verifier_takes_a_renewed_certificate_and_a_rotated_token_without_a_
     tls = SecretVolume(tmp_path / "tls", tls_files(a))
     token = SecretVolume(tmp_path / "token", {"token": b"first-token\n"})
     with VerifierThread(tls_cert=str(tls / "tls.crt"), tls_key=str(tls / "tls.key"),
-                        tls_client_ca=str(tls / "ca.crt"), auth_token=watch_token(token / "token"),
+                        tls_client_ca=str(tls / "ca.crt"), auth_token=watch_tokens(token / "token"),
                         metrics_port=0) as v:
         address, http_port = v.address.replace("127.0.0.1", "localhost"), v.handle.running.http_port
         # What the kubelet probes instead of the TLS port (it probes gRPC in plaintext only).
@@ -197,3 +198,71 @@ def test_the_verifier_follows_a_renewed_client_certificate_and_token_to_its_draf
     # The calls since the reconnection all reached the drafter: the new certificate and token were taken.
     assert after.calls >= before.calls + 3 and after.failures == before.failures, (before, after)
     assert after.state == pb.DRAFTER_STATE_HEALTHY, after
+
+
+def test_a_token_rotated_in_three_steps_refuses_no_call(tmp_path, monkeypatch):
+    """The rotation security.py describes: one file for both ends of a connection, which their pods see up to
+    a minute apart (the kubelet's sync period), lists the new token second (every server takes it), then
+    first (every client sends it), then alone. Whichever end sees a step first, no call is refused: not the
+    verifier's calls to its drafter, not an API client's until the old key is gone."""
+    monkeypatch.setattr(watched_files, "RECHECK_S", 0.0)  # the verifier's files: a change shows at once
+    steps = [b"old\n", b"# rotating\nold\nnew\n", b"new\nold\n", b"new\n"]
+    drafter_side = SecretVolume(tmp_path / "drafter", {"token": steps[0]})  # the drafter's mount: it serves
+    verifier_side = SecretVolume(tmp_path / "verifier", {"token": steps[0]})  # the verifier's: it calls
+    api_key = SecretVolume(tmp_path / "api-key", {"token": steps[0]})  # the verifier's API key: it serves
+    with Proc([script("splitspec-drafter"), "ngram", "--log-level", "WARNING",
+               "--auth-token-file", str(drafter_side / "token")], name="rotating-drafter") as drafter:
+        drafter.start()
+        spec = spec_config("USER_PROVIDED", 4, f"127.0.0.1:{drafter.port}", deadline_ms=2000)
+        spec.user_provided.auth_token_file = str(verifier_side / "token")
+
+        async def body() -> list[tuple[str, str, str]]:
+            async with run_verifier(spec, auth_token=watch_tokens(api_key / "token")) as v:
+                async def generate() -> None:
+                    before = (await v.stub.GetServerInfo(pb.GetServerInfoRequest(),
+                                                         metadata=auth_metadata("new"))).drafter
+                    out = (await v.stub.Generate(token_request(PROMPT, 12), metadata=auth_metadata("new"))).output
+                    after = (await v.stub.GetServerInfo(pb.GetServerInfoRequest(),
+                                                        metadata=auth_metadata("new"))).drafter
+                    assert list(out.token_ids) == list(reference(tuple(PROMPT), 12))
+                    assert after.calls > before.calls and after.failures == before.failures == 0, (before, after)
+
+                async def api(key: str) -> str:
+                    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{v.running.http_port}/v1", api_key=key)
+                    try:
+                        await client.models.list()
+                    except openai.AuthenticationError:
+                        return "401"
+                    finally:
+                        await client.close()
+                    return "ok"
+
+                answers = []
+                for number, step in enumerate(steps[1:], 1):
+                    api_key.update({"token": step})
+                    answers.append(await asyncio.gather(
+                        *(api(key) for key in ("old", "new")),
+                        *(grpc_key(v.stub, key) for key in ("old", "new"))))
+                    # Steps 1 and 3 reach the drafter first, step 2 the verifier: the orders that could refuse.
+                    order = (verifier_side, drafter_side) if number == 2 else (drafter_side, verifier_side)
+                    for volume in order:
+                        volume.update({"token": step})
+                        if volume is drafter_side:
+                            await asyncio.sleep(watched_files.RECHECK_S + 1.2)  # its process looks once a second
+                        await generate()
+                return answers
+
+        answers = asyncio.run(body())
+    assert answers == [
+        ["ok", "ok", "ok", "ok"],  # old and new keys, over HTTP (the openai client), then over gRPC
+        ["ok", "ok", "ok", "ok"],
+        ["401", "ok", "UNAUTHENTICATED", "ok"],
+    ]
+
+
+async def grpc_key(stub: verifier_pb2_grpc.VerifierServiceStub, key: str) -> str:
+    try:
+        await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=auth_metadata(key))
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    return "ok"

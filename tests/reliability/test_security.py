@@ -104,7 +104,7 @@ def test_verifier_bearer_token_guards_everything_but_health_and_reflection():
 def test_verifier_cli_reads_the_token_from_a_file_or_the_environment_never_a_flag(token_file, pki, monkeypatch,
                                                                                      capsys):
     settings = cli.settings_from_args(cli.parser().parse_args(["--auth-token-file", str(token_file)]))
-    assert current_tokens(settings.auth_token) == TOKEN  # as the file holds it now
+    assert current_tokens(settings.auth_token) == (TOKEN,)  # as the file holds it now
     monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", "from-env")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-env"
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")  # a vLLM deployment's key is kept, below ours
@@ -112,7 +112,7 @@ def test_verifier_cli_reads_the_token_from_a_file_or_the_environment_never_a_fla
     monkeypatch.delenv("SPLITSPEC_AUTH_TOKEN")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token == "from-vllm-env"
     assert current_tokens(cli.settings_from_args(cli.parser().parse_args(
-        ["--auth-token-file", str(token_file)])).auth_token) == TOKEN
+        ["--auth-token-file", str(token_file)])).auth_token) == (TOKEN,)
     monkeypatch.delenv("VLLM_API_KEY")
     assert cli.settings_from_args(cli.parser().parse_args([])).auth_token is None
     with pytest.raises(SystemExit):

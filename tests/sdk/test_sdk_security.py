@@ -22,6 +22,7 @@ from drafter_sdk.service.security import (
     channel_credentials,
     read_named_tokens,
     read_token,
+    read_tokens,
     server_credentials,
 )
 
@@ -155,8 +156,7 @@ def test_without_identity_the_verifier_id_is_the_namespace():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("alice a-token\nalice b-token\n", "appears twice"),
-    ("alice a-token\nbob a-token\n", "token of another name"),
+    ("alice a-token\nbob a-token\n", "'bob' has the token of 'alice'"),
     ("alice\n", "expected 'name token'"),
     ("# nobody\n\n", "names no token"),
 ])
@@ -165,8 +165,43 @@ def test_read_named_tokens_refuses_ambiguous_files(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         read_named_tokens(path)
-    path.write_text("# two clients\nalice a-token\n\nbob  b-token  \n")
-    assert read_named_tokens(path) == {"alice": "a-token", "bob": "b-token"}
+    # A name on two lines: its old and new token while it rotates (the first is the one its client sends).
+    path.write_text("# two clients\nalice a-new\n\nbob  b-token  \nalice a-old\nalice a-new\n")
+    assert read_named_tokens(path) == {"alice": ("a-new", "a-old"), "bob": ("b-token",)}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("old new\n", "expected one token a line"),
+    ("# nothing yet\n\n", "is empty"),
+])
+def test_a_token_file_lists_one_token_a_line(tmp_path, text, message):
+    path = tmp_path / "token"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_tokens(path)
+    path.write_text("# rotating: new first from 12-07\nnew\n\n  old  \n")
+    assert read_tokens(path) == ("new", "old")
+    assert read_token(path) == "new"  # what a client sends
+
+
+def test_every_listed_token_is_taken_and_a_named_clients_tokens_share_its_namespace():
+    """During a rotation a server takes the old and the new token alike; a named client's sequences stay
+    its own whichever of its tokens a call carries."""
+    drafter = RecordingDrafter()
+
+    async def body():
+        async with serving(RecordingDrafter(), auth_token=("new", "old")) as c:
+            for token in ("new", "old"):
+                await assert_ok(c, metadata=auth_metadata(token))
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED, metadata=auth_metadata("older"))
+        async with serving(drafter, auth_token={"alice": ("a-new", "a-old"), "bob": "b-token"}) as c:
+            await c.prepare("v", seq("r", 0, [1, 2, 3], draft_len=1), metadata=auth_metadata("a-old"))
+            again = await c.prepare("v", seq("r", 3, [4], draft_len=4), metadata=auth_metadata("a-new"))
+            assert again.results[0].status == pb.DRAFT_STATUS_OK  # the same sequence, under the new token
+            assert drafter.calls[-1][0].key == ("v@token:alice", "r") and drafter.calls[-1][0].tokens == [1, 2, 3, 4]
+            await assert_refused(c, grpc.StatusCode.UNAUTHENTICATED, metadata=auth_metadata("a-older"))
+
+    asyncio.run(body())
 
 
 def test_token_as_call_credentials_over_mutual_tls(tmp_path):

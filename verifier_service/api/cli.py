@@ -16,7 +16,7 @@ from drafter_sdk.errors import ListenError
 from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
-from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem, watch_token
+from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem, watch_tokens
 from verifier_service.api import vllm_flags
 from verifier_service.api.webhooks import watch_secret
 from verifier_service.model import generation_config, host_memory
@@ -198,7 +198,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if problem := server_flags_problem(args):
         raise config.ConfigError(problem)
     try:
-        token = (watch_token(args.auth_token_file) if args.auth_token_file
+        token = (watch_tokens(args.auth_token_file) if args.auth_token_file
                  else read_token() or read_token(env_var=vllm_flags.API_KEY_ENV_VAR))
     except (OSError, ValueError) as exc:
         raise config.ConfigError(f"--auth-token-file: {exc}") from None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -32,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafter_sdk.service.metrics_endpoint import TEXT_FORMAT
 from drafter_sdk.service.package_version import package_version
-from drafter_sdk.service.watched_files import current
+from drafter_sdk.service.security import bearer_value
 from verifier_service.api import conversations_route, messages_route, responses_route
 from verifier_service.api.generation import GenerationFailed
 from verifier_service.api.http_errors import AnthropicError, HttpError
@@ -89,20 +88,16 @@ def build_app(state: HttpState) -> FastAPI:
         return HttpError(exc.status_code, str(exc.detail)).response()
 
     def bearer_token(request: Request) -> str:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
-
-    def expected_token() -> str | None:
-        return None if state.auth_token is None else current(state.auth_token)
+        return bearer_value(request.headers.get("authorization", ""))
 
     def authorize(request: Request) -> None:
-        if (expected := expected_token()) is not None and not _same(bearer_token(request), expected):
+        if (tokens := state.auth_tokens) is not None and tokens.name_of(bearer_token(request)) is None:
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                             code="invalid_api_key")
 
     def authorize_anthropic(request: Request) -> None:
         """Anthropic's clients send the token as x-api-key (or, given one, as a bearer token)."""
-        if (expected := expected_token()) is not None and not any(_same(token, expected) for token in (
+        if (tokens := state.auth_tokens) is not None and all(tokens.name_of(token) is None for token in (
                 request.headers.get("x-api-key", ""), bearer_token(request))):
             raise AnthropicError(401, "missing or wrong API key (x-api-key: <token>, or Authorization: Bearer "
                                       "<token>)")
@@ -260,10 +255,6 @@ def build_app(state: HttpState) -> FastAPI:
         return JSONResponse({"prompt": refusals_as_errors(lambda: state.generations.detokenize(body.request())).text})
 
     return app
-
-
-def _same(token: str, expected: str) -> bool:
-    return hmac.compare_digest(token.encode(), expected.encode())
 
 
 async def _generate(state: HttpState, request: Request, chat: bool, data: object = None) -> Response:

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
-from drafter_sdk.service.watched_files import WatchedFiles
+from drafter_sdk.service.security import AcceptedTokens
 from verifier_service.api import json_text
 from verifier_service.api.background_runs import BackgroundRuns
 from verifier_service.api.generation import GenerationFailed, Generations, Unavailable
@@ -38,7 +38,7 @@ class HttpState:
     (the drain waits for them)."""
 
     generations: Generations
-    auth_token: str | WatchedFiles[str] | None  # --auth-token-file's token is read again when the file changes
+    auth_tokens: AcceptedTokens | None  # --auth-token-file's tokens are read again when the file changes
     max_body_bytes: int
     responses: ResponseStore  # the Responses API's stored responses
     served_names: tuple[str, ...] = ()  # (): the model's name, and the --model value as given

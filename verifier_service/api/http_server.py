@@ -23,6 +23,7 @@ import uvicorn
 from uvicorn.config import create_ssl_context
 
 from drafter_sdk.errors import ListenError
+from drafter_sdk.service.security import AcceptedTokens, TokenSource
 from drafter_sdk.service.watched_files import WatchedFiles
 from verifier_service.api.generation import Generations
 from verifier_service.api.http_app import build_app
@@ -86,7 +87,7 @@ class HttpServer:
         self.tls = tls
 
     @classmethod
-    async def start(cls, generations: Generations, *, host: str, port: int, auth_token: str | WatchedFiles[str] | None,
+    async def start(cls, generations: Generations, *, host: str, port: int, auth_token: TokenSource | None,
                     max_body_bytes: int, responses_store_bytes: int, tls_cert: str | None = None,
                     tls_key: str | None = None, tls_client_ca: str | None = None, served_names: tuple[str, ...] = (),
                     tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
@@ -95,8 +96,8 @@ class HttpServer:
         """Bind and serve (health 503 until the model is attached). Raises ListenError if the port is taken."""
         sock = bind(host, port)
         store = ResponseStore(responses_store_bytes)
-        state = HttpState(generations, auth_token, max_body_bytes, store, served_names, tool_call_parser,
-                          allowed_origins,
+        tokens = None if auth_token is None else AcceptedTokens(auth_token)
+        state = HttpState(generations, tokens, max_body_bytes, store, served_names, tool_call_parser, allowed_origins,
                           webhooks=Webhooks(webhook_url, webhook_secret) if webhook_url and webhook_secret else None)
         if generations.metrics is not None:
             generations.metrics.track_responses(lambda: len(store), lambda: store.conversations,

@@ -123,7 +123,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--drafter-tls-server-name", metavar="NAME",
                    help="expected name in the drafter's certificate when it differs from the target host")
     t.add_argument("--drafter-auth-token-file", metavar="FILE",
-                   help="file holding the bearer token sent to the drafter (never the token itself)")
+                   help="file holding the bearer token sent to the drafter, its first line where it lists "
+                        "several (never the token itself)")
 
 
 def from_args(args: argparse.Namespace) -> speculative_pb2.SpeculativeConfig:
