@@ -34,7 +34,7 @@ DOCKERFILES = {
     "drafter": DOCKER_DIR / "drafter.Dockerfile",
     "model-drafter": DOCKER_DIR / "model-drafter.Dockerfile",
 }
-OVERLAYS = ("cpu", "cpu-suffix-drafter", "cpu-tls", "gpu", "gpu-tp", "gpu-model-drafter")
+OVERLAYS = ("cpu", "cpu-suffix-drafter", "cpu-tls", "cpu-suffix-tls", "gpu", "gpu-tp", "gpu-model-drafter")
 VERIFIER = "splitspec-verifier"
 DRAFTER = "splitspec-drafter"
 

@@ -13,8 +13,8 @@ Only these rewrites are made, because a laptop is not a pod:
 2. Volumes: every emptyDir becomes a fresh temporary directory; every
    ConfigMap volume becomes a temporary directory holding the ConfigMap's
    data, one file per key (or per `items` entry); every Secret volume one
-   holding the test's files for that Secret (the cpu-tls overlay's
-   certificates, from a throwaway PKI). Any arg, env value or
+   holding the test's files for that Secret, the same way (the TLS overlays'
+   certificates, from a throwaway PKI, and their tokens). Any arg, env value or
    working directory at or under a mountPath is remapped to that directory.
 3. Ports: each containerPort (gRPC and metrics) becomes a free local port;
    the values of `--port` and `--metrics-port` are remapped accordingly, and
@@ -118,8 +118,10 @@ def prepare(deploy: dict, objs: list[dict], root: Path, drafter_local_port: int 
             for item in items:
                 (d / item["path"]).write_text(cm["data"][item["key"]])
         elif "secret" in vol and vol["secret"]["secretName"] in (secrets or {}):
-            for key, data in (secrets or {})[vol["secret"]["secretName"]].items():
-                (d / key).write_bytes(data)
+            data = (secrets or {})[vol["secret"]["secretName"]]
+            items = vol["secret"].get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                (d / item["path"]).write_bytes(data[item["key"]])
         else:
             raise AssertionError(f"{name}: volume {vol['name']} of a kind this test cannot map locally")
         local_vols[vol["name"]] = d

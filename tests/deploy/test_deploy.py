@@ -513,6 +513,32 @@ def test_cpu_suffix_drafter_overlay_specifics():
     assert [o for o in objs if key(o) not in changed] == [o for o in cpu if key(o) not in changed]
 
 
+def test_cpu_suffix_tls_overlay_specifics():
+    """The suffix drafter under mutual TLS: its replicas read each other's learned state with the token named
+    peers, which the drafters' file names beside the verifiers'; a verifier pod is given its own token only,
+    from the same Secret (never the peers'); the startup budget the suffix drafter needs holds under TLS."""
+    objs, suffix = render("overlays/cpu-suffix-tls"), render("overlays/cpu-suffix-drafter")
+    drafter, verifier = one(objs, "Deployment", DRAFTER), one(objs, "Deployment", VERIFIER)
+
+    def secret_item(d: dict, flag: str) -> tuple[str, list[dict]]:
+        """The Secret and the keys projected into the volume `flag`'s file is on."""
+        c, pod = main_container(d), d["spec"]["template"]["spec"]
+        path = flag_value(c["args"], flag)
+        [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert path == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+        return volume["secret"]["secretName"], volume["secret"]["items"]
+
+    assert "--peers" in main_container(drafter)["args"] and "--tls-client-ca" in main_container(drafter)["args"]
+    assert secret_item(drafter, "--auth-tokens-file") == ("splitspec-drafter-tokens", [{"key": "tokens",
+                                                                                        "path": "tokens"}])
+    assert secret_item(verifier, "--drafter-auth-token-file") == ("splitspec-drafter-tokens", [
+        {"key": "verifier", "path": "verifier"}])
+    startup, suffix_startup = (main_container(one(o, "Deployment", DRAFTER))["startupProbe"] for o in (objs, suffix))
+    assert "httpGet" in startup and {k: v for k, v in startup.items() if k != "httpGet"} == {
+        k: v for k, v in suffix_startup.items() if k != "grpc"}
+
+
 def test_gpu_overlay_specifics():
     objs = render("overlays/gpu")
     v = one(objs, "Deployment", VERIFIER)
