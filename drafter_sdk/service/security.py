@@ -200,7 +200,11 @@ def read_named_tokens(path: PathLike) -> dict[str, tuple[str, ...]]:
 
 def sent_token(tokens: str | tuple[str, ...]) -> str:
     """The token a client sends of those a file lists: the first."""
-    return tokens if isinstance(tokens, str) else tokens[0]
+    return _listed(tokens)[0]
+
+
+def _listed(tokens: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (tokens,) if isinstance(tokens, str) else tokens
 
 
 def bearer_name(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: AcceptedTokens) -> str | None:
@@ -318,14 +322,13 @@ class AcceptedTokens:
     def _encoded(self) -> tuple[tuple[str, bytes], ...]:
         tokens, made = current_tokens(self._source), self._made
         if made is None or made[0] is not tokens:
-            made = self._made = (tokens, _encoded(tokens))
+            made = self._made = (tokens, _as_pairs(tokens))
         return made[1]
 
 
-def _encoded(tokens: Tokens) -> tuple[tuple[str, bytes], ...]:
+def _as_pairs(tokens: Tokens) -> tuple[tuple[str, bytes], ...]:
     named = {"": tokens} if isinstance(tokens, (str, tuple)) else tokens
-    pairs = tuple((name, token.encode()) for name, listed in named.items()
-                  for token in ((listed,) if isinstance(listed, str) else listed))
+    pairs = tuple((name, token.encode()) for name, listed in named.items() for token in _listed(listed))
     if not pairs or not all(token for _, token in pairs):
         raise ValueError("a bearer token must not be empty")
     return pairs
