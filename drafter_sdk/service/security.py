@@ -28,7 +28,7 @@ import argparse
 import hmac
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -136,12 +136,9 @@ def read_tokens(token_file: PathLike) -> tuple[str, ...]:
     """The tokens a token file lists, one a line, in order (blank lines and `#` comments skipped): a
     server takes any of them, a client sends the first (module docstring)."""
     tokens = []
-    for number, line in enumerate(Path(token_file).read_text().splitlines(), 1):
-        fields = line.split()
-        if not fields or fields[0].startswith("#"):
-            continue
+    for where, fields in _lines(token_file):
         if len(fields) != 1:
-            raise ValueError(f"{token_file}:{number}: expected one token a line")
+            raise ValueError(f"{where}: expected one token a line")
         tokens.append(fields[0])
     if not tokens:
         raise ValueError(f"auth token file {token_file} is empty")
@@ -182,20 +179,25 @@ def read_named_tokens(path: PathLike) -> dict[str, tuple[str, ...]]:
     several lines has several tokens, any of them taken, the first sent (module docstring)."""
     tokens: dict[str, tuple[str, ...]] = {}
     names: dict[str, str] = {}  # token -> name
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        fields = line.split()
-        if not fields or fields[0].startswith("#"):
-            continue
+    for where, fields in _lines(path):
         if len(fields) != 2:
-            raise ValueError(f"{path}:{number}: expected 'name token'")
+            raise ValueError(f"{where}: expected 'name token'")
         name, token = fields
         if names.setdefault(token, name) != name:
-            raise ValueError(f"{path}:{number}: {name!r} has the token of {names[token]!r}")
+            raise ValueError(f"{where}: {name!r} has the token of {names[token]!r}")
         if token not in tokens.get(name, ()):
             tokens[name] = (*tokens.get(name, ()), token)
     if not tokens:
         raise ValueError(f"auth tokens file {path} names no token")
     return tokens
+
+
+def _lines(path: PathLike) -> Iterator[tuple[str, list[str]]]:
+    """A token file's lines as ("path:line number", their words), blank lines and `#` comments skipped."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        fields = line.split()
+        if fields and not fields[0].startswith("#"):
+            yield f"{path}:{number}", fields
 
 
 def sent_token(tokens: str | tuple[str, ...]) -> str:
