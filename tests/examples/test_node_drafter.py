@@ -477,6 +477,16 @@ def test_bad_cli_flag_exits_with_usage():
     assert "--max-ngram" in proc.stderr
 
 
+def test_a_token_file_of_two_words_a_line_is_refused_at_start(tmp_path):
+    """One token a line: a `name token` line (a named-tokens file given by mistake) is no token with a space."""
+    token_file = tmp_path / "token"
+    token_file.write_text("# rotating\nverifier s3cret-token\n")
+    proc = subprocess.run(["node", str(NODE_DRAFTER_DIR / "index.js"), "--auth-token-file", str(token_file)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert f"{token_file}:2: expected one token a line" in proc.stderr
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH")
 def test_node_unit_tests():
     proc = subprocess.run(["node", "--test", "test/unit.test.js"], cwd=NODE_DRAFTER_DIR,
