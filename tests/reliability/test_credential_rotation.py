@@ -216,7 +216,7 @@ def test_a_token_rotated_in_three_steps_refuses_no_call(tmp_path, monkeypatch):
         spec = spec_config("USER_PROVIDED", 4, f"127.0.0.1:{drafter.port}", deadline_ms=2000)
         spec.user_provided.auth_token_file = str(verifier_side / "token")
 
-        async def body() -> list[tuple[str, str, str]]:
+        async def body() -> list[list[str]]:
             async with run_verifier(spec, auth_token=watch_tokens(api_key / "token")) as v:
                 async def generate() -> None:
                     before = (await v.stub.GetServerInfo(pb.GetServerInfoRequest(),
@@ -243,12 +243,13 @@ def test_a_token_rotated_in_three_steps_refuses_no_call(tmp_path, monkeypatch):
                     answers.append(await asyncio.gather(
                         *(api(key) for key in ("old", "new")),
                         *(grpc_key(v.stub, key) for key in ("old", "new"))))
-                    # Steps 1 and 3 reach the drafter first, step 2 the verifier: the orders that could refuse.
+                    # Step 2 reaches the verifier (the client) first, step 3 the drafter (the server): the orders
+                    # in which a switch made in one step refuses calls.
                     order = (verifier_side, drafter_side) if number == 2 else (drafter_side, verifier_side)
                     for volume in order:
                         volume.update({"token": step})
                         if volume is drafter_side:
-                            await asyncio.sleep(watched_files.RECHECK_S + 1.2)  # its process looks once a second
+                            await asyncio.sleep(1.2)  # its process looks at the file once a second
                         await generate()
                 return answers
 
