@@ -240,20 +240,19 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
     """step_costs.tune_and_measure, with what the timing cache holds of it."""
-    cacheable = step_costs.full_context(runner, points)
-    measured = _timed(runner, settings, step_costs.CONTEXT_LEN if cacheable else None,
-                      lambda known: step_costs.measure_layouts(runner, points, known=known))
+    context_len = step_costs.timed_context(runner, points)
+    measured = _timed(runner, settings, context_len,
+                      lambda known: step_costs.measure_layouts(runner, points, context_len, known=known))
     return step_costs.choose_layouts(runner, measured)
 
 
-def _timed(runner: ModelRunner, settings: ServerSettings, context_len: int | None,
+def _timed(runner: ModelRunner, settings: ServerSettings, context_len: int,
            measure: Callable[[step_costs.Measurements], step_costs.Measurements]) -> step_costs.Measurements:
     """`measure(known)`: the timings after `context_len` cached tokens, given those the timing cache
-    holds (None: not cacheable; neither is a sharded model's, whose ranks time their forwards
-    together); what it measured is kept."""
+    holds (none for a sharded model, whose ranks time their forwards together); what it measured is
+    kept."""
     cache = (TimingCache.for_runner(runner, context_len, step_costs.REPEATS)
-             if settings.timing_cache != "off" and settings.tensor_parallel_size == 1 and context_len is not None
-             else None)
+             if settings.timing_cache != "off" and settings.tensor_parallel_size == 1 else None)
     if cache is None:
         return measure({})
     with cache.turn():

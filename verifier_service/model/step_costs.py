@@ -38,11 +38,18 @@ def probe_points(max_draft_len: int, max_batch_tokens: int) -> list[int]:
     return points
 
 
-def full_context(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN) -> bool:
-    """Whether `measure` times every one of the counts after the whole `context_len` (the KV
-    slots are long enough): only such figures compare across starts."""
+def fits(tokens: int, capacity: int) -> bool:
+    """Whether a forward of `tokens` is timed in KV slots of `capacity` tokens: in at most half of one,
+    so that a context goes before it."""
+    return tokens < capacity // 2
+
+
+def timed_context(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN) -> int:
+    """The cached tokens `measure_shapes` times these counts after: `context_len`, or as many as fit
+    beside the longest count where the KV slots are shorter (a verifier serving short contexts).
+    Timings compare across starts only after the same context."""
     capacity = runner.kv_cache.shape.capacity
-    return max(token_counts) < capacity // 2 and capacity - max(token_counts) >= context_len
+    return min(context_len, capacity - max((t for t in token_counts if fits(t, capacity)), default=1))
 
 
 def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN, repeats: int = 5,
@@ -71,9 +78,9 @@ def measure_shapes(runner: ModelRunner, shapes: list[tuple[Layout | None, int]],
 
     Borrows one free KV slot and gives it back."""
     cache = runner.kv_cache
-    fits = ([(layout, t) for layout, t in shapes if t < cache.shape.capacity // 2]
-            or list(dict.fromkeys((layout, 1) for layout, _ in shapes)))
-    longest = max(t for _, t in fits)
+    timed = ([(layout, t) for layout, t in shapes if fits(t, cache.shape.capacity)]
+             or list(dict.fromkeys((layout, 1) for layout, _ in shapes)))
+    longest = max(t for _, t in timed)
     context_len = min(context_len, cache.shape.capacity - longest)
     slot = cache.allocate()
     try:
@@ -82,7 +89,7 @@ def measure_shapes(runner: ModelRunner, shapes: list[tuple[Layout | None, int]],
         if prefill_context:
             runner.forward(ForwardBatch(ids[:context_len], [slot], [0], [context_len], [context_len - 1]))
         batches = {t: ForwardBatch(ids[context_len:context_len + t], [slot], [context_len], [t], list(range(t)))
-                   for _, t in fits}
+                   for _, t in timed}
 
         def run(layout: Layout | None, t: int) -> None:
             if layout is not None:
@@ -90,11 +97,11 @@ def measure_shapes(runner: ModelRunner, shapes: list[tuple[Layout | None, int]],
                 runner.layouts.choose({t: layout})
             runner.forward(batches[t])
 
-        for shape in fits:  # warm-up of each shape
+        for shape in timed:  # warm-up of each shape
             run(*shape)
-        samples: dict[tuple[Layout | None, int], list[float]] = {shape: [] for shape in fits}
+        samples: dict[tuple[Layout | None, int], list[float]] = {shape: [] for shape in timed}
         for _ in range(repeats):
-            for shape in fits:
+            for shape in timed:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 started = time.perf_counter()
