@@ -66,10 +66,15 @@ def add_server_flags(parser: argparse.ArgumentParser, title: str = "security") -
                             "itself")
 
 
+def key_pair_problem(cert_file: PathLike | None, key_file: PathLike | None) -> str | None:
+    """--tls-cert without --tls-key or the other way round (a server's flags or a client's), or None."""
+    return "--tls-cert and --tls-key go together" if (cert_file is None) != (key_file is None) else None
+
+
 def server_flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags of add_server_flags, or None."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        return "--tls-cert and --tls-key go together"
+    if problem := key_pair_problem(args.tls_cert, args.tls_key):
+        return problem
     if args.tls_client_ca and not args.tls_cert:
         return "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)"
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),

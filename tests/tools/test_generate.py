@@ -57,6 +57,14 @@ def test_a_prediction_file_is_sent_as_the_prediction(tmp_path, capsys: pytest.Ca
         assert args.func(args) == 2 and "No such file or directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--tls-cert", "--tls-key"])
+def test_a_client_certificate_without_its_key_or_a_key_alone_is_the_command_lines_error(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(flag, "client.pem", "--target", "127.0.0.1:1")  # refused before any connection is tried
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == "splitspec: --tls-cert and --tls-key go together\n"
+
+
 @pytest.mark.parametrize(("flag", "value", "words"), [
     ("--max-draft-len", "-1", "must be within [0, 4294967295], not -1"),
     ("--max-new-tokens", "-1", "must be within [0, 4294967295], not -1"),

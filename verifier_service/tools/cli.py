@@ -19,6 +19,7 @@ from drafter_sdk.service.security import (
     TOKEN_ENV_VAR,
     auth_metadata,
     channel_credentials,
+    key_pair_problem,
     read_token,
 )
 from verifier_service.model.generation_config import SAMPLING_KEYS
@@ -129,8 +130,8 @@ def generate(args: argparse.Namespace) -> int:
     except OSError as exc:  # --json-schema or --prediction names a file that cannot be read
         print(f"splitspec: {exc}", file=sys.stderr)
         return 2
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("splitspec: --tls-cert and --tls-key go together", file=sys.stderr)
+    if problem := key_pair_problem(args.tls_cert, args.tls_key):
+        print(f"splitspec: {problem}", file=sys.stderr)
         return 2
     if args.raw and args.chat_template_kwargs:
         print("splitspec: --chat-template-kwargs renders a chat; --raw sends the text as it is", file=sys.stderr)

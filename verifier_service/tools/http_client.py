@@ -8,7 +8,7 @@ import argparse
 import ssl
 from dataclasses import dataclass
 
-from drafter_sdk.service.security import TOKEN_ENV_VAR, read_token
+from drafter_sdk.service.security import TOKEN_ENV_VAR, key_pair_problem, read_token
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def access(args: argparse.Namespace) -> HttpAccess:
     """Raises ValueError for flags that do not go together, OSError (ssl.SSLError) for files that do not load."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
+    if problem := key_pair_problem(args.tls_cert, args.tls_key):
+        raise ValueError(problem)
     https = args.base_url.startswith("https://")
     if (args.tls_ca or args.tls_cert) and not https:
         raise ValueError(f"--tls-ca and --tls-cert are for an https:// --base-url, not {args.base_url}")
