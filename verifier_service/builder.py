@@ -240,7 +240,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _measure(runner: ModelRunner, points: list[int], settings: ServerSettings) -> dict[int, float]:
     """step_costs.tune_and_measure, with what the timing cache holds of it."""
-    context_len = step_costs.timed_context(runner, points)
+    points, context_len = step_costs.fitting(runner, points)  # what is timed is all that is kept
     measured = _timed(runner, settings, context_len,
                       lambda known: step_costs.measure_layouts(runner, points, context_len, known=known))
     return step_costs.choose_layouts(runner, measured)

@@ -38,18 +38,14 @@ def probe_points(max_draft_len: int, max_batch_tokens: int) -> list[int]:
     return points
 
 
-def fits(tokens: int, capacity: int) -> bool:
-    """Whether a forward of `tokens` is timed in KV slots of `capacity` tokens: in at most half of one,
-    so that a context goes before it."""
-    return tokens < capacity // 2
-
-
-def timed_context(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN) -> int:
-    """The cached tokens `measure_shapes` times these counts after: `context_len`, or as many as fit
-    beside the longest count where the KV slots are shorter (a verifier serving short contexts).
+def fitting(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN) -> tuple[list[int], int]:
+    """The counts a forward is timed for in the runner's KV slots (those under half a slot, so that a
+    context goes before them; one token where none is), and the cached tokens before each: `context_len`,
+    or what fits beside the longest where the slots are shorter (a verifier serving short contexts).
     Timings compare across starts only after the same context."""
     capacity = runner.kv_cache.shape.capacity
-    return min(context_len, capacity - max((t for t in token_counts if fits(t, capacity)), default=1))
+    counts = [t for t in token_counts if t < capacity // 2] or [1]
+    return counts, min(context_len, capacity - max(counts))
 
 
 def measure(runner: ModelRunner, token_counts: list[int], context_len: int = CONTEXT_LEN, repeats: int = 5,
@@ -78,10 +74,10 @@ def measure_shapes(runner: ModelRunner, shapes: list[tuple[Layout | None, int]],
 
     Borrows one free KV slot and gives it back."""
     cache = runner.kv_cache
-    timed = ([(layout, t) for layout, t in shapes if fits(t, cache.shape.capacity)]
+    counts, context_len = fitting(runner, [t for _, t in shapes], context_len)
+    timed = ([(layout, t) for layout, t in shapes if t in counts]
              or list(dict.fromkeys((layout, 1) for layout, _ in shapes)))
     longest = max(t for _, t in timed)
-    context_len = min(context_len, cache.shape.capacity - longest)
     slot = cache.allocate()
     try:
         device = runner.device
