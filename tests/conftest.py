@@ -21,17 +21,6 @@ import torch
 from drafter_sdk.loading.gguf_conversion import CACHE_ENV
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules marked `long_running` first, the longest first; the rest in collection order, each module's
-    tests together. xdist hands whole modules to whichever worker is free in this order: a 4-minute module
-    handed out last kept one worker busy long after the other had run out of work."""
-    def seconds(item: pytest.Item) -> float:
-        marker = item.get_closest_marker("long_running")
-        return marker.args[0] if marker is not None else 0.0
-
-    items.sort(key=lambda item: -seconds(item))  # stable: modules stay whole and in order
-
-
 @pytest.fixture(scope="session", autouse=True)
 def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:

@@ -35,7 +35,7 @@ from local_stack import Proc, assert_probes_serving, generate_with_drafts, grpc_
 
 from verifier_service.tools.local_services import free_port
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300), pytest.mark.long_running(135)]
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module", params=["cpu", "cpu-suffix-drafter"])

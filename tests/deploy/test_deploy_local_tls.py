@@ -14,7 +14,7 @@ from local_stack import assert_probes_serving, generate_with_drafts, grpc_port, 
 from drafter_sdk.proto import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.security import auth_metadata, channel_credentials
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300), pytest.mark.long_running(60)]
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 
 def test_the_tls_overlay_serves_tls_on_every_hop_and_is_probed_in_plain_http(tmp_path):

@@ -24,7 +24,7 @@ from verifier_service.model.runner import ForwardBatch, ModelRunner
 from verifier_service.tools.demo import FUNCTION, PARAGRAPH
 from verifier_service.tools.local_services import LocalService, script
 
-pytestmark = [pytest.mark.real_model, pytest.mark.long_running(120)]
+pytestmark = pytest.mark.real_model
 
 PROMPTS = [
     f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",

@@ -25,7 +25,6 @@ from verifier_service.api import cli
 from verifier_service.settings import DEFAULTS
 from verifier_service.tools.local_services import LocalService, script
 
-pytestmark = pytest.mark.long_running(65)
 WAIT_S = 60.0
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

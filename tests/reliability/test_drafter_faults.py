@@ -37,7 +37,7 @@ from verifier_harness import run_verifier, spec_config
 from drafter_sdk.proto import verifier_pb2
 from verifier_service.tools.local_services import free_port
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.long_running(100)]
+pytestmark = pytest.mark.timeout(120)
 
 VOCAB = len(tiny_tokenizer())
 DEADLINE_MS = 250  # generous: a healthy drafter answers in milliseconds, even on a busy machine

@@ -20,7 +20,6 @@ from verifier_service.tools.bench.flags import positive_ints
 from verifier_service.tools.bench.systems import Run
 from verifier_service.tools.local_services import LocalService, script
 
-pytestmark = pytest.mark.long_running(240)
 SYSTEMS = {"splitspec plain", "splitspec ngram in-process", "splitspec ngram remote", "splitspec suffix in-process",
            "splitspec suffix remote", "transformers generate", "transformers prompt lookup"}
 VARIANT = "splitspec suffix remote --max-spec-factor 2"

@@ -30,7 +30,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from verifier_service.api import cli
 from verifier_service.tools.local_services import LocalService, free_port, script
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.long_running(80)]
+pytestmark = pytest.mark.timeout(600)
 WAIT_S = 120.0  # bound on any wait (never a timing assertion: the machine is shared)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 COMMON = ["--max-model-len", "256", "--kv-cache-memory-gb", "0.05", "--max-num-seqs", "8", "--log-level", "INFO",
