@@ -24,6 +24,7 @@ from drafter_sdk.server.servicer import SERVICE_NAME, DrafterServicer
 from drafter_sdk.service.lifecycle import MIB, GrpcService, stop_on_signals
 from drafter_sdk.service.process_exit import exit_at_once
 from drafter_sdk.service.security import CallerIdentity, TokenSource
+from drafter_sdk.service.start_up_heap import freeze_start_up_heap
 from drafter_sdk.service.stats_lines import log_every
 
 log = logging.getLogger(__name__)
@@ -253,11 +254,14 @@ def serve(drafter: Drafter, *, port: int = 50052, host: str = "[::]", port_file:
     bound port is written there once the server listens (handy with port 0).
     Exits with status 1 when the drafter's `load()` fails, and at once (status 0, no finalization) when the
     drafter's own code is still running once the server has stopped: Python cannot stop the thread it runs on.
+    For this process's own entry point: it freezes the start-up heap (service/start_up_heap.py).
     """
     asyncio.run(_serve(drafter, host=host, port=port, port_file=port_file, **options))
 
 
 async def _serve(drafter: Drafter, *, port_file: str | os.PathLike[str] | None, **options: object) -> None:
+    # Before load(): what the drafter learns, or restores, stays with the collector (the budget evicts it).
+    freeze_start_up_heap()
     running = await start_server(drafter, **options)  # type: ignore[arg-type]
 
     def on_signal(sig: signal.Signals) -> None:

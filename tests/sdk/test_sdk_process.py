@@ -133,6 +133,27 @@ def test_cli_loads_module_colon_class_from_the_working_directory_and_stops_on_si
         drafter.kill()
 
 
+def test_the_start_up_heap_is_frozen_before_the_drafter_loads(tmp_path):
+    """The imports and the drafter object leave the collector's full passes before load() runs: what load()
+    builds and what the drafter learns stay with the collector (service/start_up_heap.py)."""
+    drafter = DrafterProcess(tmp_path, "user_drafters.py:SlowEcho", log_flags=("--log-level", "INFO"))
+    try:
+        port = drafter.wait_port()
+
+        async def body() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await wait_serving(channel)
+
+        asyncio.run(body())
+        drafter.proc.send_signal(signal.SIGTERM)
+        lines = drafter.proc.communicate(timeout=30)[0].splitlines()
+        frozen = [i for i, line in enumerate(lines) if "start-up heap frozen: " in line]
+        loaded = [i for i, line in enumerate(lines) if "SlowEcho loaded, SERVING" in line]
+        assert len(frozen) == 1 and loaded and frozen[0] < loaded[0], lines
+    finally:
+        drafter.kill()
+
+
 def test_json_logs_are_one_object_a_line_tracebacks_included(tmp_path):
     """--log-format json, for a log pipeline: every line a process writes is a JSON object with the
     record's time, level, logger and message; a failure's traceback rides in its record."""

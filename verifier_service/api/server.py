@@ -29,6 +29,7 @@ from drafter_sdk.proto import verifier_pb2, verifier_pb2_grpc
 from drafter_sdk.service.lifecycle import GrpcService, stop_on_signals, write_port_file
 from drafter_sdk.service.process_exit import exit_at_once
 from drafter_sdk.service.security import server_credentials as tls_server_credentials
+from drafter_sdk.service.start_up_heap import freeze_start_up_heap
 from verifier_service import builder, stats_log
 from verifier_service.api import request_parsing
 from verifier_service.api.generation import Generations
@@ -190,6 +191,8 @@ async def run(settings: ServerSettings, port_file: str | None = None,
     returning: a lost rank can leave the model thread stuck in a collective, which a normal exit
     would wait for forever. A signal during start-up (the load, the forwards' timing) ends the process at
     once too, with status 0, once the servers have stopped: the model thread cannot be stopped mid-op.
+    For this process's own entry point: once the model has loaded, it freezes the start-up heap
+    (drafter_sdk/service/start_up_heap.py).
     """
     running = await start_server(settings, server_credentials, interceptors)
     if port_file:
@@ -224,6 +227,7 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         start_up.append(loading)
         if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
+            freeze_start_up_heap()  # the imports, the model, the tokenizer; before SERVING, the model thread idle
             attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader,
                                                            model_thread, source.path))
             start_up.append(attaching)
@@ -290,6 +294,7 @@ def run_follower(settings: ServerSettings, rank: ranks.Ranks) -> int:
         model = loader.load_model(loader.resolve_source(settings.model), loader.pick_dtype(settings.dtype, device),
                                   device, settings.tensor_parallel_size)
         runner = builder.make_runner(model, settings, builder.model_len(model.config, settings))
+        freeze_start_up_heap()
         tensor_parallel.follow(runner, tensor_parallel.connect_follower(settings.rank_timeout_s))
     except Exception:  # noqa: BLE001 - whatever it was, this rank is done; rank 0 sees it go
         log.exception("rank %d failed", rank.rank)
