@@ -1,14 +1,17 @@
 """Webhooks for background responses (--webhook-url), against a real receiver on port 0: the end of a
 background response, and only of one, is POSTed as OpenAI's event, which the official client's
 `webhooks.unwrap` verifies (signature, timestamp) and reads; a receiver that fails with 5xx gets the same
-event again under the same webhook-id until it answers 2xx, one that refuses it (4xx) gets it once; a
-cancelled response is announced cancelled; the flags are checked at start-up."""
+event again under the same webhook-id until it answers 2xx, one that refuses it (4xx) gets it once, one
+that cannot be reached is tried as many times, then the event is dropped; a cancelled response is
+announced cancelled; the flags are checked at start-up."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import logging
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from test_responses_background import engine_held
 from verifier_support import one_torch_thread  # noqa: F401 - autouse fixture
 
 from drafter_sdk.service import watched_files
-from verifier_service.api import cli
+from verifier_service.api import cli, webhooks
 from verifier_service.api.webhooks import watch_secret
 
 KEY = b"splitspec webhook test key"
@@ -110,6 +113,24 @@ def test_a_failing_receiver_gets_the_same_event_again_and_a_refusing_one_once() 
             assert [unwrapped(delivery).data.id for delivery in got] == [first.id, second.id]
 
     asyncio.run(main())
+
+
+def test_a_receiver_that_cannot_be_reached_is_tried_every_attempt_then_the_event_is_dropped(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.01)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/hooks"
+
+    async def main() -> None:
+        hooks = webhooks.Webhooks(url, KEY)
+        hooks.response_ended({"status": "completed", "id": "resp_1"})
+        await hooks.close()  # waits for the delivery's attempts: 0.01 s, doubling
+
+    with caplog.at_level(logging.WARNING, logger=webhooks.__name__):
+        asyncio.run(main())
+    [dropped] = [r.getMessage() for r in caplog.records]
+    assert f"dropped after {webhooks.MAX_ATTEMPTS} attempts: last ConnectError" in dropped, dropped
 
 
 @pytest.mark.parametrize(("flags", "words"), [

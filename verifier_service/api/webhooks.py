@@ -27,10 +27,12 @@ import logging
 import time
 import uuid
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from drafter_sdk.service.watched_files import WatchedFiles, current
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,12 @@ class Webhooks:
     def __init__(self, url: str, key: bytes | WatchedFiles[bytes]) -> None:
         self.url = url
         self._key = key
+        # Imported here: only a server with --webhook-url pays for it (0.3 s of a start where httpx's command
+        # line, rich and pygments, is installed too).
+        import httpx
+
         self._client = httpx.AsyncClient(timeout=TIMEOUT_S)
+        self._http_error: type[httpx.HTTPError] = httpx.HTTPError
         self._pending: set[asyncio.Task[None]] = set()
 
     def response_ended(self, response: dict[str, object]) -> None:
@@ -96,7 +103,7 @@ class Webhooks:
             try:
                 answer = await self._client.post(self.url, content=body, headers=signed_headers(
                     current(self._key), webhook_id, int(time.time()), body))
-            except httpx.HTTPError as exc:
+            except self._http_error as exc:
                 why = f"{type(exc).__name__}: {exc}"
             else:
                 if answer.is_success:
