@@ -25,9 +25,12 @@ import time
 from collections.abc import Callable, Set
 from collections.abc import Sequence as Seq
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from drafter_sdk.server.metrics import LATENCY_BUCKETS  # drafter calls, timed with the same buckets at either end
+from drafter_sdk.server.metrics import (
+    LATENCY_BUCKETS,  # drafter calls, timed with the same buckets at either end
+    add_process_metrics,
+)
 
 PREFIX = "splitspec:"
 # vLLM's buckets (seconds), trimmed to what a CPU or single-GPU server sees.
@@ -152,7 +155,7 @@ class VerifierMetrics:
                                            "conversations are charged (at most --responses-store-mb)", registry=r)
         self.responses_in_background = Gauge(f"{p}responses_in_background", "Background responses running (not "
                                              "yet stored)", registry=r)
-        ProcessCollector(registry=r)
+        add_process_metrics(r)
         self._drafter_seen = (0, 0, 0, 0, 0, 0)  # calls, failures, skipped, resyncs, overlapped, announced
         self._disabled: set[str] = set()  # auto-disabled request ids among the last step's sequences
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -14,6 +14,13 @@ from drafter_sdk.proto import drafter_pb2
 
 # Drafter calls last milliseconds (verifier deadlines default to 50 ms); the verifier times them with these too.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def add_process_metrics(registry: CollectorRegistry) -> None:
+    """The process's own metrics, as Prometheus' default registry (and so vLLM) exports them: process_* (CPU,
+    resident memory, open files) and python_gc_* (the garbage collector's passes by generation)."""
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class DrafterMetrics:
         self.learned_restores = Counter(f"{prefix}learned_state_restores",
                                         "Where the drafter's learned state came from when it started: a peer "
                                         "replica, --learned-state-file, or none", ["source"], registry=r)
-        ProcessCollector(registry=r)
+        add_process_metrics(r)
 
     def track_held(self, count: Callable[[], int]) -> None:
         """Read the held-sequence count at scrape time."""

@@ -48,6 +48,8 @@ def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
             assert value(samples, "resyncs_total") == 1
             assert value(samples, "draft_tokens_total") == 3  # [3, 2], then [4]
             assert value(samples, "held_sequences") == 1
+            assert {("process_cpu_seconds_total", ()), ("python_gc_collections_total", (("generation", "2"),))} \
+                <= samples.keys()
 
             await c.stub.ReleaseRequests(pb.ReleaseRequestsRequest(verifier_id="v", request_ids=["a"]))
             await c.prepare("v", seq("c", 0, [1], draft_len=0))

@@ -115,6 +115,7 @@ def test_counters_follow_speculation_requests_and_scheduler_state():
                 assert value(before, "request_success_total", finished_reason=reason) == 0
             assert value(before, "drafter_up") == 1
             assert ("process_cpu_seconds_total", ()) in before
+            assert ("python_gc_collections_total", (("generation", "2"),)) in before
 
             # Hold the engine at the first decode forward of a streamed request, then send the
             # rest: 1 running (its prompt in the KV cache) and 5 waiting, frozen while we scrape.
