@@ -67,6 +67,18 @@ class DrafterProcess:
             time.sleep(0.05)
         return int(self.port_file.read_text())
 
+    def output_once_serving(self) -> str:
+        """Wait until it reports SERVING, stop it with SIGTERM, and return all it wrote."""
+        port = self.wait_port()
+
+        async def body() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await wait_serving(channel)
+
+        asyncio.run(body())
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.communicate(timeout=30)[0]
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -138,15 +150,7 @@ def test_the_start_up_heap_is_frozen_before_the_drafter_loads(tmp_path):
     builds and what the drafter learns stay with the collector (service/start_up_heap.py)."""
     drafter = DrafterProcess(tmp_path, "user_drafters.py:SlowEcho", log_flags=("--log-level", "INFO"))
     try:
-        port = drafter.wait_port()
-
-        async def body() -> None:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await wait_serving(channel)
-
-        asyncio.run(body())
-        drafter.proc.send_signal(signal.SIGTERM)
-        lines = drafter.proc.communicate(timeout=30)[0].splitlines()
+        lines = drafter.output_once_serving().splitlines()
         frozen = [i for i, line in enumerate(lines) if "start-up heap frozen: " in line]
         loaded = [i for i, line in enumerate(lines) if "SlowEcho loaded, SERVING" in line]
         assert len(frozen) == 1 and loaded and frozen[0] < loaded[0], lines
@@ -157,8 +161,7 @@ def test_the_start_up_heap_is_frozen_before_the_drafter_loads(tmp_path):
 def test_json_logs_are_one_object_a_line_tracebacks_included(tmp_path):
     """--log-format json, for a log pipeline: every line a process writes is a JSON object with the
     record's time, level, logger and message; a failure's traceback rides in its record."""
-    def records(drafter: DrafterProcess) -> list[dict]:
-        out = drafter.proc.communicate(timeout=30)[0]
+    def records(out: str) -> list[dict]:
         lines = out.splitlines()
         assert lines, "nothing logged"
         parsed = [json.loads(line) for line in lines]  # fails on any line that is not one object
@@ -170,21 +173,13 @@ def test_json_logs_are_one_object_a_line_tracebacks_included(tmp_path):
     json_flags = ("--log-level", "INFO", "--log-format", "json")
     serving = DrafterProcess(tmp_path, "user_drafters.py:SlowEcho", log_flags=json_flags)
     try:
-        port = serving.wait_port()
-
-        async def body() -> None:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await wait_serving(channel)
-
-        asyncio.run(body())
-        serving.proc.send_signal(signal.SIGTERM)
-        messages = [r["message"] for r in records(serving)]
+        messages = [r["message"] for r in records(serving.output_once_serving())]
         assert any("SERVING" in m for m in messages) and messages[-1] == "stopped", messages
     finally:
         serving.kill()
     failing = DrafterProcess(tmp_path, "user_drafters.py:Unloadable", log_flags=json_flags)
     try:
-        errors = [r for r in records(failing) if r["level"] == "ERROR"]
+        errors = [r for r in records(failing.proc.communicate(timeout=30)[0]) if r["level"] == "ERROR"]
         assert failing.proc.returncode == 1
         assert any("no weights" in r.get("exception", "") for r in errors), errors
     finally:
