@@ -155,6 +155,9 @@ def test_requests_preempted_for_a_higher_priority_resume_exactly_on_two_ranks(mo
                        if line.startswith("splitspec:num_preemptions_total "))
     assert preemptions >= 1, "the requests that came first found both slots taken"
     assert got == asyncio.run(unsharded())
+    # Each rank froze its start-up heap once its shard had loaded (drafter_sdk/service/start_up_heap.py).
+    log = verifier.current_log.read_text(errors="replace")
+    assert log.count("start-up heap frozen: ") == 2, log[-4000:]
 
 
 def _children(pid: int) -> list[int]:
