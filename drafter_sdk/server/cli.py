@@ -34,6 +34,7 @@ from drafter_sdk.service.security import (
     watch_named_tokens,
     watch_tokens,
 )
+from drafter_sdk.service.start_up_heap import imports_frozen
 
 # A lookup drafts 32 tokens as cheaply as 8; a verifier verifying k asks a drafter that looks ahead
 # for 2k + 1 (verifier_service/spec_decode/lookahead.py), so 32 covers every k up to 15.
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_stats_interval_s < 0:
         parser.error("--log-stats-interval-s must be 0 (never) or positive")
     try:
-        drafter = make_drafter(args)
+        with imports_frozen():  # the model drafter's torch and transformers, or a user's module
+            drafter = make_drafter(args)
         for flag, given in (("--learned-state-file", args.learned_state_file), ("--peers", args.peers)):
             if given and not drafter.learns_across_requests:
                 raise ValueError(f"{flag}: the {drafter.name} drafter keeps nothing across requests (it learns "

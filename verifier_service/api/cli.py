@@ -17,6 +17,7 @@ from drafter_sdk.service.logs import add_logging_flags, configure_logging
 from drafter_sdk.service.package_version import package_version
 from drafter_sdk.service.process_exit import skip_final_collection
 from drafter_sdk.service.security import add_server_flags, read_token, server_flags_problem, watch_tokens
+from drafter_sdk.service.start_up_heap import imports_frozen
 from verifier_service.api import vllm_flags
 from verifier_service.api.webhooks import watch_secret
 from verifier_service.model import generation_config, host_memory
@@ -269,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitspec-verifier: {exc}", file=sys.stderr)
         return 2
     # Only now torch and transformers (seconds): --help and a bad flag are answered without them.
-    from verifier_service.api.server import run, run_follower
-    from verifier_service.model import ranks
-    from verifier_service.model.loader import ChatTemplateError, ModelLoadError
+    with imports_frozen():
+        from verifier_service.api.server import run, run_follower
+        from verifier_service.model import ranks
+        from verifier_service.model.loader import ChatTemplateError, ModelLoadError
 
     try:
         rank = ranks.this_rank(settings.tensor_parallel_size)
