@@ -16,8 +16,9 @@ with every thread stopped, against 39 ms with the start-up heap frozen. `gc.free
 to the permanent generation, which collections skip: what serving allocates later is collected as before,
 and frozen objects are still freed by reference counting. vLLM and SGLang freeze their serving processes'
 start-up heap likewise. Only a process's own entry point freezes (`splitspec-verifier`,
-`splitspec-drafter` and the SDK's `serve()`), never a server started inside another program: an object
-frozen there and later dropped in a reference cycle would never be freed.
+`splitspec-drafter` and the SDK's `serve()`), never a server started inside another program
+(`start_server`): an object frozen there and later dropped in a reference cycle would never be freed. A
+command's `main()` called in-process, as tests do, freezes its caller's heap as it then is.
 """
 
 from __future__ import annotations
