@@ -46,6 +46,7 @@ def imports_frozen() -> Iterator[None]:
 
 
 def freeze_start_up_heap() -> None:
+    """At the end of start-up: its garbage freed, all that is alive frozen, and how much logged."""
     log.info("start-up heap frozen: %d objects left out of the garbage collector's full passes",
              _collect_and_freeze())
 

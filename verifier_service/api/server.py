@@ -227,7 +227,7 @@ async def run(settings: ServerSettings, port_file: str | None = None,
         start_up.append(loading)
         if await _until(loading, stop, failed):
             model, tokenizer = loading.result()
-            freeze_start_up_heap()  # the imports, the model, the tokenizer; before SERVING, the model thread idle
+            freeze_start_up_heap()  # what the load made (cli.main froze the imports); the model thread is idle
             attaching = asyncio.ensure_future(attach_model(running, model, tokenizer, source.name, leader,
                                                            model_thread, source.path))
             start_up.append(attaching)
