@@ -388,14 +388,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             code = grpc.StatusCode.OK
             return response
         except DrafterError as err:
-            code = err.code
-            await context.abort(err.code, err.details)
+            code, refused = err.code, err
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED  # the client gave up (deadline) or the server stops
             raise
         finally:
             if self.metrics is not None:
                 self.metrics.record_call(name, code, time.perf_counter() - start)
+        # Counted first: abort() hands the client its status at once, and a scrape right after must see it.
+        await context.abort(refused.code, refused.details)
 
     def _require_loaded(self) -> None:
         if not self.loaded:
