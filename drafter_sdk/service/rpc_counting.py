@@ -6,6 +6,10 @@ an abort set, OK where the method returned, CANCELLED where the call was cancell
 or its deadline passed) and UNKNOWN where the method raised, as gRPC answers then. Health and
 reflection calls are not counted. Calls refused by gRPC itself before any interceptor runs (over
 --max-concurrent-rpcs) are not seen here.
+
+A call is counted before its client can have its status. `abort()` sends the status before it raises, so
+the handler is given a context whose `abort()` counts first: counted after it, a refusal was missing from
+the counter that a client on the same event loop read at once, up to 16 times in 200.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -40,12 +44,13 @@ class RpcCounting(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                counted = _CountedAbort(context, method, count)
                 try:
-                    response = await inner(request, context)
+                    response = await inner(request, counted)
                 except BaseException as exc:
-                    count(method, _status(context, exc))
+                    counted.count_once(_status(context, exc))
                     raise
-                count(method, _status(context, None))
+                counted.count_once(_status(context, None))
                 return response
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
@@ -55,16 +60,40 @@ class RpcCounting(grpc.aio.ServerInterceptor):
             return handler
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            counted = _CountedAbort(context, method, count)
             try:
-                async for item in inner_stream(request, context):
+                async for item in inner_stream(request, counted):
                     yield item
             except BaseException as exc:
-                count(method, _status(context, exc))
+                counted.count_once(_status(context, exc))
                 raise
-            count(method, _status(context, None))
+            counted.count_once(_status(context, None))
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
+
+
+class _CountedAbort:
+    """The call's context as its handler sees it: `abort()` counts the call, then aborts; all else is the
+    context's own."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, method: str, count: Count) -> None:
+        self._context = context
+        self._method = method
+        self._count: Count | None = count  # None once counted
+
+    def count_once(self, code: str) -> None:
+        if self._count is not None:
+            self._count(self._method, code)
+            self._count = None
+
+    async def abort(self, code: grpc.StatusCode, *args: Any, **kwargs: Any) -> NoReturn:
+        self.count_once(code.name)
+        await self._context.abort(code, *args, **kwargs)
+        raise AssertionError("unreachable: abort raises")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _status(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:

@@ -75,6 +75,21 @@ def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
     asyncio.run(body())
 
 
+def test_a_refused_call_is_counted_by_the_time_its_client_has_its_status():
+    """abort() sends the status before it raises: counted after it, a refusal was missing from a scrape its
+    client made at once (2-14 times in 200 refusals on a loaded machine)."""
+    async def body():
+        async with serving(RecordingDrafter(), metrics_port=0) as c:
+            registry = c.running.servicer.metrics.registry
+            for refused in range(1, 301):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await c.prepare("", seq("a", 0, [5]))
+                assert registry.get_sample_value("splitspec_drafter_calls_total", {
+                    "method": "PrepareDraftTokens", "code": "INVALID_ARGUMENT"}) == refused
+
+    asyncio.run(body())
+
+
 def test_each_server_has_its_own_registry():
     async def body():
         async with serving(RecordingDrafter(), metrics_port=0) as one, \
