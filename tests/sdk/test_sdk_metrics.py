@@ -76,8 +76,8 @@ def test_counters_follow_calls_sequences_drafts_resyncs_errors_and_evictions():
 
 
 def test_a_refused_call_is_counted_by_the_time_its_client_has_its_status():
-    """abort() sends the status before it raises: counted after it, a refusal was missing from a scrape its
-    client made at once (2-14 times in 200 refusals on a loaded machine)."""
+    """abort() sends the status before it raises: counted after it, a refusal was missing from the counter its
+    client read at once (2-14 times in 200 refusals with the cores busy)."""
     async def body():
         async with serving(RecordingDrafter(), metrics_port=0) as c:
             registry = c.running.servicer.metrics.registry
